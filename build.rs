@@ -1,0 +1,29 @@
+//! Compiles the small C shim in `src/transport/shim.c`: it exports the MPI constants
+//! (such as `MPI_IN_PLACE`) that the `mpi` crate does not, using the same MPI the
+//! `mpi` crate links against.
+
+fn main() {
+    println!("cargo:rerun-if-changed=src/transport/shim.c");
+    let lib = match build_probe_mpi::probe() {
+        Ok(lib) => lib,
+        Err(errs) => {
+            for err in errs {
+                println!("cargo:warning=MPI probe: {err}");
+            }
+            panic!(
+                "kolo needs an MPI library: install OpenMPI (`apt-get install openmpi-bin libopenmpi-dev`) \
+                 or run the README's set-up command"
+            );
+        }
+    };
+    let mut build = cc::Build::new();
+    build.file("src/transport/shim.c");
+    if let Some(mpicc) = lib.mpicc {
+        build.compiler(mpicc);
+    } else {
+        for inc in &lib.include_paths {
+            build.include(inc);
+        }
+    }
+    build.compile("kolo_mpi_shim");
+}

@@ -1,0 +1,370 @@
+//! Runs a negotiated request on this rank: prepares buffers, calls the transport,
+//! applies scale factors and hands back the result.
+
+use half::slice::HalfFloatSliceExt;
+use half::{bf16, f16};
+
+use super::negotiate::Ready;
+use super::request::{OpKind, RequestMeta};
+use crate::error::{Error, Result};
+use crate::handle::Output;
+use crate::ops::{AlltoallOutput, ReduceOp};
+use crate::tensor::{with_storage, DType, Storage, Tensor};
+use crate::transport::{reducible, Transport};
+
+/// Runs `ready` with this rank's tensors (`None` on a joined rank, which contributes
+/// zeros of the agreed shape).
+pub(crate) fn run(
+    t: &mut dyn Transport,
+    ready: &Ready,
+    local: Option<Vec<Tensor>>,
+) -> Result<Output> {
+    let first = ready.first();
+    let mut inputs = match local {
+        Some(v) => v,
+        None => first
+            .tensors
+            .iter()
+            .map(|m| Tensor::zeros(m.dtype, &m.shape))
+            .collect(),
+    };
+    let size = t.topology().size;
+    let take = |inputs: &mut Vec<Tensor>| {
+        inputs
+            .pop()
+            .ok_or_else(|| Error::Internal(format!("{:?} has no tensor", ready.key)))
+    };
+    match ready.kind {
+        OpKind::Allreduce => {
+            let mut tensor = take(&mut inputs)?;
+            allreduce(t, &mut tensor, first, size)?;
+            Ok(Output::Tensor(tensor))
+        }
+        OpKind::GroupedAllreduce => Ok(Output::Tensors(grouped_allreduce(t, inputs, first, size)?)),
+        OpKind::Allgather => Ok(Output::Tensor(allgather(t, &take(&mut inputs)?, ready)?)),
+        OpKind::Broadcast => {
+            let mut tensor = take(&mut inputs)?;
+            let dtype = tensor.dtype();
+            if !tensor.is_empty() {
+                t.broadcast(tensor.as_bytes_mut(), first.root, dtype)?;
+            }
+            Ok(Output::Tensor(tensor))
+        }
+        OpKind::Alltoall => Ok(Output::Alltoall(alltoall(t, &take(&mut inputs)?, ready)?)),
+        OpKind::Reducescatter => Ok(Output::Tensor(reducescatter(
+            t,
+            take(&mut inputs)?,
+            first,
+            size,
+        )?)),
+        OpKind::Barrier => Ok(Output::Unit),
+        OpKind::Join => Err(Error::Internal("join reached the executor".into())),
+    }
+}
+
+/// The factor applied after the reduction: postscale, divided by `size` for Average
+/// (the full size, also when ranks have joined, as in Horovod).
+fn post_factor(meta: &RequestMeta, size: usize) -> f64 {
+    match meta.op {
+        ReduceOp::Average => meta.postscale / size as f64,
+        _ => meta.postscale,
+    }
+}
+
+fn allreduce(
+    t: &mut dyn Transport,
+    tensor: &mut Tensor,
+    meta: &RequestMeta,
+    size: usize,
+) -> Result<()> {
+    if tensor.is_empty() {
+        return Ok(());
+    }
+    let post = post_factor(meta, size);
+    if reducible(tensor.dtype()) {
+        scale(tensor.storage_mut(), meta.prescale);
+        let dtype = tensor.dtype();
+        t.allreduce(tensor.as_bytes_mut(), dtype, meta.op)?;
+        scale(tensor.storage_mut(), post);
+    } else {
+        // f16/bf16: reduce in f32 so that sums of many ranks keep their precision.
+        let mut wide = widen(tensor.storage(), meta.prescale);
+        t.allreduce(bytemuck::cast_slice_mut(&mut wide), DType::F32, meta.op)?;
+        narrow(&wide, tensor.storage_mut(), post);
+    }
+    Ok(())
+}
+
+/// Reduces a group's tensors of the same dtype together in one buffer.
+fn grouped_allreduce(
+    t: &mut dyn Transport,
+    inputs: Vec<Tensor>,
+    meta: &RequestMeta,
+    size: usize,
+) -> Result<Vec<Tensor>> {
+    let mut outputs: Vec<Option<Tensor>> = inputs.iter().map(|_| None).collect();
+    let mut by_dtype: Vec<(DType, Vec<usize>)> = Vec::new();
+    for (i, x) in inputs.iter().enumerate() {
+        match by_dtype.iter_mut().find(|(d, _)| *d == x.dtype()) {
+            Some((_, idx)) => idx.push(i),
+            None => by_dtype.push((x.dtype(), vec![i])),
+        }
+    }
+    let mut inputs: Vec<Option<Tensor>> = inputs.into_iter().map(Some).collect();
+    for (_, idx) in by_dtype {
+        let members: Vec<Tensor> = idx.iter().filter_map(|&i| inputs[i].take()).collect();
+        let shapes: Vec<Vec<usize>> = members.iter().map(|m| m.shape().to_vec()).collect();
+        let mut fused = concat(members)?;
+        allreduce(t, &mut fused, meta, size)?;
+        for (&i, part) in idx.iter().zip(split(fused, &shapes)?) {
+            outputs[i] = Some(part);
+        }
+    }
+    outputs
+        .into_iter()
+        .map(|o| o.ok_or_else(|| Error::Internal("grouped allreduce lost a member".into())))
+        .collect()
+}
+
+fn row_len(shape: &[usize]) -> usize {
+    shape.iter().skip(1).product()
+}
+
+fn allgather(t: &mut dyn Transport, tensor: &Tensor, ready: &Ready) -> Result<Tensor> {
+    let dims0: Vec<usize> = ready
+        .metas
+        .iter()
+        .map(|m| m.as_ref().map_or(0, |m| m.tensors[0].shape[0]))
+        .collect();
+    let row = row_len(tensor.shape());
+    let counts: Vec<usize> = dims0.iter().map(|d| d * row).collect();
+    let mut shape = tensor.shape().to_vec();
+    shape[0] = dims0.iter().sum();
+    let mut out = Tensor::zeros(tensor.dtype(), &shape);
+    if !out.is_empty() {
+        t.allgatherv(
+            tensor.as_bytes(),
+            out.as_bytes_mut(),
+            &counts,
+            tensor.dtype(),
+        )?;
+    }
+    Ok(out)
+}
+
+/// Rows rank `r` sends to each rank: its splits, or dim 0 divided equally.
+fn send_splits(meta: &RequestMeta, size: usize) -> Vec<usize> {
+    meta.splits
+        .clone()
+        .unwrap_or_else(|| vec![meta.tensors[0].shape[0] / size; size])
+}
+
+fn alltoall(t: &mut dyn Transport, tensor: &Tensor, ready: &Ready) -> Result<AlltoallOutput> {
+    let size = ready.metas.len();
+    let me = t.topology().rank;
+    let mine = ready.metas[me]
+        .as_ref()
+        .ok_or_else(|| Error::Internal("alltoall on a rank without a request".into()))?;
+    let row = row_len(tensor.shape());
+    let send_rows = send_splits(mine, size);
+    let mut recv_rows = Vec::with_capacity(size);
+    for m in &ready.metas {
+        let m = m
+            .as_ref()
+            .ok_or_else(|| Error::Internal("alltoall with a joined rank".into()))?;
+        recv_rows.push(send_splits(m, size)[me]);
+    }
+    let mut shape = tensor.shape().to_vec();
+    shape[0] = recv_rows.iter().sum();
+    let mut out = Tensor::zeros(tensor.dtype(), &shape);
+    let send_counts: Vec<usize> = send_rows.iter().map(|r| r * row).collect();
+    let recv_counts: Vec<usize> = recv_rows.iter().map(|r| r * row).collect();
+    t.alltoallv(
+        tensor.as_bytes(),
+        &send_counts,
+        out.as_bytes_mut(),
+        &recv_counts,
+        tensor.dtype(),
+    )?;
+    Ok(AlltoallOutput {
+        tensor: out,
+        received_splits: recv_rows,
+    })
+}
+
+/// Rows of dim 0 that rank `r` receives: the first `d0 % size` ranks get one extra.
+pub(crate) fn scatter_rows(d0: usize, size: usize, r: usize) -> usize {
+    d0 / size + usize::from(r < d0 % size)
+}
+
+fn reducescatter(
+    t: &mut dyn Transport,
+    mut tensor: Tensor,
+    meta: &RequestMeta,
+    size: usize,
+) -> Result<Tensor> {
+    let me = t.topology().rank;
+    let row = row_len(tensor.shape());
+    let d0 = tensor.shape()[0];
+    let counts: Vec<usize> = (0..size).map(|r| scatter_rows(d0, size, r) * row).collect();
+    let mut shape = tensor.shape().to_vec();
+    shape[0] = scatter_rows(d0, size, me);
+    let mut out = Tensor::zeros(tensor.dtype(), &shape);
+    let post = post_factor(meta, size);
+    if reducible(tensor.dtype()) {
+        scale(tensor.storage_mut(), meta.prescale);
+        let dtype = tensor.dtype();
+        t.reduce_scatter(
+            tensor.as_bytes(),
+            out.as_bytes_mut(),
+            &counts,
+            dtype,
+            meta.op,
+        )?;
+        scale(out.storage_mut(), post);
+    } else {
+        let wide = widen(tensor.storage(), meta.prescale);
+        let mut wide_out = vec![0f32; out.len()];
+        t.reduce_scatter(
+            bytemuck::cast_slice(&wide),
+            bytemuck::cast_slice_mut(&mut wide_out),
+            &counts,
+            DType::F32,
+            meta.op,
+        )?;
+        narrow(&wide_out, out.storage_mut(), post);
+    }
+    Ok(out)
+}
+
+/// Multiplies every element by `f`; integers are scaled in f64 and rounded (saturating).
+pub(crate) fn scale(s: &mut Storage, f: f64) {
+    if f == 1.0 {
+        return;
+    }
+    match s {
+        Storage::F32(v) => {
+            let f = f as f32;
+            v.iter_mut().for_each(|x| *x *= f);
+        }
+        Storage::F64(v) => v.iter_mut().for_each(|x| *x *= f),
+        Storage::F16(v) => v
+            .iter_mut()
+            .for_each(|x| *x = f16::from_f64(x.to_f64() * f)),
+        Storage::BF16(v) => v
+            .iter_mut()
+            .for_each(|x| *x = bf16::from_f64(x.to_f64() * f)),
+        Storage::U8(v) => v
+            .iter_mut()
+            .for_each(|x| *x = (f64::from(*x) * f).round() as u8),
+        Storage::I8(v) => v
+            .iter_mut()
+            .for_each(|x| *x = (f64::from(*x) * f).round() as i8),
+        Storage::I32(v) => v
+            .iter_mut()
+            .for_each(|x| *x = (f64::from(*x) * f).round() as i32),
+        Storage::I64(v) => v
+            .iter_mut()
+            .for_each(|x| *x = (*x as f64 * f).round() as i64),
+    }
+}
+
+/// f16/bf16 to f32, times `f`.
+fn widen(s: &Storage, f: f64) -> Vec<f32> {
+    let mut wide = match s {
+        Storage::F16(v) => v.to_f32_vec(),
+        Storage::BF16(v) => v.to_f32_vec(),
+        _ => Vec::new(),
+    };
+    if f != 1.0 {
+        let f = f as f32;
+        wide.iter_mut().for_each(|x| *x *= f);
+    }
+    wide
+}
+
+/// f32 times `f` back into f16/bf16 storage.
+fn narrow(wide: &[f32], s: &mut Storage, f: f64) {
+    let f = f as f32;
+    match s {
+        Storage::F16(v) => v
+            .iter_mut()
+            .zip(wide)
+            .for_each(|(x, w)| *x = f16::from_f32(w * f)),
+        Storage::BF16(v) => v
+            .iter_mut()
+            .zip(wide)
+            .for_each(|(x, w)| *x = bf16::from_f32(w * f)),
+        _ => {}
+    }
+}
+
+/// Flattens same-dtype tensors into one 1-d tensor.
+fn concat(members: Vec<Tensor>) -> Result<Tensor> {
+    let mut iter = members.into_iter();
+    let Some(first) = iter.next() else {
+        return Err(Error::Internal("empty group".into()));
+    };
+    let mut acc = first.into_storage();
+    for m in iter {
+        let dtype = m.dtype();
+        let next = m.into_storage();
+        macro_rules! push {
+            ($($v:ident),*) => {
+                match (&mut acc, next) {
+                    $((Storage::$v(a), Storage::$v(b)) => a.extend_from_slice(&b),)*
+                    _ => return Err(Error::Internal(format!("group member of dtype {dtype} fused with another dtype"))),
+                }
+            };
+        }
+        push!(U8, I8, I32, I64, F16, BF16, F32, F64);
+    }
+    let len = with_storage!(&acc, v => v.len());
+    Ok(Tensor::from_parts(acc, vec![len]))
+}
+
+/// Cuts a 1-d tensor back into tensors of `shapes`.
+fn split(fused: Tensor, shapes: &[Vec<usize>]) -> Result<Vec<Tensor>> {
+    let storage = fused.into_storage();
+    let mut out = Vec::with_capacity(shapes.len());
+    let mut at = 0;
+    for shape in shapes {
+        let n: usize = shape.iter().product();
+        let part = with_storage!(&storage, v => {
+            let piece = v.get(at..at + n).ok_or_else(|| Error::Internal("fused buffer too short".into()))?;
+            Tensor::from_vec(piece.to_vec(), shape)?
+        });
+        out.push(part);
+        at += n;
+    }
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn integer_scaling_rounds_in_f64() {
+        let mut s = Storage::I32(vec![3, -3, 10]);
+        scale(&mut s, 0.5);
+        assert!(matches!(s, Storage::I32(ref v) if v == &[2, -2, 5]));
+    }
+
+    #[test]
+    fn scatter_rows_give_extra_rows_to_first_ranks() {
+        let rows: Vec<usize> = (0..3).map(|r| scatter_rows(7, 3, r)).collect();
+        assert_eq!(rows, [3, 2, 2]);
+        assert_eq!(rows.iter().sum::<usize>(), 7);
+    }
+
+    #[test]
+    fn concat_and_split_round_trip() {
+        let a = Tensor::from_vec(vec![1.0f32, 2.0], &[2]).unwrap();
+        let b = Tensor::from_vec(vec![3.0f32, 4.0, 5.0, 6.0], &[2, 2]).unwrap();
+        let fused = concat(vec![a.clone(), b.clone()]).unwrap();
+        assert_eq!(fused.shape(), &[6]);
+        let parts = split(fused, &[vec![2], vec![2, 2]]).unwrap();
+        assert_eq!(parts, vec![a, b]);
+    }
+}

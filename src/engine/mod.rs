@@ -1,0 +1,304 @@
+//! The background engine: one thread per rank that owns the transport, negotiates
+//! which requests are ready on every rank and runs them in one global order.
+//!
+//! The protocol is written down in `README.md` beside this file.
+
+pub(crate) mod execute;
+pub(crate) mod negotiate;
+pub(crate) mod request;
+pub(crate) mod stall;
+
+use std::collections::HashMap;
+use std::sync::mpsc::{Receiver, RecvTimeoutError, SyncSender, TryRecvError};
+use std::time::{Duration, Instant};
+
+use crate::config::Config;
+use crate::error::{Error, Result};
+use crate::handle::Output;
+use crate::transport::mpi::MpiTransport;
+use crate::transport::{Topology, Transport};
+use negotiate::{Negotiator, Outcome, Response};
+use request::{Command, CycleMsg, Request, RequestMeta};
+use stall::StallInspector;
+
+/// How long an idle engine waits before a heartbeat cycle. Heartbeats let every rank
+/// see what the others are waiting for (so stalls name the missing ranks) and notice a
+/// rank that left, at a cost of a few microseconds ten times a second.
+const HEARTBEAT: Duration = Duration::from_millis(100);
+
+/// Entry point of the `kolo-engine` thread: starts MPI, reports the topology (or the
+/// start-up error) through `started`, serves requests until shutdown, then finalises
+/// MPI by dropping the transport.
+pub(crate) fn run(config: Config, rx: Receiver<Command>, started: SyncSender<Result<Topology>>) {
+    let transport = match MpiTransport::init() {
+        Ok(t) => t,
+        Err(e) => {
+            let _ = started.send(Err(e));
+            return;
+        }
+    };
+    let topology = transport.topology();
+    if started.send(Ok(topology)).is_err() {
+        return;
+    }
+    let mut engine = Engine {
+        negotiator: Negotiator::new(topology.size),
+        stall: StallInspector::new(&config, topology.rank),
+        inbox: Inbox {
+            rx,
+            pending: HashMap::new(),
+            outgoing: Vec::new(),
+            shutting_down: false,
+            rank: topology.rank,
+        },
+        transport,
+        config,
+        last_cycle_had_news: false,
+    };
+    engine.serve();
+    tracing::debug!(rank = topology.rank, "engine stopped; finalising MPI");
+}
+
+/// This rank's queue: requests accepted from framework threads and not yet finished.
+struct Inbox {
+    rx: Receiver<Command>,
+    /// Requests by negotiation key, waiting to be negotiated or run.
+    pending: HashMap<String, Request>,
+    /// Requests to announce in the next cycle.
+    outgoing: Vec<RequestMeta>,
+    shutting_down: bool,
+    rank: usize,
+}
+
+impl Inbox {
+    fn accept(&mut self, cmd: Command) {
+        match cmd {
+            Command::Submit(req) => {
+                if self.shutting_down {
+                    let err = stopped(&req.meta, self.rank, "this rank is shutting down");
+                    req.done.complete(Err(err));
+                    return;
+                }
+                self.outgoing.push(req.meta.clone());
+                self.pending.insert(req.meta.key.clone(), req);
+            }
+            Command::Shutdown => self.shutting_down = true,
+        }
+    }
+
+    /// Takes every command already queued, without blocking.
+    fn drain(&mut self) {
+        loop {
+            match self.rx.try_recv() {
+                Ok(cmd) => self.accept(cmd),
+                Err(TryRecvError::Empty) => return,
+                // Every Kolo handle is gone: shut down.
+                Err(TryRecvError::Disconnected) => {
+                    self.shutting_down = true;
+                    return;
+                }
+            }
+        }
+    }
+
+    /// Waits up to `timeout` for one command, then drains the rest.
+    fn wait_for_work(&mut self, timeout: Duration) {
+        match self.rx.recv_timeout(timeout) {
+            Ok(cmd) => {
+                self.accept(cmd);
+                self.drain();
+            }
+            Err(RecvTimeoutError::Timeout) => {}
+            Err(RecvTimeoutError::Disconnected) => self.shutting_down = true,
+        }
+    }
+
+    fn has_work(&self) -> bool {
+        !self.pending.is_empty() || !self.outgoing.is_empty()
+    }
+
+    fn fail_all(&mut self, error: impl Fn(&RequestMeta) -> Error) {
+        self.outgoing.clear();
+        for (_, req) in self.pending.drain() {
+            let err = error(&req.meta);
+            req.done.complete(Err(err));
+        }
+    }
+}
+
+fn stopped(meta: &RequestMeta, rank: usize, reason: &str) -> Error {
+    Error::EngineStopped {
+        op: meta.kind.name(),
+        name: meta.key.clone(),
+        rank,
+        reason: reason.into(),
+        tensors: Vec::new(),
+    }
+}
+
+struct Engine {
+    transport: MpiTransport,
+    config: Config,
+    negotiator: Negotiator,
+    stall: StallInspector,
+    inbox: Inbox,
+    last_cycle_had_news: bool,
+}
+
+impl Engine {
+    fn serve(&mut self) {
+        loop {
+            self.gather();
+            if self.inbox.shutting_down {
+                let rank = self.inbox.rank;
+                self.inbox
+                    .fail_all(|m| stopped(m, rank, "this rank shut down before the op completed"));
+            }
+            let leaving = self.inbox.shutting_down;
+            match self.cycle() {
+                Ok(Some(left)) => {
+                    if !leaving {
+                        self.serve_after_rank_left(left);
+                    }
+                    return;
+                }
+                Ok(None) if leaving => return,
+                Ok(None) => {}
+                Err(e) => {
+                    tracing::error!(rank = self.inbox.rank, error = %e, "engine failed");
+                    let msg = e.to_string();
+                    let rank = self.inbox.rank;
+                    self.inbox.fail_all(|m| stopped(m, rank, &msg));
+                    self.serve_stopped(&msg);
+                    return;
+                }
+            }
+        }
+    }
+
+    /// Collects local work for the next cycle: blocks while idle (up to a heartbeat),
+    /// and while only waiting for other ranks paces cycles by the cycle time.
+    fn gather(&mut self) {
+        self.inbox.drain();
+        if self.inbox.shutting_down || !self.inbox.outgoing.is_empty() {
+            return;
+        }
+        if !self.inbox.has_work() {
+            self.inbox.wait_for_work(HEARTBEAT);
+        } else if !self.last_cycle_had_news {
+            self.inbox.wait_for_work(self.config.cycle_time);
+        }
+    }
+
+    /// One negotiation cycle and the responses it makes ready. Returns the rank that
+    /// left, if one did.
+    fn cycle(&mut self) -> Result<Option<usize>> {
+        let msg = CycleMsg {
+            requests: std::mem::take(&mut self.inbox.outgoing),
+            shutdown: self.inbox.shutting_down,
+        };
+        let bytes = postcard::to_stdvec(&msg)
+            .map_err(|e| Error::Internal(format!("encoding a cycle message: {e}")))?;
+        let Engine {
+            transport,
+            inbox,
+            stall,
+            ..
+        } = self;
+        let all = transport.exchange(&bytes, &mut |waited| {
+            inbox.drain();
+            stall.check_while_waiting(waited, &inbox.pending);
+        })?;
+        let msgs = all
+            .iter()
+            .enumerate()
+            .map(|(r, b)| {
+                postcard::from_bytes::<CycleMsg>(b)
+                    .map_err(|e| Error::Internal(format!("decoding rank {r}'s cycle message: {e}")))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        self.last_cycle_had_news = msgs.iter().any(|m| !m.requests.is_empty());
+        let now = Instant::now();
+        match self.negotiator.handle(&msgs, now) {
+            Outcome::RankLeft(left) => {
+                self.inbox.fail_all(|m| Error::RankLeft {
+                    op: m.kind.name(),
+                    name: m.key.clone(),
+                    rank: left,
+                });
+                Ok(Some(left))
+            }
+            Outcome::Responses(responses) => {
+                for r in responses {
+                    self.respond(r);
+                }
+                self.stall.check(&self.negotiator, now);
+                Ok(None)
+            }
+        }
+    }
+
+    fn respond(&mut self, response: Response) {
+        match response {
+            Response::Run(ready) => {
+                let local = self.inbox.pending.remove(&ready.key);
+                let (tensors, done) = match local {
+                    Some(req) => (Some(req.tensors), Some(req.done)),
+                    None => (None, None),
+                };
+                let span = tracing::debug_span!("op", kind = ready.kind.name(), key = %ready.key);
+                let result = span.in_scope(|| execute::run(&mut self.transport, &ready, tensors));
+                if let Some(done) = done {
+                    done.complete(result);
+                } else if let Err(e) = result {
+                    tracing::warn!(key = %ready.key, error = %e, "op for a joined rank failed");
+                }
+            }
+            Response::Fail { key, error } => {
+                if let Some(req) = self.inbox.pending.remove(&key) {
+                    req.done.complete(Err(error));
+                }
+            }
+            Response::JoinDone { last } => {
+                if let Some(req) = self.inbox.pending.remove(request::JOIN_KEY) {
+                    req.done.complete(Ok(Output::Rank(last)));
+                }
+            }
+        }
+    }
+
+    /// After a rank left no collective can run again: fail every request at once,
+    /// naming that rank, until this rank shuts down too.
+    fn serve_after_rank_left(&mut self, left: usize) {
+        tracing::warn!(
+            rank = self.inbox.rank,
+            left,
+            "rank {left} has shut down; collectives on this rank will fail"
+        );
+        while let Ok(cmd) = self.inbox.rx.recv() {
+            match cmd {
+                Command::Submit(req) => {
+                    let err = Error::RankLeft {
+                        op: req.meta.kind.name(),
+                        name: req.meta.key.clone(),
+                        rank: left,
+                    };
+                    req.done.complete(Err(err));
+                }
+                Command::Shutdown => return,
+            }
+        }
+    }
+
+    fn serve_stopped(&mut self, reason: &str) {
+        while let Ok(cmd) = self.inbox.rx.recv() {
+            match cmd {
+                Command::Submit(req) => {
+                    let err = stopped(&req.meta, self.inbox.rank, reason);
+                    req.done.complete(Err(err));
+                }
+                Command::Shutdown => return,
+            }
+        }
+    }
+}

@@ -1,0 +1,560 @@
+//! Negotiation: which requests are ready on every rank, checked for agreement.
+//!
+//! Every rank runs an identical [`Negotiator`] and feeds it the same messages (the
+//! cycle's exchange gives every rank every rank's [`CycleMsg`], in rank order), so
+//! every rank reaches the same responses in the same order without a coordinator.
+//! It is a plain state machine: no threads, no MPI, unit-tested below.
+
+use std::collections::{BTreeMap, HashMap};
+use std::fmt::Debug;
+use std::time::{Duration, Instant};
+
+use super::request::{CycleMsg, OpKind, RequestMeta};
+use crate::error::Error;
+
+/// A request that every rank (or, for joined ranks, their stand-in zeros) is ready to run.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) struct Ready {
+    pub(crate) key: String,
+    pub(crate) kind: OpKind,
+    /// Each rank's request; `None` for a joined rank that did not submit it.
+    pub(crate) metas: Vec<Option<RequestMeta>>,
+}
+
+impl Ready {
+    /// The request of the lowest rank that submitted it (all agree after the checks).
+    pub(crate) fn first(&self) -> &RequestMeta {
+        // The constructor only builds a Ready with at least one submission.
+        self.metas
+            .iter()
+            .flatten()
+            .next()
+            .unwrap_or_else(|| unreachable!("Ready without requests"))
+    }
+}
+
+/// What the engine must do, in this order, on every rank.
+#[derive(Debug)]
+pub(crate) enum Response {
+    Run(Ready),
+    Fail { key: String, error: Error },
+    JoinDone { last: usize },
+}
+
+/// The result of one cycle.
+#[derive(Debug)]
+pub(crate) enum Outcome {
+    Responses(Vec<Response>),
+    /// A rank shut down: nothing more can run; every pending op fails naming it.
+    RankLeft(usize),
+}
+
+struct Entry {
+    metas: Vec<Option<RequestMeta>>,
+    since: Instant,
+}
+
+/// The table of requests seen from all ranks and not yet run.
+pub(crate) struct Negotiator {
+    size: usize,
+    /// Entries in order of first submission, which is the order they run in.
+    table: BTreeMap<u64, Entry>,
+    by_key: HashMap<String, u64>,
+    next_seq: u64,
+    joined: Vec<bool>,
+    last_joined: usize,
+}
+
+impl Negotiator {
+    pub(crate) fn new(size: usize) -> Self {
+        Negotiator {
+            size,
+            table: BTreeMap::new(),
+            by_key: HashMap::new(),
+            next_seq: 0,
+            joined: vec![false; size],
+            last_joined: 0,
+        }
+    }
+
+    /// Whether any request from any rank is waiting.
+    #[cfg(test)]
+    pub(crate) fn has_pending(&self) -> bool {
+        !self.table.is_empty() || self.joined.iter().any(|&j| j)
+    }
+
+    /// Takes one cycle's messages (index = rank) and returns what to run.
+    pub(crate) fn handle(&mut self, msgs: &[CycleMsg], now: Instant) -> Outcome {
+        if let Some(rank) = msgs.iter().position(|m| m.shutdown) {
+            self.table.clear();
+            self.by_key.clear();
+            return Outcome::RankLeft(rank);
+        }
+        let mut responses = Vec::new();
+        for (rank, msg) in msgs.iter().enumerate() {
+            for req in &msg.requests {
+                if req.kind == OpKind::Join {
+                    self.joined[rank] = true;
+                    self.last_joined = rank;
+                    continue;
+                }
+                let seq = *self.by_key.entry(req.key.clone()).or_insert_with(|| {
+                    let s = self.next_seq;
+                    self.next_seq += 1;
+                    s
+                });
+                let entry = self.table.entry(seq).or_insert_with(|| Entry {
+                    metas: vec![None; self.size],
+                    since: now,
+                });
+                if entry.metas[rank].is_some() {
+                    // Submit-time checks on each rank make this impossible.
+                    tracing::error!(key = %req.key, rank, "duplicate request reached negotiation");
+                    continue;
+                }
+                entry.metas[rank] = Some(req.clone());
+            }
+        }
+        let joined = self.joined.clone();
+        let ready: Vec<u64> = self
+            .table
+            .iter()
+            .filter(|(_, e)| e.metas.iter().zip(&joined).all(|(m, &j)| m.is_some() || j))
+            .map(|(&seq, _)| seq)
+            .collect();
+        let joined_ranks: Vec<usize> = (0..self.size).filter(|&r| joined[r]).collect();
+        for seq in ready {
+            let Some(entry) = self.table.remove(&seq) else {
+                continue;
+            };
+            let Some(first) = entry.metas.iter().flatten().next() else {
+                continue;
+            };
+            let key = first.key.clone();
+            self.by_key.remove(&key);
+            let kind = first.kind;
+            responses.push(match check(&key, &entry.metas, &joined_ranks) {
+                Ok(()) => Response::Run(Ready {
+                    key,
+                    kind,
+                    metas: entry.metas,
+                }),
+                Err(error) => Response::Fail { key, error },
+            });
+        }
+        if self.joined.iter().all(|&j| j) {
+            responses.push(Response::JoinDone {
+                last: self.last_joined,
+            });
+            self.joined = vec![false; self.size];
+        }
+        Outcome::Responses(responses)
+    }
+
+    /// Requests that some ranks submitted more than `after` ago and others have not,
+    /// with the missing ranks.
+    pub(crate) fn stalled(&self, now: Instant, after: Duration) -> Vec<(String, Vec<usize>)> {
+        self.table
+            .values()
+            .filter(|e| now.duration_since(e.since) >= after)
+            .filter_map(|e| {
+                let key = e.metas.iter().flatten().next()?.key.clone();
+                let missing = (0..self.size)
+                    .filter(|&r| e.metas[r].is_none() && !self.joined[r])
+                    .collect();
+                Some((key, missing))
+            })
+            .collect()
+    }
+}
+
+/// Lists who sent what when the ranks disagree on `what(meta)`, e.g.
+/// `rank 0 sent [17, 17], ranks 1, 2 sent [18, 18]`; `None` when all agree.
+fn differ<T: PartialEq>(
+    metas: &[Option<RequestMeta>],
+    what: impl Fn(&RequestMeta) -> T,
+    show: impl Fn(&T) -> String,
+) -> Option<String> {
+    let mut groups: Vec<(T, Vec<usize>)> = Vec::new();
+    for (rank, m) in metas.iter().enumerate() {
+        let Some(m) = m else { continue };
+        let v = what(m);
+        match groups.iter_mut().find(|(g, _)| *g == v) {
+            Some((_, ranks)) => ranks.push(rank),
+            None => groups.push((v, vec![rank])),
+        }
+    }
+    if groups.len() <= 1 {
+        return None;
+    }
+    let parts: Vec<String> = groups
+        .iter()
+        .map(|(v, ranks)| {
+            let list: Vec<String> = ranks.iter().map(|r| r.to_string()).collect();
+            let who = if ranks.len() == 1 { "rank" } else { "ranks" };
+            format!("{who} {} sent {}", list.join(", "), show(v))
+        })
+        .collect();
+    Some(parts.join(", "))
+}
+
+fn debug<T: Debug>(v: &T) -> String {
+    format!("{v:?}")
+}
+
+/// The cross-rank checks of DESIGN §3, in the order a user would want them reported.
+fn check(key: &str, metas: &[Option<RequestMeta>], joined: &[usize]) -> Result<(), Error> {
+    let first = metas
+        .iter()
+        .flatten()
+        .next()
+        .ok_or_else(|| Error::Internal(format!("{key:?}: no requests")))?;
+    let kind = first.kind;
+    let fail = |what: &str, message: String| Error::Mismatch {
+        op: kind.name(),
+        name: key.to_string(),
+        message: format!("{what} mismatch: {message}"),
+    };
+    if let Some(m) = differ(metas, |m| m.kind, |k| k.name().to_string()) {
+        return Err(fail("op", m));
+    }
+    if !joined.is_empty() && !kind.runs_with_joined_ranks() {
+        return Err(Error::Joined {
+            op: kind.name(),
+            name: key.to_string(),
+            ranks: joined.to_vec(),
+        });
+    }
+    if let Some(m) = differ(metas, |m| m.device, debug) {
+        return Err(fail("device", m));
+    }
+    if let Some(m) = differ(
+        metas,
+        |m| m.tensors.iter().map(|t| t.name.clone()).collect::<Vec<_>>(),
+        debug,
+    ) {
+        return Err(fail("group members", m));
+    }
+    for i in 0..first.tensors.len() {
+        if let Some(m) = differ(metas, |m| m.tensors[i].dtype, |d| d.to_string()) {
+            return Err(fail("dtype", m));
+        }
+        let shape = |m: &RequestMeta| m.tensors[i].shape.clone();
+        match kind {
+            OpKind::Allgather | OpKind::Alltoall => {
+                let tail = |m: &RequestMeta| {
+                    let s = &m.tensors[i].shape;
+                    (s.len(), s.get(1..).map(<[usize]>::to_vec))
+                };
+                if differ(metas, tail, |_| String::new()).is_some() {
+                    let m = differ(metas, shape, debug).unwrap_or_default();
+                    return Err(fail(
+                        "shape",
+                        format!("{m} (all dims but the first must match)"),
+                    ));
+                }
+            }
+            _ => {
+                if let Some(m) = differ(metas, shape, debug) {
+                    return Err(fail("shape", m));
+                }
+            }
+        }
+    }
+    if matches!(
+        kind,
+        OpKind::Allreduce | OpKind::GroupedAllreduce | OpKind::Reducescatter
+    ) {
+        if let Some(m) = differ(metas, |m| m.op, debug) {
+            return Err(fail("reduce op", m));
+        }
+        // Scale factors are finite (checked at submit), so float equality is exact here.
+        if let Some(m) = differ(metas, |m| m.prescale, |v| v.to_string()) {
+            return Err(fail("prescale", m));
+        }
+        if let Some(m) = differ(metas, |m| m.postscale, |v| v.to_string()) {
+            return Err(fail("postscale", m));
+        }
+    }
+    if kind == OpKind::Broadcast {
+        if let Some(m) = differ(metas, |m| m.root, |r| format!("root {r}")) {
+            return Err(fail("root", m));
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::engine::request::{Device, TensorMeta};
+    use crate::ops::ReduceOp;
+    use crate::tensor::DType;
+
+    fn req(key: &str, kind: OpKind, shape: &[usize]) -> RequestMeta {
+        RequestMeta {
+            key: key.into(),
+            kind,
+            tensors: vec![TensorMeta {
+                name: key.into(),
+                dtype: DType::F32,
+                shape: shape.to_vec(),
+            }],
+            op: ReduceOp::Sum,
+            prescale: 1.0,
+            postscale: 1.0,
+            root: 0,
+            splits: None,
+            device: Device::Cpu,
+        }
+    }
+
+    fn cycle(per_rank: Vec<Vec<RequestMeta>>) -> Vec<CycleMsg> {
+        per_rank
+            .into_iter()
+            .map(|requests| CycleMsg {
+                requests,
+                shutdown: false,
+            })
+            .collect()
+    }
+
+    fn responses(o: Outcome) -> Vec<Response> {
+        match o {
+            Outcome::Responses(r) => r,
+            Outcome::RankLeft(r) => panic!("rank {r} left"),
+        }
+    }
+
+    fn keys(rs: &[Response]) -> Vec<String> {
+        rs.iter()
+            .map(|r| match r {
+                Response::Run(ready) => ready.key.clone(),
+                Response::Fail { key, .. } => format!("fail:{key}"),
+                Response::JoinDone { last } => format!("join:{last}"),
+            })
+            .collect()
+    }
+
+    #[test]
+    fn ready_only_when_every_rank_submitted_in_first_submission_order() {
+        let now = Instant::now();
+        let mut n = Negotiator::new(2);
+        let a = req("a", OpKind::Allreduce, &[4]);
+        let b = req("b", OpKind::Allreduce, &[4]);
+        let r = responses(n.handle(
+            &cycle(vec![vec![a.clone(), b.clone()], vec![b.clone()]]),
+            now,
+        ));
+        assert_eq!(keys(&r), ["b"]);
+        assert!(n.has_pending());
+        let r = responses(n.handle(&cycle(vec![vec![], vec![a]]), now));
+        assert_eq!(keys(&r), ["a"]);
+        assert!(!n.has_pending());
+    }
+
+    #[test]
+    fn same_order_whatever_order_ranks_submit_in() {
+        let now = Instant::now();
+        let names = ["x", "y", "z"];
+        let reqs: Vec<_> = names
+            .iter()
+            .map(|k| req(k, OpKind::Allreduce, &[1]))
+            .collect();
+        let mut rev = reqs.clone();
+        rev.reverse();
+        let mut n = Negotiator::new(2);
+        let r = responses(n.handle(&cycle(vec![reqs, rev]), now));
+        assert_eq!(keys(&r), ["x", "y", "z"]);
+    }
+
+    #[test]
+    fn shape_mismatch_names_each_rank() {
+        let mut n = Negotiator::new(3);
+        let r = responses(n.handle(
+            &cycle(vec![
+                vec![req("g.w", OpKind::Allreduce, &[17, 17])],
+                vec![req("g.w", OpKind::Allreduce, &[18, 18])],
+                vec![req("g.w", OpKind::Allreduce, &[17, 17])],
+            ]),
+            Instant::now(),
+        ));
+        let Response::Fail { error, .. } = &r[0] else {
+            panic!("{r:?}")
+        };
+        assert_eq!(
+            error.to_string(),
+            "allreduce \"g.w\": shape mismatch: ranks 0, 2 sent [17, 17], rank 1 sent [18, 18]"
+        );
+    }
+
+    #[test]
+    fn allgather_allows_different_first_dims_only() {
+        let mut n = Negotiator::new(2);
+        let r = responses(n.handle(
+            &cycle(vec![
+                vec![req("g", OpKind::Allgather, &[1, 3])],
+                vec![req("g", OpKind::Allgather, &[2, 3])],
+            ]),
+            Instant::now(),
+        ));
+        assert!(matches!(r[0], Response::Run(_)));
+        let r = responses(n.handle(
+            &cycle(vec![
+                vec![req("h", OpKind::Allgather, &[1, 3])],
+                vec![req("h", OpKind::Allgather, &[1, 4])],
+            ]),
+            Instant::now(),
+        ));
+        let Response::Fail { error, .. } = &r[0] else {
+            panic!("{r:?}")
+        };
+        assert_eq!(
+            error.to_string(),
+            "allgather \"h\": shape mismatch: rank 0 sent [1, 3], rank 1 sent [1, 4] (all dims but the first must match)"
+        );
+    }
+
+    #[test]
+    fn kind_op_scale_and_root_mismatches() {
+        let now = Instant::now();
+        let mut n = Negotiator::new(2);
+        let mut b = req("t", OpKind::Allreduce, &[2]);
+        b.kind = OpKind::Allgather;
+        let r = responses(n.handle(
+            &cycle(vec![vec![req("t", OpKind::Allreduce, &[2])], vec![b]]),
+            now,
+        ));
+        let Response::Fail { error, .. } = &r[0] else {
+            panic!()
+        };
+        assert_eq!(
+            error.to_string(),
+            "allreduce \"t\": op mismatch: rank 0 sent allreduce, rank 1 sent allgather"
+        );
+
+        let mut b = req("t", OpKind::Allreduce, &[2]);
+        b.op = ReduceOp::Max;
+        let r = responses(n.handle(
+            &cycle(vec![vec![req("t", OpKind::Allreduce, &[2])], vec![b]]),
+            now,
+        ));
+        let Response::Fail { error, .. } = &r[0] else {
+            panic!()
+        };
+        assert!(
+            error
+                .to_string()
+                .contains("reduce op mismatch: rank 0 sent Sum, rank 1 sent Max"),
+            "{error}"
+        );
+
+        let mut b = req("t", OpKind::Allreduce, &[2]);
+        b.prescale = 0.5;
+        let r = responses(n.handle(
+            &cycle(vec![vec![req("t", OpKind::Allreduce, &[2])], vec![b]]),
+            now,
+        ));
+        let Response::Fail { error, .. } = &r[0] else {
+            panic!()
+        };
+        assert!(
+            error
+                .to_string()
+                .contains("prescale mismatch: rank 0 sent 1, rank 1 sent 0.5"),
+            "{error}"
+        );
+
+        let mut a = req("t", OpKind::Broadcast, &[2]);
+        let mut b = a.clone();
+        a.root = 0;
+        b.root = 1;
+        let r = responses(n.handle(&cycle(vec![vec![a], vec![b]]), now));
+        let Response::Fail { error, .. } = &r[0] else {
+            panic!()
+        };
+        assert_eq!(
+            error.to_string(),
+            "broadcast \"t\": root mismatch: rank 0 sent root 0, rank 1 sent root 1"
+        );
+
+        let mut b = req("t", OpKind::Allreduce, &[2]);
+        b.tensors[0].dtype = DType::I32;
+        let r = responses(n.handle(
+            &cycle(vec![vec![req("t", OpKind::Allreduce, &[2])], vec![b]]),
+            now,
+        ));
+        let Response::Fail { error, .. } = &r[0] else {
+            panic!()
+        };
+        assert!(
+            error
+                .to_string()
+                .contains("dtype mismatch: rank 0 sent f32, rank 1 sent i32"),
+            "{error}"
+        );
+    }
+
+    #[test]
+    fn joined_ranks_count_as_ready_and_join_reports_the_last() {
+        let now = Instant::now();
+        let mut n = Negotiator::new(3);
+        let join = req("join", OpKind::Join, &[]);
+        let r = responses(n.handle(&cycle(vec![vec![], vec![join.clone()], vec![]]), now));
+        assert!(r.is_empty());
+        let a = req("a", OpKind::Allreduce, &[3]);
+        let g = req("g", OpKind::Allgather, &[3]);
+        let r = responses(n.handle(
+            &cycle(vec![vec![a.clone(), g.clone()], vec![], vec![a, g]]),
+            now,
+        ));
+        assert_eq!(keys(&r), ["a", "fail:g"]);
+        let Response::Run(ready) = &r[0] else {
+            panic!()
+        };
+        assert!(ready.metas[1].is_none());
+        let Response::Fail { error, .. } = &r[1] else {
+            panic!()
+        };
+        assert!(matches!(error, Error::Joined { ranks, .. } if ranks == &[1]));
+        let r = responses(n.handle(&cycle(vec![vec![join.clone()], vec![], vec![join]]), now));
+        assert_eq!(keys(&r), ["join:2"]);
+        assert!(!n.has_pending());
+    }
+
+    #[test]
+    fn a_rank_leaving_ends_everything() {
+        let mut n = Negotiator::new(2);
+        let _ = n.handle(
+            &cycle(vec![vec![req("a", OpKind::Allreduce, &[1])], vec![]]),
+            Instant::now(),
+        );
+        let mut msgs = cycle(vec![vec![], vec![]]);
+        msgs[1].shutdown = true;
+        assert!(matches!(
+            n.handle(&msgs, Instant::now()),
+            Outcome::RankLeft(1)
+        ));
+        assert!(!n.has_pending());
+    }
+
+    #[test]
+    fn stalled_lists_missing_ranks() {
+        let t0 = Instant::now();
+        let mut n = Negotiator::new(3);
+        let _ = n.handle(
+            &cycle(vec![
+                vec![req("a", OpKind::Allreduce, &[1])],
+                vec![],
+                vec![],
+            ]),
+            t0,
+        );
+        assert!(n.stalled(t0, Duration::from_secs(1)).is_empty());
+        let later = t0 + Duration::from_secs(2);
+        assert_eq!(
+            n.stalled(later, Duration::from_secs(1)),
+            vec![("a".to_string(), vec![1, 2])]
+        );
+    }
+}

@@ -1,0 +1,158 @@
+//! What framework threads put on the engine's queue, and what ranks tell each other
+//! about it during negotiation.
+
+use serde::{Deserialize, Serialize};
+
+use crate::handle::Completer;
+use crate::ops::ReduceOp;
+use crate::tensor::{DType, Tensor};
+
+/// The negotiation key of [`OpKind::Join`] requests.
+pub(crate) const JOIN_KEY: &str = "join";
+
+/// The negotiation key of [`OpKind::Barrier`] requests.
+pub(crate) const BARRIER_KEY: &str = "barrier";
+
+/// The kind of a collective.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub(crate) enum OpKind {
+    Allreduce,
+    GroupedAllreduce,
+    Allgather,
+    Broadcast,
+    Alltoall,
+    Reducescatter,
+    Barrier,
+    Join,
+}
+
+impl OpKind {
+    pub(crate) fn name(self) -> &'static str {
+        match self {
+            OpKind::Allreduce => "allreduce",
+            OpKind::GroupedAllreduce => "grouped_allreduce",
+            OpKind::Allgather => "allgather",
+            OpKind::Broadcast => "broadcast",
+            OpKind::Alltoall => "alltoall",
+            OpKind::Reducescatter => "reducescatter",
+            OpKind::Barrier => "barrier",
+            OpKind::Join => "join",
+        }
+    }
+
+    /// Whether the op can run while some ranks have joined (they contribute zeros).
+    pub(crate) fn runs_with_joined_ranks(self) -> bool {
+        matches!(
+            self,
+            OpKind::Allreduce | OpKind::GroupedAllreduce | OpKind::Barrier
+        )
+    }
+}
+
+/// Where a tensor lives. Only CPU exists until the NCCL transport lands; the field is
+/// negotiated already so that a CPU/GPU mismatch is reported like any other.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub(crate) enum Device {
+    Cpu,
+}
+
+/// One tensor of a request, as the other ranks see it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub(crate) struct TensorMeta {
+    pub(crate) name: String,
+    pub(crate) dtype: DType,
+    pub(crate) shape: Vec<usize>,
+}
+
+/// A request as the other ranks see it: everything but the data.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub(crate) struct RequestMeta {
+    /// The negotiation key: the tensor name (a group's key lists its members).
+    pub(crate) key: String,
+    pub(crate) kind: OpKind,
+    pub(crate) tensors: Vec<TensorMeta>,
+    pub(crate) op: ReduceOp,
+    pub(crate) prescale: f64,
+    pub(crate) postscale: f64,
+    pub(crate) root: usize,
+    pub(crate) splits: Option<Vec<usize>>,
+    pub(crate) device: Device,
+}
+
+/// A request as the builders assemble it, before validation.
+#[derive(Debug)]
+pub(crate) struct Submission {
+    pub(crate) kind: OpKind,
+    pub(crate) key: String,
+    pub(crate) tensors: Vec<(String, Tensor)>,
+    pub(crate) op: ReduceOp,
+    pub(crate) prescale: f64,
+    pub(crate) postscale: f64,
+    pub(crate) root: usize,
+    pub(crate) splits: Option<Vec<usize>>,
+}
+
+impl Submission {
+    pub(crate) fn new(kind: OpKind, key: String, tensors: Vec<(String, Tensor)>) -> Self {
+        Submission {
+            kind,
+            key,
+            tensors,
+            op: ReduceOp::Average,
+            prescale: 1.0,
+            postscale: 1.0,
+            root: 0,
+            splits: None,
+        }
+    }
+
+    /// Splits into what is negotiated and the data that stays on this rank.
+    pub(crate) fn into_parts(self) -> (RequestMeta, Vec<Tensor>) {
+        let mut metas = Vec::with_capacity(self.tensors.len());
+        let mut data = Vec::with_capacity(self.tensors.len());
+        for (name, t) in self.tensors {
+            metas.push(TensorMeta {
+                name,
+                dtype: t.dtype(),
+                shape: t.shape().to_vec(),
+            });
+            data.push(t);
+        }
+        let meta = RequestMeta {
+            key: self.key,
+            kind: self.kind,
+            tensors: metas,
+            op: self.op,
+            prescale: self.prescale,
+            postscale: self.postscale,
+            root: self.root,
+            splits: self.splits,
+            device: Device::Cpu,
+        };
+        (meta, data)
+    }
+}
+
+/// A validated request on this rank's queue.
+#[derive(Debug)]
+pub(crate) struct Request {
+    pub(crate) meta: RequestMeta,
+    pub(crate) tensors: Vec<Tensor>,
+    pub(crate) done: Completer,
+}
+
+/// Messages from framework threads to the engine.
+#[derive(Debug)]
+pub(crate) enum Command {
+    Submit(Request),
+    Shutdown,
+}
+
+/// What a rank contributes to one negotiation cycle.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub(crate) struct CycleMsg {
+    /// Requests submitted on this rank since its last cycle.
+    pub(crate) requests: Vec<RequestMeta>,
+    /// This rank is leaving: its last cycle.
+    pub(crate) shutdown: bool,
+}

@@ -1,0 +1,162 @@
+//! The error type of every fallible kolo call.
+
+use crate::tensor::{DType, Tensor};
+
+/// Everything that can go wrong in kolo.
+///
+/// User errors (a bad argument, a mismatch between ranks, a rank that left) are kept
+/// apart from [`Error::Internal`], which means kolo itself has a bug.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// An environment variable or [`Config`](crate::Config) value is malformed.
+    #[error("invalid configuration: {variable}={value:?}: {reason}")]
+    Config {
+        /// The variable (e.g. `KOLO_CYCLE_TIME`) or Config method that was given a bad value.
+        variable: String,
+        /// The value as given.
+        value: String,
+        /// What is wrong with it and what is accepted.
+        reason: String,
+    },
+
+    /// MPI could not be started, or kolo was initialised twice in one process.
+    #[error("kolo init failed: {0}")]
+    Init(String),
+
+    /// A bad argument to a collective, detected on the submitting rank before anything
+    /// was sent (root out of range, bad splits, 0-d tensor, empty name, …).
+    #[error("{op} {name:?}: {message}")]
+    InvalidArgument {
+        /// The collective (`allreduce`, `allgather`, …).
+        op: &'static str,
+        /// The tensor name given to it.
+        name: String,
+        /// What is wrong.
+        message: String,
+    },
+
+    /// A second request with the same name was submitted on this rank while the first
+    /// one is still pending (as in Horovod, names must be unique among pending ops).
+    #[error("{op} {name:?}: a request with this name is already pending on rank {rank}; wait for it before submitting the name again")]
+    DuplicateName {
+        /// The collective.
+        op: &'static str,
+        /// The duplicated name.
+        name: String,
+        /// This rank.
+        rank: usize,
+    },
+
+    /// The ranks disagree about a request (dtype, shape, op, root, …). Delivered to the
+    /// handle on every rank; the engine keeps working for later ops.
+    #[error("{op} {name:?}: {message}")]
+    Mismatch {
+        /// The collective as submitted by the lowest rank.
+        op: &'static str,
+        /// The tensor name.
+        name: String,
+        /// What differs and which ranks sent what.
+        message: String,
+    },
+
+    /// The op cannot run because a rank has called [`join`](crate::Kolo::join) and only
+    /// allreduce can run while ranks are joined.
+    #[error("{op} {name:?}: cannot run while rank(s) {ranks:?} have joined; only allreduce works with joined ranks")]
+    Joined {
+        /// The collective.
+        op: &'static str,
+        /// The tensor name.
+        name: String,
+        /// The joined ranks.
+        ranks: Vec<usize>,
+    },
+
+    /// Another rank shut down (or its program ended) while this op needed it.
+    #[error("{op} {name:?}: rank {rank} has shut down, so this op can never complete")]
+    RankLeft {
+        /// The collective.
+        op: &'static str,
+        /// The tensor name.
+        name: String,
+        /// The rank that left first.
+        rank: usize,
+    },
+
+    /// The engine is not running (after `shutdown`, or it failed). For a submit, the
+    /// tensors are handed back in `tensors`.
+    #[error("{op} {name:?}: the kolo engine on rank {rank} is not running ({reason})")]
+    EngineStopped {
+        /// The collective.
+        op: &'static str,
+        /// The tensor name.
+        name: String,
+        /// This rank.
+        rank: usize,
+        /// Why it stopped.
+        reason: String,
+        /// The tensors that were not submitted, handed back to the caller.
+        tensors: Vec<Tensor>,
+    },
+
+    /// A tensor was read as the wrong element type.
+    #[error("tensor holds {actual:?} elements, not {expected:?}")]
+    DTypeMismatch {
+        /// The type asked for.
+        expected: DType,
+        /// The type the tensor holds.
+        actual: DType,
+    },
+
+    /// The number of elements does not match the shape.
+    #[error("shape {shape:?} needs {expected} elements but {actual} were given")]
+    ShapeMismatch {
+        /// The shape given.
+        shape: Vec<usize>,
+        /// The product of the shape.
+        expected: usize,
+        /// The data length.
+        actual: usize,
+    },
+
+    /// An object could not be (de)serialised for `broadcast_object` / `allgather_object`.
+    #[error("{op} {name:?}: object from rank {rank} could not be (de)serialised")]
+    Serialization {
+        /// The collective.
+        op: &'static str,
+        /// The object name.
+        name: String,
+        /// The rank whose bytes failed.
+        rank: usize,
+        /// The serialisation error.
+        #[source]
+        source: postcard::Error,
+    },
+
+    /// The MPI library reported an error.
+    #[error("MPI error in {call}: {message}")]
+    Transport {
+        /// The MPI call.
+        call: &'static str,
+        /// MPI's description.
+        message: String,
+    },
+
+    /// A bug in kolo: please report it with the message.
+    #[error("internal kolo error (please report this bug): {0}")]
+    Internal(String),
+}
+
+impl Error {
+    /// Takes back the tensors of a submit that failed because the engine had stopped,
+    /// so that nothing the caller handed over is lost. Empty for every other error.
+    pub fn into_tensors(self) -> Vec<Tensor> {
+        match self {
+            Error::EngineStopped { tensors, .. } => tensors,
+            _ => Vec::new(),
+        }
+    }
+}
+
+/// `Result` with kolo's [`Error`].
+pub type Result<T, E = Error> = std::result::Result<T, E>;

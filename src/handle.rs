@@ -1,0 +1,259 @@
+//! Handles: the caller's side of a submitted collective.
+
+use std::collections::HashSet;
+use std::fmt;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
+use std::task::{Context, Poll, Waker};
+
+use crate::error::{Error, Result};
+use crate::ops::AlltoallOutput;
+use crate::tensor::Tensor;
+
+/// What the engine hands back; each [`Handle`] converts it to its own output type.
+#[derive(Debug)]
+pub(crate) enum Output {
+    Tensor(Tensor),
+    Tensors(Vec<Tensor>),
+    Alltoall(AlltoallOutput),
+    Rank(usize),
+    Unit,
+}
+
+#[derive(Default)]
+struct State {
+    result: Option<Result<Output>>,
+    done: bool,
+    waker: Option<Waker>,
+}
+
+#[derive(Default)]
+struct Slot {
+    state: Mutex<State>,
+    ready: Condvar,
+}
+
+impl Slot {
+    fn lock(&self) -> MutexGuard<'_, State> {
+        // A poisoned lock only means a waiter panicked; the state itself is consistent.
+        self.state.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+}
+
+/// Names that are pending on this rank; a name is released right before its handle
+/// completes, so that a caller may reuse it as soon as `wait` returns.
+pub(crate) type PendingNames = Arc<Mutex<HashSet<String>>>;
+
+/// The engine's side of a handle. Completing it (or dropping it, which completes it
+/// with an "engine stopped" error) wakes the waiter.
+pub(crate) struct Completer {
+    slot: Arc<Slot>,
+    names: Vec<String>,
+    pending: PendingNames,
+    on_drop: Option<Error>,
+}
+
+impl fmt::Debug for Completer {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Completer")
+            .field("names", &self.names)
+            .finish()
+    }
+}
+
+impl Completer {
+    /// Completes the handle with `result`.
+    pub(crate) fn complete(mut self, result: Result<Output>) {
+        self.finish(result);
+    }
+
+    fn finish(&mut self, result: Result<Output>) {
+        {
+            let mut pending = self.pending.lock().unwrap_or_else(PoisonError::into_inner);
+            for n in &self.names {
+                pending.remove(n);
+            }
+        }
+        let mut state = self.slot.lock();
+        if state.done {
+            return;
+        }
+        state.result = Some(result);
+        state.done = true;
+        if let Some(w) = state.waker.take() {
+            w.wake();
+        }
+        drop(state);
+        self.slot.ready.notify_all();
+    }
+}
+
+impl Drop for Completer {
+    fn drop(&mut self) {
+        if let Some(err) = self.on_drop.take() {
+            self.finish(Err(err));
+        }
+    }
+}
+
+/// The pending result of a collective: poll it, block on it with [`Handle::wait`], or
+/// `.await` it (it implements [`Future`]).
+///
+/// Dropping a handle does not cancel the collective: the other ranks still need this
+/// rank's part, so it runs to completion and the result is discarded.
+pub struct Handle<T> {
+    slot: Arc<Slot>,
+    convert: fn(Output) -> Result<T>,
+}
+
+impl<T> fmt::Debug for Handle<T> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Handle")
+            .field("ready", &self.poll())
+            .finish()
+    }
+}
+
+impl<T> Handle<T> {
+    /// Whether the result is ready; never blocks.
+    pub fn poll(&self) -> bool {
+        self.slot.lock().done
+    }
+
+    /// Blocks until the collective has finished on this rank and returns its result.
+    ///
+    /// # Errors
+    /// Whatever the collective failed with: a cross-rank mismatch, a rank that left,
+    /// the engine stopping, …
+    pub fn wait(self) -> Result<T> {
+        let mut state = self.slot.lock();
+        while !state.done {
+            state = self
+                .slot
+                .ready
+                .wait(state)
+                .unwrap_or_else(PoisonError::into_inner);
+        }
+        let result = state.result.take();
+        drop(state);
+        self.take(result)
+    }
+
+    fn take(&self, result: Option<Result<Output>>) -> Result<T> {
+        match result {
+            Some(r) => r.and_then(self.convert),
+            None => Err(Error::Internal("handle result taken twice".into())),
+        }
+    }
+}
+
+impl<T> Future for Handle<T> {
+    type Output = Result<T>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Result<T>> {
+        let mut state = self.slot.lock();
+        if state.done {
+            let result = state.result.take();
+            drop(state);
+            Poll::Ready(self.take(result))
+        } else {
+            state.waker = Some(cx.waker().clone());
+            Poll::Pending
+        }
+    }
+}
+
+/// Makes a connected handle and completer. `on_drop` is the error the handle gets if
+/// the engine drops the completer without completing it.
+pub(crate) fn pair<T>(
+    names: Vec<String>,
+    pending: PendingNames,
+    on_drop: Error,
+    convert: fn(Output) -> Result<T>,
+) -> (Handle<T>, Completer) {
+    let slot = Arc::new(Slot::default());
+    (
+        Handle {
+            slot: slot.clone(),
+            convert,
+        },
+        Completer {
+            slot,
+            names,
+            pending,
+            on_drop: Some(on_drop),
+        },
+    )
+}
+
+fn mismatch(what: &str, got: &Output) -> Error {
+    Error::Internal(format!("engine returned {got:?} where {what} was expected"))
+}
+
+pub(crate) fn to_tensor(o: Output) -> Result<Tensor> {
+    match o {
+        Output::Tensor(t) => Ok(t),
+        other => Err(mismatch("a tensor", &other)),
+    }
+}
+
+pub(crate) fn to_tensors(o: Output) -> Result<Vec<Tensor>> {
+    match o {
+        Output::Tensors(t) => Ok(t),
+        other => Err(mismatch("tensors", &other)),
+    }
+}
+
+pub(crate) fn to_alltoall(o: Output) -> Result<AlltoallOutput> {
+    match o {
+        Output::Alltoall(a) => Ok(a),
+        other => Err(mismatch("an alltoall output", &other)),
+    }
+}
+
+pub(crate) fn to_rank(o: Output) -> Result<usize> {
+    match o {
+        Output::Rank(r) => Ok(r),
+        other => Err(mismatch("a rank", &other)),
+    }
+}
+
+pub(crate) fn to_unit(o: Output) -> Result<()> {
+    match o {
+        Output::Unit => Ok(()),
+        other => Err(mismatch("nothing", &other)),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn stopped() -> Error {
+        Error::Internal("dropped".into())
+    }
+
+    #[test]
+    fn completes_and_releases_names() {
+        let pending: PendingNames = Arc::default();
+        pending.lock().unwrap().insert("a".into());
+        let (h, c) = pair(vec!["a".into()], pending.clone(), stopped(), to_rank);
+        assert!(!h.poll());
+        let t = std::thread::spawn(move || c.complete(Ok(Output::Rank(3))));
+        assert_eq!(h.wait().unwrap(), 3);
+        t.join().unwrap();
+        assert!(pending.lock().unwrap().is_empty());
+    }
+
+    #[test]
+    fn dropped_completer_fails_the_handle() {
+        let (h, c) = pair(vec![], Arc::default(), stopped(), to_unit);
+        drop(c);
+        assert!(h.poll());
+        assert_eq!(
+            h.wait().unwrap_err().to_string(),
+            "internal kolo error (please report this bug): dropped"
+        );
+    }
+}

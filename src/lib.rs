@@ -1,0 +1,58 @@
+//! # kolo
+//!
+//! Horovod-style distributed training for Rust: launch one process per core share or
+//! GPU with `mpirun`, call [`init`], and reduce gradients across processes by name.
+//!
+//! - [`init`] / [`Config`] start MPI and a background engine thread per rank.
+//! - [`Kolo`] is the handle to it: rank information and every collective —
+//!   [`allreduce`](Kolo::allreduce), [`grouped_allreduce`](Kolo::grouped_allreduce),
+//!   [`allgather`](Kolo::allgather), [`broadcast`](Kolo::broadcast),
+//!   [`alltoall`](Kolo::alltoall), [`reducescatter`](Kolo::reducescatter),
+//!   [`barrier`](Kolo::barrier), [`join`](Kolo::join), and the serde-based
+//!   [`broadcast_object`](Kolo::broadcast_object) and
+//!   [`allgather_object`](Kolo::allgather_object).
+//! - [`Tensor`] is an owned, typed, shaped buffer ([`DType`]); [`Handle`] is the result
+//!   of an asynchronous collective (poll, wait, or `.await`).
+//! - Every error is an [`Error`] that names the tensor and, for cross-rank problems,
+//!   which rank sent what.
+//!
+//! Ranks may submit tensors in any order and from any thread: the engines agree on one
+//! order before anything runs, and check that every rank asked for the same thing.
+//!
+//! ```no_run
+//! fn main() -> Result<(), kolo::Error> {
+//!     let kolo = kolo::init()?;
+//!     let grad = kolo::Tensor::from_vec(vec![kolo.rank() as f32; 3], &[3])?;
+//!     let h = kolo.allreduce("grad.w", grad).op(kolo::ReduceOp::Sum).submit()?;
+//!     // ... more work while the reduction runs ...
+//!     let sum: Vec<f32> = h.wait()?.into_vec()?;
+//!     let n = kolo.size() as f32;
+//!     assert_eq!(sum, vec![n * (n - 1.0) / 2.0; 3]);
+//!     kolo.shutdown()
+//! }
+//! ```
+//!
+//! Run it with `mpirun -np 4 target/release/my-program`.
+
+mod config;
+mod engine;
+mod error;
+mod handle;
+mod logging;
+mod ops;
+mod runtime;
+mod tensor;
+mod transport;
+
+pub use config::{Config, DEFAULT_FUSION_THRESHOLD};
+pub use error::{Error, Result};
+pub use handle::Handle;
+pub use ops::{
+    AllgatherBuilder, AllreduceBuilder, AlltoallBuilder, AlltoallOutput, BroadcastBuilder,
+    GroupedAllreduceBuilder, ReduceOp, ReducescatterBuilder,
+};
+pub use runtime::{init, Kolo};
+pub use tensor::{DType, Element, Tensor};
+
+/// Re-exported so that users can build f16/bf16 tensors without naming `half` themselves.
+pub use half;

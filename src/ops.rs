@@ -1,0 +1,382 @@
+//! Collective request builders and their options.
+//!
+//! Each collective starts from a method on [`Kolo`] that returns a builder; options are
+//! set on the builder, then `.submit()` returns a [`Handle`] and `.wait()` submits and
+//! waits. Names are mandatory and must be the same on every rank for the same tensor
+//! (unlike Horovod, kolo never invents names: per-process counters diverge between
+//! ranks and cause stalls).
+
+use serde::{Deserialize, Serialize};
+
+use crate::engine::request::{OpKind, Submission};
+use crate::error::Result;
+use crate::handle::{self, Handle};
+use crate::runtime::Kolo;
+use crate::tensor::Tensor;
+
+/// How allreduce and reducescatter combine the ranks' tensors.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
+#[non_exhaustive]
+pub enum ReduceOp {
+    /// The sum divided by the number of ranks (the default, as in Horovod). Integer
+    /// results are computed in f64 and rounded.
+    #[default]
+    Average,
+    /// The elementwise sum.
+    Sum,
+    /// The elementwise minimum.
+    Min,
+    /// The elementwise maximum.
+    Max,
+    /// The elementwise product.
+    Product,
+}
+
+/// The result of an alltoall: the received rows and how many came from each rank.
+#[derive(Debug, Clone, PartialEq)]
+pub struct AlltoallOutput {
+    /// Rows received, concatenated in rank order on dim 0.
+    pub tensor: Tensor,
+    /// `received_splits[r]` rows came from rank `r`.
+    pub received_splits: Vec<usize>,
+}
+
+/// Builder for [`Kolo::allreduce`].
+#[derive(Debug)]
+#[must_use = "a collective does nothing until .submit() or .wait()"]
+pub struct AllreduceBuilder<'k> {
+    kolo: &'k Kolo,
+    name: String,
+    tensor: Tensor,
+    op: ReduceOp,
+    prescale: f64,
+    postscale: f64,
+}
+
+impl<'k> AllreduceBuilder<'k> {
+    pub(crate) fn new(kolo: &'k Kolo, name: String, tensor: Tensor) -> Self {
+        AllreduceBuilder {
+            kolo,
+            name,
+            tensor,
+            op: ReduceOp::Average,
+            prescale: 1.0,
+            postscale: 1.0,
+        }
+    }
+
+    /// The reduction (default [`ReduceOp::Average`]).
+    pub fn op(mut self, op: ReduceOp) -> Self {
+        self.op = op;
+        self
+    }
+
+    /// Multiplies each rank's input by `factor` before reducing.
+    pub fn prescale(mut self, factor: f64) -> Self {
+        self.prescale = factor;
+        self
+    }
+
+    /// Multiplies the result by `factor` (after the division of `Average`).
+    pub fn postscale(mut self, factor: f64) -> Self {
+        self.postscale = factor;
+        self
+    }
+
+    /// Submits the allreduce; the result has the input's shape and dtype.
+    ///
+    /// # Errors
+    /// Submit-time errors only: empty or duplicate name, engine not running.
+    pub fn submit(self) -> Result<Handle<Tensor>> {
+        let mut s = Submission::new(
+            OpKind::Allreduce,
+            self.name.clone(),
+            vec![(self.name, self.tensor)],
+        );
+        s.op = self.op;
+        s.prescale = self.prescale;
+        s.postscale = self.postscale;
+        self.kolo.submit(s, handle::to_tensor)
+    }
+
+    /// Submits and waits.
+    ///
+    /// # Errors
+    /// Submit-time errors, and cross-rank errors (mismatched dtype, shape, op or scale
+    /// factors; a rank that left) reported on every rank.
+    pub fn wait(self) -> Result<Tensor> {
+        self.submit()?.wait()
+    }
+}
+
+/// Builder for [`Kolo::grouped_allreduce`].
+#[derive(Debug)]
+#[must_use = "a collective does nothing until .submit() or .wait()"]
+pub struct GroupedAllreduceBuilder<'k> {
+    kolo: &'k Kolo,
+    tensors: Vec<(String, Tensor)>,
+    op: ReduceOp,
+    prescale: f64,
+    postscale: f64,
+}
+
+impl<'k> GroupedAllreduceBuilder<'k> {
+    pub(crate) fn new(kolo: &'k Kolo, tensors: Vec<(String, Tensor)>) -> Self {
+        GroupedAllreduceBuilder {
+            kolo,
+            tensors,
+            op: ReduceOp::Average,
+            prescale: 1.0,
+            postscale: 1.0,
+        }
+    }
+
+    /// The reduction (default [`ReduceOp::Average`]).
+    pub fn op(mut self, op: ReduceOp) -> Self {
+        self.op = op;
+        self
+    }
+
+    /// Multiplies each rank's inputs by `factor` before reducing.
+    pub fn prescale(mut self, factor: f64) -> Self {
+        self.prescale = factor;
+        self
+    }
+
+    /// Multiplies the results by `factor`.
+    pub fn postscale(mut self, factor: f64) -> Self {
+        self.postscale = factor;
+        self
+    }
+
+    /// Submits the group: it becomes ready only when every member is ready on every
+    /// rank, and its members are reduced together. Results come back in input order.
+    ///
+    /// # Errors
+    /// Submit-time errors: an empty group, an empty or duplicate name, engine not running.
+    pub fn submit(self) -> Result<Handle<Vec<Tensor>>> {
+        let key = group_key(&self.tensors);
+        let mut s = Submission::new(OpKind::GroupedAllreduce, key, self.tensors);
+        s.op = self.op;
+        s.prescale = self.prescale;
+        s.postscale = self.postscale;
+        self.kolo.submit(s, handle::to_tensors)
+    }
+
+    /// Submits and waits.
+    ///
+    /// # Errors
+    /// As [`AllreduceBuilder::wait`].
+    pub fn wait(self) -> Result<Vec<Tensor>> {
+        self.submit()?.wait()
+    }
+}
+
+/// The negotiation key of a group: its member names, so that two different groups
+/// never collide and the same group matches on every rank.
+fn group_key(tensors: &[(String, Tensor)]) -> String {
+    let names: Vec<&str> = tensors.iter().map(|(n, _)| n.as_str()).collect();
+    format!("group[{}]", names.join(", "))
+}
+
+/// Builder for [`Kolo::allgather`].
+#[derive(Debug)]
+#[must_use = "a collective does nothing until .submit() or .wait()"]
+pub struct AllgatherBuilder<'k> {
+    kolo: &'k Kolo,
+    name: String,
+    tensor: Tensor,
+}
+
+impl<'k> AllgatherBuilder<'k> {
+    pub(crate) fn new(kolo: &'k Kolo, name: String, tensor: Tensor) -> Self {
+        AllgatherBuilder { kolo, name, tensor }
+    }
+
+    /// Submits the allgather: the result is every rank's tensor concatenated on dim 0
+    /// in rank order; dim 0 may differ between ranks, the other dims may not.
+    ///
+    /// # Errors
+    /// Submit-time errors: a 0-d tensor, empty or duplicate name, engine not running.
+    pub fn submit(self) -> Result<Handle<Tensor>> {
+        let s = Submission::new(
+            OpKind::Allgather,
+            self.name.clone(),
+            vec![(self.name, self.tensor)],
+        );
+        self.kolo.submit(s, handle::to_tensor)
+    }
+
+    /// Submits and waits.
+    ///
+    /// # Errors
+    /// Submit-time errors, and cross-rank errors (dtype, rank or dims after the first).
+    pub fn wait(self) -> Result<Tensor> {
+        self.submit()?.wait()
+    }
+}
+
+/// Builder for [`Kolo::broadcast`].
+#[derive(Debug)]
+#[must_use = "a collective does nothing until .submit() or .wait()"]
+pub struct BroadcastBuilder<'k> {
+    kolo: &'k Kolo,
+    name: String,
+    tensor: Tensor,
+    root: usize,
+}
+
+impl<'k> BroadcastBuilder<'k> {
+    pub(crate) fn new(kolo: &'k Kolo, name: String, tensor: Tensor, root: usize) -> Self {
+        BroadcastBuilder {
+            kolo,
+            name,
+            tensor,
+            root,
+        }
+    }
+
+    /// Submits the broadcast: every rank gets the root's tensor. Non-root ranks pass a
+    /// tensor of the same shape and dtype, which is overwritten.
+    ///
+    /// # Errors
+    /// Submit-time errors: root out of range, empty or duplicate name, engine not running.
+    pub fn submit(self) -> Result<Handle<Tensor>> {
+        let mut s = Submission::new(
+            OpKind::Broadcast,
+            self.name.clone(),
+            vec![(self.name, self.tensor)],
+        );
+        s.root = self.root;
+        self.kolo.submit(s, handle::to_tensor)
+    }
+
+    /// Submits and waits.
+    ///
+    /// # Errors
+    /// Submit-time errors, and cross-rank errors (dtype, shape, root).
+    pub fn wait(self) -> Result<Tensor> {
+        self.submit()?.wait()
+    }
+}
+
+/// Builder for [`Kolo::alltoall`].
+#[derive(Debug)]
+#[must_use = "a collective does nothing until .submit() or .wait()"]
+pub struct AlltoallBuilder<'k> {
+    kolo: &'k Kolo,
+    name: String,
+    tensor: Tensor,
+    splits: Option<Vec<usize>>,
+}
+
+impl<'k> AlltoallBuilder<'k> {
+    pub(crate) fn new(kolo: &'k Kolo, name: String, tensor: Tensor) -> Self {
+        AlltoallBuilder {
+            kolo,
+            name,
+            tensor,
+            splits: None,
+        }
+    }
+
+    /// Rows of dim 0 to send to each rank, in rank order; must have one entry per rank
+    /// and sum to dim 0. Without splits, dim 0 is divided equally.
+    pub fn splits(mut self, splits: Vec<usize>) -> Self {
+        self.splits = Some(splits);
+        self
+    }
+
+    /// Submits the alltoall.
+    ///
+    /// # Errors
+    /// Submit-time errors: a 0-d tensor, splits of the wrong length or not summing to
+    /// dim 0, dim 0 not divisible by the number of ranks without splits, empty or
+    /// duplicate name, engine not running.
+    pub fn submit(self) -> Result<Handle<AlltoallOutput>> {
+        let mut s = Submission::new(
+            OpKind::Alltoall,
+            self.name.clone(),
+            vec![(self.name, self.tensor)],
+        );
+        s.splits = self.splits;
+        self.kolo.submit(s, handle::to_alltoall)
+    }
+
+    /// Submits and waits.
+    ///
+    /// # Errors
+    /// Submit-time errors, and cross-rank errors (dtype, rank or dims after the first).
+    pub fn wait(self) -> Result<AlltoallOutput> {
+        self.submit()?.wait()
+    }
+}
+
+/// Builder for [`Kolo::reducescatter`].
+#[derive(Debug)]
+#[must_use = "a collective does nothing until .submit() or .wait()"]
+pub struct ReducescatterBuilder<'k> {
+    kolo: &'k Kolo,
+    name: String,
+    tensor: Tensor,
+    op: ReduceOp,
+    prescale: f64,
+    postscale: f64,
+}
+
+impl<'k> ReducescatterBuilder<'k> {
+    pub(crate) fn new(kolo: &'k Kolo, name: String, tensor: Tensor) -> Self {
+        ReducescatterBuilder {
+            kolo,
+            name,
+            tensor,
+            op: ReduceOp::Average,
+            prescale: 1.0,
+            postscale: 1.0,
+        }
+    }
+
+    /// The reduction (default [`ReduceOp::Average`]).
+    pub fn op(mut self, op: ReduceOp) -> Self {
+        self.op = op;
+        self
+    }
+
+    /// Multiplies each rank's input by `factor` before reducing.
+    pub fn prescale(mut self, factor: f64) -> Self {
+        self.prescale = factor;
+        self
+    }
+
+    /// Multiplies the result by `factor`.
+    pub fn postscale(mut self, factor: f64) -> Self {
+        self.postscale = factor;
+        self
+    }
+
+    /// Submits the reducescatter: the reduced tensor is split on dim 0, rank `r` gets
+    /// block `r`; when dim 0 does not divide evenly the first `dim0 % size` ranks get
+    /// one extra row.
+    ///
+    /// # Errors
+    /// Submit-time errors: a 0-d tensor, empty or duplicate name, engine not running.
+    pub fn submit(self) -> Result<Handle<Tensor>> {
+        let mut s = Submission::new(
+            OpKind::Reducescatter,
+            self.name.clone(),
+            vec![(self.name, self.tensor)],
+        );
+        s.op = self.op;
+        s.prescale = self.prescale;
+        s.postscale = self.postscale;
+        self.kolo.submit(s, handle::to_tensor)
+    }
+
+    /// Submits and waits.
+    ///
+    /// # Errors
+    /// Submit-time errors, and cross-rank errors (dtype, shape, op, scale factors).
+    pub fn wait(self) -> Result<Tensor> {
+        self.submit()?.wait()
+    }
+}

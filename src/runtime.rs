@@ -1,0 +1,545 @@
+//! [`Kolo`]: the handle to this rank's engine, and start-up.
+
+use std::collections::HashSet;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc::{self, Sender};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::thread::JoinHandle;
+
+use serde::de::DeserializeOwned;
+use serde::Serialize;
+
+use crate::config::Config;
+use crate::engine::request::{self, Command, OpKind, Request, Submission};
+use crate::error::{Error, Result};
+use crate::handle::{self, Handle, Output, PendingNames};
+use crate::ops::{
+    AllgatherBuilder, AllreduceBuilder, AlltoallBuilder, BroadcastBuilder, GroupedAllreduceBuilder,
+    ReducescatterBuilder,
+};
+use crate::tensor::Tensor;
+use crate::transport::Topology;
+
+/// MPI can be initialised once per process; so can kolo.
+static STARTED: AtomicBool = AtomicBool::new(false);
+
+/// Initialises MPI and starts this rank's engine with the configuration from the
+/// environment (`KOLO_*`, or the `HOROVOD_*` aliases). Every rank must call it.
+///
+/// ```no_run
+/// let kolo = kolo::init()?;
+/// let t = kolo::Tensor::from_vec(vec![kolo.rank() as f32; 4], &[4])?;
+/// let sum = kolo.allreduce("x", t).op(kolo::ReduceOp::Sum).wait()?;
+/// # Ok::<(), kolo::Error>(())
+/// ```
+///
+/// # Errors
+/// [`Error::Config`] for a malformed variable, [`Error::Init`] when MPI cannot start
+/// or kolo was already initialised in this process.
+pub fn init() -> Result<Kolo> {
+    Config::from_env()?.init()
+}
+
+/// The handle to this rank's kolo engine: rank information and every collective.
+///
+/// `Kolo` is a cheap clone (`Send + Sync`). The engine keeps running while any clone
+/// is alive; handles of pending ops do not keep it alive.
+///
+/// # Shutdown
+/// [`Kolo::shutdown`] (or dropping the last clone) stops the engine and finalises MPI.
+/// Ops still pending on this rank fail; on other ranks, ops that needed this rank fail
+/// with [`Error::RankLeft`] naming it. Call it (or drop kolo) on every rank before
+/// the program ends, so that mpirun sees every rank finish cleanly.
+#[derive(Clone)]
+pub struct Kolo {
+    inner: Arc<Inner>,
+}
+
+impl std::fmt::Debug for Kolo {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Kolo")
+            .field("rank", &self.inner.topology.rank)
+            .field("size", &self.inner.topology.size)
+            .finish_non_exhaustive()
+    }
+}
+
+struct Inner {
+    topology: Topology,
+    tx: Mutex<Option<Sender<Command>>>,
+    engine: Mutex<Option<JoinHandle<()>>>,
+    pending: PendingNames,
+}
+
+impl Inner {
+    fn shutdown(&self) -> Result<()> {
+        // Dropping the sender after the Shutdown command also tells the engine to stop.
+        if let Some(tx) = self
+            .tx
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .take()
+        {
+            let _ = tx.send(Command::Shutdown);
+        }
+        let engine = self
+            .engine
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .take();
+        if let Some(engine) = engine {
+            if engine.join().is_err() {
+                return Err(Error::Internal("the kolo engine thread panicked".into()));
+            }
+        }
+        Ok(())
+    }
+}
+
+impl Drop for Inner {
+    fn drop(&mut self) {
+        // Never panic in drop (we may be unwinding already); report instead.
+        if let Err(e) = self.shutdown() {
+            tracing::error!(error = %e, "kolo shutdown failed");
+        }
+    }
+}
+
+/// Starts the engine thread; MPI is initialised on it, so that only that thread ever
+/// calls MPI. All-or-nothing: on any failure the thread is joined before returning.
+pub(crate) fn start(config: Config) -> Result<Kolo> {
+    crate::logging::install(&config);
+    if STARTED.swap(true, Ordering::SeqCst) {
+        return Err(Error::Init(
+            "kolo was already initialised in this process; MPI can start only once per process \
+             (clone the Kolo handle instead of calling init again)"
+                .into(),
+        ));
+    }
+    let (tx, rx) = mpsc::channel();
+    let (started_tx, started_rx) = mpsc::sync_channel(1);
+    let engine = std::thread::Builder::new()
+        .name("kolo-engine".into())
+        .spawn(move || crate::engine::run(config, rx, started_tx))
+        .map_err(|e| Error::Init(format!("cannot start the engine thread: {e}")))?;
+    let topology = match started_rx.recv() {
+        Ok(Ok(t)) => t,
+        Ok(Err(e)) => {
+            let _ = engine.join();
+            return Err(e);
+        }
+        Err(_) => {
+            let _ = engine.join();
+            return Err(Error::Init(
+                "the engine thread died while starting MPI".into(),
+            ));
+        }
+    };
+    tracing::debug!(rank = topology.rank, size = topology.size, "kolo started");
+    Ok(Kolo {
+        inner: Arc::new(Inner {
+            topology,
+            tx: Mutex::new(Some(tx)),
+            engine: Mutex::new(Some(engine)),
+            pending: Arc::new(Mutex::new(HashSet::new())),
+        }),
+    })
+}
+
+impl Kolo {
+    /// This process's rank in the job, `0..size()`.
+    pub fn rank(&self) -> usize {
+        self.inner.topology.rank
+    }
+
+    /// The number of ranks in the job.
+    pub fn size(&self) -> usize {
+        self.inner.topology.size
+    }
+
+    /// This process's rank among the ranks on its machine.
+    pub fn local_rank(&self) -> usize {
+        self.inner.topology.local_rank
+    }
+
+    /// The number of ranks on this machine.
+    pub fn local_size(&self) -> usize {
+        self.inner.topology.local_size
+    }
+
+    /// This machine's index among the machines (ranks with the same local rank).
+    pub fn cross_rank(&self) -> usize {
+        self.inner.topology.cross_rank
+    }
+
+    /// The number of machines that have a rank with this local rank.
+    pub fn cross_size(&self) -> usize {
+        self.inner.topology.cross_size
+    }
+
+    /// Reduces `tensor` over all ranks (default [`ReduceOp::Average`]). Every rank must
+    /// submit a tensor of the same name, dtype and shape.
+    pub fn allreduce(&self, name: impl Into<String>, tensor: Tensor) -> AllreduceBuilder<'_> {
+        AllreduceBuilder::new(self, name.into(), tensor)
+    }
+
+    /// Reduces several named tensors as one unit: negotiated together and reduced in
+    /// one buffer per dtype. Results come back in input order.
+    pub fn grouped_allreduce(&self, tensors: Vec<(String, Tensor)>) -> GroupedAllreduceBuilder<'_> {
+        GroupedAllreduceBuilder::new(self, tensors)
+    }
+
+    /// Concatenates every rank's tensor on dim 0, in rank order.
+    pub fn allgather(&self, name: impl Into<String>, tensor: Tensor) -> AllgatherBuilder<'_> {
+        AllgatherBuilder::new(self, name.into(), tensor)
+    }
+
+    /// Sends `root`'s tensor to every rank.
+    pub fn broadcast(
+        &self,
+        name: impl Into<String>,
+        tensor: Tensor,
+        root: usize,
+    ) -> BroadcastBuilder<'_> {
+        BroadcastBuilder::new(self, name.into(), tensor, root)
+    }
+
+    /// Scatters rows of dim 0 to every rank and gathers what they send here.
+    pub fn alltoall(&self, name: impl Into<String>, tensor: Tensor) -> AlltoallBuilder<'_> {
+        AlltoallBuilder::new(self, name.into(), tensor)
+    }
+
+    /// Reduces over all ranks and leaves block `rank` of dim 0 on each rank.
+    pub fn reducescatter(
+        &self,
+        name: impl Into<String>,
+        tensor: Tensor,
+    ) -> ReducescatterBuilder<'_> {
+        ReducescatterBuilder::new(self, name.into(), tensor)
+    }
+
+    /// Blocks until every rank has reached the barrier. Ops submitted before it may
+    /// still be running.
+    ///
+    /// # Errors
+    /// The engine is not running, or a rank left.
+    pub fn barrier(&self) -> Result<()> {
+        let s = Submission::new(OpKind::Barrier, request::BARRIER_KEY.into(), Vec::new());
+        self.submit(s, handle::to_unit)?.wait()
+    }
+
+    /// Declares that this rank has no more data this epoch (uneven data across ranks).
+    /// Until every rank has joined, this rank takes part in the other ranks'
+    /// allreduces with zeros (Average still divides by the full size); other
+    /// collectives fail while a rank is joined. Returns the last rank to join, the
+    /// same on every rank.
+    ///
+    /// # Errors
+    /// The engine is not running, or a rank left.
+    pub fn join(&self) -> Result<usize> {
+        let s = Submission::new(OpKind::Join, request::JOIN_KEY.into(), Vec::new());
+        self.submit(s, handle::to_rank)?.wait()
+    }
+
+    /// Sends `root`'s `object` to every rank (serialised with `postcard`); the value
+    /// passed on other ranks is ignored.
+    ///
+    /// # Errors
+    /// Root out of range, serialisation failing on the root (reported on every rank),
+    /// or the errors of [`Kolo::broadcast`].
+    pub fn broadcast_object<T: Serialize + DeserializeOwned>(
+        &self,
+        name: impl Into<String>,
+        object: T,
+        root: usize,
+    ) -> Result<T> {
+        let name = name.into();
+        const OP: &str = "broadcast_object";
+        if root >= self.size() {
+            return Err(self.bad_root(OP, &name, root));
+        }
+        let mut failure = None;
+        let bytes = if self.rank() == root {
+            postcard::to_stdvec(&object).unwrap_or_else(|e| {
+                failure = Some(e);
+                Vec::new()
+            })
+        } else {
+            Vec::new()
+        };
+        // The length goes first so that every rank can size its buffer; -1 tells the
+        // others that the root could not serialise, so nobody waits for bytes.
+        let len = if failure.is_some() {
+            -1
+        } else {
+            bytes.len() as i64
+        };
+        let len_t = Tensor::from_vec(vec![len], &[1])?;
+        let len = self
+            .broadcast(format!("{name}.len"), len_t, root)
+            .wait()?
+            .into_vec::<i64>()?[0];
+        if let Some(source) = failure {
+            return Err(Error::Serialization {
+                op: OP,
+                name,
+                rank: root,
+                source,
+            });
+        }
+        let Ok(len) = usize::try_from(len) else {
+            return Err(Error::Serialization {
+                op: OP,
+                name,
+                rank: root,
+                source: postcard::Error::SerializeBufferFull,
+            });
+        };
+        let data = if self.rank() == root {
+            bytes
+        } else {
+            vec![0u8; len]
+        };
+        let data = Tensor::from_vec(data, &[len])?;
+        let data = self
+            .broadcast(format!("{name}.data"), data, root)
+            .wait()?
+            .into_vec::<u8>()?;
+        postcard::from_bytes(&data).map_err(|source| Error::Serialization {
+            op: OP,
+            name,
+            rank: root,
+            source,
+        })
+    }
+
+    /// Gathers every rank's `object` (serialised with `postcard`), in rank order.
+    ///
+    /// # Errors
+    /// An object that fails to (de)serialise, naming its rank (reported on every rank),
+    /// or the errors of [`Kolo::allgather`].
+    pub fn allgather_object<T: Serialize + DeserializeOwned>(
+        &self,
+        name: impl Into<String>,
+        object: T,
+    ) -> Result<Vec<T>> {
+        const OP: &str = "allgather_object";
+        let name = name.into();
+        // Each rank's bytes are prefixed with the length and a status byte, so that a
+        // rank whose object cannot be serialised still takes part and is named.
+        let mut failure = None;
+        let payload = match postcard::to_stdvec(&object) {
+            Ok(b) => b,
+            Err(e) => {
+                failure = Some(e);
+                Vec::new()
+            }
+        };
+        let mut framed = Vec::with_capacity(payload.len() + 9);
+        framed.push(u8::from(failure.is_none()));
+        framed.extend_from_slice(&(payload.len() as u64).to_le_bytes());
+        framed.extend_from_slice(&payload);
+        let n = framed.len();
+        let all = self
+            .allgather(name.clone(), Tensor::from_vec(framed, &[n])?)
+            .wait()?
+            .into_vec::<u8>()?;
+        let mut out = Vec::with_capacity(self.size());
+        let mut at = 0;
+        for rank in 0..self.size() {
+            let header = all.get(at..at + 9).ok_or_else(|| {
+                Error::Internal(format!("{OP} {name:?}: short frame from rank {rank}"))
+            })?;
+            let ok = header[0] == 1;
+            let mut len_bytes = [0u8; 8];
+            len_bytes.copy_from_slice(&header[1..9]);
+            let len = u64::from_le_bytes(len_bytes) as usize;
+            let body = all.get(at + 9..at + 9 + len).ok_or_else(|| {
+                Error::Internal(format!("{OP} {name:?}: short frame from rank {rank}"))
+            })?;
+            at += 9 + len;
+            if !ok {
+                let source = if rank == self.rank() {
+                    failure
+                        .take()
+                        .unwrap_or(postcard::Error::SerializeBufferFull)
+                } else {
+                    postcard::Error::SerializeBufferFull
+                };
+                return Err(Error::Serialization {
+                    op: OP,
+                    name,
+                    rank,
+                    source,
+                });
+            }
+            out.push(
+                postcard::from_bytes(body).map_err(|source| Error::Serialization {
+                    op: OP,
+                    name: name.clone(),
+                    rank,
+                    source,
+                })?,
+            );
+        }
+        Ok(out)
+    }
+
+    /// Stops the engine and finalises MPI; idempotent. See the type's `# Shutdown`.
+    ///
+    /// # Errors
+    /// [`Error::Internal`] if the engine thread had panicked.
+    pub fn shutdown(&self) -> Result<()> {
+        self.inner.shutdown()
+    }
+
+    fn bad_root(&self, op: &'static str, name: &str, root: usize) -> Error {
+        Error::InvalidArgument {
+            op,
+            name: name.into(),
+            message: format!(
+                "root {root} is out of range: there are {} ranks (0..{})",
+                self.size(),
+                self.size()
+            ),
+        }
+    }
+
+    /// Submit-time checks (DESIGN §3): immediate errors on this rank only.
+    fn validate(&self, s: &Submission) -> Result<()> {
+        let op = s.kind.name();
+        let invalid = |message: String| Error::InvalidArgument {
+            op,
+            name: s.key.clone(),
+            message,
+        };
+        if s.key.is_empty() || s.tensors.iter().any(|(n, _)| n.is_empty()) {
+            return Err(invalid(
+                "tensor names must not be empty (every rank must use the same name)".into(),
+            ));
+        }
+        if s.kind == OpKind::GroupedAllreduce {
+            if s.tensors.is_empty() {
+                return Err(invalid("a group needs at least one tensor".into()));
+            }
+            let mut seen = HashSet::new();
+            if let Some((n, _)) = s.tensors.iter().find(|(n, _)| !seen.insert(n)) {
+                return Err(invalid(format!(
+                    "the name {n:?} appears twice in the group"
+                )));
+            }
+        }
+        for (label, v) in [("prescale", s.prescale), ("postscale", s.postscale)] {
+            if !v.is_finite() {
+                return Err(invalid(format!(
+                    "{label} factor {v} is not a finite number"
+                )));
+            }
+        }
+        if s.kind == OpKind::Broadcast && s.root >= self.size() {
+            return Err(self.bad_root(op, &s.key, s.root));
+        }
+        if matches!(
+            s.kind,
+            OpKind::Allgather | OpKind::Alltoall | OpKind::Reducescatter
+        ) {
+            if let Some((_, t)) = s.tensors.first() {
+                if t.shape().is_empty() {
+                    return Err(invalid(format!("{op} needs a tensor with at least one dimension; got a 0-d (scalar) tensor")));
+                }
+            }
+        }
+        if s.kind == OpKind::Alltoall {
+            if let Some((_, t)) = s.tensors.first() {
+                let d0 = t.shape()[0];
+                match &s.splits {
+                    Some(splits) if splits.len() != self.size() => {
+                        return Err(invalid(format!(
+                            "splits has {} entries but there are {} ranks",
+                            splits.len(),
+                            self.size()
+                        )));
+                    }
+                    Some(splits) if splits.iter().sum::<usize>() != d0 => {
+                        return Err(invalid(format!(
+                            "splits {splits:?} sum to {} but dim 0 of the tensor is {d0}",
+                            splits.iter().sum::<usize>()
+                        )));
+                    }
+                    None if d0 % self.size() != 0 => {
+                        return Err(invalid(format!(
+                            "dim 0 ({d0}) is not divisible by the number of ranks ({}); pass splits",
+                            self.size()
+                        )));
+                    }
+                    _ => {}
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Validates and queues a request; the handle converts the engine's output.
+    pub(crate) fn submit<T>(
+        &self,
+        s: Submission,
+        convert: fn(Output) -> Result<T>,
+    ) -> Result<Handle<T>> {
+        self.validate(&s)?;
+        let rank = self.rank();
+        let op = s.kind.name();
+        let key = s.key.clone();
+        let mut names: Vec<String> = s.tensors.iter().map(|(n, _)| n.clone()).collect();
+        if !names.contains(&key) {
+            names.push(key.clone());
+        }
+        {
+            let mut pending = self
+                .inner
+                .pending
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner);
+            if let Some(dup) = names.iter().find(|n| pending.contains(*n)) {
+                return Err(Error::DuplicateName {
+                    op,
+                    name: dup.clone(),
+                    rank,
+                });
+            }
+            pending.extend(names.iter().cloned());
+        }
+        let on_drop = Error::EngineStopped {
+            op,
+            name: key.clone(),
+            rank,
+            reason: "the engine stopped before this op completed".into(),
+            tensors: Vec::new(),
+        };
+        let (meta, tensors) = s.into_parts();
+        let (handle, done) = handle::pair(names, self.inner.pending.clone(), on_drop, convert);
+        let request = Request {
+            meta,
+            tensors,
+            done,
+        };
+        let tx = self.inner.tx.lock().unwrap_or_else(PoisonError::into_inner);
+        let sent = match tx.as_ref() {
+            Some(tx) => tx.send(Command::Submit(request)).map_err(|e| e.0),
+            None => Err(Command::Submit(request)),
+        };
+        drop(tx);
+        if let Err(Command::Submit(request)) = sent {
+            let Request { tensors, done, .. } = request;
+            // Completing releases the names; the caller gets the tensors back.
+            done.complete(Ok(Output::Unit));
+            return Err(Error::EngineStopped {
+                op,
+                name: key,
+                rank,
+                reason: "kolo has been shut down on this rank".into(),
+                tensors,
+            });
+        }
+        Ok(handle)
+    }
+}

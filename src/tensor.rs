@@ -1,0 +1,369 @@
+//! Owned, typed, shaped buffers: what collectives take and give back.
+
+use std::fmt;
+
+use half::{bf16, f16};
+use serde::{Deserialize, Serialize};
+
+use crate::error::{Error, Result};
+
+/// The element type of a [`Tensor`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[non_exhaustive]
+pub enum DType {
+    /// `u8`
+    U8,
+    /// `i8`
+    I8,
+    /// `i32`
+    I32,
+    /// `i64`
+    I64,
+    /// IEEE half precision ([`half::f16`]).
+    F16,
+    /// bfloat16 ([`half::bf16`]).
+    BF16,
+    /// `f32`
+    F32,
+    /// `f64`
+    F64,
+}
+
+impl DType {
+    /// Bytes per element.
+    pub fn size_of(self) -> usize {
+        match self {
+            DType::U8 | DType::I8 => 1,
+            DType::F16 | DType::BF16 => 2,
+            DType::I32 | DType::F32 => 4,
+            DType::I64 | DType::F64 => 8,
+        }
+    }
+
+    /// Whether this is a floating-point type.
+    pub fn is_float(self) -> bool {
+        matches!(self, DType::F16 | DType::BF16 | DType::F32 | DType::F64)
+    }
+}
+
+impl fmt::Display for DType {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let s = match self {
+            DType::U8 => "u8",
+            DType::I8 => "i8",
+            DType::I32 => "i32",
+            DType::I64 => "i64",
+            DType::F16 => "f16",
+            DType::BF16 => "bf16",
+            DType::F32 => "f32",
+            DType::F64 => "f64",
+        };
+        f.write_str(s)
+    }
+}
+
+mod sealed {
+    pub trait Sealed {}
+}
+
+/// A Rust type that can be a tensor element: `u8, i8, i32, i64, f16, bf16, f32, f64`.
+pub trait Element: bytemuck::Pod + Send + Sync + sealed::Sealed + 'static {
+    /// The matching [`DType`].
+    const DTYPE: DType;
+    #[doc(hidden)]
+    fn into_storage(v: Vec<Self>) -> Storage;
+    #[doc(hidden)]
+    fn from_storage(s: Storage) -> std::result::Result<Vec<Self>, Storage>;
+    #[doc(hidden)]
+    fn slice(s: &Storage) -> Option<&[Self]>;
+    #[doc(hidden)]
+    fn slice_mut(s: &mut Storage) -> Option<&mut [Self]>;
+}
+
+/// The typed vector inside a tensor. Public only so that [`Element`] can name it.
+#[doc(hidden)]
+#[derive(Clone, PartialEq)]
+pub enum Storage {
+    U8(Vec<u8>),
+    I8(Vec<i8>),
+    I32(Vec<i32>),
+    I64(Vec<i64>),
+    F16(Vec<f16>),
+    BF16(Vec<bf16>),
+    F32(Vec<f32>),
+    F64(Vec<f64>),
+}
+
+macro_rules! element {
+    ($t:ty, $variant:ident) => {
+        impl sealed::Sealed for $t {}
+        impl Element for $t {
+            const DTYPE: DType = DType::$variant;
+            fn into_storage(v: Vec<Self>) -> Storage {
+                Storage::$variant(v)
+            }
+            fn from_storage(s: Storage) -> std::result::Result<Vec<Self>, Storage> {
+                match s {
+                    Storage::$variant(v) => Ok(v),
+                    other => Err(other),
+                }
+            }
+            fn slice(s: &Storage) -> Option<&[Self]> {
+                match s {
+                    Storage::$variant(v) => Some(v),
+                    _ => None,
+                }
+            }
+            fn slice_mut(s: &mut Storage) -> Option<&mut [Self]> {
+                match s {
+                    Storage::$variant(v) => Some(v),
+                    _ => None,
+                }
+            }
+        }
+    };
+}
+
+element!(u8, U8);
+element!(i8, I8);
+element!(i32, I32);
+element!(i64, I64);
+element!(f16, F16);
+element!(bf16, BF16);
+element!(f32, F32);
+element!(f64, F64);
+
+impl fmt::Debug for Storage {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "Storage({}, {} elements)",
+            self.dtype(),
+            with_storage!(self, v => v.len())
+        )
+    }
+}
+
+/// Runs `$body` with `$v` bound to the typed vector inside a [`Storage`].
+macro_rules! with_storage {
+    ($storage:expr, $v:ident => $body:expr) => {
+        match $storage {
+            Storage::U8($v) => $body,
+            Storage::I8($v) => $body,
+            Storage::I32($v) => $body,
+            Storage::I64($v) => $body,
+            Storage::F16($v) => $body,
+            Storage::BF16($v) => $body,
+            Storage::F32($v) => $body,
+            Storage::F64($v) => $body,
+        }
+    };
+}
+pub(crate) use with_storage;
+
+impl Storage {
+    fn dtype(&self) -> DType {
+        match self {
+            Storage::U8(_) => DType::U8,
+            Storage::I8(_) => DType::I8,
+            Storage::I32(_) => DType::I32,
+            Storage::I64(_) => DType::I64,
+            Storage::F16(_) => DType::F16,
+            Storage::BF16(_) => DType::BF16,
+            Storage::F32(_) => DType::F32,
+            Storage::F64(_) => DType::F64,
+        }
+    }
+
+    fn zeros(dtype: DType, len: usize) -> Storage {
+        match dtype {
+            DType::U8 => Storage::U8(vec![0; len]),
+            DType::I8 => Storage::I8(vec![0; len]),
+            DType::I32 => Storage::I32(vec![0; len]),
+            DType::I64 => Storage::I64(vec![0; len]),
+            DType::F16 => Storage::F16(vec![f16::ZERO; len]),
+            DType::BF16 => Storage::BF16(vec![bf16::ZERO; len]),
+            DType::F32 => Storage::F32(vec![0.0; len]),
+            DType::F64 => Storage::F64(vec![0.0; len]),
+        }
+    }
+}
+
+/// An owned, typed buffer with a shape (row-major).
+///
+/// Moving data in and out is free: [`Tensor::from_vec`] keeps the `Vec` it is given
+/// and [`Tensor::into_vec`] gives it back.
+///
+/// ```
+/// let t = kolo::Tensor::from_vec(vec![1.0f32, 2.0, 3.0, 4.0], &[2, 2])?;
+/// assert_eq!(t.shape(), &[2, 2]);
+/// assert_eq!(t.dtype(), kolo::DType::F32);
+/// let v: Vec<f32> = t.into_vec()?;
+/// assert_eq!(v, [1.0, 2.0, 3.0, 4.0]);
+/// # Ok::<(), kolo::Error>(())
+/// ```
+#[derive(Clone, PartialEq)]
+pub struct Tensor {
+    data: Storage,
+    shape: Vec<usize>,
+}
+
+impl fmt::Debug for Tensor {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Tensor")
+            .field("dtype", &self.dtype())
+            .field("shape", &self.shape)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Tensor {
+    /// Wraps `data` with `shape` without copying. A 0-d (scalar) tensor has shape `[]`
+    /// and one element.
+    ///
+    /// # Errors
+    /// [`Error::ShapeMismatch`] when `data.len()` is not the product of `shape`.
+    pub fn from_vec<T: Element>(data: Vec<T>, shape: &[usize]) -> Result<Tensor> {
+        let expected: usize = shape.iter().product();
+        if expected != data.len() {
+            return Err(Error::ShapeMismatch {
+                shape: shape.to_vec(),
+                expected,
+                actual: data.len(),
+            });
+        }
+        Ok(Tensor {
+            data: T::into_storage(data),
+            shape: shape.to_vec(),
+        })
+    }
+
+    /// A tensor of zeros.
+    pub fn zeros(dtype: DType, shape: &[usize]) -> Tensor {
+        Tensor {
+            data: Storage::zeros(dtype, shape.iter().product()),
+            shape: shape.to_vec(),
+        }
+    }
+
+    /// Gives back the elements without copying.
+    ///
+    /// # Errors
+    /// [`Error::DTypeMismatch`] when `T` is not the tensor's element type.
+    pub fn into_vec<T: Element>(self) -> Result<Vec<T>> {
+        T::from_storage(self.data).map_err(|s| Error::DTypeMismatch {
+            expected: T::DTYPE,
+            actual: s.dtype(),
+        })
+    }
+
+    /// Borrows the elements.
+    ///
+    /// # Errors
+    /// [`Error::DTypeMismatch`] when `T` is not the tensor's element type.
+    pub fn as_slice<T: Element>(&self) -> Result<&[T]> {
+        T::slice(&self.data).ok_or(Error::DTypeMismatch {
+            expected: T::DTYPE,
+            actual: self.dtype(),
+        })
+    }
+
+    /// Borrows the elements mutably.
+    ///
+    /// # Errors
+    /// [`Error::DTypeMismatch`] when `T` is not the tensor's element type.
+    pub fn as_mut_slice<T: Element>(&mut self) -> Result<&mut [T]> {
+        let actual = self.dtype();
+        T::slice_mut(&mut self.data).ok_or(Error::DTypeMismatch {
+            expected: T::DTYPE,
+            actual,
+        })
+    }
+
+    /// The shape (row-major; `[]` for a scalar).
+    pub fn shape(&self) -> &[usize] {
+        &self.shape
+    }
+
+    /// The element type.
+    pub fn dtype(&self) -> DType {
+        self.data.dtype()
+    }
+
+    /// The number of elements.
+    pub fn len(&self) -> usize {
+        with_storage!(&self.data, v => v.len())
+    }
+
+    /// Whether the tensor has no elements (some dimension is 0).
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The size of the data in bytes.
+    pub fn num_bytes(&self) -> usize {
+        self.len() * self.dtype().size_of()
+    }
+
+    /// The raw bytes, native endian.
+    pub fn as_bytes(&self) -> &[u8] {
+        with_storage!(&self.data, v => bytemuck::cast_slice(v))
+    }
+
+    /// The raw bytes, native endian, mutably.
+    pub fn as_bytes_mut(&mut self) -> &mut [u8] {
+        with_storage!(&mut self.data, v => bytemuck::cast_slice_mut(v))
+    }
+
+    pub(crate) fn storage(&self) -> &Storage {
+        &self.data
+    }
+
+    pub(crate) fn storage_mut(&mut self) -> &mut Storage {
+        &mut self.data
+    }
+
+    pub(crate) fn from_parts(data: Storage, shape: Vec<usize>) -> Tensor {
+        Tensor { data, shape }
+    }
+
+    pub(crate) fn into_storage(self) -> Storage {
+        self.data
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn round_trip_keeps_the_allocation() {
+        let v = vec![1i64, 2, 3, 4, 5, 6];
+        let ptr = v.as_ptr();
+        let t = Tensor::from_vec(v, &[2, 3]).unwrap();
+        assert_eq!(t.len(), 6);
+        assert_eq!(t.num_bytes(), 48);
+        let back: Vec<i64> = t.into_vec().unwrap();
+        assert_eq!(back.as_ptr(), ptr);
+    }
+
+    #[test]
+    fn wrong_dtype_and_shape_are_errors() {
+        let t = Tensor::from_vec(vec![f16::ONE; 4], &[4]).unwrap();
+        let err = t.into_vec::<f32>().unwrap_err();
+        assert_eq!(err.to_string(), "tensor holds F16 elements, not F32");
+        let err = Tensor::from_vec(vec![0u8; 5], &[2, 3]).unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "shape [2, 3] needs 6 elements but 5 were given"
+        );
+    }
+
+    #[test]
+    fn scalar_has_one_element() {
+        let t = Tensor::from_vec(vec![7i32], &[]).unwrap();
+        assert_eq!(t.shape(), &[] as &[usize]);
+        assert_eq!(t.len(), 1);
+        assert_eq!(Tensor::zeros(DType::BF16, &[3, 0]).len(), 0);
+    }
+}

@@ -1,0 +1,79 @@
+//! The only code that knows MPI (or, later, NCCL) exists.
+//!
+//! The engine talks to a [`Transport`]: a control-plane exchange of negotiation
+//! messages and data-plane collectives on raw buffers. Every method is called from the
+//! engine thread only, so implementations need not be thread-safe, and MPI is
+//! initialised on that same thread.
+
+use std::time::Duration;
+
+use crate::error::Result;
+use crate::ops::ReduceOp;
+use crate::tensor::DType;
+
+pub(crate) mod mpi;
+
+/// Where this process sits in the job.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Topology {
+    pub(crate) rank: usize,
+    pub(crate) size: usize,
+    pub(crate) local_rank: usize,
+    pub(crate) local_size: usize,
+    pub(crate) cross_rank: usize,
+    pub(crate) cross_size: usize,
+}
+
+/// Collectives as the engine needs them. Buffers are raw native-endian bytes of
+/// `dtype` elements; counts are in elements. Reductions accept only the dtypes for
+/// which [`reducible`] is true (the engine widens f16/bf16 to f32 first).
+pub(crate) trait Transport {
+    /// This process's place in the job.
+    fn topology(&self) -> Topology;
+
+    /// Control plane: every rank contributes one byte string, every rank gets all of
+    /// them in rank order. `idle` is called, with the time waited so far, while other
+    /// ranks have not yet contributed, so that the engine can keep accepting work.
+    fn exchange(&mut self, local: &[u8], idle: &mut dyn FnMut(Duration)) -> Result<Vec<Vec<u8>>>;
+
+    /// In-place allreduce of `buf`.
+    fn allreduce(&mut self, buf: &mut [u8], dtype: DType, op: ReduceOp) -> Result<()>;
+
+    /// Rank `r` contributes `counts[r]` elements; `recv` receives them concatenated.
+    fn allgatherv(
+        &mut self,
+        send: &[u8],
+        recv: &mut [u8],
+        counts: &[usize],
+        dtype: DType,
+    ) -> Result<()>;
+
+    /// Broadcast of `buf` from `root`.
+    fn broadcast(&mut self, buf: &mut [u8], root: usize, dtype: DType) -> Result<()>;
+
+    /// Sends `send_counts[r]` elements to rank `r`, receives `recv_counts[r]` from it.
+    fn alltoallv(
+        &mut self,
+        send: &[u8],
+        send_counts: &[usize],
+        recv: &mut [u8],
+        recv_counts: &[usize],
+        dtype: DType,
+    ) -> Result<()>;
+
+    /// Reduces `send` over all ranks and leaves block `r` (of `counts[r]` elements) on
+    /// rank `r`.
+    fn reduce_scatter(
+        &mut self,
+        send: &[u8],
+        recv: &mut [u8],
+        counts: &[usize],
+        dtype: DType,
+        op: ReduceOp,
+    ) -> Result<()>;
+}
+
+/// Whether the transport can reduce `dtype` natively.
+pub(crate) fn reducible(dtype: DType) -> bool {
+    !matches!(dtype, DType::F16 | DType::BF16)
+}

@@ -1,0 +1,369 @@
+//! The MPI transport: non-blocking MPI-3 collectives, waited on with a back-off so
+//! that a rank waiting for slower peers leaves the CPU to training threads.
+
+use std::ffi::{c_int, c_void};
+use std::time::{Duration, Instant};
+
+use mpi::ffi;
+use mpi::raw::AsRaw;
+use mpi::topology::{Color, Communicator, SimpleCommunicator};
+use mpi::Threading;
+
+use super::{reducible, Topology, Transport};
+use crate::error::{Error, Result};
+use crate::ops::ReduceOp;
+use crate::tensor::DType;
+
+extern "C" {
+    fn kolo_mpi_in_place() -> *mut c_void;
+}
+
+/// Owns MPI for the life of the engine: created on the engine thread, dropped there
+/// after the last collective, which finalises MPI.
+pub(crate) struct MpiTransport {
+    topology: Topology,
+    world: SimpleCommunicator,
+    // Dropped last: finalises MPI after the communicators are gone.
+    _universe: mpi::environment::Universe,
+}
+
+impl std::fmt::Debug for MpiTransport {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("MpiTransport")
+            .field("topology", &self.topology)
+            .finish_non_exhaustive()
+    }
+}
+
+impl MpiTransport {
+    /// Initialises MPI on the calling thread (the engine thread), asking for
+    /// `MPI_THREAD_MULTIPLE`. Any level works because only this thread calls MPI, but
+    /// MULTIPLE lets a panic hook abort the job from another thread.
+    pub(crate) fn init() -> Result<MpiTransport> {
+        let (universe, provided) = mpi::initialize_with_threading(Threading::Multiple)
+            .ok_or_else(|| {
+                Error::Init(
+                    "MPI was already initialised in this process (kolo::init may run once per process)"
+                        .into(),
+                )
+            })?;
+        tracing::debug!(?provided, "MPI initialised");
+        let world = universe.world();
+        let rank = to_usize(world.rank());
+        let size = to_usize(world.size());
+        let local = world.split_shared(world.rank());
+        let local_rank = to_usize(local.rank());
+        let local_size = to_usize(local.size());
+        let cross = world
+            .split_by_color_with_key(Color::with_value(local.rank()), world.rank())
+            .ok_or_else(|| {
+                Error::Internal("cross-node communicator split returned no communicator".into())
+            })?;
+        let topology = Topology {
+            rank,
+            size,
+            local_rank,
+            local_size,
+            cross_rank: to_usize(cross.rank()),
+            cross_size: to_usize(cross.size()),
+        };
+        Ok(MpiTransport {
+            topology,
+            world,
+            _universe: universe,
+        })
+    }
+
+    fn comm(&self) -> ffi::MPI_Comm {
+        self.world.as_raw()
+    }
+
+    /// Waits for `req` with a back-off: spin briefly (latency), then yield, then sleep
+    /// with a growing interval capped at 1 ms (CPU).
+    fn wait(
+        &mut self,
+        call: &'static str,
+        mut req: ffi::MPI_Request,
+        idle: &mut dyn FnMut(Duration),
+    ) -> Result<()> {
+        let start = Instant::now();
+        let mut nap = Duration::from_micros(20);
+        loop {
+            let mut flag: c_int = 0;
+            // SAFETY: `req` is a live request from an MPI_I* call whose buffers the caller
+            // keeps alive until this returns.
+            check(call, unsafe {
+                ffi::MPI_Test(&mut req, &mut flag, ffi::RSMPI_STATUS_IGNORE)
+            })?;
+            if flag != 0 {
+                return Ok(());
+            }
+            let waited = start.elapsed();
+            idle(waited);
+            if waited < Duration::from_micros(50) {
+                std::hint::spin_loop();
+            } else if waited < Duration::from_millis(1) {
+                std::thread::yield_now();
+            } else {
+                std::thread::sleep(nap);
+                nap = (nap * 2).min(Duration::from_millis(1));
+            }
+        }
+    }
+}
+
+fn null_request() -> ffi::MPI_Request {
+    // SAFETY: reading MPI's constant null request handle.
+    unsafe { ffi::RSMPI_REQUEST_NULL }
+}
+
+fn to_usize(v: c_int) -> usize {
+    usize::try_from(v).unwrap_or(0)
+}
+
+fn count(call: &'static str, n: usize) -> Result<c_int> {
+    c_int::try_from(n).map_err(|_| Error::Transport {
+        call,
+        message: format!("{n} elements exceed MPI's count limit of {}", c_int::MAX),
+    })
+}
+
+fn counts(call: &'static str, counts: &[usize]) -> Result<(Vec<c_int>, Vec<c_int>)> {
+    let mut c = Vec::with_capacity(counts.len());
+    let mut displs = Vec::with_capacity(counts.len());
+    let mut at = 0usize;
+    for &n in counts {
+        c.push(count(call, n)?);
+        displs.push(count(call, at)?);
+        at += n;
+    }
+    Ok((c, displs))
+}
+
+fn check(call: &'static str, rc: c_int) -> Result<()> {
+    if rc == 0 {
+        return Ok(());
+    }
+    let mut buf = vec![0u8; 512];
+    let mut len: c_int = 0;
+    // SAFETY: MPI_MAX_ERROR_STRING is 256 in Open MPI and MPICH; the buffer is larger.
+    unsafe { ffi::MPI_Error_string(rc, buf.as_mut_ptr().cast(), &mut len) };
+    buf.truncate(to_usize(len));
+    Err(Error::Transport {
+        call,
+        message: String::from_utf8_lossy(&buf).into_owned(),
+    })
+}
+
+/// The MPI datatype used to move (and, where [`reducible`], reduce) `dtype`.
+fn datatype(dtype: DType) -> ffi::MPI_Datatype {
+    // SAFETY: reading MPI's predefined datatype handles, constant after MPI_Init.
+    unsafe {
+        match dtype {
+            DType::U8 => ffi::RSMPI_UINT8_T,
+            DType::I8 => ffi::RSMPI_INT8_T,
+            DType::I32 => ffi::RSMPI_INT32_T,
+            DType::I64 => ffi::RSMPI_INT64_T,
+            // Moved as opaque 16-bit words; never reduced by MPI.
+            DType::F16 | DType::BF16 => ffi::RSMPI_UINT16_T,
+            DType::F32 => ffi::RSMPI_FLOAT,
+            DType::F64 => ffi::RSMPI_DOUBLE,
+        }
+    }
+}
+
+fn mpi_op(call: &'static str, op: ReduceOp, dtype: DType) -> Result<ffi::MPI_Op> {
+    if !reducible(dtype) {
+        return Err(Error::Internal(format!(
+            "{call} asked to reduce {dtype} natively"
+        )));
+    }
+    // SAFETY: reading MPI's predefined op handles, constant after MPI_Init.
+    Ok(unsafe {
+        match op {
+            // Average is a sum followed by a postscale in the engine.
+            ReduceOp::Sum | ReduceOp::Average => ffi::RSMPI_SUM,
+            ReduceOp::Min => ffi::RSMPI_MIN,
+            ReduceOp::Max => ffi::RSMPI_MAX,
+            ReduceOp::Product => ffi::RSMPI_PROD,
+        }
+    })
+}
+
+impl Transport for MpiTransport {
+    fn topology(&self) -> Topology {
+        self.topology
+    }
+
+    fn exchange(&mut self, local: &[u8], idle: &mut dyn FnMut(Duration)) -> Result<Vec<Vec<u8>>> {
+        let size = self.topology.size;
+        let my_len = local.len() as u64;
+        let mut lens = vec![0u64; size];
+        let mut req = null_request();
+        // SAFETY: `my_len` and `lens` outlive the request, which `wait` completes.
+        check("MPI_Iallgather", unsafe {
+            ffi::MPI_Iallgather(
+                (&my_len as *const u64).cast(),
+                1,
+                ffi::RSMPI_UINT64_T,
+                lens.as_mut_ptr().cast(),
+                1,
+                ffi::RSMPI_UINT64_T,
+                self.comm(),
+                &mut req,
+            )
+        })?;
+        self.wait("MPI_Iallgather", req, idle)?;
+        let lens: Vec<usize> = lens.iter().map(|&l| l as usize).collect();
+        let total: usize = lens.iter().sum();
+        let mut all = vec![0u8; total];
+        if total > 0 {
+            let (c, displs) = counts("MPI_Iallgatherv", &lens)?;
+            let mut req = null_request();
+            // SAFETY: buffers and count arrays outlive the request, which `wait` completes.
+            check("MPI_Iallgatherv", unsafe {
+                ffi::MPI_Iallgatherv(
+                    local.as_ptr().cast(),
+                    count("MPI_Iallgatherv", local.len())?,
+                    ffi::RSMPI_UINT8_T,
+                    all.as_mut_ptr().cast(),
+                    c.as_ptr(),
+                    displs.as_ptr(),
+                    ffi::RSMPI_UINT8_T,
+                    self.comm(),
+                    &mut req,
+                )
+            })?;
+            self.wait("MPI_Iallgatherv", req, idle)?;
+        }
+        let mut out = Vec::with_capacity(size);
+        let mut at = 0;
+        for len in lens {
+            out.push(all[at..at + len].to_vec());
+            at += len;
+        }
+        Ok(out)
+    }
+
+    fn allreduce(&mut self, buf: &mut [u8], dtype: DType, op: ReduceOp) -> Result<()> {
+        const CALL: &str = "MPI_Iallreduce";
+        let op = mpi_op(CALL, op, dtype)?;
+        let n = count(CALL, buf.len() / dtype.size_of())?;
+        let mut req = null_request();
+        // SAFETY: `buf` outlives the request, which `wait` completes; MPI_IN_PLACE comes
+        // from the MPI header through the C shim.
+        check(CALL, unsafe {
+            ffi::MPI_Iallreduce(
+                kolo_mpi_in_place(),
+                buf.as_mut_ptr().cast(),
+                n,
+                datatype(dtype),
+                op,
+                self.comm(),
+                &mut req,
+            )
+        })?;
+        self.wait(CALL, req, &mut |_| {})
+    }
+
+    fn allgatherv(
+        &mut self,
+        send: &[u8],
+        recv: &mut [u8],
+        counts_: &[usize],
+        dtype: DType,
+    ) -> Result<()> {
+        const CALL: &str = "MPI_Iallgatherv";
+        let (c, displs) = counts(CALL, counts_)?;
+        let mut req = null_request();
+        // SAFETY: buffers and count arrays outlive the request, which `wait` completes.
+        check(CALL, unsafe {
+            ffi::MPI_Iallgatherv(
+                send.as_ptr().cast(),
+                count(CALL, send.len() / dtype.size_of())?,
+                datatype(dtype),
+                recv.as_mut_ptr().cast(),
+                c.as_ptr(),
+                displs.as_ptr(),
+                datatype(dtype),
+                self.comm(),
+                &mut req,
+            )
+        })?;
+        self.wait(CALL, req, &mut |_| {})
+    }
+
+    fn broadcast(&mut self, buf: &mut [u8], root: usize, dtype: DType) -> Result<()> {
+        const CALL: &str = "MPI_Ibcast";
+        let mut req = null_request();
+        // SAFETY: `buf` outlives the request, which `wait` completes.
+        check(CALL, unsafe {
+            ffi::MPI_Ibcast(
+                buf.as_mut_ptr().cast(),
+                count(CALL, buf.len() / dtype.size_of())?,
+                datatype(dtype),
+                count(CALL, root)?,
+                self.comm(),
+                &mut req,
+            )
+        })?;
+        self.wait(CALL, req, &mut |_| {})
+    }
+
+    fn alltoallv(
+        &mut self,
+        send: &[u8],
+        send_counts: &[usize],
+        recv: &mut [u8],
+        recv_counts: &[usize],
+        dtype: DType,
+    ) -> Result<()> {
+        const CALL: &str = "MPI_Ialltoallv";
+        let (sc, sd) = counts(CALL, send_counts)?;
+        let (rc, rd) = counts(CALL, recv_counts)?;
+        let mut req = null_request();
+        // SAFETY: buffers and count arrays outlive the request, which `wait` completes.
+        check(CALL, unsafe {
+            ffi::MPI_Ialltoallv(
+                send.as_ptr().cast(),
+                sc.as_ptr(),
+                sd.as_ptr(),
+                datatype(dtype),
+                recv.as_mut_ptr().cast(),
+                rc.as_ptr(),
+                rd.as_ptr(),
+                datatype(dtype),
+                self.comm(),
+                &mut req,
+            )
+        })?;
+        self.wait(CALL, req, &mut |_| {})
+    }
+
+    fn reduce_scatter(
+        &mut self,
+        send: &[u8],
+        recv: &mut [u8],
+        counts_: &[usize],
+        dtype: DType,
+        op: ReduceOp,
+    ) -> Result<()> {
+        const CALL: &str = "MPI_Ireduce_scatter";
+        let op = mpi_op(CALL, op, dtype)?;
+        let (c, _) = counts(CALL, counts_)?;
+        let mut req = null_request();
+        // SAFETY: buffers and the count array outlive the request, which `wait` completes.
+        check(CALL, unsafe {
+            ffi::MPI_Ireduce_scatter(
+                send.as_ptr().cast(),
+                recv.as_mut_ptr().cast(),
+                c.as_ptr(),
+                datatype(dtype),
+                op,
+                self.comm(),
+                &mut req,
+            )
+        })?;
+        self.wait(CALL, req, &mut |_| {})
+    }
+}
