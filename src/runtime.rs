@@ -524,12 +524,12 @@ impl Kolo {
         };
         let tx = self.inner.tx.lock().unwrap_or_else(PoisonError::into_inner);
         let sent = match tx.as_ref() {
-            Some(tx) => tx.send(Command::Submit(request)).map_err(|e| e.0),
-            None => Err(Command::Submit(request)),
+            Some(tx) => tx.send(Command::Submit(Box::new(request))).map_err(|e| e.0),
+            None => Err(Command::Submit(Box::new(request))),
         };
         drop(tx);
         if let Err(Command::Submit(request)) = sent {
-            let Request { tensors, done, .. } = request;
+            let Request { tensors, done, .. } = *request;
             // Completing releases the names; the caller gets the tensors back.
             done.complete(Ok(Output::Unit));
             return Err(Error::EngineStopped {

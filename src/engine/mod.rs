@@ -80,7 +80,7 @@ impl Inbox {
                     return;
                 }
                 self.outgoing.push(req.meta.clone());
-                self.pending.insert(req.meta.key.clone(), req);
+                self.pending.insert(req.meta.key.clone(), *req);
             }
             Command::Shutdown => self.shutting_down = true,
         }

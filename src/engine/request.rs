@@ -144,7 +144,7 @@ pub(crate) struct Request {
 /// Messages from framework threads to the engine.
 #[derive(Debug)]
 pub(crate) enum Command {
-    Submit(Request),
+    Submit(Box<Request>),
     Shutdown,
 }
 

@@ -1,1 +1,87 @@
-fn main() {}
+//! Multi-rank tests: this binary is both the harness and the worker. Run by
+//! `cargo test`, it launches itself under `mpirun -np N` (N = 1..=4) once per case;
+//! under mpirun (`KOLO_TEST_CASE` set) it runs that case on every rank.
+
+mod allreduce;
+mod control;
+mod harness;
+mod others;
+mod util;
+
+use std::time::Duration;
+
+use kolo::Kolo;
+use libtest_mimic::{Arguments, Failed, Trial};
+
+type Case = fn(&Kolo) -> anyhow::Result<()>;
+
+/// Every case, with the smallest np it is meaningful at.
+const CASES: &[(&str, Case, usize)] = &[
+    ("topology", control::topology, 1),
+    ("allreduce_sum_and_average", allreduce::sum_and_average, 1),
+    ("allreduce_min_max_product", allreduce::min_max_product, 1),
+    ("allreduce_scaling", allreduce::scaling, 1),
+    ("allreduce_async", allreduce::asynchronous, 1),
+    ("allreduce_errors", allreduce::errors, 1),
+    ("grouped_allreduce", allreduce::grouped, 1),
+    ("allgather", others::allgather, 1),
+    ("broadcast", others::broadcast, 1),
+    ("alltoall", others::alltoall, 1),
+    ("reducescatter", others::reducescatter, 1),
+    ("join", control::join, 1),
+    ("barrier", control::barrier, 1),
+    ("objects", control::objects, 1),
+    ("order_independence", control::order_independence, 1),
+    ("submit_errors", control::submit_errors, 1),
+    ("rank_leaves", control::rank_leaves, 2),
+];
+
+fn worker(case: &str) -> ! {
+    let Some((_, f, _)) = CASES.iter().find(|(n, _, _)| *n == case) else {
+        eprintln!("unknown case {case}");
+        std::process::exit(2);
+    };
+    let kolo = match kolo::init() {
+        Ok(k) => k,
+        Err(e) => {
+            eprintln!("init failed: {e}");
+            std::process::exit(3);
+        }
+    };
+    let rank = kolo.rank();
+    let result = f(&kolo);
+    // Shut down before exiting so that mpirun sees a clean finish on this rank and
+    // the other ranks get an error naming it rather than a hang.
+    let _ = kolo.shutdown();
+    match result {
+        Ok(()) => std::process::exit(0),
+        Err(e) => {
+            eprintln!("rank {rank}: case {case} failed: {e:#}");
+            std::process::exit(1);
+        }
+    }
+}
+
+fn main() {
+    if let Ok(case) = std::env::var("KOLO_TEST_CASE") {
+        worker(&case);
+    }
+    let args = Arguments::from_args();
+    let mut trials = Vec::new();
+    for np in 1..=4 {
+        for &(name, _, min_np) in CASES {
+            if np < min_np {
+                continue;
+            }
+            trials.push(Trial::test(format!("{name}/np{np}"), move || {
+                let run = harness::mpirun(name, np, Duration::from_secs(120), &[]).map_err(Failed::from)?;
+                if run.success {
+                    Ok(())
+                } else {
+                    Err(format!("case {name} failed at np={np} after {:?}\n{}", run.elapsed, run.output).into())
+                }
+            }));
+        }
+    }
+    libtest_mimic::run(&args, trials).exit();
+}

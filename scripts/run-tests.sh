@@ -1,0 +1,9 @@
+#!/usr/bin/env bash
+# Runs every kolo test: unit tests, doc tests and the multi-rank tests, which launch
+# real `mpirun -np 1..4` jobs. Installs OpenMPI and libclang first when missing.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+source scripts/setup.sh
+cargo fmt --all -- --check
+cargo test --workspace --all-targets
+cargo test --workspace --doc
