@@ -16,8 +16,14 @@ pub(crate) fn sum_and_average(k: &Kolo) -> Result<()> {
             let n: usize = shape.iter().product();
             let v = values(dtype, n, size, &mut Rng::new(1234 + shape.len() as u64));
             let name = format!("sum.{dtype:?}.{}", shape.len());
-            let out = k.allreduce(&name, tensor(dtype, &v, &shape)?).op(ReduceOp::Sum).wait()?;
-            ensure!(out.shape() == shape.as_slice() && out.dtype() == dtype, "{name}: shape/dtype changed");
+            let out = k
+                .allreduce(&name, tensor(dtype, &v, &shape)?)
+                .op(ReduceOp::Sum)
+                .wait()?;
+            ensure!(
+                out.shape() == shape.as_slice() && out.dtype() == dtype,
+                "{name}: shape/dtype changed"
+            );
             let want: Vec<f64> = v.iter().map(|x| x * size as f64).collect();
             assert_close(&name, dtype, &to_f64(&out)?, &want)?;
 
@@ -51,7 +57,10 @@ pub(crate) fn min_max_product(k: &Kolo) -> Result<()> {
                 .map(|j| rows.iter().map(|r| r[j]).reduce(fold).unwrap_or(0.0))
                 .collect();
             let name = format!("{op:?}.{dtype:?}");
-            let out = k.allreduce(&name, tensor(dtype, &rows[rank], &[17])?).op(op).wait()?;
+            let out = k
+                .allreduce(&name, tensor(dtype, &rows[rank], &[17])?)
+                .op(op)
+                .wait()?;
             assert_close(&name, dtype, &to_f64(&out)?, &want)?;
         }
     }
@@ -98,18 +107,33 @@ pub(crate) fn asynchronous(k: &Kolo) -> Result<()> {
     let mut handles = Vec::new();
     for i in 0..50 {
         let t = Tensor::from_vec(vec![i as f32; 100], &[100])?;
-        handles.push((i, k.allreduce(format!("async.{i}"), t).op(ReduceOp::Sum).submit()?));
+        handles.push((
+            i,
+            k.allreduce(format!("async.{i}"), t)
+                .op(ReduceOp::Sum)
+                .submit()?,
+        ));
     }
     let not_ready = handles.iter().filter(|(_, h)| !h.poll()).count();
     if rank == 0 && size > 1 {
-        ensure!(not_ready > 0, "every handle was ready right after submit: not asynchronous");
+        ensure!(
+            not_ready > 0,
+            "every handle was ready right after submit: not asynchronous"
+        );
     }
     for (i, h) in handles {
         let v: Vec<f32> = h.wait()?.into_vec()?;
-        ensure!(v == vec![(i * size) as f32; 100], "async.{i}: got {:?}", &v[..3]);
+        ensure!(
+            v == vec![(i * size) as f32; 100],
+            "async.{i}: got {:?}",
+            &v[..3]
+        );
     }
     // Handles are futures too.
-    let fut = k.allreduce("async.future", Tensor::from_vec(vec![1i32], &[1])?).op(ReduceOp::Sum).submit()?;
+    let fut = k
+        .allreduce("async.future", Tensor::from_vec(vec![1i32], &[1])?)
+        .op(ReduceOp::Sum)
+        .submit()?;
     let v = block_on(fut)?.into_vec::<i32>()?;
     ensure!(v == [size as i32], "future result {v:?}");
     Ok(())
@@ -146,7 +170,11 @@ pub(crate) fn errors(k: &Kolo) -> Result<()> {
         expect_err(
             "shape",
             k.allreduce("err.shape", t).wait(),
-            &["allreduce \"err.shape\": shape mismatch", "rank 0 sent [17, 17, 17]", "rank 1 sent [18, 18, 18]"],
+            &[
+                "allreduce \"err.shape\": shape mismatch",
+                "rank 0 sent [17, 17, 17]",
+                "rank 1 sent [18, 18, 18]",
+            ],
         )?;
 
         let t = if rank % 2 == 0 {
@@ -154,27 +182,54 @@ pub(crate) fn errors(k: &Kolo) -> Result<()> {
         } else {
             Tensor::zeros(DType::F32, &[17, 23, 57])
         };
-        expect_err("rank", k.allreduce("err.rank", t).wait(), &["shape mismatch", "sent [17, 1311]", "sent [17, 23, 57]"])?;
+        expect_err(
+            "rank",
+            k.allreduce("err.rank", t).wait(),
+            &["shape mismatch", "sent [17, 1311]", "sent [17, 23, 57]"],
+        )?;
 
-        let dtype = if rank % 2 == 0 { DType::I32 } else { DType::F32 };
+        let dtype = if rank % 2 == 0 {
+            DType::I32
+        } else {
+            DType::F32
+        };
         let who = |parity: usize| {
-            let ranks: Vec<String> = (0..size).filter(|r| r % 2 == parity).map(|r| r.to_string()).collect();
-            format!("{} {}", if ranks.len() == 1 { "rank" } else { "ranks" }, ranks.join(", "))
+            let ranks: Vec<String> = (0..size)
+                .filter(|r| r % 2 == parity)
+                .map(|r| r.to_string())
+                .collect();
+            format!(
+                "{} {}",
+                if ranks.len() == 1 { "rank" } else { "ranks" },
+                ranks.join(", ")
+            )
         };
         let want = format!("dtype mismatch: {} sent i32, {} sent f32", who(0), who(1));
-        expect_err("dtype", k.allreduce("err.dtype", Tensor::zeros(dtype, &[5])).wait(), &[&want])?;
+        expect_err(
+            "dtype",
+            k.allreduce("err.dtype", Tensor::zeros(dtype, &[5])).wait(),
+            &[&want],
+        )?;
 
-        let op = if rank == 1 { ReduceOp::Max } else { ReduceOp::Sum };
+        let op = if rank == 1 {
+            ReduceOp::Max
+        } else {
+            ReduceOp::Sum
+        };
         expect_err(
             "op",
-            k.allreduce("err.op", Tensor::zeros(DType::F32, &[5])).op(op).wait(),
+            k.allreduce("err.op", Tensor::zeros(DType::F32, &[5]))
+                .op(op)
+                .wait(),
             &["reduce op mismatch: rank", "0", "sent Sum, rank 1 sent Max"],
         )?;
 
         let pre = if rank == 1 { 0.5 } else { 1.0 };
         expect_err(
             "prescale",
-            k.allreduce("err.pre", Tensor::zeros(DType::F32, &[5])).prescale(pre).wait(),
+            k.allreduce("err.pre", Tensor::zeros(DType::F32, &[5]))
+                .prescale(pre)
+                .wait(),
             &["prescale mismatch", "sent 1, rank 1 sent 0.5"],
         )?;
 
@@ -192,17 +247,21 @@ pub(crate) fn errors(k: &Kolo) -> Result<()> {
     if rank != 0 {
         std::thread::sleep(Duration::from_millis(200));
     }
-    let first = k.allreduce("err.dup", Tensor::zeros(DType::F32, &[3])).submit()?;
+    let first = k
+        .allreduce("err.dup", Tensor::zeros(DType::F32, &[3]))
+        .submit()?;
     if rank == 0 && size > 1 {
         expect_err(
             "duplicate",
-            k.allreduce("err.dup", Tensor::zeros(DType::F32, &[3])).submit(),
+            k.allreduce("err.dup", Tensor::zeros(DType::F32, &[3]))
+                .submit(),
             &["\"err.dup\"", "already pending on rank 0"],
         )?;
     }
     first.wait()?;
     // The name is free again once the first one is done.
-    k.allreduce("err.dup", Tensor::zeros(DType::F32, &[3])).wait()?;
+    k.allreduce("err.dup", Tensor::zeros(DType::F32, &[3]))
+        .wait()?;
 
     // And the engine still works.
     let v = k
@@ -219,23 +278,47 @@ pub(crate) fn errors(k: &Kolo) -> Result<()> {
 pub(crate) fn grouped(k: &Kolo) -> Result<()> {
     let (rank, size) = (k.rank(), k.size());
     let group = vec![
-        ("g.a".to_string(), Tensor::from_vec(vec![1.0f32; 6], &[2, 3])?),
-        ("g.b".to_string(), Tensor::from_vec(vec![rank as i64; 4], &[4])?),
+        (
+            "g.a".to_string(),
+            Tensor::from_vec(vec![1.0f32; 6], &[2, 3])?,
+        ),
+        (
+            "g.b".to_string(),
+            Tensor::from_vec(vec![rank as i64; 4], &[4])?,
+        ),
         ("g.c".to_string(), Tensor::from_vec(vec![2.0f32; 5], &[5])?),
     ];
     let out = k.grouped_allreduce(group).op(ReduceOp::Sum).wait()?;
     ensure!(out.len() == 3, "{} outputs", out.len());
-    ensure!(out[0].shape() == [2, 3] && out[0].as_slice::<f32>()? == vec![size as f32; 6].as_slice(), "g.a");
+    ensure!(
+        out[0].shape() == [2, 3] && out[0].as_slice::<f32>()? == vec![size as f32; 6].as_slice(),
+        "g.a"
+    );
     let tri = (size * (size - 1) / 2) as i64;
-    ensure!(out[1].as_slice::<i64>()? == vec![tri; 4].as_slice(), "g.b {:?}", out[1]);
-    ensure!(out[2].as_slice::<f32>()? == vec![2.0 * size as f32; 5].as_slice(), "g.c");
+    ensure!(
+        out[1].as_slice::<i64>()? == vec![tri; 4].as_slice(),
+        "g.b {:?}",
+        out[1]
+    );
+    ensure!(
+        out[2].as_slice::<f32>()? == vec![2.0 * size as f32; 5].as_slice(),
+        "g.c"
+    );
     if size > 1 {
         let group = vec![
             ("h.a".to_string(), Tensor::zeros(DType::F32, &[3])),
             ("h.b".to_string(), Tensor::zeros(DType::F32, &[3 + rank])),
         ];
-        expect_err("group shape", k.grouped_allreduce(group).wait(), &["shape mismatch", "rank 0 sent [3]", "rank 1 sent [4]"])?;
+        expect_err(
+            "group shape",
+            k.grouped_allreduce(group).wait(),
+            &["shape mismatch", "rank 0 sent [3]", "rank 1 sent [4]"],
+        )?;
     }
-    expect_err("empty group", k.grouped_allreduce(vec![]).submit(), &["at least one tensor"])?;
+    expect_err(
+        "empty group",
+        k.grouped_allreduce(vec![]).submit(),
+        &["at least one tensor"],
+    )?;
     Ok(())
 }

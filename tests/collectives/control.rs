@@ -12,10 +12,25 @@ use crate::util::*;
 pub(crate) fn topology(k: &Kolo) -> Result<()> {
     let np: usize = std::env::var("OMPI_COMM_WORLD_SIZE")?.parse()?;
     let me: usize = std::env::var("OMPI_COMM_WORLD_RANK")?.parse()?;
-    ensure!(k.size() == np && k.rank() == me, "rank {} size {}", k.rank(), k.size());
+    ensure!(
+        k.size() == np && k.rank() == me,
+        "rank {} size {}",
+        k.rank(),
+        k.size()
+    );
     // One machine: every rank is local, there is one "cross" group.
-    ensure!(k.local_size() == np && k.local_rank() == me, "local {} of {}", k.local_rank(), k.local_size());
-    ensure!(k.cross_size() == 1 && k.cross_rank() == 0, "cross {} of {}", k.cross_rank(), k.cross_size());
+    ensure!(
+        k.local_size() == np && k.local_rank() == me,
+        "local {} of {}",
+        k.local_rank(),
+        k.local_size()
+    );
+    ensure!(
+        k.cross_size() == 1 && k.cross_rank() == 0,
+        "cross {} of {}",
+        k.cross_rank(),
+        k.cross_size()
+    );
     // A second init in the same process is refused.
     expect_err("second init", kolo::init(), &["already initialised"])?;
     Ok(())
@@ -30,23 +45,41 @@ pub(crate) fn join(k: &Kolo) -> Result<()> {
             k.join()?
         } else {
             let t = Tensor::from_vec(vec![3.0f32; 10], &[10])?;
-            let avg: Vec<f32> = k.allreduce(format!("join.avg.{first}"), t).wait()?.into_vec()?;
+            let avg: Vec<f32> = k
+                .allreduce(format!("join.avg.{first}"), t)
+                .wait()?
+                .into_vec()?;
             let want = 3.0 * (size - 1) as f32 / size as f32;
-            ensure!(avg.iter().all(|&x| (x - want).abs() < 1e-6), "join avg {:?}, want {want}", &avg[..2]);
+            ensure!(
+                avg.iter().all(|&x| (x - want).abs() < 1e-6),
+                "join avg {:?}, want {want}",
+                &avg[..2]
+            );
             let t = Tensor::from_vec(vec![1i32; 4], &[4])?;
-            let sum: Vec<i32> = k.allreduce(format!("join.sum.{first}"), t).op(ReduceOp::Sum).wait()?.into_vec()?;
+            let sum: Vec<i32> = k
+                .allreduce(format!("join.sum.{first}"), t)
+                .op(ReduceOp::Sum)
+                .wait()?
+                .into_vec()?;
             ensure!(sum == vec![(size - 1) as i32; 4], "join sum {sum:?}");
             expect_err(
                 "allgather while joined",
-                k.allgather(format!("join.ag.{first}"), Tensor::zeros(DType::F32, &[2])).wait(),
+                k.allgather(format!("join.ag.{first}"), Tensor::zeros(DType::F32, &[2]))
+                    .wait(),
                 &["cannot run while rank(s)", &format!("[{first}]")],
             )?;
             k.join()?
         };
         let all = k.allgather_object(format!("join.last.{first}"), last)?;
-        ensure!(all.iter().all(|&l| l == all[0]) && all[0] < size, "join returned {all:?}");
+        ensure!(
+            all.iter().all(|&l| l == all[0]) && all[0] < size,
+            "join returned {all:?}"
+        );
         if size > 1 {
-            ensure!(all[0] != first || size == 1, "the first rank to join ({first}) was reported last");
+            ensure!(
+                all[0] != first || size == 1,
+                "the first rank to join ({first}) was reported last"
+            );
         }
     }
     Ok(())
@@ -61,11 +94,21 @@ pub(crate) fn barrier(k: &Kolo) -> Result<()> {
         std::thread::sleep(sleep);
     }
     k.barrier()?;
-    ensure!(start.elapsed() >= sleep, "barrier returned after {:?}, before rank 0 arrived", start.elapsed());
+    ensure!(
+        start.elapsed() >= sleep,
+        "barrier returned after {:?}, before rank 0 arrived",
+        start.elapsed()
+    );
 
-    let h = k.allreduce("barrier.pending", Tensor::from_vec(vec![1.0f32], &[1])?).op(ReduceOp::Sum).submit()?;
+    let h = k
+        .allreduce("barrier.pending", Tensor::from_vec(vec![1.0f32], &[1])?)
+        .op(ReduceOp::Sum)
+        .submit()?;
     k.barrier()?;
-    ensure!(h.wait()?.into_vec::<f32>()? == [k.size() as f32], "pending op across a barrier");
+    ensure!(
+        h.wait()?.into_vec::<f32>()? == [k.size() as f32],
+        "pending op across a barrier"
+    );
     Ok(())
 }
 
@@ -106,16 +149,29 @@ pub(crate) fn objects(k: &Kolo) -> Result<()> {
             layers: vec![rank as u32; rank + 1],
         };
         let got: Settings = k.broadcast_object(format!("obj.{root}"), mine, root)?;
-        ensure!(got.name == format!("from {root}") && got.layers.len() == root + 1, "broadcast_object from {root}: {got:?}");
+        ensure!(
+            got.name == format!("from {root}") && got.layers.len() == root + 1,
+            "broadcast_object from {root}: {got:?}"
+        );
     }
     let all: Vec<(usize, String)> = k.allgather_object("obj.all", (rank, "x".repeat(rank)))?;
     ensure!(all.len() == size, "allgather_object length");
     for (r, (got_r, s)) in all.iter().enumerate() {
-        ensure!(*got_r == r && s.len() == r, "allgather_object entry {r}: {got_r} {s:?}");
+        ensure!(
+            *got_r == r && s.len() == r,
+            "allgather_object entry {r}: {got_r} {s:?}"
+        );
     }
     if size > 1 {
-        expect_err("fragile", k.allgather_object("obj.fragile", Fragile(rank)).map(|v| v.len()), &["allgather_object", "from rank 1"])?;
-        let r = k.broadcast_object("obj.fragile.bc", Fragile(rank), 1).map(|f| f.0);
+        expect_err(
+            "fragile",
+            k.allgather_object("obj.fragile", Fragile(rank))
+                .map(|v| v.len()),
+            &["allgather_object", "from rank 1"],
+        )?;
+        let r = k
+            .broadcast_object("obj.fragile.bc", Fragile(rank), 1)
+            .map(|f| f.0);
         expect_err("fragile bc", r, &["broadcast_object", "from rank 1"])?;
     }
     Ok(())
@@ -133,7 +189,12 @@ pub(crate) fn order_independence(k: &Kolo) -> Result<()> {
             .iter()
             .map(|&i| {
                 let t = Tensor::from_vec(vec![i as f64; i + 1], &[i + 1])?;
-                Ok((i, k.allreduce(format!("order.{i}"), t).op(ReduceOp::Sum).submit()?))
+                Ok((
+                    i,
+                    k.allreduce(format!("order.{i}"), t)
+                        .op(ReduceOp::Sum)
+                        .submit()?,
+                ))
             })
             .collect::<Result<Vec<_>>>()?;
         for (i, h) in handles {
@@ -147,8 +208,10 @@ pub(crate) fn order_independence(k: &Kolo) -> Result<()> {
     std::thread::scope(|s| {
         let t1 = s.spawn(move || run(a, k1));
         let t2 = s.spawn(move || run(b, k2));
-        t1.join().map_err(|_| anyhow::anyhow!("thread 1 panicked"))??;
-        t2.join().map_err(|_| anyhow::anyhow!("thread 2 panicked"))??;
+        t1.join()
+            .map_err(|_| anyhow::anyhow!("thread 1 panicked"))??;
+        t2.join()
+            .map_err(|_| anyhow::anyhow!("thread 2 panicked"))??;
         Ok(())
     })
 }
@@ -156,23 +219,40 @@ pub(crate) fn order_independence(k: &Kolo) -> Result<()> {
 /// Submit-time errors are immediate and local, and leave the engine working; after
 /// shutdown a submit hands the tensor back.
 pub(crate) fn submit_errors(k: &Kolo) -> Result<()> {
-    expect_err("empty name", k.allreduce("", Tensor::zeros(DType::F32, &[1])).submit(), &["names must not be empty"])?;
+    expect_err(
+        "empty name",
+        k.allreduce("", Tensor::zeros(DType::F32, &[1])).submit(),
+        &["names must not be empty"],
+    )?;
     expect_err(
         "nan scale",
-        k.allreduce("nan", Tensor::zeros(DType::F32, &[1])).prescale(f64::NAN).submit(),
+        k.allreduce("nan", Tensor::zeros(DType::F32, &[1]))
+            .prescale(f64::NAN)
+            .submit(),
         &["prescale factor NaN"],
     )?;
-    let v = k.allreduce("after.submit.errors", Tensor::from_vec(vec![2u8], &[1])?).op(ReduceOp::Sum).wait()?;
-    ensure!(v.into_vec::<u8>()? == [2 * k.size() as u8], "engine after submit errors");
+    let v = k
+        .allreduce("after.submit.errors", Tensor::from_vec(vec![2u8], &[1])?)
+        .op(ReduceOp::Sum)
+        .wait()?;
+    ensure!(
+        v.into_vec::<u8>()? == [2 * k.size() as u8],
+        "engine after submit errors"
+    );
     k.shutdown()?;
-    let err = k.allreduce("late", Tensor::from_vec(vec![5i32; 3], &[3])?).submit();
+    let err = k
+        .allreduce("late", Tensor::from_vec(vec![5i32; 3], &[3])?)
+        .submit();
     let e = match err {
         Ok(_) => anyhow::bail!("submit after shutdown succeeded"),
         Err(e) => e,
     };
     ensure!(e.to_string().contains("has been shut down"), "{e}");
     let back = e.into_tensors();
-    ensure!(back.len() == 1 && back[0].as_slice::<i32>()? == [5, 5, 5], "tensor not handed back");
+    ensure!(
+        back.len() == 1 && back[0].as_slice::<i32>()? == [5, 5, 5],
+        "tensor not handed back"
+    );
     Ok(())
 }
 
@@ -182,15 +262,30 @@ pub(crate) fn rank_leaves(k: &Kolo) -> Result<()> {
     if size == 1 {
         return Ok(());
     }
-    k.allreduce("leave.before", Tensor::zeros(DType::F32, &[2])).wait()?;
+    k.allreduce("leave.before", Tensor::zeros(DType::F32, &[2]))
+        .wait()?;
     if rank == size - 1 {
         k.shutdown()?;
         return Ok(());
     }
     let start = Instant::now();
     let leaver = format!("rank {} has shut down", size - 1);
-    expect_err("pending", k.allreduce("leave.pending", Tensor::zeros(DType::F32, &[2])).wait(), &[&leaver])?;
-    expect_err("later", k.allgather("leave.later", Tensor::zeros(DType::F32, &[2])).wait(), &[&leaver])?;
-    ensure!(start.elapsed() < Duration::from_secs(5), "took {:?} to notice", start.elapsed());
+    expect_err(
+        "pending",
+        k.allreduce("leave.pending", Tensor::zeros(DType::F32, &[2]))
+            .wait(),
+        &[&leaver],
+    )?;
+    expect_err(
+        "later",
+        k.allgather("leave.later", Tensor::zeros(DType::F32, &[2]))
+            .wait(),
+        &[&leaver],
+    )?;
+    ensure!(
+        start.elapsed() < Duration::from_secs(5),
+        "took {:?} to notice",
+        start.elapsed()
+    );
     Ok(())
 }

@@ -31,7 +31,12 @@ pub(crate) struct Run {
 
 /// Runs `mpirun -np <np> <this test binary>` with `KOLO_TEST_CASE=<case>`; kills the
 /// whole process group after `timeout`.
-pub(crate) fn mpirun(case: &str, np: usize, timeout: Duration, extra_env: &[(&str, &str)]) -> Result<Run, String> {
+pub(crate) fn mpirun(
+    case: &str,
+    np: usize,
+    timeout: Duration,
+    extra_env: &[(&str, &str)],
+) -> Result<Run, String> {
     let exe = std::env::current_exe().map_err(|e| format!("cannot find the test binary: {e}"))?;
     let mut cmd = Command::new("mpirun");
     cmd.args(["-np", &np.to_string(), "--bind-to", "none", "--tag-output"])
@@ -47,9 +52,9 @@ pub(crate) fn mpirun(case: &str, np: usize, timeout: Duration, extra_env: &[(&st
     mpi_env(&mut cmd);
     std::os::unix::process::CommandExt::process_group(&mut cmd, 0);
     let start = Instant::now();
-    let mut child = cmd
-        .spawn()
-        .map_err(|e| format!("cannot run mpirun ({e}); run the README's test command, which installs OpenMPI"))?;
+    let mut child = cmd.spawn().map_err(|e| {
+        format!("cannot run mpirun ({e}); run the README's test command, which installs OpenMPI")
+    })?;
     let mut stdout = child.stdout.take().ok_or("no stdout")?;
     let mut stderr = child.stderr.take().ok_or("no stderr")?;
     let out_reader = std::thread::spawn(move || {

@@ -74,11 +74,16 @@ fn main() {
                 continue;
             }
             trials.push(Trial::test(format!("{name}/np{np}"), move || {
-                let run = harness::mpirun(name, np, Duration::from_secs(120), &[]).map_err(Failed::from)?;
+                let run = harness::mpirun(name, np, Duration::from_secs(120), &[])
+                    .map_err(Failed::from)?;
                 if run.success {
                     Ok(())
                 } else {
-                    Err(format!("case {name} failed at np={np} after {:?}\n{}", run.elapsed, run.output).into())
+                    Err(format!(
+                        "case {name} failed at np={np} after {:?}\n{}",
+                        run.elapsed, run.output
+                    )
+                    .into())
                 }
             }));
         }

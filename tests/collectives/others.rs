@@ -15,26 +15,54 @@ pub(crate) fn allgather(k: &Kolo) -> Result<()> {
             s[0] = dim0(rank);
             let n: usize = s.iter().product();
             let name = format!("ag.{dtype:?}.{}", shape.len());
-            let out = k.allgather(&name, tensor(dtype, &vec![rank as f64; n], &s)?).wait()?;
+            let out = k
+                .allgather(&name, tensor(dtype, &vec![rank as f64; n], &s)?)
+                .wait()?;
             let total: usize = (0..size).map(dim0).sum();
-            ensure!(out.shape()[0] == total && out.shape()[1..] == shape[1..], "{name}: shape {:?}", out.shape());
+            ensure!(
+                out.shape()[0] == total && out.shape()[1..] == shape[1..],
+                "{name}: shape {:?}",
+                out.shape()
+            );
             let row: usize = shape[1..].iter().product();
             let vals = to_f64(&out)?;
             let mut at = 0;
             for r in 0..size {
                 let len = dim0(r) * row;
-                ensure!(vals[at..at + len].iter().all(|&x| x == r as f64), "{name}: slice {r} is not all {r}");
+                ensure!(
+                    vals[at..at + len].iter().all(|&x| x == r as f64),
+                    "{name}: slice {r} is not all {r}"
+                );
                 at += len;
             }
         }
     }
     if size > 1 {
         let t = Tensor::zeros(DType::F32, &[2, 3 + rank]);
-        expect_err("ag dim1", k.allgather("ag.err.dim", t).wait(), &["shape mismatch", "rank 0 sent [2, 3]", "rank 1 sent [2, 4]", "all dims but the first"])?;
+        expect_err(
+            "ag dim1",
+            k.allgather("ag.err.dim", t).wait(),
+            &[
+                "shape mismatch",
+                "rank 0 sent [2, 3]",
+                "rank 1 sent [2, 4]",
+                "all dims but the first",
+            ],
+        )?;
         let dtype = if rank == 0 { DType::F32 } else { DType::F64 };
-        expect_err("ag dtype", k.allgather("ag.err.dtype", Tensor::zeros(dtype, &[2])).wait(), &["dtype mismatch", "rank 0 sent f32"])?;
+        expect_err(
+            "ag dtype",
+            k.allgather("ag.err.dtype", Tensor::zeros(dtype, &[2]))
+                .wait(),
+            &["dtype mismatch", "rank 0 sent f32"],
+        )?;
     }
-    expect_err("ag scalar", k.allgather("ag.scalar", Tensor::zeros(DType::F32, &[])).submit(), &["0-d"])?;
+    expect_err(
+        "ag scalar",
+        k.allgather("ag.scalar", Tensor::zeros(DType::F32, &[]))
+            .submit(),
+        &["0-d"],
+    )?;
     Ok(())
 }
 
@@ -49,7 +77,9 @@ pub(crate) fn broadcast(k: &Kolo) -> Result<()> {
                 let mine = values(dtype, n, size, &mut Rng::new(rank as u64 * 1000 + 5));
                 let roots = values(dtype, n, size, &mut Rng::new(root as u64 * 1000 + 5));
                 let name = format!("bc.{root}.{dtype:?}.{}", shape.len());
-                let out = k.broadcast(&name, tensor(dtype, &mine, &shape)?, root).wait()?;
+                let out = k
+                    .broadcast(&name, tensor(dtype, &mine, &shape)?, root)
+                    .wait()?;
                 ensure!(out.shape() == shape.as_slice(), "{name}: shape");
                 assert_close(&name, dtype, &to_f64(&out)?, &roots)?;
             }
@@ -57,19 +87,30 @@ pub(crate) fn broadcast(k: &Kolo) -> Result<()> {
     }
     if size > 1 {
         let t = Tensor::zeros(DType::F32, &[2 + rank]);
-        expect_err("bc shape", k.broadcast("bc.err.shape", t, 0).wait(), &["shape mismatch", "rank 0 sent [2]", "rank 1 sent [3]"])?;
+        expect_err(
+            "bc shape",
+            k.broadcast("bc.err.shape", t, 0).wait(),
+            &["shape mismatch", "rank 0 sent [2]", "rank 1 sent [3]"],
+        )?;
         let dtype = if rank == 0 { DType::I64 } else { DType::F32 };
-        expect_err("bc dtype", k.broadcast("bc.err.dtype", Tensor::zeros(dtype, &[2]), 0).wait(), &["dtype mismatch"])?;
+        expect_err(
+            "bc dtype",
+            k.broadcast("bc.err.dtype", Tensor::zeros(dtype, &[2]), 0)
+                .wait(),
+            &["dtype mismatch"],
+        )?;
         // Each rank names itself as root.
         expect_err(
             "bc root",
-            k.broadcast("bc.err.root", Tensor::zeros(DType::F32, &[2]), rank).wait(),
+            k.broadcast("bc.err.root", Tensor::zeros(DType::F32, &[2]), rank)
+                .wait(),
             &["root mismatch", "rank 0 sent root 0", "rank 1 sent root 1"],
         )?;
     }
     expect_err(
         "bc range",
-        k.broadcast("bc.range", Tensor::zeros(DType::F32, &[2]), size).submit(),
+        k.broadcast("bc.range", Tensor::zeros(DType::F32, &[2]), size)
+            .submit(),
         &["root", "out of range"],
     )?;
     Ok(())
@@ -84,30 +125,74 @@ pub(crate) fn alltoall(k: &Kolo) -> Result<()> {
             let row: usize = shape[1..].iter().product();
             let mut s = shape.clone();
             s[0] = (rank + 1) * size;
-            let v: Vec<f64> = (0..size).flat_map(|i| vec![i as f64; (rank + 1) * row]).collect();
+            let v: Vec<f64> = (0..size)
+                .flat_map(|i| vec![i as f64; (rank + 1) * row])
+                .collect();
             let name = format!("a2a.{dtype:?}.{}", shape.len());
-            let out = k.alltoall(&name, tensor(dtype, &v, &s)?).splits(vec![rank + 1; size]).wait()?;
+            let out = k
+                .alltoall(&name, tensor(dtype, &v, &s)?)
+                .splits(vec![rank + 1; size])
+                .wait()?;
             let want_splits: Vec<usize> = (1..=size).collect();
-            ensure!(out.received_splits == want_splits, "{name}: splits {:?}", out.received_splits);
-            ensure!(out.tensor.shape()[0] == want_splits.iter().sum::<usize>(), "{name}: shape {:?}", out.tensor.shape());
-            ensure!(to_f64(&out.tensor)?.iter().all(|&x| x == rank as f64), "{name}: received values are not all {rank}");
+            ensure!(
+                out.received_splits == want_splits,
+                "{name}: splits {:?}",
+                out.received_splits
+            );
+            ensure!(
+                out.tensor.shape()[0] == want_splits.iter().sum::<usize>(),
+                "{name}: shape {:?}",
+                out.tensor.shape()
+            );
+            ensure!(
+                to_f64(&out.tensor)?.iter().all(|&x| x == rank as f64),
+                "{name}: received values are not all {rank}"
+            );
         }
     }
     let v: Vec<f64> = (0..size).flat_map(|i| vec![i as f64; 2]).collect();
-    let out = k.alltoall("a2a.equal", tensor(DType::F32, &v, &[2 * size])?).wait()?;
-    ensure!(out.received_splits == vec![2; size], "equal splits {:?}", out.received_splits);
-    ensure!(to_f64(&out.tensor)?.iter().all(|&x| x == rank as f64), "equal split values");
+    let out = k
+        .alltoall("a2a.equal", tensor(DType::F32, &v, &[2 * size])?)
+        .wait()?;
+    ensure!(
+        out.received_splits == vec![2; size],
+        "equal splits {:?}",
+        out.received_splits
+    );
+    ensure!(
+        to_f64(&out.tensor)?.iter().all(|&x| x == rank as f64),
+        "equal split values"
+    );
 
     let t = Tensor::zeros(DType::F32, &[2 * size]);
     let mut bad = vec![1; size];
     bad[0] += 2 * size;
-    expect_err("a2a sum", k.alltoall("a2a.err.sum", t.clone()).splits(bad).submit(), &["sum to", "dim 0 of the tensor is"])?;
-    expect_err("a2a len", k.alltoall("a2a.err.len", t).splits(vec![1; size + 1]).submit(), &["entries", "ranks"])?;
+    expect_err(
+        "a2a sum",
+        k.alltoall("a2a.err.sum", t.clone()).splits(bad).submit(),
+        &["sum to", "dim 0 of the tensor is"],
+    )?;
+    expect_err(
+        "a2a len",
+        k.alltoall("a2a.err.len", t)
+            .splits(vec![1; size + 1])
+            .submit(),
+        &["entries", "ranks"],
+    )?;
     if size > 1 {
         let t = Tensor::zeros(DType::F32, &[size + 1]);
-        expect_err("a2a divisible", k.alltoall("a2a.err.div", t).submit(), &["not divisible"])?;
+        expect_err(
+            "a2a divisible",
+            k.alltoall("a2a.err.div", t).submit(),
+            &["not divisible"],
+        )?;
     }
-    expect_err("a2a scalar", k.alltoall("a2a.scalar", Tensor::zeros(DType::F32, &[])).submit(), &["0-d"])?;
+    expect_err(
+        "a2a scalar",
+        k.alltoall("a2a.scalar", Tensor::zeros(DType::F32, &[]))
+            .submit(),
+        &["0-d"],
+    )?;
     Ok(())
 }
 
@@ -122,32 +207,66 @@ pub(crate) fn reducescatter(k: &Kolo) -> Result<()> {
             let row = n / (4 * size);
             let v = values(dtype, n, size, &mut Rng::new(11));
             let name = format!("rs.{dtype:?}.{dims}");
-            let out = k.reducescatter(&name, tensor(dtype, &v, &shape)?).op(ReduceOp::Sum).wait()?;
+            let out = k
+                .reducescatter(&name, tensor(dtype, &v, &shape)?)
+                .op(ReduceOp::Sum)
+                .wait()?;
             let mut want_shape = shape.clone();
             want_shape[0] = 4;
-            ensure!(out.shape() == want_shape.as_slice(), "{name}: shape {:?}", out.shape());
-            let want: Vec<f64> = v[4 * rank * row..4 * (rank + 1) * row].iter().map(|x| x * size as f64).collect();
+            ensure!(
+                out.shape() == want_shape.as_slice(),
+                "{name}: shape {:?}",
+                out.shape()
+            );
+            let want: Vec<f64> = v[4 * rank * row..4 * (rank + 1) * row]
+                .iter()
+                .map(|x| x * size as f64)
+                .collect();
             assert_close(&name, dtype, &to_f64(&out)?, &want)?;
 
             let name = format!("rs.avg.{dtype:?}.{dims}");
             let out = k.reducescatter(&name, tensor(dtype, &v, &shape)?).wait()?;
-            assert_close(&name, dtype, &to_f64(&out)?, &v[4 * rank * row..4 * (rank + 1) * row])?;
+            assert_close(
+                &name,
+                dtype,
+                &to_f64(&out)?,
+                &v[4 * rank * row..4 * (rank + 1) * row],
+            )?;
         }
     }
     // Uneven: dim 0 = 2·size + 1 rows of 3.
     let d0 = 2 * size + 1;
     let v: Vec<f64> = (0..d0 * 3).map(|i| i as f64).collect();
-    let out = k.reducescatter("rs.uneven", tensor(DType::F64, &v, &[d0, 3])?).op(ReduceOp::Sum).wait()?;
+    let out = k
+        .reducescatter("rs.uneven", tensor(DType::F64, &v, &[d0, 3])?)
+        .op(ReduceOp::Sum)
+        .wait()?;
     let rows = |r: usize| 2 + usize::from(r == 0);
     let start: usize = (0..rank).map(rows).sum();
-    ensure!(out.shape() == [rows(rank), 3], "uneven shape {:?}", out.shape());
-    let want: Vec<f64> = v[start * 3..(start + rows(rank)) * 3].iter().map(|x| x * size as f64).collect();
+    ensure!(
+        out.shape() == [rows(rank), 3],
+        "uneven shape {:?}",
+        out.shape()
+    );
+    let want: Vec<f64> = v[start * 3..(start + rows(rank)) * 3]
+        .iter()
+        .map(|x| x * size as f64)
+        .collect();
     assert_close("rs.uneven", DType::F64, &to_f64(&out)?, &want)?;
 
-    expect_err("rs scalar", k.reducescatter("rs.scalar", Tensor::zeros(DType::F32, &[])).submit(), &["0-d"])?;
+    expect_err(
+        "rs scalar",
+        k.reducescatter("rs.scalar", Tensor::zeros(DType::F32, &[]))
+            .submit(),
+        &["0-d"],
+    )?;
     if size > 1 {
         let t = Tensor::zeros(DType::F32, &[4 * size + rank]);
-        expect_err("rs shape", k.reducescatter("rs.err", t).wait(), &["shape mismatch"])?;
+        expect_err(
+            "rs shape",
+            k.reducescatter("rs.err", t).wait(),
+            &["shape mismatch"],
+        )?;
     }
     Ok(())
 }

@@ -86,7 +86,12 @@ pub(crate) fn to_f64(t: &Tensor) -> Result<Vec<f64>> {
 /// Horovod's tolerances: exact for integers; relative 1e-4 for floats (looser for
 /// the 16-bit floats, whose results are rounded to 8 or 11 significant bits).
 pub(crate) fn assert_close(what: &str, dtype: DType, got: &[f64], want: &[f64]) -> Result<()> {
-    ensure!(got.len() == want.len(), "{what}: {} values, expected {}", got.len(), want.len());
+    ensure!(
+        got.len() == want.len(),
+        "{what}: {} values, expected {}",
+        got.len(),
+        want.len()
+    );
     let rtol = match dtype {
         DType::F16 => 2e-3,
         DType::BF16 => 1e-2,
@@ -94,7 +99,11 @@ pub(crate) fn assert_close(what: &str, dtype: DType, got: &[f64], want: &[f64]) 
         _ => 0.0,
     };
     for (i, (g, w)) in got.iter().zip(want).enumerate() {
-        let ok = if rtol == 0.0 { g == w } else { (g - w).abs() <= rtol * w.abs().max(1.0) };
+        let ok = if rtol == 0.0 {
+            g == w
+        } else {
+            (g - w).abs() <= rtol * w.abs().max(1.0)
+        };
         ensure!(ok, "{what} ({dtype:?}): element {i} is {g}, expected {w}");
     }
     Ok(())
@@ -106,13 +115,20 @@ pub(crate) fn shapes() -> Vec<Vec<usize>> {
 }
 
 /// Checks that `result` failed and that its message contains every `parts`.
-pub(crate) fn expect_err<T: std::fmt::Debug>(what: &str, result: kolo::Result<T>, parts: &[&str]) -> Result<String> {
+pub(crate) fn expect_err<T: std::fmt::Debug>(
+    what: &str,
+    result: kolo::Result<T>,
+    parts: &[&str],
+) -> Result<String> {
     match result {
         Ok(v) => anyhow::bail!("{what}: expected an error, got {v:?}"),
         Err(e) => {
             let msg = e.to_string();
             for p in parts {
-                ensure!(msg.contains(p), "{what}: error {msg:?} does not contain {p:?}");
+                ensure!(
+                    msg.contains(p),
+                    "{what}: error {msg:?} does not contain {p:?}"
+                );
             }
             Ok(msg)
         }
