@@ -89,13 +89,16 @@ pub(crate) fn join(k: &Kolo) -> Result<()> {
 /// barrier with async ops still pending does not deadlock.
 pub(crate) fn barrier(k: &Kolo) -> Result<()> {
     let sleep = Duration::from_millis(1500);
+    // Line the ranks up first: processes start at different times. Ranks leave a
+    // barrier within a few milliseconds of each other, hence the 100 ms of slack.
+    k.barrier()?;
     let start = Instant::now();
     if k.rank() == 0 {
         std::thread::sleep(sleep);
     }
     k.barrier()?;
     ensure!(
-        start.elapsed() >= sleep,
+        start.elapsed() >= sleep - Duration::from_millis(100),
         "barrier returned after {:?}, before rank 0 arrived",
         start.elapsed()
     );
