@@ -133,6 +133,15 @@ pub enum Error {
         source: postcard::Error,
     },
 
+    /// The optimizer wrapped by a [`DistributedOptimizer`](crate::DistributedOptimizer)
+    /// failed its step.
+    #[error("the wrapped optimizer's step failed")]
+    Optimizer {
+        /// The optimizer's error.
+        #[source]
+        source: Box<dyn std::error::Error + Send + Sync>,
+    },
+
     /// The MPI library reported an error.
     #[error("MPI error in {call}: {message}")]
     Transport {

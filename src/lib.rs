@@ -13,6 +13,10 @@
 //!   [`allgather_object`](Kolo::allgather_object).
 //! - [`Tensor`] is an owned, typed, shaped buffer ([`DType`]); [`Handle`] is the result
 //!   of an asynchronous collective (poll, wait, or `.await`).
+//! - [`DistributedOptimizer`] wraps any [`GradientStep`] with Horovod's optimizer
+//!   semantics (async submission, local accumulation, compression, fusion groups), and
+//!   [`broadcast_parameters`] starts every rank from rank 0's values. The Burn
+//!   integration lives in the `kolo-burn` crate.
 //! - Every error is an [`Error`] that names the tensor and, for cross-rank problems,
 //!   which rank sent what.
 //!
@@ -40,6 +44,7 @@ mod error;
 mod handle;
 mod logging;
 mod ops;
+mod optimizer;
 mod runtime;
 mod tensor;
 mod transport;
@@ -50,6 +55,10 @@ pub use handle::Handle;
 pub use ops::{
     AllgatherBuilder, AllreduceBuilder, AlltoallBuilder, AlltoallOutput, BroadcastBuilder,
     GroupedAllreduceBuilder, ReduceOp, ReducescatterBuilder,
+};
+pub use optimizer::{
+    broadcast_parameters, Compression, DistributedOptimizer, DistributedOptimizerBuilder,
+    GradientStep, Gradients,
 };
 pub use runtime::{init, Kolo};
 pub use tensor::{DType, Element, Tensor};

@@ -5,6 +5,7 @@
 mod allreduce;
 mod control;
 mod harness;
+mod optimizer;
 mod others;
 mod util;
 
@@ -34,6 +35,7 @@ const CASES: &[(&str, Case, usize)] = &[
     ("order_independence", control::order_independence, 1),
     ("submit_errors", control::submit_errors, 1),
     ("rank_leaves", control::rank_leaves, 2),
+    ("distributed_optimizer", optimizer::semantics, 1),
 ];
 
 fn worker(case: &str) -> ! {

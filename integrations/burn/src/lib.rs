@@ -1,0 +1,2 @@
+//! kolo-burn
+use burn as _;
