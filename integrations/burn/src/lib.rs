@@ -1,2 +1,46 @@
-//! kolo-burn
-use burn as _;
+//! # kolo-burn
+//!
+//! Data-parallel training of [Burn](https://burn.dev) models across processes and
+//! machines with [`kolo`]: launch one process per core share or GPU with `mpirun`, and
+//! add a few lines to a Burn training loop.
+//!
+//! - [`broadcast_parameters`] and [`broadcast_optimizer_state`] start every rank from
+//!   rank 0's model and optimizer state.
+//! - [`GradientReducer`] (the fused path, recommended) averages all gradients of a step
+//!   in a few large collectives between `backward` and `ModuleOptimizer::step`; call it
+//!   in a hand-written loop or from an overridden `TrainStep::optimize` in burn-train.
+//! - [`DistributedOptimizer`] (the per-tensor path) wraps any Burn `Optimizer` and goes
+//!   wherever one goes, at the cost of one blocking collective per parameter.
+//! - [`DistributedSampler`] shards a dataset per rank and epoch; [`average_metrics`]
+//!   averages loss and accuracy for logging; [`save_checkpoint`] / [`load_checkpoint`]
+//!   write crash-safe rank-0 checkpoints and resume every rank from them.
+//!
+//! ```no_run
+//! # use burn::module::Module;
+//! # fn demo<M: Module>(model: M, loss: burn::tensor::Tensor<1>, mut optim: burn::optim::ModuleOptimizer) -> Result<(), kolo_burn::Error> {
+//! use burn::optim::GradientsParams;
+//! let kolo = kolo::init()?;
+//! let mut model = kolo_burn::broadcast_parameters(&kolo, model, 0)?;
+//! let reducer = kolo_burn::GradientReducer::new(&kolo);
+//! // in the loop:
+//! let grads = GradientsParams::from_grads(loss.backward(), &model);
+//! let grads = reducer.reduce(&model, grads)?;
+//! model = optim.step(1e-3, model, grads);
+//! # Ok(()) }
+//! ```
+
+mod broadcast;
+mod checkpoint;
+mod error;
+mod grads;
+mod metrics;
+mod optim;
+mod sampler;
+
+pub use broadcast::{broadcast_optimizer_state, broadcast_parameters};
+pub use checkpoint::{checkpoint_path, load_checkpoint, save_checkpoint, Restored};
+pub use error::{Error, Result};
+pub use grads::GradientReducer;
+pub use metrics::average_metrics;
+pub use optim::DistributedOptimizer;
+pub use sampler::DistributedSampler;

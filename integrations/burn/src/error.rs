@@ -1,0 +1,52 @@
+//! The error type of kolo-burn.
+
+use std::path::PathBuf;
+
+/// What can go wrong in the Burn integration.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// A kolo collective failed (mismatch between ranks, a rank that left, …).
+    #[error(transparent)]
+    Kolo(#[from] kolo::Error),
+
+    /// Burn could not (de)serialise a module or optimizer record.
+    #[error("{what}: {message}")]
+    Record {
+        /// What was being (de)serialised.
+        what: &'static str,
+        /// Burn's message.
+        message: String,
+    },
+
+    /// A tensor's data could not be read.
+    #[error("reading gradient {name:?}: {message}")]
+    Data {
+        /// The parameter.
+        name: String,
+        /// Burn's message.
+        message: String,
+    },
+
+    /// A checkpoint file could not be written or read.
+    #[error("checkpoint {path}: {source}")]
+    Io {
+        /// The file.
+        path: PathBuf,
+        /// The cause.
+        #[source]
+        source: std::io::Error,
+    },
+
+    /// A checkpoint file is not one kolo-burn wrote, or is from another version.
+    #[error("checkpoint {path}: {message}")]
+    Checkpoint {
+        /// The file.
+        path: PathBuf,
+        /// What is wrong.
+        message: String,
+    },
+}
+
+/// `Result` with kolo-burn's [`Error`].
+pub type Result<T, E = Error> = std::result::Result<T, E>;

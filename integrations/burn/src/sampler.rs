@@ -1,0 +1,115 @@
+//! A distributed sampler: each rank's share of a dataset, reshuffled every epoch.
+
+/// Splits `0..len` among ranks like PyTorch's `DistributedSampler`: every epoch the
+/// indices are shuffled from `(seed, epoch)` — the same permutation on every rank —
+/// padded by repeating the first indices until they divide evenly, and rank `r` takes
+/// every `size`-th index starting at `r`. So every rank gets the same number of
+/// samples (and batches: collectives stay in step), the shards are disjoint except for
+/// the padding, and together they cover the dataset.
+#[derive(Debug, Clone)]
+pub struct DistributedSampler {
+    len: usize,
+    rank: usize,
+    size: usize,
+    seed: u64,
+    shuffle: bool,
+}
+
+impl DistributedSampler {
+    /// A shuffling sampler for `len` samples, as rank `rank` of `size`.
+    pub fn new(len: usize, rank: usize, size: usize, seed: u64) -> Self {
+        DistributedSampler {
+            len,
+            rank,
+            size: size.max(1),
+            seed,
+            shuffle: true,
+        }
+    }
+
+    /// Keeps dataset order (e.g. for evaluation).
+    pub fn without_shuffle(mut self) -> Self {
+        self.shuffle = false;
+        self
+    }
+
+    /// Samples per rank per epoch.
+    pub fn num_samples(&self) -> usize {
+        self.len.div_ceil(self.size)
+    }
+
+    /// This rank's indices for `epoch`.
+    pub fn indices(&self, epoch: u64) -> Vec<usize> {
+        let mut all: Vec<usize> = (0..self.len).collect();
+        if self.shuffle {
+            let mut rng = SplitMix(self.seed ^ epoch.wrapping_mul(0x9E37_79B9_7F4A_7C15));
+            for i in (1..all.len()).rev() {
+                let j = (rng.next() % (i as u64 + 1)) as usize;
+                all.swap(i, j);
+            }
+        }
+        let total = self.num_samples() * self.size;
+        let mut i = 0;
+        while all.len() < total && self.len > 0 {
+            all.push(all[i]);
+            i += 1;
+        }
+        all.into_iter().skip(self.rank).step_by(self.size).collect()
+    }
+}
+
+/// splitmix64: a tiny, well-known generator; the sampler needs a permutation that is
+/// identical on every rank and stable across crate versions, nothing more.
+struct SplitMix(u64);
+
+impl SplitMix {
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn shards_are_equal_disjoint_and_cover() {
+        for (len, size) in [(10, 3), (1797, 4), (5, 5), (3, 4)] {
+            let shards: Vec<Vec<usize>> = (0..size)
+                .map(|r| DistributedSampler::new(len, r, size, 7).indices(2))
+                .collect();
+            let n = shards[0].len();
+            assert!(shards.iter().all(|s| s.len() == n));
+            assert_eq!(n, len.div_ceil(size));
+            let mut seen = vec![0; len];
+            for s in &shards {
+                for &i in s {
+                    seen[i] += 1;
+                }
+            }
+            assert!(seen.iter().all(|&c| c >= 1), "not covered");
+            assert_eq!(
+                seen.iter().sum::<usize>() - len,
+                n * size - len,
+                "only padding repeats"
+            );
+        }
+    }
+
+    #[test]
+    fn reshuffles_per_epoch_deterministically() {
+        let s = DistributedSampler::new(100, 1, 2, 3);
+        assert_eq!(s.indices(0), s.indices(0));
+        assert_ne!(s.indices(0), s.indices(1));
+        assert_eq!(
+            DistributedSampler::new(6, 0, 2, 3)
+                .without_shuffle()
+                .indices(9),
+            vec![0, 2, 4]
+        );
+    }
+}
