@@ -5,5 +5,5 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/setup.sh
 cargo fmt --all -- --check
-cargo test --workspace --all-targets
-cargo test --workspace --doc
+cargo test --workspace --release --all-targets
+cargo test --workspace --release --doc
