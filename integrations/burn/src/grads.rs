@@ -36,6 +36,7 @@ pub struct GradientReducer {
     op: ReduceOp,
     chunk_bytes: usize,
     prefix: String,
+    passes: usize,
 }
 
 impl GradientReducer {
@@ -46,12 +47,22 @@ impl GradientReducer {
             op: ReduceOp::Average,
             chunk_bytes: 64 << 20,
             prefix: "kolo_burn.grads".into(),
+            passes: 1,
         }
     }
 
     /// [`ReduceOp::Average`] (default) or [`ReduceOp::Sum`].
     pub fn op(mut self, op: ReduceOp) -> Self {
         self.op = op;
+        self
+    }
+
+    /// The gradients handed to [`reduce`](Self::reduce) are the sum of `passes`
+    /// backward passes (accumulated locally, e.g. with Burn's `GradientsAccumulator`):
+    /// they are divided by `passes`, so that with a mean loss `n` passes over batches
+    /// of `b` equal one pass over `n·b` — one reduction per `n` passes.
+    pub fn backward_passes_per_step(mut self, passes: usize) -> Self {
+        self.passes = passes.max(1);
         self
     }
 
@@ -112,6 +123,7 @@ impl GradientReducer {
                 self.kolo
                     .allreduce(format!("{}.{i}", self.prefix), t)
                     .op(self.op)
+                    .prescale(1.0 / self.passes as f64)
                     .submit()?,
             );
         }

@@ -1,1 +1,396 @@
-fn main() {}
+//! Multi-rank tests of kolo-burn: this binary launches itself under `mpirun -np N`
+//! once per case (see the core crate's `tests/collectives` for the pattern).
+
+#[path = "../../../../tests/collectives/harness.rs"]
+mod harness;
+
+use std::time::Duration;
+
+use anyhow::{ensure, Result};
+use burn::module::{Module, ModuleVisitor, Param};
+use burn::nn::loss::CrossEntropyLossConfig;
+use burn::nn::{Linear, LinearConfig, Relu};
+use burn::optim::{AdamConfig, GradientsAccumulator, GradientsParams, ModuleOptimizer, SgdConfig};
+use burn::tensor::{Device, Int, Tensor, TensorData};
+use kolo::Kolo;
+use kolo_burn::{
+    broadcast_optimizer_state, broadcast_parameters, load_checkpoint, save_checkpoint,
+    DistributedOptimizer, DistributedSampler, GradientReducer,
+};
+use libtest_mimic::{Arguments, Failed, Trial};
+
+#[derive(Module, Debug)]
+struct Small {
+    fc1: Linear,
+    act: Relu,
+    fc2: Linear,
+}
+
+impl Small {
+    fn new(device: &Device) -> Self {
+        Small {
+            fc1: LinearConfig::new(8, 16).init(device),
+            act: Relu::new(),
+            fc2: LinearConfig::new(16, 4).init(device),
+        }
+    }
+
+    fn forward(&self, x: Tensor<2>) -> Tensor<2> {
+        self.fc2.forward(self.act.forward(self.fc1.forward(x)))
+    }
+}
+
+/// Every float parameter, flattened in module order.
+fn params(m: &Small) -> Vec<f32> {
+    struct Flat(Vec<f32>);
+    impl ModuleVisitor for Flat {
+        fn visit_float<const D: usize>(&mut self, p: &Param<Tensor<D>>) {
+            let v = p
+                .val()
+                .into_data()
+                .convert::<f32>()
+                .try_to_vec::<f32>()
+                .unwrap_or_default();
+            self.0.extend(v);
+        }
+    }
+    let mut f = Flat(Vec::new());
+    m.visit(&mut f);
+    f.0
+}
+
+/// Sample `i` of a fixed synthetic dataset (8 features, 4 classes).
+fn samples(ids: std::ops::Range<usize>, device: &Device) -> (Tensor<2>, Tensor<1, Int>) {
+    let n = ids.len();
+    let mut x = Vec::with_capacity(n * 8);
+    let mut y = Vec::with_capacity(n);
+    for i in ids {
+        for j in 0..8 {
+            x.push((((i * 31 + j * 17) % 23) as f32 - 11.0) / 7.0);
+        }
+        y.push(((i * 7) % 4) as i64);
+    }
+    (
+        Tensor::from_data(TensorData::new(x, [n, 8]), device),
+        Tensor::from_data(TensorData::new(y, [n]), device),
+    )
+}
+
+fn grads_for(model: &Small, ids: std::ops::Range<usize>, device: &Device) -> GradientsParams {
+    let (x, y) = samples(ids, device);
+    let loss = CrossEntropyLossConfig::new()
+        .init(device)
+        .forward(model.forward(x), y);
+    GradientsParams::from_grads(loss.backward(), model)
+}
+
+fn assert_close(what: &str, a: &[f32], b: &[f32], tol: f32) -> Result<()> {
+    ensure!(
+        a.len() == b.len(),
+        "{what}: {} vs {} parameters",
+        a.len(),
+        b.len()
+    );
+    let worst = a
+        .iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0f32, f32::max);
+    ensure!(
+        worst <= tol,
+        "{what}: parameters differ by up to {worst} (tolerance {tol})"
+    );
+    Ok(())
+}
+
+#[derive(Clone, Copy, Debug)]
+enum Path {
+    Fused,
+    PerTensor,
+}
+
+/// N ranks with per-rank batch b equal one process with batch N·b, after 5 steps,
+/// for SGD and Adam, on the fused and per-tensor paths.
+fn equivalence(k: &Kolo) -> Result<()> {
+    let (rank, size) = (k.rank(), k.size());
+    let device = Device::flex().autodiff();
+    let b = 6;
+    for adam in [false, true] {
+        for path in [Path::Fused, Path::PerTensor] {
+            let start = broadcast_parameters(k, Small::new(&device), 0)?;
+            let reference_start = start.clone();
+            let mut optim: ModuleOptimizer = match (adam, path) {
+                (false, Path::Fused) => SgdConfig::new().init(),
+                (true, Path::Fused) => AdamConfig::new().init(),
+                (false, Path::PerTensor) => {
+                    DistributedOptimizer::new(k, SgdConfig::new().build()).into()
+                }
+                (true, Path::PerTensor) => {
+                    DistributedOptimizer::new(k, AdamConfig::new().build()).into()
+                }
+            };
+            let reducer = GradientReducer::new(k);
+            let mut model = start;
+            for step in 0..5 {
+                let base = step * b * size;
+                let grads = grads_for(&model, base + rank * b..base + (rank + 1) * b, &device);
+                let grads = match path {
+                    Path::Fused => reducer.reduce(&model, grads)?,
+                    Path::PerTensor => grads,
+                };
+                model = optim.step(0.05, model, grads);
+            }
+            // The single-process reference, on every rank: batch N·b, no kolo.
+            let mut local: ModuleOptimizer = if adam {
+                AdamConfig::new().init()
+            } else {
+                SgdConfig::new().init()
+            };
+            let mut reference = reference_start;
+            for step in 0..5 {
+                let base = step * b * size;
+                let grads = grads_for(&reference, base..base + b * size, &device);
+                reference = local.step(0.05, reference, grads);
+            }
+            let what = format!("{} {path:?}", if adam { "Adam" } else { "SGD" });
+            assert_close(&what, &params(&model), &params(&reference), 1e-5)?;
+            ensure!(
+                params(&model) != params(&broadcast_parameters(k, Small::new(&device), 0)?),
+                "{what}: training changed nothing"
+            );
+        }
+    }
+    Ok(())
+}
+
+/// Ranks start from different random weights and see different data; after
+/// broadcast_parameters and 10 steps every rank holds bit-identical parameters.
+fn replica_consistency(k: &Kolo) -> Result<()> {
+    let device = Device::flex().autodiff();
+    let mine = Small::new(&device);
+    let before: Vec<Vec<u32>> = k.allgather_object(
+        "before",
+        params(&mine)
+            .iter()
+            .map(|x| x.to_bits())
+            .collect::<Vec<_>>(),
+    )?;
+    if k.size() > 1 {
+        ensure!(
+            before[0] != before[1],
+            "ranks started from identical random weights: the test proves nothing"
+        );
+    }
+    let mut model = broadcast_parameters(k, mine, 0)?;
+    let mut optim = AdamConfig::new().init();
+    let reducer = GradientReducer::new(k);
+    for step in 0..10 {
+        let at = 1000 * k.rank() + 7 * step;
+        let grads = reducer.reduce(&model, grads_for(&model, at..at + 5, &device))?;
+        model = optim.step(0.01, model, grads);
+    }
+    let bits: Vec<u32> = params(&model).iter().map(|x| x.to_bits()).collect();
+    let all: Vec<Vec<u32>> = k.allgather_object("after", bits)?;
+    ensure!(
+        all.iter().all(|p| p == &all[0]),
+        "ranks hold different parameters after 10 steps"
+    );
+    Ok(())
+}
+
+/// Two accumulated passes per rank, one reduction, equal one step on the whole batch.
+fn backward_passes(k: &Kolo) -> Result<()> {
+    let (rank, size) = (k.rank(), k.size());
+    let device = Device::flex().autodiff();
+    let start = broadcast_parameters(k, Small::new(&device), 0)?;
+    let b = 4;
+    let reducer = GradientReducer::new(k).backward_passes_per_step(2);
+    let mut acc = GradientsAccumulator::new();
+    for pass in 0..2 {
+        let at = (pass * size + rank) * b;
+        acc.accumulate(&start, grads_for(&start, at..at + b, &device));
+    }
+    let grads = reducer.reduce(&start, acc.grads())?;
+    let model = SgdConfig::new().init().step(0.1, start.clone(), grads);
+    let whole = grads_for(&start, 0..2 * size * b, &device);
+    let reference = SgdConfig::new().init().step(0.1, start, whole);
+    assert_close(
+        "2 passes vs doubled batch",
+        &params(&model),
+        &params(&reference),
+        1e-5,
+    )
+}
+
+/// After ranks' Adam states diverge, broadcasting parameters and optimizer state makes
+/// the next step (on the same local gradients) bit-identical everywhere.
+fn optimizer_state(k: &Kolo) -> Result<()> {
+    let device = Device::flex().autodiff();
+    let mut model = broadcast_parameters(k, Small::new(&device), 0)?;
+    let mut optim = AdamConfig::new().init();
+    for step in 0..2 {
+        let at = 100 * k.rank() + step;
+        let grads = grads_for(&model, at..at + 3, &device);
+        model = optim.step(0.05, model, grads);
+    }
+    let model = broadcast_parameters(k, model, 0)?;
+    let mut optim = broadcast_optimizer_state(k, optim, 0)?;
+    let grads = grads_for(&model, 0..4, &device);
+    let model = optim.step(0.05, model, grads);
+    let bits: Vec<u32> = params(&model).iter().map(|x| x.to_bits()).collect();
+    let all: Vec<Vec<u32>> = k.allgather_object("after_state", bits)?;
+    ensure!(
+        all.iter().all(|p| p == &all[0]),
+        "the step after broadcast_optimizer_state differs between ranks"
+    );
+    Ok(())
+}
+
+/// Shards of every epoch are equal-sized, cover the dataset, and overlap only in padding.
+fn sampler(k: &Kolo) -> Result<()> {
+    let len = 1797;
+    for epoch in 0..3 {
+        let mine = DistributedSampler::new(len, k.rank(), k.size(), 5).indices(epoch);
+        let all: Vec<Vec<usize>> = k.allgather_object(format!("shards.{epoch}"), mine)?;
+        ensure!(
+            all.iter().all(|s| s.len() == all[0].len()),
+            "epoch {epoch}: unequal shards"
+        );
+        let mut seen = vec![0usize; len];
+        all.iter().flatten().for_each(|&i| seen[i] += 1);
+        ensure!(
+            seen.iter().all(|&c| c >= 1),
+            "epoch {epoch}: not every sample is used"
+        );
+        let repeats: usize = seen.iter().map(|&c| c - 1).sum();
+        ensure!(
+            repeats == all[0].len() * k.size() - len,
+            "epoch {epoch}: {repeats} repeats beyond padding"
+        );
+    }
+    Ok(())
+}
+
+/// A checkpoint saved at step 3 resumes at step 3 with the same parameters and
+/// optimizer state on every rank; a corrupt file is refused on every rank.
+fn checkpoint(k: &Kolo) -> Result<()> {
+    let device = Device::flex().autodiff();
+    let dir = std::env::temp_dir().join(format!(
+        "kolo-burn-ckpt-{}",
+        std::env::var("OMPI_MCA_orte_ess_jobid").unwrap_or_default()
+    ));
+    let dir: std::path::PathBuf = k.broadcast_object("ckpt.dir", dir, 0)?;
+    let mut model = broadcast_parameters(k, Small::new(&device), 0)?;
+    let mut optim = AdamConfig::new().init();
+    let reducer = GradientReducer::new(k);
+    for step in 0..3 {
+        let grads = reducer.reduce(&model, grads_for(&model, step * 4..step * 4 + 4, &device))?;
+        model = optim.step(0.05, model, grads);
+    }
+    save_checkpoint(k, &dir, &model, &optim, 3)?;
+    if k.rank() == 0 {
+        let leftovers: Vec<_> = std::fs::read_dir(&dir)?
+            .filter_map(|e| e.ok())
+            .map(|e| e.file_name())
+            .collect();
+        ensure!(leftovers.len() == 1, "checkpoint dir holds {leftovers:?}");
+    }
+    // A fresh process state: new random weights and an empty optimizer.
+    let fresh = Small::new(&device);
+    let restored = load_checkpoint(k, &dir, fresh, AdamConfig::new().init())?;
+    let Some(r) = restored else {
+        anyhow::bail!("no checkpoint found")
+    };
+    ensure!(r.step == 3, "resumed at step {}", r.step);
+    ensure!(
+        params(&r.model) == params(&model),
+        "restored parameters differ"
+    );
+    // One more step from both gives the same result: the optimizer state came back too.
+    let (mut o1, mut o2) = (optim, r.optim);
+    let g1 = reducer.reduce(&model, grads_for(&model, 50..54, &device))?;
+    let next = o1.step(0.05, model, g1);
+    let g2 = reducer.reduce(&r.model, grads_for(&r.model, 50..54, &device))?;
+    let resumed = o2.step(0.05, r.model, g2);
+    ensure!(
+        params(&next) == params(&resumed),
+        "the step after resuming differs"
+    );
+
+    k.barrier()?;
+    if k.rank() == 0 {
+        std::fs::write(kolo_burn::checkpoint_path(&dir), b"not a checkpoint")?;
+    }
+    k.barrier()?;
+    let err = load_checkpoint(k, &dir, Small::new(&device), AdamConfig::new().init())
+        .map(|r| r.map(|r| r.step));
+    match err {
+        Ok(v) => anyhow::bail!("a corrupt checkpoint loaded: {v:?}"),
+        Err(e) => ensure!(e.to_string().contains("not a kolo-burn checkpoint"), "{e}"),
+    }
+    k.barrier()?;
+    if k.rank() == 0 {
+        std::fs::remove_dir_all(&dir)?;
+    }
+    Ok(())
+}
+
+type Case = fn(&Kolo) -> Result<()>;
+
+const CASES: &[(&str, Case, &[usize])] = &[
+    ("equivalence", equivalence, &[2, 3]),
+    ("replica_consistency", replica_consistency, &[2, 4]),
+    ("backward_passes_per_step", backward_passes, &[1, 2]),
+    ("broadcast_optimizer_state", optimizer_state, &[2, 3]),
+    ("sampler", sampler, &[1, 3]),
+    ("checkpoint_resume", checkpoint, &[2]),
+];
+
+fn main() {
+    if let Ok(case) = std::env::var("KOLO_TEST_CASE") {
+        let Some((_, f, _)) = CASES.iter().find(|(n, _, _)| *n == case) else {
+            eprintln!("unknown case {case}");
+            std::process::exit(2);
+        };
+        let kolo = match kolo::init() {
+            Ok(k) => k,
+            Err(e) => {
+                eprintln!("init failed: {e}");
+                std::process::exit(3);
+            }
+        };
+        let rank = kolo.rank();
+        let result = f(&kolo);
+        let _ = kolo.shutdown();
+        if let Err(e) = result {
+            eprintln!("rank {rank}: case {case} failed: {e:#}");
+            std::process::exit(1);
+        }
+        std::process::exit(0);
+    }
+    let args = Arguments::from_args();
+    let mut trials = Vec::new();
+    for &(name, _, nps) in CASES {
+        for &np in nps {
+            trials.push(Trial::test(format!("{name}/np{np}"), move || {
+                let run = harness::mpirun(
+                    name,
+                    np,
+                    Duration::from_secs(180),
+                    &[("RAYON_NUM_THREADS", "1")],
+                )
+                .map_err(Failed::from)?;
+                if run.success {
+                    Ok(())
+                } else {
+                    Err(format!(
+                        "case {name} failed at np={np} after {:?}\n{}",
+                        run.elapsed, run.output
+                    )
+                    .into())
+                }
+            }));
+        }
+    }
+    libtest_mimic::run(&args, trials).exit();
+}
