@@ -1,7 +1,7 @@
 //! [`Kolo`]: the handle to this rank's engine, and start-up.
 
 use std::collections::HashSet;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::mpsc::{self, Sender};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::thread::JoinHandle;
@@ -22,6 +22,37 @@ use crate::transport::Topology;
 
 /// MPI can be initialised once per process; so can kolo.
 static STARTED: AtomicBool = AtomicBool::new(false);
+
+/// This process's rank, for the panic hook.
+static RANK: AtomicUsize = AtomicUsize::new(usize::MAX);
+
+/// Makes a panic on any thread end the whole job: the hook reports the rank and the
+/// panic, keeps the previous hook's output, and asks the engine to call MPI_Abort.
+/// Unwinding into MPI_Finalize instead would leave the other ranks waiting for this
+/// one forever (Horovod's users know this hang well).
+fn install_panic_hook() {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        let previous = std::panic::take_hook();
+        std::panic::set_hook(Box::new(move |info| {
+            let rank = RANK.load(Ordering::SeqCst);
+            let thread = std::thread::current();
+            let thread = thread.name().unwrap_or("<unnamed>");
+            let payload = info.payload();
+            let message = payload
+                .downcast_ref::<&str>()
+                .copied()
+                .or_else(|| payload.downcast_ref::<String>().map(String::as_str))
+                .unwrap_or("(non-string panic payload)");
+            let at = info.location().map(|l| format!(" at {l}")).unwrap_or_default();
+            // One write, so that mpirun's per-rank output tagging keeps it on one line.
+            let line = format!("kolo: rank {rank} panicked on thread '{thread}'{at}: {message}; aborting the whole job\n");
+            let _ = std::io::Write::write_all(&mut std::io::stderr().lock(), line.as_bytes());
+            previous(info);
+            crate::transport::request_abort();
+        }));
+    });
+}
 
 /// Initialises MPI and starts this rank's engine with the configuration from the
 /// environment (`KOLO_*`, or the `HOROVOD_*` aliases). Every rank must call it.
@@ -135,6 +166,8 @@ pub(crate) fn start(config: Config) -> Result<Kolo> {
             ));
         }
     };
+    RANK.store(topology.rank, Ordering::SeqCst);
+    install_panic_hook();
     tracing::debug!(rank = topology.rank, size = topology.size, "kolo started");
     Ok(Kolo {
         inner: Arc::new(Inner {

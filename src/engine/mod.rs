@@ -16,7 +16,7 @@ use crate::config::Config;
 use crate::error::{Error, Result};
 use crate::handle::Output;
 use crate::transport::mpi::MpiTransport;
-use crate::transport::{Topology, Transport};
+use crate::transport::{abort_requested, Topology, Transport};
 use negotiate::{Negotiator, Outcome, Response};
 use request::{Command, CycleMsg, Request, RequestMeta};
 use stall::StallInspector;
@@ -149,6 +149,11 @@ impl Engine {
     fn serve(&mut self) {
         loop {
             self.gather();
+            if abort_requested() {
+                // A panic somewhere in this process: end the whole job now rather than
+                // leave the other ranks waiting (see `runtime::install_panic_hook`).
+                self.transport.abort(1);
+            }
             if self.inbox.shutting_down {
                 let rank = self.inbox.rank;
                 self.inbox

@@ -5,6 +5,7 @@
 //! engine thread only, so implementations need not be thread-safe, and MPI is
 //! initialised on that same thread.
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use crate::error::Result;
@@ -30,6 +31,9 @@ pub(crate) struct Topology {
 pub(crate) trait Transport {
     /// This process's place in the job.
     fn topology(&self) -> Topology;
+
+    /// Ends every rank of the job at once (MPI_Abort), with `code` as exit status.
+    fn abort(&mut self, code: i32) -> !;
 
     /// Control plane: every rank contributes one byte string, every rank gets all of
     /// them in rank order. `idle` is called, with the time waited so far, while other
@@ -71,6 +75,19 @@ pub(crate) trait Transport {
         dtype: DType,
         op: ReduceOp,
     ) -> Result<()>;
+}
+
+static ABORT_REQUESTED: AtomicBool = AtomicBool::new(false);
+
+/// Asks the engine thread to abort the whole job (from a panic hook, on any thread).
+/// The engine notices within one wait-loop iteration or one idle heartbeat.
+pub(crate) fn request_abort() {
+    ABORT_REQUESTED.store(true, Ordering::SeqCst);
+}
+
+/// Whether [`request_abort`] was called.
+pub(crate) fn abort_requested() -> bool {
+    ABORT_REQUESTED.load(Ordering::SeqCst)
 }
 
 /// Whether the transport can reduce `dtype` natively.

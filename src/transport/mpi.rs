@@ -9,7 +9,7 @@ use mpi::raw::AsRaw;
 use mpi::topology::{Color, Communicator, SimpleCommunicator};
 use mpi::Threading;
 
-use super::{reducible, Topology, Transport};
+use super::{abort_requested, reducible, Topology, Transport};
 use crate::error::{Error, Result};
 use crate::ops::ReduceOp;
 use crate::tensor::DType;
@@ -97,6 +97,9 @@ impl MpiTransport {
             })?;
             if flag != 0 {
                 return Ok(());
+            }
+            if abort_requested() {
+                self.abort(1);
             }
             let waited = start.elapsed();
             idle(waited);
@@ -193,6 +196,12 @@ fn mpi_op(call: &'static str, op: ReduceOp, dtype: DType) -> Result<ffi::MPI_Op>
 impl Transport for MpiTransport {
     fn topology(&self) -> Topology {
         self.topology
+    }
+
+    fn abort(&mut self, code: i32) -> ! {
+        // SAFETY: MPI_Abort on the world communicator; it does not return.
+        unsafe { ffi::MPI_Abort(self.comm(), code) };
+        std::process::exit(code)
     }
 
     fn exchange(&mut self, local: &[u8], idle: &mut dyn FnMut(Duration)) -> Result<Vec<Vec<u8>>> {

@@ -4,6 +4,7 @@
 
 mod allreduce;
 mod control;
+mod faults;
 mod harness;
 mod optimizer;
 mod others;
@@ -38,8 +39,30 @@ const CASES: &[(&str, Case, usize)] = &[
     ("distributed_optimizer", optimizer::semantics, 1),
 ];
 
+/// Cases that must end the whole job: (name, case, np values, text the output must
+/// contain). The job must exit non-zero within `FAULT_DEADLINE`.
+const FAULTS: &[(&str, Case, &[usize], &str)] = &[
+    (
+        "panic_on_thread",
+        faults::panic_on_thread,
+        &[2, 4],
+        "kolo: rank {last} panicked on thread '<unnamed>'",
+    ),
+    (
+        "panic_before_collective",
+        faults::panic_before_collective,
+        &[2, 4],
+        "kolo: rank {last} panicked on thread 'main'",
+    ),
+];
+
+/// mpirun start-up (~1 s here) plus the 10 s the design allows a panic to take.
+const FAULT_DEADLINE: Duration = Duration::from_secs(11);
+
 fn worker(case: &str) -> ! {
-    let Some((_, f, _)) = CASES.iter().find(|(n, _, _)| *n == case) else {
+    let faults = FAULTS.iter().map(|(n, f, _, _)| (*n, *f, 0));
+    let all: Vec<(&str, Case, usize)> = CASES.iter().copied().chain(faults).collect();
+    let Some((_, f, _)) = all.iter().find(|(n, _, _)| *n == case) else {
         eprintln!("unknown case {case}");
         std::process::exit(2);
     };
@@ -87,6 +110,31 @@ fn main() {
                     )
                     .into())
                 }
+            }));
+        }
+    }
+    for &(name, _, nps, expect) in FAULTS {
+        for &np in nps {
+            let expect = expect.replace("{last}", &(np - 1).to_string());
+            trials.push(Trial::test(format!("fault_{name}/np{np}"), move || {
+                let run = harness::mpirun(name, np, Duration::from_secs(60), &[])
+                    .map_err(Failed::from)?;
+                let fail = |why: String| -> Result<(), Failed> {
+                    Err(format!("{why}\n{}", run.output).into())
+                };
+                if run.success {
+                    return fail(format!("{name} at np={np}: the job succeeded"));
+                }
+                if run.elapsed > FAULT_DEADLINE {
+                    return fail(format!(
+                        "{name} at np={np}: the job took {:?} to end",
+                        run.elapsed
+                    ));
+                }
+                if !run.output.contains(&expect) {
+                    return fail(format!("{name} at np={np}: output lacks {expect:?}"));
+                }
+                Ok(())
             }));
         }
     }
