@@ -23,6 +23,7 @@ pub(crate) fn install(config: &Config) {
             prefix: rank_prefix(),
         })
         .with_target(false)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .with_thread_names(true)
         .try_init();
 }

@@ -4,6 +4,7 @@
 use half::slice::HalfFloatSliceExt;
 use half::{bf16, f16};
 
+use super::fusion::{wire_size, FusionBuffer};
 use super::negotiate::Ready;
 use super::request::{OpKind, RequestMeta};
 use crate::error::{Error, Result};
@@ -82,10 +83,10 @@ fn allreduce(
     }
     let post = post_factor(meta, size);
     if reducible(tensor.dtype()) {
-        scale(tensor.storage_mut(), meta.prescale);
         let dtype = tensor.dtype();
+        scale_bytes(tensor.as_bytes_mut(), dtype, meta.prescale);
         t.allreduce(tensor.as_bytes_mut(), dtype, meta.op)?;
-        scale(tensor.storage_mut(), post);
+        scale_bytes(tensor.as_bytes_mut(), dtype, post);
     } else {
         // f16/bf16: reduce in f32 so that sums of many ranks keep their precision.
         let mut wide = widen(tensor.storage(), meta.prescale);
@@ -192,6 +193,102 @@ fn alltoall(t: &mut dyn Transport, tensor: &Tensor, ready: &Ready) -> Result<All
     })
 }
 
+/// Reduces several ready allreduces that agree on dtype, op and scale factors in one
+/// collective over the fusion buffer: copy in (widening f16/bf16 to f32), prescale,
+/// reduce in place, postscale, copy out. Members without local tensors (joined ranks)
+/// contribute zeros and get `None` back.
+pub(crate) fn run_fused(
+    t: &mut dyn Transport,
+    members: Vec<(&Ready, Option<Vec<Tensor>>)>,
+    buffer: &mut FusionBuffer,
+) -> Result<Vec<Option<Tensor>>> {
+    let size = t.topology().size;
+    let Some((first, _)) = members.first() else {
+        return Ok(Vec::new());
+    };
+    let meta = first.first().clone();
+    let dtype = meta.tensors[0].dtype;
+    let wire = if reducible(dtype) { dtype } else { DType::F32 };
+    let mut tensors = Vec::with_capacity(members.len());
+    let mut local = Vec::with_capacity(members.len());
+    for (ready, data) in members {
+        local.push(data.is_some());
+        let tensor = match data.and_then(|mut v| v.pop()) {
+            Some(t) => t,
+            None => {
+                let m = &ready.first().tensors[0];
+                Tensor::zeros(m.dtype, &m.shape)
+            }
+        };
+        tensors.push(tensor);
+    }
+    let total: usize = tensors.iter().map(|x| x.len() * wire_size(dtype)).sum();
+    let buf = buffer.bytes_mut(total);
+    let mut at = 0;
+    for x in &tensors {
+        let n = x.len() * wire_size(dtype);
+        let dst = &mut buf[at..at + n];
+        match x.storage() {
+            Storage::F16(v) => v.convert_to_f32_slice(bytemuck::cast_slice_mut(dst)),
+            Storage::BF16(v) => v.convert_to_f32_slice(bytemuck::cast_slice_mut(dst)),
+            _ => dst.copy_from_slice(x.as_bytes()),
+        }
+        at += n;
+    }
+    scale_bytes(buf, wire, meta.prescale);
+    t.allreduce(buf, wire, meta.op)?;
+    scale_bytes(buf, wire, post_factor(&meta, size));
+    let mut at = 0;
+    for x in &mut tensors {
+        let n = x.len() * wire_size(dtype);
+        let src = &buf[at..at + n];
+        match x.storage_mut() {
+            Storage::F16(v) => v.convert_from_f32_slice(bytemuck::cast_slice(src)),
+            Storage::BF16(v) => v.convert_from_f32_slice(bytemuck::cast_slice(src)),
+            _ => x.as_bytes_mut().copy_from_slice(src),
+        }
+        at += n;
+    }
+    Ok(tensors
+        .into_iter()
+        .zip(local)
+        .map(|(x, mine)| mine.then_some(x))
+        .collect())
+}
+
+/// Multiplies every element of raw bytes holding `dtype` elements by `f`; integers
+/// are scaled in f64 and rounded (saturating). f16/bf16 are scaled while widening.
+pub(crate) fn scale_bytes(bytes: &mut [u8], dtype: DType, f: f64) {
+    if f == 1.0 {
+        return;
+    }
+    macro_rules! typed {
+        ($t:ty) => {
+            bytemuck::cast_slice_mut::<u8, $t>(bytes)
+        };
+    }
+    match dtype {
+        DType::F32 => {
+            let f = f as f32;
+            typed!(f32).iter_mut().for_each(|x| *x *= f);
+        }
+        DType::F64 => typed!(f64).iter_mut().for_each(|x| *x *= f),
+        DType::U8 => typed!(u8)
+            .iter_mut()
+            .for_each(|x| *x = (f64::from(*x) * f).round() as u8),
+        DType::I8 => typed!(i8)
+            .iter_mut()
+            .for_each(|x| *x = (f64::from(*x) * f).round() as i8),
+        DType::I32 => typed!(i32)
+            .iter_mut()
+            .for_each(|x| *x = (f64::from(*x) * f).round() as i32),
+        DType::I64 => typed!(i64)
+            .iter_mut()
+            .for_each(|x| *x = (*x as f64 * f).round() as i64),
+        DType::F16 | DType::BF16 => {}
+    }
+}
+
 /// Rows of dim 0 that rank `r` receives: the first `d0 % size` ranks get one extra.
 pub(crate) fn scatter_rows(d0: usize, size: usize, r: usize) -> usize {
     d0 / size + usize::from(r < d0 % size)
@@ -212,8 +309,8 @@ fn reducescatter(
     let mut out = Tensor::zeros(tensor.dtype(), &shape);
     let post = post_factor(meta, size);
     if reducible(tensor.dtype()) {
-        scale(tensor.storage_mut(), meta.prescale);
         let dtype = tensor.dtype();
+        scale_bytes(tensor.as_bytes_mut(), dtype, meta.prescale);
         t.reduce_scatter(
             tensor.as_bytes(),
             out.as_bytes_mut(),
@@ -221,7 +318,7 @@ fn reducescatter(
             dtype,
             meta.op,
         )?;
-        scale(out.storage_mut(), post);
+        scale_bytes(out.as_bytes_mut(), dtype, post);
     } else {
         let wide = widen(tensor.storage(), meta.prescale);
         let mut wide_out = vec![0f32; out.len()];
@@ -235,38 +332,6 @@ fn reducescatter(
         narrow(&wide_out, out.storage_mut(), post);
     }
     Ok(out)
-}
-
-/// Multiplies every element by `f`; integers are scaled in f64 and rounded (saturating).
-pub(crate) fn scale(s: &mut Storage, f: f64) {
-    if f == 1.0 {
-        return;
-    }
-    match s {
-        Storage::F32(v) => {
-            let f = f as f32;
-            v.iter_mut().for_each(|x| *x *= f);
-        }
-        Storage::F64(v) => v.iter_mut().for_each(|x| *x *= f),
-        Storage::F16(v) => v
-            .iter_mut()
-            .for_each(|x| *x = f16::from_f64(x.to_f64() * f)),
-        Storage::BF16(v) => v
-            .iter_mut()
-            .for_each(|x| *x = bf16::from_f64(x.to_f64() * f)),
-        Storage::U8(v) => v
-            .iter_mut()
-            .for_each(|x| *x = (f64::from(*x) * f).round() as u8),
-        Storage::I8(v) => v
-            .iter_mut()
-            .for_each(|x| *x = (f64::from(*x) * f).round() as i8),
-        Storage::I32(v) => v
-            .iter_mut()
-            .for_each(|x| *x = (f64::from(*x) * f).round() as i32),
-        Storage::I64(v) => v
-            .iter_mut()
-            .for_each(|x| *x = (*x as f64 * f).round() as i64),
-    }
 }
 
 /// f16/bf16 to f32, times `f`.
@@ -346,9 +411,9 @@ mod tests {
 
     #[test]
     fn integer_scaling_rounds_in_f64() {
-        let mut s = Storage::I32(vec![3, -3, 10]);
-        scale(&mut s, 0.5);
-        assert!(matches!(s, Storage::I32(ref v) if v == &[2, -2, 5]));
+        let mut v = vec![3i32, -3, 10];
+        scale_bytes(bytemuck::cast_slice_mut(&mut v), DType::I32, 0.5);
+        assert_eq!(v, [2, -2, 5]);
     }
 
     #[test]

@@ -4,6 +4,7 @@
 //! The protocol is written down in `README.md` beside this file.
 
 pub(crate) mod execute;
+pub(crate) mod fusion;
 pub(crate) mod negotiate;
 pub(crate) mod request;
 pub(crate) mod stall;
@@ -17,6 +18,7 @@ use crate::error::{Error, Result};
 use crate::handle::Output;
 use crate::transport::mpi::MpiTransport;
 use crate::transport::{abort_requested, Topology, Transport};
+use fusion::{FusionBuffer, Step};
 use negotiate::{Negotiator, Outcome, Response};
 use request::{Command, CycleMsg, Request, RequestMeta};
 use stall::StallInspector;
@@ -30,7 +32,7 @@ const HEARTBEAT: Duration = Duration::from_millis(100);
 /// start-up error) through `started`, serves requests until shutdown, then finalises
 /// MPI by dropping the transport.
 pub(crate) fn run(config: Config, rx: Receiver<Command>, started: SyncSender<Result<Topology>>) {
-    let transport = match MpiTransport::init() {
+    let mut transport = match MpiTransport::init() {
         Ok(t) => t,
         Err(e) => {
             let _ = started.send(Err(e));
@@ -38,6 +40,13 @@ pub(crate) fn run(config: Config, rx: Receiver<Command>, started: SyncSender<Res
         }
     };
     let topology = transport.topology();
+    let agreed = match agree(&mut transport, &config) {
+        Ok(a) => a,
+        Err(e) => {
+            let _ = started.send(Err(e));
+            return;
+        }
+    };
     if started.send(Ok(topology)).is_err() {
         return;
     }
@@ -53,10 +62,42 @@ pub(crate) fn run(config: Config, rx: Receiver<Command>, started: SyncSender<Res
         },
         transport,
         config,
+        agreed,
+        fusion_buffer: FusionBuffer::default(),
         last_cycle_had_news: false,
     };
     engine.serve();
     tracing::debug!(rank = topology.rank, "engine stopped; finalising MPI");
+}
+
+/// Settings every rank must share, because every rank plans the same fusion batches
+/// and cache slots: rank 0's values win.
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize, serde::Deserialize)]
+struct Agreed {
+    fusion_threshold: usize,
+    cache_capacity: usize,
+}
+
+/// Takes rank 0's shared settings, warning on ranks configured differently.
+fn agree(t: &mut MpiTransport, config: &Config) -> Result<Agreed> {
+    let mine = Agreed {
+        fusion_threshold: config.fusion_threshold,
+        cache_capacity: config.cache_capacity,
+    };
+    let bytes = postcard::to_stdvec(&mine)
+        .map_err(|e| Error::Internal(format!("encoding settings: {e}")))?;
+    let all = t.exchange(&bytes, &mut |_| {})?;
+    let first = all
+        .first()
+        .and_then(|b| postcard::from_bytes::<Agreed>(b).ok())
+        .ok_or_else(|| Error::Internal("rank 0 sent no settings".into()))?;
+    if first != mine {
+        tracing::warn!(
+            rank = t.topology().rank,
+            "this rank's fusion threshold / cache capacity ({mine:?}) differ from rank 0's; using rank 0's {first:?}"
+        );
+    }
+    Ok(first)
 }
 
 /// This rank's queue: requests accepted from framework threads and not yet finished.
@@ -142,6 +183,8 @@ struct Engine {
     negotiator: Negotiator,
     stall: StallInspector,
     inbox: Inbox,
+    agreed: Agreed,
+    fusion_buffer: FusionBuffer,
     last_cycle_had_news: bool,
 }
 
@@ -234,8 +277,22 @@ impl Engine {
                 Ok(Some(left))
             }
             Outcome::Responses(responses) => {
-                for r in responses {
-                    self.respond(r);
+                let steps = fusion::plan(&responses, self.agreed.fusion_threshold);
+                let mut responses: Vec<Option<Response>> =
+                    responses.into_iter().map(Some).collect();
+                for step in steps {
+                    match step {
+                        Step::Single(i) => {
+                            if let Some(r) = responses[i].take() {
+                                self.respond(r);
+                            }
+                        }
+                        Step::Fused(batch) => {
+                            let members =
+                                batch.iter().filter_map(|&i| responses[i].take()).collect();
+                            self.respond_fused(members);
+                        }
+                    }
                 }
                 self.stall.check(&self.negotiator, now);
                 Ok(None)
@@ -267,6 +324,52 @@ impl Engine {
             Response::JoinDone { last } => {
                 if let Some(req) = self.inbox.pending.remove(request::JOIN_KEY) {
                     req.done.complete(Ok(Output::Rank(last)));
+                }
+            }
+        }
+    }
+
+    /// Runs a fusion batch (every member is a ready allreduce) in one collective.
+    fn respond_fused(&mut self, members: Vec<Response>) {
+        let mut readies = Vec::with_capacity(members.len());
+        let mut locals = Vec::with_capacity(members.len());
+        for m in members {
+            if let Response::Run(ready) = m {
+                let local = self.inbox.pending.remove(&ready.key);
+                readies.push(ready);
+                locals.push(local);
+            }
+        }
+        let mut inputs = Vec::with_capacity(readies.len());
+        let mut dones = Vec::with_capacity(readies.len());
+        for (ready, local) in readies.iter().zip(locals) {
+            match local {
+                Some(req) => {
+                    inputs.push((ready, Some(req.tensors)));
+                    dones.push(Some(req.done));
+                }
+                None => {
+                    inputs.push((ready, None));
+                    dones.push(None);
+                }
+            }
+        }
+        tracing::debug!(tensors = inputs.len(), "fused allreduce");
+        match execute::run_fused(&mut self.transport, inputs, &mut self.fusion_buffer) {
+            Ok(outputs) => {
+                for (done, out) in dones.into_iter().zip(outputs) {
+                    if let (Some(done), Some(out)) = (done, out) {
+                        done.complete(Ok(Output::Tensor(out)));
+                    }
+                }
+            }
+            Err(e) => {
+                let message = e.to_string();
+                for done in dones.into_iter().flatten() {
+                    done.complete(Err(Error::Transport {
+                        call: "fused allreduce",
+                        message: message.clone(),
+                    }));
                 }
             }
         }

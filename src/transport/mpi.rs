@@ -22,7 +22,9 @@ extern "C" {
 /// after the last collective, which finalises MPI.
 pub(crate) struct MpiTransport {
     topology: Topology,
-    world: SimpleCommunicator,
+    /// kolo's own duplicate of MPI_COMM_WORLD, so that an application (or a benchmark)
+    /// can use MPI_COMM_WORLD itself without its messages mixing with kolo's.
+    comm: SimpleCommunicator,
     // Dropped last: finalises MPI after the communicators are gone.
     _universe: mpi::environment::Universe,
 }
@@ -67,15 +69,16 @@ impl MpiTransport {
             cross_rank: to_usize(cross.rank()),
             cross_size: to_usize(cross.size()),
         };
+        let comm = world.duplicate();
         Ok(MpiTransport {
             topology,
-            world,
+            comm,
             _universe: universe,
         })
     }
 
     fn comm(&self) -> ffi::MPI_Comm {
-        self.world.as_raw()
+        self.comm.as_raw()
     }
 
     /// Waits for `req` with a back-off: spin briefly (latency), then yield, then sleep

@@ -5,6 +5,7 @@
 mod allreduce;
 mod control;
 mod faults;
+mod fusion;
 mod harness;
 mod optimizer;
 mod others;
@@ -37,6 +38,59 @@ const CASES: &[(&str, Case, usize)] = &[
     ("submit_errors", control::submit_errors, 1),
     ("rank_leaves", control::rank_leaves, 2),
     ("distributed_optimizer", optimizer::semantics, 1),
+    ("fusion_mixed_async", fusion::mixed_async, 1),
+    ("cache_shape_change", fusion::shape_change, 1),
+];
+
+/// Cases rerun under other settings: (trial name, case, np values, environment, text
+/// the output must contain).
+const VARIANTS: &[(&str, &str, &[usize], &[(&str, &str)], Option<&str>)] = &[
+    (
+        "fusion_off",
+        "fusion_mixed_async",
+        &[2, 3],
+        &[("KOLO_FUSION_THRESHOLD", "0")],
+        None,
+    ),
+    // 256 bytes: most tensors are larger than the threshold, a few small ones fuse.
+    (
+        "fusion_tiny_threshold",
+        "fusion_mixed_async",
+        &[2],
+        &[("KOLO_FUSION_THRESHOLD", "256")],
+        None,
+    ),
+    (
+        "fusion_is_used",
+        "fusion_mixed_async",
+        &[2],
+        &[
+            ("KOLO_LOG_LEVEL", "debug"),
+            ("KOLO_FUSION_THRESHOLD", "67108864"),
+        ],
+        Some("fused allreduce tensors="),
+    ),
+    (
+        "cache_off",
+        "fusion_mixed_async",
+        &[2],
+        &[("KOLO_CACHE_CAPACITY", "0")],
+        None,
+    ),
+    (
+        "cache_off_shape_change",
+        "cache_shape_change",
+        &[2],
+        &[("KOLO_CACHE_CAPACITY", "0")],
+        None,
+    ),
+    (
+        "cache_tiny_shape_change",
+        "cache_shape_change",
+        &[3],
+        &[("KOLO_CACHE_CAPACITY", "4")],
+        None,
+    ),
 ];
 
 /// Cases that must end the whole job: (name, case, np values, text the output must
@@ -109,6 +163,29 @@ fn main() {
                         run.elapsed, run.output
                     )
                     .into())
+                }
+            }));
+        }
+    }
+    for &(trial, case, nps, env, expect) in VARIANTS {
+        for &np in nps {
+            trials.push(Trial::test(format!("{trial}/np{np}"), move || {
+                let run = harness::mpirun(case, np, Duration::from_secs(120), env)
+                    .map_err(Failed::from)?;
+                if !run.success {
+                    return Err(format!(
+                        "{trial} at np={np} failed after {:?}\n{}",
+                        run.elapsed, run.output
+                    )
+                    .into());
+                }
+                match expect {
+                    Some(text) if !run.output.contains(text) => Err(format!(
+                        "{trial} at np={np}: output lacks {text:?}\n{}",
+                        run.output
+                    )
+                    .into()),
+                    _ => Ok(()),
                 }
             }));
         }

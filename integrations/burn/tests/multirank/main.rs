@@ -10,8 +10,10 @@ use anyhow::{ensure, Result};
 use burn::module::{Module, ModuleVisitor, Param};
 use burn::nn::loss::CrossEntropyLossConfig;
 use burn::nn::{Linear, LinearConfig, Relu};
+use burn::optim::lr_scheduler::module_lr_scheduler::ModuleLearningRate;
 use burn::optim::{AdamConfig, GradientsAccumulator, GradientsParams, ModuleOptimizer, SgdConfig};
 use burn::tensor::{Device, Int, Tensor, TensorData};
+use burn::train::{ClassificationOutput, InferenceStep, Learner, TrainOutput, TrainStep};
 use kolo::Kolo;
 use kolo_burn::{
     broadcast_optimizer_state, broadcast_parameters, load_checkpoint, save_checkpoint,
@@ -335,6 +337,154 @@ fn checkpoint(k: &Kolo) -> Result<()> {
     Ok(())
 }
 
+/// A model driven by burn-train's `Learner`: its `TrainStep::optimize` reduces the
+/// gradients with kolo's fused reducer before Burn's optimizer steps.
+#[derive(Module, Debug)]
+struct Net {
+    fc1: Linear,
+    act: Relu,
+    fc2: Linear,
+    #[module(skip)]
+    reducer: Option<GradientReducer>,
+}
+
+impl Net {
+    fn from_small(s: Small, reducer: Option<GradientReducer>) -> Self {
+        Net {
+            fc1: s.fc1,
+            act: s.act,
+            fc2: s.fc2,
+            reducer,
+        }
+    }
+
+    fn forward(&self, x: Tensor<2>) -> Tensor<2> {
+        self.fc2.forward(self.act.forward(self.fc1.forward(x)))
+    }
+
+    fn params(&self) -> Vec<f32> {
+        params(&Small {
+            fc1: self.fc1.clone(),
+            act: Relu::new(),
+            fc2: self.fc2.clone(),
+        })
+    }
+}
+
+impl TrainStep for Net {
+    type Input = (Tensor<2>, Tensor<1, Int>);
+    type Output = ClassificationOutput;
+
+    fn step(&self, (x, targets): Self::Input) -> TrainOutput<ClassificationOutput> {
+        let output = self.forward(x);
+        let loss = CrossEntropyLossConfig::new()
+            .init(&output.device())
+            .forward(output.clone(), targets.clone());
+        TrainOutput::new(
+            self,
+            loss.backward(),
+            ClassificationOutput {
+                loss,
+                output,
+                targets,
+            },
+        )
+    }
+
+    fn optimize(
+        self,
+        optim: &mut ModuleOptimizer,
+        lr: ModuleLearningRate,
+        grads: GradientsParams,
+    ) -> Self {
+        let grads = match &self.reducer {
+            // Burn's signature has no room for an error: a failed reduction is fatal, and
+            // kolo's panic hook ends the whole job with the message.
+            Some(r) => r
+                .reduce(&self, grads)
+                .unwrap_or_else(|e| panic!("gradient reduction failed: {e}")),
+            None => grads,
+        };
+        optim.step(lr, self, grads)
+    }
+}
+
+impl InferenceStep for Net {
+    type Input = (Tensor<2>, Tensor<1, Int>);
+    type Output = ClassificationOutput;
+
+    fn step(&self, (x, targets): Self::Input) -> ClassificationOutput {
+        let output = self.forward(x);
+        let loss = CrossEntropyLossConfig::new()
+            .init(&output.device())
+            .forward(output.clone(), targets.clone());
+        ClassificationOutput {
+            loss,
+            output,
+            targets,
+        }
+    }
+}
+
+/// burn-train's Learner, two ways: the fused reducer through an overridden
+/// `TrainStep::optimize`, and the per-tensor DistributedOptimizer as the Learner's
+/// optimizer. Both equal the hand-written fused loop, and every rank ends identical.
+fn learner(k: &Kolo) -> Result<()> {
+    let device = Device::flex().autodiff();
+    let start = broadcast_parameters(k, Small::new(&device), 0)?;
+    let data = |step: usize| {
+        samples(
+            100 * k.rank() + 5 * step..100 * k.rank() + 5 * step + 5,
+            &device,
+        )
+    };
+
+    // The hand-written fused loop.
+    let reducer = GradientReducer::new(k);
+    let mut optim = AdamConfig::new().init();
+    let mut hand = start.clone();
+    for step in 0..5 {
+        let (x, y) = data(step);
+        let loss = CrossEntropyLossConfig::new()
+            .init(&device)
+            .forward(hand.forward(x), y);
+        let grads = reducer.reduce(&hand, GradientsParams::from_grads(loss.backward(), &hand))?;
+        hand = optim.step(0.01, hand, grads);
+    }
+
+    let fused = Net::from_small(
+        start.clone(),
+        Some(GradientReducer::new(k).prefix("learner.fused")),
+    );
+    let per_tensor_optim = DistributedOptimizer::new(k, AdamConfig::new().build());
+    let runs = [
+        (
+            "fused via TrainStep::optimize",
+            fused,
+            AdamConfig::new().init(),
+        ),
+        (
+            "per-tensor optimizer",
+            Net::from_small(start, None),
+            per_tensor_optim.into(),
+        ),
+    ];
+    for (what, net, optim) in runs {
+        let mut learner = Learner::new(net, optim, 0.01);
+        for step in 0..5 {
+            learner.lr_step();
+            let out = learner.train_step(data(step));
+            learner.optimizer_step(out.grads);
+        }
+        let got = learner.model().params();
+        assert_close(what, &got, &params(&hand), 1e-5)?;
+        let bits: Vec<u32> = got.iter().map(|x| x.to_bits()).collect();
+        let all: Vec<Vec<u32>> = k.allgather_object(format!("learner.{what}"), bits)?;
+        ensure!(all.iter().all(|p| p == &all[0]), "{what}: ranks differ");
+    }
+    Ok(())
+}
+
 type Case = fn(&Kolo) -> Result<()>;
 
 const CASES: &[(&str, Case, &[usize])] = &[
@@ -344,6 +494,7 @@ const CASES: &[(&str, Case, &[usize])] = &[
     ("broadcast_optimizer_state", optimizer_state, &[2, 3]),
     ("sampler", sampler, &[1, 3]),
     ("checkpoint_resume", checkpoint, &[2]),
+    ("learner", learner, &[2, 3]),
 ];
 
 fn main() {

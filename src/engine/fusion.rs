@@ -1,0 +1,218 @@
+//! Tensor fusion: which ready allreduces share one collective, and the persistent
+//! buffer they are packed into.
+//!
+//! The plan is a pure function of the responses (identical on every rank) and the
+//! threshold (rank 0's, agreed at start-up), so every rank packs the same batches.
+
+use super::negotiate::Response;
+use super::request::OpKind;
+use crate::ops::ReduceOp;
+use crate::tensor::DType;
+use crate::transport::reducible;
+
+/// One unit of execution, in order.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum Step {
+    /// Run response `i` on its own (in place for an allreduce).
+    Single(usize),
+    /// Reduce these allreduce responses together in the fusion buffer.
+    Fused(Vec<usize>),
+}
+
+/// What must agree for two allreduces to share a buffer.
+#[derive(Debug, PartialEq)]
+struct FuseKey {
+    dtype: DType,
+    op: ReduceOp,
+    prescale: u64,
+    postscale: u64,
+}
+
+fn fuse_key(r: &Response) -> Option<(FuseKey, usize)> {
+    let Response::Run(ready) = r else { return None };
+    if ready.kind != OpKind::Allreduce {
+        return None;
+    }
+    let m = ready.first();
+    let t = m.tensors.first()?;
+    let len: usize = t.shape.iter().product();
+    Some((
+        FuseKey {
+            dtype: t.dtype,
+            op: m.op,
+            prescale: m.prescale.to_bits(),
+            postscale: m.postscale.to_bits(),
+        },
+        len * wire_size(t.dtype),
+    ))
+}
+
+/// Bytes per element in the reduction buffer: f16/bf16 are reduced in f32.
+pub(crate) fn wire_size(dtype: DType) -> usize {
+    if reducible(dtype) {
+        dtype.size_of()
+    } else {
+        4
+    }
+}
+
+/// Greedy fusion with look-ahead, as Horovod does: a batch starts at the first
+/// unassigned allreduce (always taken, even above the threshold) and takes every later
+/// matching allreduce that still fits, skipping non-matching responses rather than
+/// stopping at them. A threshold of 0 disables fusion.
+pub(crate) fn plan(responses: &[Response], threshold: usize) -> Vec<Step> {
+    let keys: Vec<Option<(FuseKey, usize)>> = responses.iter().map(fuse_key).collect();
+    let mut taken = vec![false; responses.len()];
+    let mut steps = Vec::new();
+    for i in 0..responses.len() {
+        if taken[i] {
+            continue;
+        }
+        taken[i] = true;
+        let Some((key, bytes)) = &keys[i] else {
+            steps.push(Step::Single(i));
+            continue;
+        };
+        let mut batch = vec![i];
+        let mut total = *bytes;
+        if threshold > 0 {
+            for j in i + 1..responses.len() {
+                if taken[j] {
+                    continue;
+                }
+                if let Some((k, b)) = &keys[j] {
+                    if k == key && total + b <= threshold {
+                        taken[j] = true;
+                        total += b;
+                        batch.push(j);
+                    }
+                }
+            }
+        }
+        steps.push(if batch.len() == 1 {
+            Step::Single(i)
+        } else {
+            Step::Fused(batch)
+        });
+    }
+    steps
+}
+
+/// The persistent fusion buffer: grows to the largest batch seen and is reused, so a
+/// steady-state step allocates nothing. Backed by `u64` so that every dtype's view of
+/// it is aligned.
+#[derive(Debug, Default)]
+pub(crate) struct FusionBuffer {
+    words: Vec<u64>,
+}
+
+impl FusionBuffer {
+    /// A zeroed-on-growth byte view of at least `bytes` bytes.
+    pub(crate) fn bytes_mut(&mut self, bytes: usize) -> &mut [u8] {
+        let words = bytes.div_ceil(8);
+        if self.words.len() < words {
+            self.words.resize(words, 0);
+        }
+        &mut bytemuck::cast_slice_mut(&mut self.words)[..bytes]
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::engine::negotiate::Ready;
+    use crate::engine::request::{Device, RequestMeta, TensorMeta};
+    use crate::error::Error;
+
+    fn allreduce(key: &str, len: usize, dtype: DType, op: ReduceOp) -> Response {
+        let meta = RequestMeta {
+            key: key.into(),
+            kind: OpKind::Allreduce,
+            tensors: vec![TensorMeta {
+                name: key.into(),
+                dtype,
+                shape: vec![len],
+            }],
+            op,
+            prescale: 1.0,
+            postscale: 1.0,
+            root: 0,
+            splits: None,
+            device: Device::Cpu,
+        };
+        Response::Run(Ready {
+            key: key.into(),
+            kind: OpKind::Allreduce,
+            metas: vec![Some(meta)],
+        })
+    }
+
+    #[test]
+    fn fuses_matching_allreduces_up_to_the_threshold() {
+        let rs = vec![
+            allreduce("a", 10, DType::F32, ReduceOp::Sum),
+            allreduce("b", 10, DType::F32, ReduceOp::Sum),
+            allreduce("c", 10, DType::F32, ReduceOp::Sum),
+        ];
+        assert_eq!(
+            plan(&rs, 80),
+            vec![Step::Fused(vec![0, 1]), Step::Single(2)]
+        );
+        assert_eq!(plan(&rs, 120), vec![Step::Fused(vec![0, 1, 2])]);
+        assert_eq!(
+            plan(&rs, 0),
+            vec![Step::Single(0), Step::Single(1), Step::Single(2)]
+        );
+    }
+
+    #[test]
+    fn looks_ahead_past_non_matching_responses() {
+        let rs = vec![
+            allreduce("a", 4, DType::F32, ReduceOp::Sum),
+            allreduce("x", 4, DType::F64, ReduceOp::Sum),
+            Response::Fail {
+                key: "bad".into(),
+                error: Error::Internal("test".into()),
+            },
+            allreduce("y", 4, DType::F32, ReduceOp::Max),
+            allreduce("b", 4, DType::F32, ReduceOp::Sum),
+            allreduce("z", 4, DType::F64, ReduceOp::Sum),
+        ];
+        assert_eq!(
+            plan(&rs, 1 << 20),
+            vec![
+                Step::Fused(vec![0, 4]),
+                Step::Fused(vec![1, 5]),
+                Step::Single(2),
+                Step::Single(3)
+            ]
+        );
+    }
+
+    #[test]
+    fn the_first_tensor_is_taken_even_above_the_threshold() {
+        let rs = vec![
+            allreduce("big", 1000, DType::F32, ReduceOp::Sum),
+            allreduce("small", 1, DType::F32, ReduceOp::Sum),
+        ];
+        assert_eq!(plan(&rs, 16), vec![Step::Single(0), Step::Single(1)]);
+    }
+
+    #[test]
+    fn half_types_count_at_f32_width() {
+        let rs = vec![
+            allreduce("a", 4, DType::F16, ReduceOp::Sum),
+            allreduce("b", 4, DType::F16, ReduceOp::Sum),
+        ];
+        assert_eq!(plan(&rs, 16), vec![Step::Single(0), Step::Single(1)]);
+        assert_eq!(plan(&rs, 32), vec![Step::Fused(vec![0, 1])]);
+    }
+
+    #[test]
+    fn buffer_is_reused_and_aligned() {
+        let mut b = FusionBuffer::default();
+        let p = b.bytes_mut(100).as_ptr();
+        assert_eq!(p as usize % 8, 0);
+        assert_eq!(b.bytes_mut(40).as_ptr(), p);
+    }
+}

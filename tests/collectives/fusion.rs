@@ -1,0 +1,75 @@
+//! Fusion and caching must not change results: many async allreduces of mixed dtypes,
+//! ops and scale factors, checked against values computed here. The harness runs this
+//! case under several KOLO_FUSION_THRESHOLD / KOLO_CACHE_CAPACITY settings.
+
+use anyhow::{ensure, Result};
+use kolo::{DType, Kolo, ReduceOp, Tensor};
+
+use crate::util::*;
+
+pub(crate) fn mixed_async(k: &Kolo) -> Result<()> {
+    let size = k.size();
+    for round in 0..3 {
+        let mut handles = Vec::new();
+        let mut expected = Vec::new();
+        for i in 0..60 {
+            let dtype = [DType::F32, DType::F64, DType::I32, DType::F16, DType::BF16][i % 5];
+            let (op, pre, post) = match i % 3 {
+                0 => (ReduceOp::Sum, 1.0, 1.0),
+                1 => (ReduceOp::Average, 1.0, 1.0),
+                _ => (ReduceOp::Sum, 0.5, 2.0),
+            };
+            // Sizes from 1 to ~3000 elements: some above a small threshold, most below.
+            let n = 1 + (i * 53) % 3000;
+            let v = values(dtype, n, 2 * size, &mut Rng::new(i as u64 + 100 * round));
+            let want: Vec<f64> = v
+                .iter()
+                .map(|x| match op {
+                    ReduceOp::Average => *x,
+                    _ if dtype.is_float() => x * pre * size as f64 * post,
+                    _ => ((x * pre).round() * size as f64 * post).round(),
+                })
+                .collect();
+            let name = format!("mixed.{i}");
+            let h = k
+                .allreduce(&name, tensor(dtype, &v, &[n])?)
+                .op(op)
+                .prescale(pre)
+                .postscale(post)
+                .submit()?;
+            handles.push((name, dtype, h));
+            expected.push(want);
+        }
+        for ((name, dtype, h), want) in handles.into_iter().zip(expected) {
+            let out = h.wait()?;
+            ensure!(out.dtype() == dtype, "{name}: dtype changed");
+            assert_close(&name, dtype, &to_f64(&out)?, &want)?;
+        }
+    }
+    Ok(())
+}
+
+/// The same names every step, then one name changes shape: the new shape is
+/// renegotiated on every rank and the results stay right.
+pub(crate) fn shape_change(k: &Kolo) -> Result<()> {
+    let size = k.size() as f32;
+    for step in 0..20 {
+        let n = if step < 10 { 8 } else { 12 };
+        let handles = (0..10)
+            .map(|i| {
+                let t = Tensor::from_vec(vec![i as f32; n], &[n])?;
+                Ok(k.allreduce(format!("steady.{i}"), t)
+                    .op(ReduceOp::Sum)
+                    .submit()?)
+            })
+            .collect::<Result<Vec<_>>>()?;
+        for (i, h) in handles.into_iter().enumerate() {
+            let v: Vec<f32> = h.wait()?.into_vec()?;
+            ensure!(
+                v == vec![i as f32 * size; n],
+                "step {step} steady.{i}: {v:?}"
+            );
+        }
+    }
+    Ok(())
+}
