@@ -44,7 +44,16 @@ const CASES: &[(&str, Case, usize)] = &[
 
 /// Cases rerun under other settings: (trial name, case, np values, environment, text
 /// the output must contain).
-const VARIANTS: &[(&str, &str, &[usize], &[(&str, &str)], Option<&str>)] = &[
+/// A rerun of a case: trial name, case, np values, environment, required output.
+type Variant = (
+    &'static str,
+    &'static str,
+    &'static [usize],
+    &'static [(&'static str, &'static str)],
+    Option<&'static str>,
+);
+
+const VARIANTS: &[Variant] = &[
     (
         "fusion_off",
         "fusion_mixed_async",
