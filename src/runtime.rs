@@ -554,6 +554,7 @@ impl Kolo {
             meta,
             tensors,
             done,
+            submitted: std::time::Instant::now(),
         };
         let tx = self.inner.tx.lock().unwrap_or_else(PoisonError::into_inner);
         let sent = match tx.as_ref() {

@@ -3,6 +3,7 @@
 //!
 //! The protocol is written down in `README.md` beside this file.
 
+pub(crate) mod cache;
 pub(crate) mod execute;
 pub(crate) mod fusion;
 pub(crate) mod negotiate;
@@ -18,6 +19,7 @@ use crate::error::{Error, Result};
 use crate::handle::Output;
 use crate::transport::mpi::MpiTransport;
 use crate::transport::{abort_requested, Topology, Transport};
+use cache::ResponseCache;
 use fusion::{FusionBuffer, Step};
 use negotiate::{Negotiator, Outcome, Response};
 use request::{Command, CycleMsg, Request, RequestMeta};
@@ -57,11 +59,13 @@ pub(crate) fn run(config: Config, rx: Receiver<Command>, started: SyncSender<Res
             rx,
             pending: HashMap::new(),
             outgoing: Vec::new(),
+            announced: HashMap::new(),
             shutting_down: false,
             rank: topology.rank,
         },
         transport,
         config,
+        cache: ResponseCache::new(agreed.cache_capacity),
         agreed,
         fusion_buffer: FusionBuffer::default(),
         last_cycle_had_news: false,
@@ -105,8 +109,10 @@ struct Inbox {
     rx: Receiver<Command>,
     /// Requests by negotiation key, waiting to be negotiated or run.
     pending: HashMap<String, Request>,
-    /// Requests to announce in the next cycle.
+    /// Requests to announce in full in the next cycle.
     outgoing: Vec<RequestMeta>,
+    /// Requests announced by their response-cache slot: slot → key.
+    announced: HashMap<usize, String>,
     shutting_down: bool,
     rank: usize,
 }
@@ -160,6 +166,7 @@ impl Inbox {
 
     fn fail_all(&mut self, error: impl Fn(&RequestMeta) -> Error) {
         self.outgoing.clear();
+        self.announced.clear();
         for (_, req) in self.pending.drain() {
             let err = error(&req.meta);
             req.done.complete(Err(err));
@@ -184,6 +191,7 @@ struct Engine {
     stall: StallInspector,
     inbox: Inbox,
     agreed: Agreed,
+    cache: ResponseCache,
     fusion_buffer: FusionBuffer,
     last_cycle_had_news: bool,
 }
@@ -241,11 +249,182 @@ impl Engine {
     /// One negotiation cycle and the responses it makes ready. Returns the rank that
     /// left, if one did.
     fn cycle(&mut self) -> Result<Option<usize>> {
-        let msg = CycleMsg {
-            requests: std::mem::take(&mut self.inbox.outgoing),
-            shutdown: self.inbox.shutting_down,
+        let use_cache = self.cache.enabled() && !self.negotiator.any_joined();
+        if use_cache {
+            self.announce_cached();
+        } else {
+            self.unannounce_all();
+        }
+        let has_full = !self.inbox.outgoing.is_empty() || self.inbox.shutting_down;
+
+        // Phase 1 (with the cache): one AND of [flags, cache bits] across ranks.
+        let mut cached_ready = Vec::new();
+        let mut someone_has_full = true;
+        if use_cache {
+            let mut words = vec![0u64; 1 + self.cache.words()];
+            words[0] = u64::from(!has_full);
+            for &slot in self.inbox.announced.keys() {
+                cache::set_bit(&mut words[1..], slot);
+            }
+            let Engine {
+                transport,
+                inbox,
+                stall,
+                ..
+            } = self;
+            transport.agree_bits(&mut words, &mut |waited| {
+                inbox.drain();
+                stall.check_while_waiting(waited, &inbox.pending);
+            })?;
+            someone_has_full = words[0] & 1 == 0;
+            cached_ready = cache::bits(&words[1..]).collect();
+        }
+
+        // Phase 2 (when anyone has something the cache cannot say): the full exchange.
+        let msgs = if someone_has_full {
+            let msg = CycleMsg {
+                requests: std::mem::take(&mut self.inbox.outgoing),
+                shutdown: self.inbox.shutting_down,
+            };
+            self.full_exchange(&msg)?
+        } else {
+            Vec::new()
         };
-        let bytes = postcard::to_stdvec(&msg)
+
+        let now = Instant::now();
+        let mut responses = Vec::with_capacity(cached_ready.len());
+        for slot in cached_ready {
+            let Some(meta) = self.cache.meta(slot).cloned() else {
+                return Err(Error::Internal(format!(
+                    "cache slot {slot} agreed but empty"
+                )));
+            };
+            self.cache.touch(slot);
+            self.inbox.announced.remove(&slot);
+            responses.push(Response::Run(negotiate::Ready {
+                key: meta.key.clone(),
+                kind: meta.kind,
+                metas: vec![Some(meta); self.negotiator.size()],
+            }));
+        }
+        let mut stale = Vec::new();
+        if !msgs.is_empty() {
+            // A full request under a cached name means its request changed (or it was
+            // demoted by the stall inspector): forget the slot everywhere.
+            for m in &msgs {
+                for r in &m.requests {
+                    if let Some(slot) = self.cache.invalidate(&r.key) {
+                        stale.push(slot);
+                    }
+                }
+            }
+            match self.negotiator.handle(&msgs, now) {
+                Outcome::RankLeft(left) => {
+                    self.inbox.fail_all(|m| Error::RankLeft {
+                        op: m.kind.name(),
+                        name: m.key.clone(),
+                        rank: left,
+                    });
+                    return Ok(Some(left));
+                }
+                Outcome::Responses(negotiated) => {
+                    let cache_new = use_cache && !self.negotiator.any_joined();
+                    for r in &negotiated {
+                        if let Response::Run(ready) = r {
+                            if cache_new && ResponseCache::cacheable(ready.kind) {
+                                if let Some(slot) = self.cache.insert(ready.first().clone()) {
+                                    stale.push(slot);
+                                }
+                            }
+                        }
+                    }
+                    responses.extend(negotiated);
+                }
+            }
+        }
+        // Requests announced by a slot that no longer holds them go out in full.
+        for slot in stale {
+            if let Some(key) = self.inbox.announced.remove(&slot) {
+                if let Some(req) = self.inbox.pending.get(&key) {
+                    self.inbox.outgoing.push(req.meta.clone());
+                }
+            }
+        }
+        self.last_cycle_had_news =
+            !responses.is_empty() || msgs.iter().any(|m| !m.requests.is_empty());
+
+        let steps = fusion::plan(&responses, self.agreed.fusion_threshold);
+        let mut responses: Vec<Option<Response>> = responses.into_iter().map(Some).collect();
+        for step in steps {
+            match step {
+                Step::Single(i) => {
+                    if let Some(r) = responses[i].take() {
+                        self.respond(r);
+                    }
+                }
+                Step::Fused(batch) => {
+                    let members = batch.iter().filter_map(|&i| responses[i].take()).collect();
+                    self.respond_fused(members);
+                }
+            }
+        }
+        self.stall.check(&self.negotiator, now);
+        Ok(None)
+    }
+
+    /// Moves new requests that hit the cache from the full list to bits, and demotes
+    /// bit-announced requests that have waited long enough to be worth a full
+    /// announcement (so that the stall inspector sees, and can name, missing ranks).
+    fn announce_cached(&mut self) {
+        let outgoing = std::mem::take(&mut self.inbox.outgoing);
+        for meta in outgoing {
+            match ResponseCache::cacheable(meta.kind)
+                .then(|| self.cache.lookup(&meta))
+                .flatten()
+            {
+                Some(slot) => {
+                    self.inbox.announced.insert(slot, meta.key);
+                }
+                None => self.inbox.outgoing.push(meta),
+            }
+        }
+        if self.stall.enabled() {
+            let limit = self.stall.after() / 2;
+            let old: Vec<usize> = self
+                .inbox
+                .announced
+                .iter()
+                .filter(|(_, key)| {
+                    self.inbox
+                        .pending
+                        .get(*key)
+                        .is_some_and(|r| r.submitted.elapsed() > limit)
+                })
+                .map(|(&slot, _)| slot)
+                .collect();
+            for slot in old {
+                if let Some(key) = self.inbox.announced.remove(&slot) {
+                    if let Some(req) = self.inbox.pending.get(&key) {
+                        self.inbox.outgoing.push(req.meta.clone());
+                    }
+                }
+            }
+        }
+    }
+
+    /// Without the cache (disabled, or a rank has joined) every pending request is
+    /// announced in full.
+    fn unannounce_all(&mut self) {
+        for (_, key) in std::mem::take(&mut self.inbox.announced) {
+            if let Some(req) = self.inbox.pending.get(&key) {
+                self.inbox.outgoing.push(req.meta.clone());
+            }
+        }
+    }
+
+    /// Every rank's [`CycleMsg`], in rank order.
+    fn full_exchange(&mut self, msg: &CycleMsg) -> Result<Vec<CycleMsg>> {
+        let bytes = postcard::to_stdvec(msg)
             .map_err(|e| Error::Internal(format!("encoding a cycle message: {e}")))?;
         let Engine {
             transport,
@@ -257,47 +436,13 @@ impl Engine {
             inbox.drain();
             stall.check_while_waiting(waited, &inbox.pending);
         })?;
-        let msgs = all
-            .iter()
+        all.iter()
             .enumerate()
             .map(|(r, b)| {
                 postcard::from_bytes::<CycleMsg>(b)
                     .map_err(|e| Error::Internal(format!("decoding rank {r}'s cycle message: {e}")))
             })
-            .collect::<Result<Vec<_>>>()?;
-        self.last_cycle_had_news = msgs.iter().any(|m| !m.requests.is_empty());
-        let now = Instant::now();
-        match self.negotiator.handle(&msgs, now) {
-            Outcome::RankLeft(left) => {
-                self.inbox.fail_all(|m| Error::RankLeft {
-                    op: m.kind.name(),
-                    name: m.key.clone(),
-                    rank: left,
-                });
-                Ok(Some(left))
-            }
-            Outcome::Responses(responses) => {
-                let steps = fusion::plan(&responses, self.agreed.fusion_threshold);
-                let mut responses: Vec<Option<Response>> =
-                    responses.into_iter().map(Some).collect();
-                for step in steps {
-                    match step {
-                        Step::Single(i) => {
-                            if let Some(r) = responses[i].take() {
-                                self.respond(r);
-                            }
-                        }
-                        Step::Fused(batch) => {
-                            let members =
-                                batch.iter().filter_map(|&i| responses[i].take()).collect();
-                            self.respond_fused(members);
-                        }
-                    }
-                }
-                self.stall.check(&self.negotiator, now);
-                Ok(None)
-            }
-        }
+            .collect()
     }
 
     fn respond(&mut self, response: Response) {

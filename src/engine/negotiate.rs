@@ -83,6 +83,16 @@ impl Negotiator {
         !self.table.is_empty() || self.joined.iter().any(|&j| j)
     }
 
+    /// The number of ranks.
+    pub(crate) fn size(&self) -> usize {
+        self.size
+    }
+
+    /// Whether some rank has joined and not every rank has yet.
+    pub(crate) fn any_joined(&self) -> bool {
+        self.joined.iter().any(|&j| j)
+    }
+
     /// Takes one cycle's messages (index = rank) and returns what to run.
     pub(crate) fn handle(&mut self, msgs: &[CycleMsg], now: Instant) -> Outcome {
         if let Some(rank) = msgs.iter().position(|m| m.shutdown) {

@@ -139,6 +139,8 @@ pub(crate) struct Request {
     pub(crate) meta: RequestMeta,
     pub(crate) tensors: Vec<Tensor>,
     pub(crate) done: Completer,
+    /// When it was submitted (for the stall inspector).
+    pub(crate) submitted: std::time::Instant,
 }
 
 /// Messages from framework threads to the engine.

@@ -30,6 +30,15 @@ impl StallInspector {
         }
     }
 
+    pub(crate) fn enabled(&self) -> bool {
+        self.enabled
+    }
+
+    /// The stall check time.
+    pub(crate) fn after(&self) -> Duration {
+        self.after
+    }
+
     /// After a cycle: warns once per request that has waited too long for some ranks,
     /// naming them.
     pub(crate) fn check(&mut self, negotiator: &Negotiator, now: Instant) {

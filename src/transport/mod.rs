@@ -40,6 +40,10 @@ pub(crate) trait Transport {
     /// ranks have not yet contributed, so that the engine can keep accepting work.
     fn exchange(&mut self, local: &[u8], idle: &mut dyn FnMut(Duration)) -> Result<Vec<Vec<u8>>>;
 
+    /// Control plane: bitwise AND of `words` across ranks, in place; `idle` as for
+    /// [`Transport::exchange`].
+    fn agree_bits(&mut self, words: &mut [u64], idle: &mut dyn FnMut(Duration)) -> Result<()>;
+
     /// In-place allreduce of `buf`.
     fn allreduce(&mut self, buf: &mut [u8], dtype: DType, op: ReduceOp) -> Result<()>;
 

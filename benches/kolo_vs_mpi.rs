@@ -1,0 +1,412 @@
+//! kolo against raw MPI, on the same data, in the same run.
+//!
+//! `cargo bench --bench kolo_vs_mpi` launches itself under `mpirun -np 2` and then
+//! `-np 4` (`-- --np 2` for one size; `-- --quick` for fewer repetitions), prints a
+//! table of medians with kolo/raw ratios and writes the same to
+//! `target/kolo-bench-np<N>.json`. `scripts/run-bench.sh` sets OpenMPI up first.
+//!
+//! The raw side calls MPI directly on MPI_COMM_WORLD (kolo uses its own duplicate of
+//! it), in place where the scenario says so. Inputs are prepared outside the timed
+//! region on both sides: what is timed is submission, negotiation, fusion and the
+//! collectives.
+
+use std::ffi::c_void;
+use std::time::{Duration, Instant};
+
+use kolo::{Kolo, ReduceOp, Tensor};
+use mpi::ffi;
+
+extern "C" {
+    // From kolo's C shim: the real MPI_IN_PLACE of the linked MPI.
+    fn kolo_mpi_in_place() -> *mut c_void;
+}
+
+fn world() -> ffi::MPI_Comm {
+    // SAFETY: reading MPI's constant world communicator handle after MPI_Init.
+    unsafe { ffi::RSMPI_COMM_WORLD }
+}
+
+fn raw_barrier() {
+    // SAFETY: a plain barrier on MPI_COMM_WORLD; kolo never uses that communicator.
+    unsafe { ffi::MPI_Barrier(world()) };
+}
+
+/// MPI_Allreduce(SUM) of f32s, in place or out of place.
+fn raw_allreduce(buf: &mut [f32], in_place: bool, scratch: &mut Vec<f32>) {
+    // SAFETY: buffers are valid for `buf.len()` f32s for the duration of the call.
+    unsafe {
+        if in_place {
+            ffi::MPI_Allreduce(
+                kolo_mpi_in_place(),
+                buf.as_mut_ptr().cast(),
+                buf.len() as i32,
+                ffi::RSMPI_FLOAT,
+                ffi::RSMPI_SUM,
+                world(),
+            );
+        } else {
+            scratch.resize(buf.len(), 0.0);
+            ffi::MPI_Allreduce(
+                buf.as_ptr().cast(),
+                scratch.as_mut_ptr().cast(),
+                buf.len() as i32,
+                ffi::RSMPI_FLOAT,
+                ffi::RSMPI_SUM,
+                world(),
+            );
+            buf.copy_from_slice(scratch);
+        }
+    }
+}
+
+/// Every ResNet-50 parameter size (torchvision layout): 161 tensors, 25.56 M elements.
+fn resnet50_sizes() -> Vec<usize> {
+    let mut sizes = vec![64 * 3 * 7 * 7, 64, 64];
+    let mut inp = 64;
+    for (blocks, width) in [(3, 64), (4, 128), (6, 256), (3, 512)] {
+        for b in 0..blocks {
+            sizes.extend([
+                inp * width,
+                width,
+                width,
+                width * width * 9,
+                width,
+                width,
+                width * 4 * width,
+                4 * width,
+                4 * width,
+            ]);
+            if b == 0 {
+                sizes.extend([inp * 4 * width, 4 * width, 4 * width]);
+            }
+            inp = 4 * width;
+        }
+    }
+    sizes.extend([2048 * 1000, 1000]);
+    sizes
+}
+
+fn median(v: &mut [f64]) -> f64 {
+    v.sort_by(|a, b| a.total_cmp(b));
+    v[v.len() / 2]
+}
+
+fn percentile(v: &mut [f64], p: f64) -> f64 {
+    v.sort_by(|a, b| a.total_cmp(b));
+    v[((v.len() as f64 - 1.0) * p).round() as usize]
+}
+
+/// Times `f` `reps` times (after `warmup` untimed runs), every rank starting together.
+fn time(reps: usize, warmup: usize, mut f: impl FnMut()) -> Vec<f64> {
+    for _ in 0..warmup {
+        f();
+    }
+    (0..reps)
+        .map(|_| {
+            raw_barrier();
+            let t = Instant::now();
+            f();
+            t.elapsed().as_secs_f64()
+        })
+        .collect()
+}
+
+/// Like [`time`], but `setup` (untimed) prepares the data each run consumes, so that
+/// neither side is charged for copying its inputs.
+fn time_with<T>(
+    reps: usize,
+    warmup: usize,
+    mut setup: impl FnMut() -> T,
+    mut f: impl FnMut(T),
+) -> Vec<f64> {
+    for _ in 0..warmup {
+        f(setup());
+    }
+    (0..reps)
+        .map(|_| {
+            let input = setup();
+            raw_barrier();
+            let t = Instant::now();
+            f(input);
+            t.elapsed().as_secs_f64()
+        })
+        .collect()
+}
+
+fn cpu_seconds() -> f64 {
+    // SAFETY: getrusage fills the struct we pass.
+    let mut u: libc::rusage = unsafe { std::mem::zeroed() };
+    unsafe { libc::getrusage(libc::RUSAGE_SELF, &mut u) };
+    let tv = |t: libc::timeval| t.tv_sec as f64 + t.tv_usec as f64 * 1e-6;
+    tv(u.ru_utime) + tv(u.ru_stime)
+}
+
+struct Row {
+    scenario: String,
+    kolo: f64,
+    raw: f64,
+    raw_label: &'static str,
+}
+
+fn bench(k: &Kolo, quick: bool) -> anyhow::Result<Vec<Row>> {
+    let reps = if quick { 5 } else { 15 };
+    let mut rows = Vec::new();
+    let mut scratch = Vec::new();
+
+    // 1. Latency of one 4-byte allreduce.
+    let n_lat = if quick { 200 } else { 2000 };
+    let mut kolo_lat = time(n_lat, 50, || {
+        let t = Tensor::from_vec(vec![1.0f32], &[1]).expect("tensor");
+        k.allreduce("lat", t)
+            .op(ReduceOp::Sum)
+            .wait()
+            .expect("allreduce");
+    });
+    let mut raw_lat = time(n_lat, 50, || {
+        raw_allreduce(&mut [1.0f32], true, &mut scratch)
+    });
+    for (p, label) in [(0.5, "p50"), (0.99, "p99")] {
+        rows.push(Row {
+            scenario: format!("1. 4-byte allreduce latency {label}"),
+            kolo: percentile(&mut kolo_lat, p),
+            raw: percentile(&mut raw_lat, p),
+            raw_label: "MPI_Allreduce in place",
+        });
+    }
+
+    // 2. 1000 tensors of 256 floats submitted async, then waited. Inputs are built
+    // outside the timed region on both sides.
+    let data: Vec<Vec<f32>> = (0..1000).map(|i| vec![i as f32; 256]).collect();
+    let tensors = || {
+        data.iter()
+            .map(|d| Tensor::from_vec(d.clone(), &[d.len()]).expect("tensor"))
+            .collect::<Vec<_>>()
+    };
+    let mut kolo_many = time_with(reps, 2, tensors, |ts| {
+        let hs: Vec<_> = ts
+            .into_iter()
+            .enumerate()
+            .map(|(i, t)| {
+                k.allreduce(format!("many.{i}"), t)
+                    .op(ReduceOp::Sum)
+                    .submit()
+                    .expect("submit")
+            })
+            .collect();
+        hs.into_iter().for_each(|h| drop(h.wait().expect("wait")));
+    });
+    let mut raw_many = time_with(
+        reps,
+        2,
+        || data.clone(),
+        |mut d| {
+            for d in &mut d {
+                raw_allreduce(d, true, &mut Vec::new());
+            }
+        },
+    );
+    rows.push(Row {
+        scenario: "2. 1000 x 256 f32, async".into(),
+        kolo: median(&mut kolo_many),
+        raw: median(&mut raw_many),
+        raw_label: "per-tensor loop in place",
+    });
+
+    // 3. The ResNet-50 gradient set, in reverse (backward) order.
+    let sizes = resnet50_sizes();
+    let grads: Vec<Vec<f32>> = sizes.iter().map(|&n| vec![0.5f32; n]).collect();
+    let tensors = || {
+        grads
+            .iter()
+            .map(|g| Tensor::from_vec(g.clone(), &[g.len()]).expect("tensor"))
+            .collect::<Vec<_>>()
+    };
+    let mut kolo_rn = time_with(reps, 2, tensors, |ts| {
+        let hs: Vec<_> = ts
+            .into_iter()
+            .enumerate()
+            .rev()
+            .map(|(i, t)| {
+                k.allreduce(format!("rn50.{i}"), t)
+                    .op(ReduceOp::Sum)
+                    .submit()
+                    .expect("submit")
+            })
+            .collect();
+        hs.into_iter().for_each(|h| drop(h.wait().expect("wait")));
+    });
+    let per_tensor = |in_place: bool| {
+        let mut scratch = Vec::new();
+        time_with(
+            reps,
+            2,
+            || grads.clone(),
+            |mut gs| {
+                for g in gs.iter_mut().rev() {
+                    raw_allreduce(g, in_place, &mut scratch);
+                }
+            },
+        )
+    };
+    let mut raw_in = per_tensor(true);
+    let mut raw_out = per_tensor(false);
+    let total: usize = sizes.iter().sum();
+    let mut packed = vec![0.5f32; total];
+    let mut raw_packed = time(reps, 2, || raw_allreduce(&mut packed, true, &mut scratch));
+    let kolo_rn = median(&mut kolo_rn);
+    for (label, raw) in [
+        ("per-tensor loop in place", median(&mut raw_in)),
+        ("per-tensor loop out of place", median(&mut raw_out)),
+        ("one pre-packed allreduce in place", median(&mut raw_packed)),
+    ] {
+        rows.push(Row {
+            scenario: format!(
+                "3. ResNet-50 set ({} tensors, {:.2} M floats)",
+                sizes.len(),
+                total as f64 / 1e6
+            ),
+            kolo: kolo_rn,
+            raw,
+            raw_label: label,
+        });
+    }
+
+    // 4. One 64 MiB tensor.
+    let big = vec![0.25f32; 16 << 20];
+    let mut kolo_big = time_with(
+        reps,
+        1,
+        || Tensor::from_vec(big.clone(), &[big.len()]).expect("tensor"),
+        |t| {
+            k.allreduce("big", t)
+                .op(ReduceOp::Sum)
+                .wait()
+                .expect("allreduce");
+        },
+    );
+    let kolo_big = median(&mut kolo_big);
+    for in_place in [true, false] {
+        let mut raw = time_with(
+            reps,
+            1,
+            || big.clone(),
+            |mut b| raw_allreduce(&mut b, in_place, &mut scratch),
+        );
+        rows.push(Row {
+            scenario: "4. one 64 MiB f32 tensor".into(),
+            kolo: kolo_big,
+            raw: median(&mut raw),
+            raw_label: if in_place {
+                "MPI_Allreduce in place"
+            } else {
+                "MPI_Allreduce out of place"
+            },
+        });
+    }
+
+    // 5. Engine CPU: idle, and waiting for a rank that sleeps 2 s.
+    let idle = if quick { 2.0 } else { 10.0 };
+    raw_barrier();
+    let c0 = cpu_seconds();
+    std::thread::sleep(Duration::from_secs_f64(idle));
+    let idle_cpu = (cpu_seconds() - c0) / idle;
+    raw_barrier();
+    let c0 = cpu_seconds();
+    let t0 = Instant::now();
+    if k.rank() == 1 {
+        std::thread::sleep(Duration::from_secs(2));
+    }
+    k.allreduce("late", Tensor::from_vec(vec![1.0f32], &[1])?)
+        .wait()?;
+    let wait_cpu = (cpu_seconds() - c0) / t0.elapsed().as_secs_f64();
+    rows.push(Row {
+        scenario: format!("5. process CPU while idle {idle:.0} s (fraction of a core)"),
+        kolo: idle_cpu,
+        raw: 0.0,
+        raw_label: "-",
+    });
+    rows.push(Row {
+        scenario: "5. rank 0 CPU while waiting 2 s for rank 1 (fraction of a core)".into(),
+        kolo: wait_cpu,
+        raw: 0.0,
+        raw_label: "-",
+    });
+    Ok(rows)
+}
+
+fn fmt_time(s: f64) -> String {
+    if s < 1e-3 {
+        format!("{:.1} us", s * 1e6)
+    } else {
+        format!("{:.2} ms", s * 1e3)
+    }
+}
+
+fn worker(quick: bool) -> anyhow::Result<()> {
+    let k = kolo::init()?;
+    let rows = bench(&k, quick)?;
+    if k.rank() == 0 {
+        let np = k.size();
+        println!("\nkolo vs raw MPI, np={np}, medians (rank 0's clock)");
+        println!(
+            "{:<62} {:>11} {:>11} {:>7}  raw MPI baseline",
+            "scenario", "kolo", "raw", "ratio"
+        );
+        let mut json = Vec::new();
+        for r in &rows {
+            let cpu = r.raw_label == "-";
+            let (kolo, raw, ratio) = if cpu {
+                (format!("{:.4}", r.kolo), "-".to_string(), "-".to_string())
+            } else {
+                (
+                    fmt_time(r.kolo),
+                    fmt_time(r.raw),
+                    format!("{:.2}", r.kolo / r.raw),
+                )
+            };
+            println!(
+                "{:<62} {kolo:>11} {raw:>11} {ratio:>7}  {}",
+                r.scenario, r.raw_label
+            );
+            json.push(format!(
+                "  {{\"scenario\": {:?}, \"kolo\": {}, \"raw\": {}, \"raw_baseline\": {:?}, \"ratio\": {}}}",
+                r.scenario,
+                r.kolo,
+                r.raw,
+                r.raw_label,
+                if cpu { "null".to_string() } else { format!("{}", r.kolo / r.raw) }
+            ));
+        }
+        let path = format!(
+            "{}/kolo-bench-np{np}.json",
+            env!("CARGO_TARGET_TMPDIR").trim_end_matches("/tmp")
+        );
+        std::fs::write(&path, format!("[\n{}\n]\n", json.join(",\n")))?;
+        println!("written to {path}");
+    }
+    k.shutdown()?;
+    Ok(())
+}
+
+fn main() -> anyhow::Result<()> {
+    let args: Vec<String> = std::env::args().collect();
+    let quick = args.iter().any(|a| a == "--quick");
+    if std::env::var_os("OMPI_COMM_WORLD_SIZE").is_some() {
+        return worker(quick);
+    }
+    let nps: Vec<String> = match args.iter().position(|a| a == "--np") {
+        Some(i) => vec![args.get(i + 1).cloned().unwrap_or_else(|| "2".into())],
+        None => vec!["2".into(), "4".into()],
+    };
+    let exe = std::env::current_exe()?;
+    for np in nps {
+        let mut cmd = std::process::Command::new("mpirun");
+        cmd.args(["-np", &np, "--bind-to", "none"]).arg(&exe);
+        if quick {
+            cmd.arg("--quick");
+        }
+        let status = cmd.status()?;
+        anyhow::ensure!(status.success(), "mpirun -np {np} failed: {status}");
+    }
+    Ok(())
+}
