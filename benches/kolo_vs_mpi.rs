@@ -1,7 +1,8 @@
 //! kolo against raw MPI, on the same data, in the same run.
 //!
 //! `cargo bench --bench kolo_vs_mpi` launches itself under `mpirun -np 2` and then
-//! `-np 4` (`-- --np 2` for one size; `-- --quick` for fewer repetitions), prints a
+//! `-np 4` (`-- --np 2` for one size; `-- --quick` for fewer repetitions; `-- --only 3`
+//! for one scenario), prints a
 //! table of medians with kolo/raw ratios and writes the same to
 //! `target/kolo-bench-np<N>.json`. `scripts/run-bench.sh` sets OpenMPI up first.
 //!
@@ -148,189 +149,200 @@ struct Row {
     raw_label: &'static str,
 }
 
-fn bench(k: &Kolo, quick: bool) -> anyhow::Result<Vec<Row>> {
+fn bench(k: &Kolo, quick: bool, only: Option<u32>) -> anyhow::Result<Vec<Row>> {
     let reps = if quick { 5 } else { 15 };
+    let run = |n: u32| only.is_none_or(|o| o == n);
     let mut rows = Vec::new();
     let mut scratch = Vec::new();
 
     // 1. Latency of one 4-byte allreduce.
-    let n_lat = if quick { 200 } else { 2000 };
-    let mut kolo_lat = time(n_lat, 50, || {
-        let t = Tensor::from_vec(vec![1.0f32], &[1]).expect("tensor");
-        k.allreduce("lat", t)
-            .op(ReduceOp::Sum)
-            .wait()
-            .expect("allreduce");
-    });
-    let mut raw_lat = time(n_lat, 50, || {
-        raw_allreduce(&mut [1.0f32], true, &mut scratch)
-    });
-    for (p, label) in [(0.5, "p50"), (0.99, "p99")] {
-        rows.push(Row {
-            scenario: format!("1. 4-byte allreduce latency {label}"),
-            kolo: percentile(&mut kolo_lat, p),
-            raw: percentile(&mut raw_lat, p),
-            raw_label: "MPI_Allreduce in place",
+    if run(1) {
+        let n_lat = if quick { 200 } else { 2000 };
+        let mut kolo_lat = time(n_lat, 50, || {
+            let t = Tensor::from_vec(vec![1.0f32], &[1]).expect("tensor");
+            k.allreduce("lat", t)
+                .op(ReduceOp::Sum)
+                .wait()
+                .expect("allreduce");
         });
+        let mut raw_lat = time(n_lat, 50, || {
+            raw_allreduce(&mut [1.0f32], true, &mut scratch)
+        });
+        for (p, label) in [(0.5, "p50"), (0.99, "p99")] {
+            rows.push(Row {
+                scenario: format!("1. 4-byte allreduce latency {label}"),
+                kolo: percentile(&mut kolo_lat, p),
+                raw: percentile(&mut raw_lat, p),
+                raw_label: "MPI_Allreduce in place",
+            });
+        }
     }
 
     // 2. 1000 tensors of 256 floats submitted async, then waited. Inputs are built
     // outside the timed region on both sides.
-    let data: Vec<Vec<f32>> = (0..1000).map(|i| vec![i as f32; 256]).collect();
-    let tensors = || {
-        data.iter()
-            .map(|d| Tensor::from_vec(d.clone(), &[d.len()]).expect("tensor"))
-            .collect::<Vec<_>>()
-    };
-    let mut kolo_many = time_with(reps, 2, tensors, |ts| {
-        let hs: Vec<_> = ts
-            .into_iter()
-            .enumerate()
-            .map(|(i, t)| {
-                k.allreduce(format!("many.{i}"), t)
-                    .op(ReduceOp::Sum)
-                    .submit()
-                    .expect("submit")
-            })
-            .collect();
-        hs.into_iter().for_each(|h| drop(h.wait().expect("wait")));
-    });
-    let mut raw_many = time_with(
-        reps,
-        2,
-        || data.clone(),
-        |mut d| {
-            for d in &mut d {
-                raw_allreduce(d, true, &mut Vec::new());
-            }
-        },
-    );
-    rows.push(Row {
-        scenario: "2. 1000 x 256 f32, async".into(),
-        kolo: median(&mut kolo_many),
-        raw: median(&mut raw_many),
-        raw_label: "per-tensor loop in place",
-    });
-
-    // 3. The ResNet-50 gradient set, in reverse (backward) order.
-    let sizes = resnet50_sizes();
-    let grads: Vec<Vec<f32>> = sizes.iter().map(|&n| vec![0.5f32; n]).collect();
-    let tensors = || {
-        grads
-            .iter()
-            .map(|g| Tensor::from_vec(g.clone(), &[g.len()]).expect("tensor"))
-            .collect::<Vec<_>>()
-    };
-    let mut kolo_rn = time_with(reps, 2, tensors, |ts| {
-        let hs: Vec<_> = ts
-            .into_iter()
-            .enumerate()
-            .rev()
-            .map(|(i, t)| {
-                k.allreduce(format!("rn50.{i}"), t)
-                    .op(ReduceOp::Sum)
-                    .submit()
-                    .expect("submit")
-            })
-            .collect();
-        hs.into_iter().for_each(|h| drop(h.wait().expect("wait")));
-    });
-    let per_tensor = |in_place: bool| {
-        let mut scratch = Vec::new();
-        time_with(
+    if run(2) {
+        let data: Vec<Vec<f32>> = (0..1000).map(|i| vec![i as f32; 256]).collect();
+        let tensors = || {
+            data.iter()
+                .map(|d| Tensor::from_vec(d.clone(), &[d.len()]).expect("tensor"))
+                .collect::<Vec<_>>()
+        };
+        let mut kolo_many = time_with(reps, 2, tensors, |ts| {
+            let hs: Vec<_> = ts
+                .into_iter()
+                .enumerate()
+                .map(|(i, t)| {
+                    k.allreduce(format!("many.{i}"), t)
+                        .op(ReduceOp::Sum)
+                        .submit()
+                        .expect("submit")
+                })
+                .collect();
+            hs.into_iter().for_each(|h| drop(h.wait().expect("wait")));
+        });
+        let mut raw_many = time_with(
             reps,
             2,
-            || grads.clone(),
-            |mut gs| {
-                for g in gs.iter_mut().rev() {
-                    raw_allreduce(g, in_place, &mut scratch);
+            || data.clone(),
+            |mut d| {
+                for d in &mut d {
+                    raw_allreduce(d, true, &mut Vec::new());
                 }
             },
-        )
-    };
-    let mut raw_in = per_tensor(true);
-    let mut raw_out = per_tensor(false);
-    let total: usize = sizes.iter().sum();
-    let mut packed = vec![0.5f32; total];
-    let mut raw_packed = time(reps, 2, || raw_allreduce(&mut packed, true, &mut scratch));
-    let kolo_rn = median(&mut kolo_rn);
-    for (label, raw) in [
-        ("per-tensor loop in place", median(&mut raw_in)),
-        ("per-tensor loop out of place", median(&mut raw_out)),
-        ("one pre-packed allreduce in place", median(&mut raw_packed)),
-    ] {
+        );
         rows.push(Row {
-            scenario: format!(
-                "3. ResNet-50 set ({} tensors, {:.2} M floats)",
-                sizes.len(),
-                total as f64 / 1e6
-            ),
-            kolo: kolo_rn,
-            raw,
-            raw_label: label,
+            scenario: "2. 1000 x 256 f32, async".into(),
+            kolo: median(&mut kolo_many),
+            raw: median(&mut raw_many),
+            raw_label: "per-tensor loop in place",
         });
+    }
+
+    // 3. The ResNet-50 gradient set, in reverse (backward) order.
+    if run(3) {
+        let sizes = resnet50_sizes();
+        let grads: Vec<Vec<f32>> = sizes.iter().map(|&n| vec![0.5f32; n]).collect();
+        let tensors = || {
+            grads
+                .iter()
+                .map(|g| Tensor::from_vec(g.clone(), &[g.len()]).expect("tensor"))
+                .collect::<Vec<_>>()
+        };
+        let mut kolo_rn = time_with(reps, 2, tensors, |ts| {
+            let hs: Vec<_> = ts
+                .into_iter()
+                .enumerate()
+                .rev()
+                .map(|(i, t)| {
+                    k.allreduce(format!("rn50.{i}"), t)
+                        .op(ReduceOp::Sum)
+                        .submit()
+                        .expect("submit")
+                })
+                .collect();
+            hs.into_iter().for_each(|h| drop(h.wait().expect("wait")));
+        });
+        let per_tensor = |in_place: bool| {
+            let mut scratch = Vec::new();
+            time_with(
+                reps,
+                2,
+                || grads.clone(),
+                |mut gs| {
+                    for g in gs.iter_mut().rev() {
+                        raw_allreduce(g, in_place, &mut scratch);
+                    }
+                },
+            )
+        };
+        let mut raw_in = per_tensor(true);
+        let mut raw_out = per_tensor(false);
+        let total: usize = sizes.iter().sum();
+        let mut packed = vec![0.5f32; total];
+        let mut raw_packed = time(reps, 2, || raw_allreduce(&mut packed, true, &mut scratch));
+        let kolo_rn = median(&mut kolo_rn);
+        for (label, raw) in [
+            ("per-tensor loop in place", median(&mut raw_in)),
+            ("per-tensor loop out of place", median(&mut raw_out)),
+            ("one pre-packed allreduce in place", median(&mut raw_packed)),
+        ] {
+            rows.push(Row {
+                scenario: format!(
+                    "3. ResNet-50 set ({} tensors, {:.2} M floats)",
+                    sizes.len(),
+                    total as f64 / 1e6
+                ),
+                kolo: kolo_rn,
+                raw,
+                raw_label: label,
+            });
+        }
     }
 
     // 4. One 64 MiB tensor.
-    let big = vec![0.25f32; 16 << 20];
-    let mut kolo_big = time_with(
-        reps,
-        1,
-        || Tensor::from_vec(big.clone(), &[big.len()]).expect("tensor"),
-        |t| {
-            k.allreduce("big", t)
-                .op(ReduceOp::Sum)
-                .wait()
-                .expect("allreduce");
-        },
-    );
-    let kolo_big = median(&mut kolo_big);
-    for in_place in [true, false] {
-        let mut raw = time_with(
+    if run(4) {
+        let big = vec![0.25f32; 16 << 20];
+        let mut kolo_big = time_with(
             reps,
             1,
-            || big.clone(),
-            |mut b| raw_allreduce(&mut b, in_place, &mut scratch),
-        );
-        rows.push(Row {
-            scenario: "4. one 64 MiB f32 tensor".into(),
-            kolo: kolo_big,
-            raw: median(&mut raw),
-            raw_label: if in_place {
-                "MPI_Allreduce in place"
-            } else {
-                "MPI_Allreduce out of place"
+            || Tensor::from_vec(big.clone(), &[big.len()]).expect("tensor"),
+            |t| {
+                k.allreduce("big", t)
+                    .op(ReduceOp::Sum)
+                    .wait()
+                    .expect("allreduce");
             },
-        });
+        );
+        let kolo_big = median(&mut kolo_big);
+        for in_place in [true, false] {
+            let mut raw = time_with(
+                reps,
+                1,
+                || big.clone(),
+                |mut b| raw_allreduce(&mut b, in_place, &mut scratch),
+            );
+            rows.push(Row {
+                scenario: "4. one 64 MiB f32 tensor".into(),
+                kolo: kolo_big,
+                raw: median(&mut raw),
+                raw_label: if in_place {
+                    "MPI_Allreduce in place"
+                } else {
+                    "MPI_Allreduce out of place"
+                },
+            });
+        }
     }
 
     // 5. Engine CPU: idle, and waiting for a rank that sleeps 2 s.
-    let idle = if quick { 2.0 } else { 10.0 };
-    raw_barrier();
-    let c0 = cpu_seconds();
-    std::thread::sleep(Duration::from_secs_f64(idle));
-    let idle_cpu = (cpu_seconds() - c0) / idle;
-    raw_barrier();
-    let c0 = cpu_seconds();
-    let t0 = Instant::now();
-    if k.rank() == 1 {
-        std::thread::sleep(Duration::from_secs(2));
+    if run(5) {
+        let idle = if quick { 2.0 } else { 10.0 };
+        raw_barrier();
+        let c0 = cpu_seconds();
+        std::thread::sleep(Duration::from_secs_f64(idle));
+        let idle_cpu = (cpu_seconds() - c0) / idle;
+        raw_barrier();
+        let c0 = cpu_seconds();
+        let t0 = Instant::now();
+        if k.rank() == 1 {
+            std::thread::sleep(Duration::from_secs(2));
+        }
+        k.allreduce("late", Tensor::from_vec(vec![1.0f32], &[1])?)
+            .wait()?;
+        let wait_cpu = (cpu_seconds() - c0) / t0.elapsed().as_secs_f64();
+        rows.push(Row {
+            scenario: format!("5. process CPU while idle {idle:.0} s (fraction of a core)"),
+            kolo: idle_cpu,
+            raw: 0.0,
+            raw_label: "-",
+        });
+        rows.push(Row {
+            scenario: "5. rank 0 CPU while waiting 2 s for rank 1 (fraction of a core)".into(),
+            kolo: wait_cpu,
+            raw: 0.0,
+            raw_label: "-",
+        });
     }
-    k.allreduce("late", Tensor::from_vec(vec![1.0f32], &[1])?)
-        .wait()?;
-    let wait_cpu = (cpu_seconds() - c0) / t0.elapsed().as_secs_f64();
-    rows.push(Row {
-        scenario: format!("5. process CPU while idle {idle:.0} s (fraction of a core)"),
-        kolo: idle_cpu,
-        raw: 0.0,
-        raw_label: "-",
-    });
-    rows.push(Row {
-        scenario: "5. rank 0 CPU while waiting 2 s for rank 1 (fraction of a core)".into(),
-        kolo: wait_cpu,
-        raw: 0.0,
-        raw_label: "-",
-    });
     Ok(rows)
 }
 
@@ -342,9 +354,9 @@ fn fmt_time(s: f64) -> String {
     }
 }
 
-fn worker(quick: bool) -> anyhow::Result<()> {
+fn worker(quick: bool, only: Option<u32>) -> anyhow::Result<()> {
     let k = kolo::init()?;
-    let rows = bench(&k, quick)?;
+    let rows = bench(&k, quick, only)?;
     if k.rank() == 0 {
         let np = k.size();
         println!("\nkolo vs raw MPI, np={np}, medians (rank 0's clock)");
@@ -391,8 +403,13 @@ fn worker(quick: bool) -> anyhow::Result<()> {
 fn main() -> anyhow::Result<()> {
     let args: Vec<String> = std::env::args().collect();
     let quick = args.iter().any(|a| a == "--quick");
+    let only = args
+        .iter()
+        .position(|a| a == "--only")
+        .and_then(|i| args.get(i + 1))
+        .and_then(|v| v.parse().ok());
     if std::env::var_os("OMPI_COMM_WORLD_SIZE").is_some() {
-        return worker(quick);
+        return worker(quick, only);
     }
     let nps: Vec<String> = match args.iter().position(|a| a == "--np") {
         Some(i) => vec![args.get(i + 1).cloned().unwrap_or_else(|| "2".into())],
@@ -404,6 +421,9 @@ fn main() -> anyhow::Result<()> {
         cmd.args(["-np", &np, "--bind-to", "none"]).arg(&exe);
         if quick {
             cmd.arg("--quick");
+        }
+        if let Some(o) = only {
+            cmd.args(["--only", &o.to_string()]);
         }
         let status = cmd.status()?;
         anyhow::ensure!(status.success(), "mpirun -np {np} failed: {status}");
