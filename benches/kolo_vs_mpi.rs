@@ -402,23 +402,45 @@ fn worker(quick: bool, only: Option<u32>) -> anyhow::Result<()> {
 
 fn main() -> anyhow::Result<()> {
     let args: Vec<String> = std::env::args().collect();
-    let quick = args.iter().any(|a| a == "--quick");
+    // `cargo bench` passes --bench; `cargo test --all-targets` runs this binary without
+    // it: then only a short smoke run checks that the benchmark still works.
+    let smoke =
+        !args.iter().any(|a| a == "--bench") && std::env::var_os("OMPI_COMM_WORLD_SIZE").is_none();
+    let quick = smoke || args.iter().any(|a| a == "--quick");
     let only = args
         .iter()
         .position(|a| a == "--only")
         .and_then(|i| args.get(i + 1))
-        .and_then(|v| v.parse().ok());
+        .and_then(|v| v.parse().ok())
+        .or(if smoke { Some(1) } else { None });
     if std::env::var_os("OMPI_COMM_WORLD_SIZE").is_some() {
         return worker(quick, only);
     }
     let nps: Vec<String> = match args.iter().position(|a| a == "--np") {
         Some(i) => vec![args.get(i + 1).cloned().unwrap_or_else(|| "2".into())],
+        None if smoke => vec!["2".into()],
         None => vec!["2".into(), "4".into()],
     };
     let exe = std::env::current_exe()?;
     for np in nps {
         let mut cmd = std::process::Command::new("mpirun");
         cmd.args(["-np", &np, "--bind-to", "none"]).arg(&exe);
+        // The same defaults as scripts/setup.sh, so that a bare `cargo bench` works too.
+        for (k, v) in [
+            ("OMPI_MCA_rmaps_base_oversubscribe", "1"),
+            ("OMPI_MCA_btl", "self,vader"),
+            ("OMPI_MCA_oob_tcp_if_include", "lo"),
+            ("OMPI_MCA_mpi_yield_when_idle", "1"),
+        ] {
+            if std::env::var_os(k).is_none() {
+                cmd.env(k, v);
+            }
+        }
+        // SAFETY: geteuid has no preconditions.
+        if unsafe { libc::geteuid() } == 0 {
+            cmd.env("OMPI_ALLOW_RUN_AS_ROOT", "1")
+                .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1");
+        }
         if quick {
             cmd.arg("--quick");
         }

@@ -83,6 +83,15 @@ pub enum Error {
         rank: usize,
     },
 
+    /// Some ranks never submitted a request others were waiting for, for longer than
+    /// the stall shutdown time (`KOLO_STALL_SHUTDOWN_TIME_SECONDS`); every pending op
+    /// on every rank fails with the report, and the engine stops.
+    #[error("{report}")]
+    Stalled {
+        /// Which requests are missing from which ranks.
+        report: String,
+    },
+
     /// The engine is not running (after `shutdown`, or it failed). For a submit, the
     /// tensors are handed back in `tensors`.
     #[error("{op} {name:?}: the kolo engine on rank {rank} is not running ({reason})")]

@@ -69,6 +69,7 @@ pub(crate) fn run(config: Config, rx: Receiver<Command>, started: SyncSender<Res
         agreed,
         fusion_buffer: FusionBuffer::default(),
         last_cycle_had_news: false,
+        stall_abort: false,
     };
     engine.serve();
     tracing::debug!(rank = topology.rank, "engine stopped; finalising MPI");
@@ -194,6 +195,8 @@ struct Engine {
     cache: ResponseCache,
     fusion_buffer: FusionBuffer,
     last_cycle_had_news: bool,
+    /// Tell the other ranks in the next cycle that the stall shutdown time has passed.
+    stall_abort: bool,
 }
 
 impl Engine {
@@ -220,6 +223,15 @@ impl Engine {
                 }
                 Ok(None) if leaving => return,
                 Ok(None) => {}
+                Err(Error::Stalled { report }) => {
+                    // Every rank saw the same stall abort in the same cycle: fail
+                    // everything with the report and stop communicating.
+                    self.inbox.fail_all(|_| Error::Stalled {
+                        report: report.clone(),
+                    });
+                    self.serve_stopped(&report);
+                    return;
+                }
                 Err(e) => {
                     tracing::error!(rank = self.inbox.rank, error = %e, "engine failed");
                     let msg = e.to_string();
@@ -255,7 +267,8 @@ impl Engine {
         } else {
             self.unannounce_all();
         }
-        let has_full = !self.inbox.outgoing.is_empty() || self.inbox.shutting_down;
+        let has_full =
+            !self.inbox.outgoing.is_empty() || self.inbox.shutting_down || self.stall_abort;
 
         // Phase 1 (with the cache): one AND of [flags, cache bits] across ranks.
         let mut cached_ready = Vec::new();
@@ -285,6 +298,7 @@ impl Engine {
             let msg = CycleMsg {
                 requests: std::mem::take(&mut self.inbox.outgoing),
                 shutdown: self.inbox.shutting_down,
+                stall_abort: self.stall_abort,
             };
             self.full_exchange(&msg)?
         } else {
@@ -326,6 +340,10 @@ impl Engine {
                         rank: left,
                     });
                     return Ok(Some(left));
+                }
+                Outcome::Stalled(report) => {
+                    tracing::error!(rank = self.inbox.rank, "{report}");
+                    return Err(Error::Stalled { report });
                 }
                 Outcome::Responses(negotiated) => {
                     let cache_new = use_cache && !self.negotiator.any_joined();
@@ -369,6 +387,9 @@ impl Engine {
             }
         }
         self.stall.check(&self.negotiator, now);
+        if self.stall.shutdown_due(&self.negotiator, now) {
+            self.stall_abort = true;
+        }
         Ok(None)
     }
 

@@ -47,6 +47,8 @@ pub(crate) enum Outcome {
     Responses(Vec<Response>),
     /// A rank shut down: nothing more can run; every pending op fails naming it.
     RankLeft(usize),
+    /// A rank's stall inspector gave up: every pending op fails with this report.
+    Stalled(String),
 }
 
 struct Entry {
@@ -99,6 +101,12 @@ impl Negotiator {
             self.table.clear();
             self.by_key.clear();
             return Outcome::RankLeft(rank);
+        }
+        if let Some(rank) = msgs.iter().position(|m| m.stall_abort) {
+            let report = self.stall_report(rank);
+            self.table.clear();
+            self.by_key.clear();
+            return Outcome::Stalled(report);
         }
         let mut responses = Vec::new();
         for (rank, msg) in msgs.iter().enumerate() {
@@ -159,6 +167,31 @@ impl Negotiator {
             self.joined = vec![false; self.size];
         }
         Outcome::Responses(responses)
+    }
+
+    /// Which ranks are missing which requests, for the error every rank reports when
+    /// `by_rank`'s stall inspector gives up (the table is the same on every rank).
+    fn stall_report(&self, by_rank: usize) -> String {
+        let mut parts = Vec::new();
+        for e in self.table.values() {
+            let Some(first) = e.metas.iter().flatten().next() else {
+                continue;
+            };
+            let missing: Vec<usize> = (0..self.size)
+                .filter(|&r| e.metas[r].is_none() && !self.joined[r])
+                .collect();
+            if !missing.is_empty() {
+                parts.push(format!("{:?} is missing from ranks {missing:?}", first.key));
+            }
+        }
+        format!(
+            "stalled: {} (rank {by_rank} reached the stall shutdown time)",
+            if parts.is_empty() {
+                "no request is missing".to_string()
+            } else {
+                parts.join("; ")
+            }
+        )
     }
 
     /// Requests that some ranks submitted more than `after` ago and others have not,
@@ -325,6 +358,7 @@ mod tests {
             .map(|requests| CycleMsg {
                 requests,
                 shutdown: false,
+                stall_abort: false,
             })
             .collect()
     }
@@ -333,6 +367,7 @@ mod tests {
         match o {
             Outcome::Responses(r) => r,
             Outcome::RankLeft(r) => panic!("rank {r} left"),
+            Outcome::Stalled(r) => panic!("stalled: {r}"),
         }
     }
 
@@ -546,6 +581,28 @@ mod tests {
             Outcome::RankLeft(1)
         ));
         assert!(!n.has_pending());
+    }
+
+    #[test]
+    fn a_stall_abort_reports_missing_ranks_everywhere() {
+        let mut n = Negotiator::new(3);
+        let _ = n.handle(
+            &cycle(vec![
+                vec![req("a", OpKind::Allreduce, &[1])],
+                vec![],
+                vec![req("a", OpKind::Allreduce, &[1])],
+            ]),
+            Instant::now(),
+        );
+        let mut msgs = cycle(vec![vec![], vec![], vec![]]);
+        msgs[2].stall_abort = true;
+        match n.handle(&msgs, Instant::now()) {
+            Outcome::Stalled(report) => assert_eq!(
+                report,
+                "stalled: \"a\" is missing from ranks [1] (rank 2 reached the stall shutdown time)"
+            ),
+            other => panic!("{other:?}"),
+        }
     }
 
     #[test]

@@ -157,4 +157,7 @@ pub(crate) struct CycleMsg {
     pub(crate) requests: Vec<RequestMeta>,
     /// This rank is leaving: its last cycle.
     pub(crate) shutdown: bool,
+    /// This rank's stall inspector found a stall older than the stall shutdown time:
+    /// every rank fails its pending ops with the stall report.
+    pub(crate) stall_abort: bool,
 }

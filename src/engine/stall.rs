@@ -14,6 +14,7 @@ const MAX_NAMES: usize = 8;
 pub(crate) struct StallInspector {
     enabled: bool,
     after: Duration,
+    shutdown_after: Duration,
     rank: usize,
     warned: HashSet<String>,
     warned_waiting: bool,
@@ -24,6 +25,7 @@ impl StallInspector {
         StallInspector {
             enabled: !config.stall_check_disable,
             after: config.stall_check_time,
+            shutdown_after: config.stall_shutdown_time,
             rank,
             warned: HashSet::new(),
             warned_waiting: false,
@@ -71,6 +73,16 @@ impl StallInspector {
             );
             self.warned.extend(keys.iter().map(|k| k.to_string()));
         }
+    }
+
+    /// Whether a stall has lasted past the stall shutdown time (never when it is 0).
+    pub(crate) fn shutdown_due(&self, negotiator: &Negotiator, now: Instant) -> bool {
+        self.enabled
+            && !self.shutdown_after.is_zero()
+            && negotiator
+                .stalled(now, self.shutdown_after)
+                .iter()
+                .any(|(_, missing)| !missing.is_empty())
     }
 
     /// While the cycle exchange itself waits (another rank's engine is not cycling):

@@ -31,3 +31,43 @@ pub(crate) fn panic_before_collective(k: &Kolo) -> Result<()> {
         .wait()?;
     Ok(())
 }
+
+/// Rank 0 submits a tensor the last rank never submits. With a 1 s stall check and a
+/// 3 s stall shutdown time (set by the harness), every rank logs a warning naming the
+/// missing rank, then rank 0's op fails with the report, and every rank stops cleanly.
+pub(crate) fn stall_shutdown(k: &Kolo) -> Result<()> {
+    let last = k.size() - 1;
+    let start = std::time::Instant::now();
+    if k.rank() == 0 {
+        let err = k
+            .allreduce("stalled.x", Tensor::zeros(DType::F32, &[4]))
+            .wait();
+        let msg = match err {
+            Ok(_) => anyhow::bail!("the stalled op succeeded"),
+            Err(e) => e.to_string(),
+        };
+        anyhow::ensure!(
+            msg.contains(&format!(
+                "\"stalled.x\" is missing from ranks [{}]",
+                (1..=last)
+                    .map(|r| r.to_string())
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            )),
+            "{msg}"
+        );
+        let waited = start.elapsed();
+        anyhow::ensure!(
+            waited >= Duration::from_secs(3) && waited < Duration::from_secs(8),
+            "failed after {waited:?}"
+        );
+    } else {
+        std::thread::sleep(Duration::from_secs(5));
+    }
+    // After the stall abort the engine no longer communicates: later ops fail at once.
+    let later = k
+        .allreduce("after.stall", Tensor::zeros(DType::F32, &[1]))
+        .wait();
+    anyhow::ensure!(later.is_err(), "an op after the stall abort succeeded");
+    Ok(())
+}

@@ -44,6 +44,9 @@ const CASES: &[(&str, Case, usize)] = &[
 
 /// Cases rerun under other settings: (trial name, case, np values, environment, text
 /// the output must contain).
+/// Cases that only make sense under the settings a variant gives them.
+const VARIANT_ONLY: &[(&str, Case)] = &[("stall_shutdown", faults::stall_shutdown)];
+
 /// A rerun of a case: trial name, case, np values, environment, required output.
 type Variant = (
     &'static str,
@@ -100,6 +103,16 @@ const VARIANTS: &[Variant] = &[
         &[("KOLO_CACHE_CAPACITY", "4")],
         None,
     ),
+    (
+        "stall_warning_then_shutdown",
+        "stall_shutdown",
+        &[2, 4],
+        &[
+            ("KOLO_STALL_CHECK_TIME_SECONDS", "1"),
+            ("KOLO_STALL_SHUTDOWN_TIME_SECONDS", "3"),
+        ],
+        Some("have not submitted [\"stalled.x\"]"),
+    ),
 ];
 
 /// Cases that must end the whole job: (name, case, np values, text the output must
@@ -124,7 +137,13 @@ const FAULT_DEADLINE: Duration = Duration::from_secs(11);
 
 fn worker(case: &str) -> ! {
     let faults = FAULTS.iter().map(|(n, f, _, _)| (*n, *f, 0));
-    let all: Vec<(&str, Case, usize)> = CASES.iter().copied().chain(faults).collect();
+    let variant_only = VARIANT_ONLY.iter().map(|(n, f)| (*n, *f, 0));
+    let all: Vec<(&str, Case, usize)> = CASES
+        .iter()
+        .copied()
+        .chain(faults)
+        .chain(variant_only)
+        .collect();
     let Some((_, f, _)) = all.iter().find(|(n, _, _)| *n == case) else {
         eprintln!("unknown case {case}");
         std::process::exit(2);
