@@ -418,6 +418,42 @@ impl Kolo {
         Ok(out)
     }
 
+    /// Starts writing this rank's timeline (Chrome Trace Event JSON, for Perfetto or
+    /// chrome://tracing) to `path`, replacing any timeline being written. Unlike
+    /// `KOLO_TIMELINE`, the path is used as given on every rank that calls this.
+    ///
+    /// # Errors
+    /// The file cannot be created, or the engine is not running.
+    pub fn start_timeline(&self, path: impl Into<std::path::PathBuf>) -> Result<()> {
+        self.timeline_command(Some(path.into()))
+    }
+
+    /// Stops writing the timeline; the file stays a complete trace.
+    ///
+    /// # Errors
+    /// The engine is not running.
+    pub fn stop_timeline(&self) -> Result<()> {
+        self.timeline_command(None)
+    }
+
+    fn timeline_command(&self, path: Option<std::path::PathBuf>) -> Result<()> {
+        let (reply, answer) = mpsc::sync_channel(1);
+        let stopped = || Error::EngineStopped {
+            op: "timeline",
+            name: String::new(),
+            rank: self.rank(),
+            reason: "kolo has been shut down on this rank".into(),
+            tensors: Vec::new(),
+        };
+        {
+            let tx = self.inner.tx.lock().unwrap_or_else(PoisonError::into_inner);
+            let tx = tx.as_ref().ok_or_else(stopped)?;
+            tx.send(Command::Timeline { path, reply })
+                .map_err(|_| stopped())?;
+        }
+        answer.recv().map_err(|_| stopped())?
+    }
+
     /// Stops the engine and finalises MPI; idempotent. See the type's `# Shutdown`.
     ///
     /// # Errors

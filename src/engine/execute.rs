@@ -1,6 +1,8 @@
 //! Runs a negotiated request on this rank: prepares buffers, calls the transport,
 //! applies scale factors and hands back the result.
 
+use std::time::Instant;
+
 use half::slice::HalfFloatSliceExt;
 use half::{bf16, f16};
 
@@ -201,10 +203,11 @@ pub(crate) fn run_fused(
     t: &mut dyn Transport,
     members: Vec<(&Ready, Option<Vec<Tensor>>)>,
     buffer: &mut FusionBuffer,
-) -> Result<Vec<Option<Tensor>>> {
+) -> Result<(Vec<Option<Tensor>>, FusedTimes)> {
+    let start = Instant::now();
     let size = t.topology().size;
     let Some((first, _)) = members.first() else {
-        return Ok(Vec::new());
+        return Ok((Vec::new(), FusedTimes::at(start)));
     };
     let meta = first.first().clone();
     let dtype = meta.tensors[0].dtype;
@@ -236,8 +239,10 @@ pub(crate) fn run_fused(
         at += n;
     }
     scale_bytes(buf, wire, meta.prescale);
+    let copied_in = Instant::now();
     t.allreduce(buf, wire, meta.op)?;
     scale_bytes(buf, wire, post_factor(&meta, size));
+    let reduced = Instant::now();
     let mut at = 0;
     for x in &mut tensors {
         let n = x.len() * wire_size(dtype);
@@ -249,11 +254,38 @@ pub(crate) fn run_fused(
         }
         at += n;
     }
-    Ok(tensors
+    let outputs = tensors
         .into_iter()
         .zip(local)
         .map(|(x, mine)| mine.then_some(x))
-        .collect())
+        .collect();
+    let times = FusedTimes {
+        start,
+        copied_in,
+        reduced,
+        copied_out: Instant::now(),
+    };
+    Ok((outputs, times))
+}
+
+/// When the phases of a fused allreduce ended, for the timeline.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct FusedTimes {
+    pub(crate) start: Instant,
+    pub(crate) copied_in: Instant,
+    pub(crate) reduced: Instant,
+    pub(crate) copied_out: Instant,
+}
+
+impl FusedTimes {
+    fn at(t: Instant) -> Self {
+        FusedTimes {
+            start: t,
+            copied_in: t,
+            reduced: t,
+            copied_out: t,
+        }
+    }
 }
 
 /// Multiplies every element of raw bytes holding `dtype` elements by `f`; integers

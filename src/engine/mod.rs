@@ -9,6 +9,7 @@ pub(crate) mod fusion;
 pub(crate) mod negotiate;
 pub(crate) mod request;
 pub(crate) mod stall;
+pub(crate) mod timeline;
 
 use std::collections::HashMap;
 use std::sync::mpsc::{Receiver, RecvTimeoutError, SyncSender, TryRecvError};
@@ -24,6 +25,7 @@ use fusion::{FusionBuffer, Step};
 use negotiate::{Negotiator, Outcome, Response};
 use request::{Command, CycleMsg, Request, RequestMeta};
 use stall::StallInspector;
+use timeline::Timeline;
 
 /// How long an idle engine waits before a heartbeat cycle. Heartbeats let every rank
 /// see what the others are waiting for (so stalls name the missing ranks) and notice a
@@ -52,6 +54,7 @@ pub(crate) fn run(config: Config, rx: Receiver<Command>, started: SyncSender<Res
     if started.send(Ok(topology)).is_err() {
         return;
     }
+    let mark_cycles = config.timeline_mark_cycles;
     let mut engine = Engine {
         negotiator: Negotiator::new(topology.size),
         stall: StallInspector::new(&config, topology.rank),
@@ -62,6 +65,7 @@ pub(crate) fn run(config: Config, rx: Receiver<Command>, started: SyncSender<Res
             announced: HashMap::new(),
             shutting_down: false,
             rank: topology.rank,
+            timeline_requests: Vec::new(),
         },
         transport,
         config,
@@ -70,7 +74,19 @@ pub(crate) fn run(config: Config, rx: Receiver<Command>, started: SyncSender<Res
         fusion_buffer: FusionBuffer::default(),
         last_cycle_had_news: false,
         stall_abort: false,
+        timeline: Timeline::new(topology.rank, mark_cycles),
+        ready_at: Instant::now(),
     };
+    if let Some(path) = engine
+        .config
+        .timeline
+        .as_deref()
+        .and_then(|p| timeline::path_for_rank(p, topology.rank))
+    {
+        if let Err(e) = engine.timeline.start(&path) {
+            tracing::warn!(path = %path.display(), error = %e, "cannot write the timeline; continuing without it");
+        }
+    }
     engine.serve();
     tracing::debug!(rank = topology.rank, "engine stopped; finalising MPI");
 }
@@ -116,6 +132,8 @@ struct Inbox {
     announced: HashMap<usize, String>,
     shutting_down: bool,
     rank: usize,
+    /// Timeline start (Some path) / stop (None) requests, with where to answer.
+    timeline_requests: Vec<(Option<std::path::PathBuf>, SyncSender<Result<()>>)>,
 }
 
 impl Inbox {
@@ -131,6 +149,7 @@ impl Inbox {
                 self.pending.insert(req.meta.key.clone(), *req);
             }
             Command::Shutdown => self.shutting_down = true,
+            Command::Timeline { path, reply } => self.timeline_requests.push((path, reply)),
         }
     }
 
@@ -175,6 +194,16 @@ impl Inbox {
     }
 }
 
+/// The timeline args of an op: dtype and shape of each tensor.
+fn trace_args(meta: &RequestMeta) -> serde_json::Value {
+    match meta.tensors.as_slice() {
+        [t] => serde_json::json!({"dtype": t.dtype.to_string(), "shape": t.shape}),
+        ts => serde_json::json!({
+            "tensors": ts.iter().map(|t| serde_json::json!({"name": t.name, "dtype": t.dtype.to_string(), "shape": t.shape})).collect::<Vec<_>>()
+        }),
+    }
+}
+
 fn stopped(meta: &RequestMeta, rank: usize, reason: &str) -> Error {
     Error::EngineStopped {
         op: meta.kind.name(),
@@ -197,6 +226,9 @@ struct Engine {
     last_cycle_had_news: bool,
     /// Tell the other ranks in the next cycle that the stall shutdown time has passed.
     stall_abort: bool,
+    timeline: Timeline,
+    /// When the responses being run became ready (the end of their cycle).
+    ready_at: Instant,
 }
 
 impl Engine {
@@ -248,6 +280,7 @@ impl Engine {
     /// and while only waiting for other ranks paces cycles by the cycle time.
     fn gather(&mut self) {
         self.inbox.drain();
+        self.serve_timeline_requests();
         if self.inbox.shutting_down || !self.inbox.outgoing.is_empty() {
             return;
         }
@@ -258,9 +291,38 @@ impl Engine {
         }
     }
 
+    fn serve_timeline_requests(&mut self) {
+        for (path, reply) in std::mem::take(&mut self.inbox.timeline_requests) {
+            let result = match path {
+                Some(p) => self.timeline.start(&p).map_err(|e| Error::InvalidArgument {
+                    op: "start_timeline",
+                    name: p.display().to_string(),
+                    message: format!("cannot write the timeline: {e}"),
+                }),
+                None => {
+                    self.timeline.stop();
+                    Ok(())
+                }
+            };
+            let _ = reply.send(result);
+        }
+    }
+
+    /// Records a ready op's negotiation span (from its submission here) on the timeline.
+    fn trace_negotiation(&mut self, meta: &RequestMeta, submitted: Instant) {
+        if self.timeline.enabled() {
+            let args = trace_args(meta);
+            for t in &meta.tensors {
+                self.timeline
+                    .span(&t.name, "NEGOTIATE", submitted, self.ready_at, &args);
+            }
+        }
+    }
+
     /// One negotiation cycle and the responses it makes ready. Returns the rank that
     /// left, if one did.
     fn cycle(&mut self) -> Result<Option<usize>> {
+        self.timeline.cycle_start(Instant::now());
         let use_cache = self.cache.enabled() && !self.negotiator.any_joined();
         if use_cache {
             self.announce_cached();
@@ -371,6 +433,7 @@ impl Engine {
         self.last_cycle_had_news =
             !responses.is_empty() || msgs.iter().any(|m| !m.requests.is_empty());
 
+        self.ready_at = Instant::now();
         let steps = fusion::plan(&responses, self.agreed.fusion_threshold);
         let mut responses: Vec<Option<Response>> = responses.into_iter().map(Some).collect();
         for step in steps {
@@ -471,11 +534,23 @@ impl Engine {
             Response::Run(ready) => {
                 let local = self.inbox.pending.remove(&ready.key);
                 let (tensors, done) = match local {
-                    Some(req) => (Some(req.tensors), Some(req.done)),
+                    Some(req) => {
+                        self.trace_negotiation(&req.meta, req.submitted);
+                        (Some(req.tensors), Some(req.done))
+                    }
                     None => (None, None),
                 };
                 let span = tracing::debug_span!("op", kind = ready.kind.name(), key = %ready.key);
+                let started = Instant::now();
                 let result = span.in_scope(|| execute::run(&mut self.transport, &ready, tensors));
+                if self.timeline.enabled() {
+                    let meta = ready.first();
+                    let (args, end) = (trace_args(meta), Instant::now());
+                    let phase = meta.kind.name().to_ascii_uppercase();
+                    for t in &meta.tensors {
+                        self.timeline.span(&t.name, &phase, started, end, &args);
+                    }
+                }
                 if let Some(done) = done {
                     done.complete(result);
                 } else if let Err(e) = result {
@@ -511,6 +586,16 @@ impl Engine {
         for (ready, local) in readies.iter().zip(locals) {
             match local {
                 Some(req) => {
+                    if self.timeline.enabled() {
+                        let args = trace_args(&req.meta);
+                        self.timeline.span(
+                            &req.meta.key,
+                            "NEGOTIATE",
+                            req.submitted,
+                            self.ready_at,
+                            &args,
+                        );
+                    }
                     inputs.push((ready, Some(req.tensors)));
                     dones.push(Some(req.done));
                 }
@@ -521,8 +606,32 @@ impl Engine {
             }
         }
         tracing::debug!(tensors = inputs.len(), "fused allreduce");
+        let keys: Vec<(String, serde_json::Value)> = inputs
+            .iter()
+            .map(|(r, _)| (r.key.clone(), trace_args(r.first())))
+            .collect();
         match execute::run_fused(&mut self.transport, inputs, &mut self.fusion_buffer) {
-            Ok(outputs) => {
+            Ok((outputs, times)) => {
+                if self.timeline.enabled() {
+                    for (key, args) in &keys {
+                        self.timeline.span(
+                            key,
+                            "MEMCPY_IN_FUSION_BUFFER",
+                            times.start,
+                            times.copied_in,
+                            args,
+                        );
+                        self.timeline
+                            .span(key, "ALLREDUCE", times.copied_in, times.reduced, args);
+                        self.timeline.span(
+                            key,
+                            "MEMCPY_OUT_FUSION_BUFFER",
+                            times.reduced,
+                            times.copied_out,
+                            args,
+                        );
+                    }
+                }
                 for (done, out) in dones.into_iter().zip(outputs) {
                     if let (Some(done), Some(out)) = (done, out) {
                         done.complete(Ok(Output::Tensor(out)));
@@ -560,6 +669,9 @@ impl Engine {
                     req.done.complete(Err(err));
                 }
                 Command::Shutdown => return,
+                Command::Timeline { reply, .. } => {
+                    let _ = reply.send(Ok(()));
+                }
             }
         }
     }
@@ -572,6 +684,9 @@ impl Engine {
                     req.done.complete(Err(err));
                 }
                 Command::Shutdown => return,
+                Command::Timeline { reply, .. } => {
+                    let _ = reply.send(Ok(()));
+                }
             }
         }
     }

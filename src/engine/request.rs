@@ -148,6 +148,11 @@ pub(crate) struct Request {
 pub(crate) enum Command {
     Submit(Box<Request>),
     Shutdown,
+    /// Start writing the timeline to a path, or stop (None); the result is sent back.
+    Timeline {
+        path: Option<std::path::PathBuf>,
+        reply: std::sync::mpsc::SyncSender<crate::error::Result<()>>,
+    },
 }
 
 /// What a rank contributes to one negotiation cycle.

@@ -9,6 +9,7 @@ mod fusion;
 mod harness;
 mod optimizer;
 mod others;
+mod timeline;
 mod util;
 
 use std::time::Duration;
@@ -45,7 +46,10 @@ const CASES: &[(&str, Case, usize)] = &[
 /// Cases rerun under other settings: (trial name, case, np values, environment, text
 /// the output must contain).
 /// Cases that only make sense under the settings a variant gives them.
-const VARIANT_ONLY: &[(&str, Case)] = &[("stall_shutdown", faults::stall_shutdown)];
+const VARIANT_ONLY: &[(&str, Case)] = &[
+    ("stall_shutdown", faults::stall_shutdown),
+    ("timeline", timeline::trace),
+];
 
 /// A rerun of a case: trial name, case, np values, environment, required output.
 type Variant = (
@@ -112,6 +116,16 @@ const VARIANTS: &[Variant] = &[
             ("KOLO_STALL_SHUTDOWN_TIME_SECONDS", "3"),
         ],
         Some("have not submitted [\"stalled.x\"]"),
+    ),
+    (
+        "timeline",
+        "timeline",
+        &[2],
+        &[
+            ("KOLO_TIMELINE", "/tmp/kolo-test-timeline-{rank}.json"),
+            ("KOLO_TIMELINE_MARK_CYCLES", "1"),
+        ],
+        None,
     ),
 ];
 
