@@ -16,6 +16,10 @@ fn main() {
             );
         }
     };
+    println!(
+        "cargo:rustc-env=KOLO_MPI_LIBRARY={}",
+        lib.version.lines().next().unwrap_or("unknown MPI").trim()
+    );
     let mut build = cc::Build::new();
     build.file("src/transport/shim.c");
     if let Some(mpicc) = lib.mpicc {

@@ -60,7 +60,7 @@ pub use optimizer::{
     broadcast_parameters, Compression, DistributedOptimizer, DistributedOptimizerBuilder,
     GradientStep, Gradients,
 };
-pub use runtime::{init, Kolo};
+pub use runtime::{build_info, init, BuildInfo, Kolo};
 pub use tensor::{DType, Element, Tensor};
 
 /// Re-exported so that users can build f16/bf16 tensors without naming `half` themselves.

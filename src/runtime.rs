@@ -71,6 +71,28 @@ pub fn init() -> Result<Kolo> {
     Config::from_env()?.init()
 }
 
+/// What this build of kolo contains; see [`build_info`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct BuildInfo {
+    /// kolo's version.
+    pub version: &'static str,
+    /// The MPI library kolo was built against (as its build probe reported it).
+    pub mpi_library: &'static str,
+    /// Whether an NCCL transport for CUDA tensors was compiled in (not yet: kolo
+    /// reduces CPU tensors over MPI only).
+    pub nccl: bool,
+}
+
+/// What this build of kolo contains; needs no MPI (`kolorun --check-build` prints it).
+pub fn build_info() -> BuildInfo {
+    BuildInfo {
+        version: env!("CARGO_PKG_VERSION"),
+        mpi_library: env!("KOLO_MPI_LIBRARY"),
+        nccl: false,
+    }
+}
+
 /// The handle to this rank's kolo engine: rank information and every collective.
 ///
 /// `Kolo` is a cheap clone (`Send + Sync`). The engine keeps running while any clone
