@@ -31,3 +31,21 @@ fn main() {
     }
     build.compile("kolo_mpi_shim");
 }
+
+/// A one-line description of the MPI library, for `kolo::build_info`.
+fn mpi_version(lib: &build_probe_mpi::Library) -> String {
+    let probed = lib.version.lines().next().unwrap_or("").trim().to_string();
+    if !probed.is_empty() {
+        return probed;
+    }
+    // Open MPI's wrapper says e.g. "mpicc: Open MPI 4.1.4 (Language: C)".
+    let wrapper = lib.mpicc.clone().unwrap_or_else(|| "mpicc".into());
+    std::process::Command::new(wrapper)
+        .arg("--showme:version")
+        .output()
+        .ok()
+        .and_then(|o| String::from_utf8(o.stdout).ok())
+        .and_then(|s| s.lines().next().map(|l| l.trim_start_matches("mpicc:").trim().to_string()))
+        .filter(|s| !s.is_empty())
+        .unwrap_or_else(|| "unknown MPI library".into())
+}

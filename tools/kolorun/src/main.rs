@@ -205,7 +205,7 @@ fn main() {
             if b.nccl {
                 "compiled in"
             } else {
-                "not compiled in (build with --features nccl)"
+                "not compiled in (this kolo reduces CPU tensors over MPI only)"
             }
         );
         return;
