@@ -16,10 +16,7 @@ fn main() {
             );
         }
     };
-    println!(
-        "cargo:rustc-env=KOLO_MPI_LIBRARY={}",
-        lib.version.lines().next().unwrap_or("unknown MPI").trim()
-    );
+    println!("cargo:rustc-env=KOLO_MPI_LIBRARY={}", mpi_version(&lib));
     let mut build = cc::Build::new();
     build.file("src/transport/shim.c");
     if let Some(mpicc) = lib.mpicc {
@@ -45,7 +42,11 @@ fn mpi_version(lib: &build_probe_mpi::Library) -> String {
         .output()
         .ok()
         .and_then(|o| String::from_utf8(o.stdout).ok())
-        .and_then(|s| s.lines().next().map(|l| l.trim_start_matches("mpicc:").trim().to_string()))
+        .and_then(|s| {
+            s.lines()
+                .next()
+                .map(|l| l.trim_start_matches("mpicc:").trim().to_string())
+        })
         .filter(|s| !s.is_empty())
         .unwrap_or_else(|| "unknown MPI library".into())
 }
