@@ -32,7 +32,7 @@ fn main() {
 /// A one-line description of the MPI library, for `kolo::build_info`.
 fn mpi_version(lib: &build_probe_mpi::Library) -> String {
     let probed = lib.version.lines().next().unwrap_or("").trim().to_string();
-    if !probed.is_empty() {
+    if !probed.is_empty() && !probed.eq_ignore_ascii_case("unknown") {
         return probed;
     }
     // Open MPI's wrapper says e.g. "mpicc: Open MPI 4.1.4 (Language: C)".
