@@ -653,6 +653,8 @@ impl Engine {
     /// After a rank left no collective can run again: fail every request at once,
     /// naming that rank, until this rank shuts down too.
     fn serve_after_rank_left(&mut self, left: usize) {
+        // Timeline requests taken in before the rank left still need their answer.
+        self.serve_timeline_requests();
         tracing::warn!(
             rank = self.inbox.rank,
             left,
@@ -677,6 +679,7 @@ impl Engine {
     }
 
     fn serve_stopped(&mut self, reason: &str) {
+        self.serve_timeline_requests();
         while let Ok(cmd) = self.inbox.rx.recv() {
             match cmd {
                 Command::Submit(req) => {

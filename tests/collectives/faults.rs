@@ -71,3 +71,27 @@ pub(crate) fn stall_shutdown(k: &Kolo) -> Result<()> {
     anyhow::ensure!(later.is_err(), "an op after the stall abort succeeded");
     Ok(())
 }
+
+/// The last rank returns from main early (dropping kolo) while the others still submit:
+/// their ops fail naming it, and the job ends with a non-zero status.
+pub(crate) fn early_exit(k: &Kolo) -> Result<()> {
+    if k.rank() == k.size() - 1 {
+        return Ok(());
+    }
+    k.allreduce("after.exit", Tensor::zeros(DType::F32, &[4]))
+        .wait()?;
+    Ok(())
+}
+
+/// The last rank is killed with SIGKILL while the others wait in a collective: mpirun
+/// must end the job (no hang, no orphans).
+pub(crate) fn sigkill(k: &Kolo) -> Result<()> {
+    if k.rank() == k.size() - 1 {
+        std::thread::sleep(Duration::from_millis(300));
+        // SAFETY: signalling our own process.
+        unsafe { libc::kill(libc::getpid(), libc::SIGKILL) };
+    }
+    k.allreduce("never", Tensor::zeros(DType::F32, &[4]))
+        .wait()?;
+    Ok(())
+}

@@ -9,6 +9,7 @@ mod fusion;
 mod harness;
 mod optimizer;
 mod others;
+mod soak;
 mod timeline;
 mod util;
 
@@ -41,6 +42,7 @@ const CASES: &[(&str, Case, usize)] = &[
     ("distributed_optimizer", optimizer::semantics, 1),
     ("fusion_mixed_async", fusion::mixed_async, 1),
     ("cache_shape_change", fusion::shape_change, 1),
+    ("soak_20000_ops", soak::soak, 2),
 ];
 
 /// Cases rerun under other settings: (trial name, case, np values, environment, text
@@ -138,6 +140,13 @@ const FAULTS: &[(&str, Case, &[usize], &str)] = &[
         &[2, 4],
         "kolo: rank {last} panicked on thread '<unnamed>'",
     ),
+    (
+        "early_exit",
+        faults::early_exit,
+        &[2, 4],
+        "rank {last} has shut down",
+    ),
+    ("sigkill", faults::sigkill, &[2, 4], "signal 9"),
     (
         "panic_before_collective",
         faults::panic_before_collective,

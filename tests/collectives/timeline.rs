@@ -57,7 +57,12 @@ fn check_format(evs: &[Value], rank: usize) -> Result<Vec<(String, String)>> {
 pub(crate) fn trace(k: &Kolo) -> Result<()> {
     let rank = k.rank();
     let path = std::env::var("KOLO_TIMELINE")?.replace("{rank}", &rank.to_string());
-    // Small tensors (fused), a large one (in place), and an allgather.
+    // Small tensors (fused when they become ready in the same cycle, which depends on
+    // timing: rank 0 submits late so that the others' are all waiting), a large one
+    // (in place), and an allgather.
+    if rank == 0 {
+        std::thread::sleep(std::time::Duration::from_millis(200));
+    }
     let hs = (0..6)
         .map(|i| {
             Ok(
@@ -85,8 +90,16 @@ pub(crate) fn trace(k: &Kolo) -> Result<()> {
         has("tl.gather", "ALLGATHER"),
         "allgather span missing: {spans:?}"
     );
-    let fused = (0..6).any(|i| has(&format!("tl.small.{i}"), "MEMCPY_IN_FUSION_BUFFER"));
-    ensure!(fused, "no fused allreduce on the timeline: {spans:?}");
+    let fused = (0..6)
+        .filter(|i| has(&format!("tl.small.{i}"), "MEMCPY_IN_FUSION_BUFFER"))
+        .count();
+    let fused_all = k.allgather_object("tl.fused", fused)?;
+    // Every rank runs the same batches; at least the tensors rank 0 submitted while
+    // its first cycle ran are fused.
+    ensure!(
+        fused_all.iter().all(|&f| f == fused && f >= 2),
+        "fused spans per rank: {fused_all:?}: {spans:?}"
+    );
     for i in 0..6 {
         ensure!(
             has(&format!("tl.small.{i}"), "ALLREDUCE"),
