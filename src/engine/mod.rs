@@ -435,6 +435,13 @@ impl Engine {
 
         self.ready_at = Instant::now();
         let steps = fusion::plan(&responses, self.agreed.fusion_threshold);
+        tracing::trace!(
+            rank = self.inbox.rank,
+            full_exchange = someone_has_full,
+            ready = responses.len(),
+            steps = steps.len(),
+            "negotiation cycle"
+        );
         let mut responses: Vec<Option<Response>> = responses.into_iter().map(Some).collect();
         for step in steps {
             match step {
