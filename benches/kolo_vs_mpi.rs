@@ -15,6 +15,11 @@ use std::ffi::c_void;
 use std::time::{Duration, Instant};
 
 use kolo::{Kolo, ReduceOp, Tensor};
+
+// The tests' mpirun launcher; the benchmark uses only its environment defaults.
+#[path = "../tests/collectives/harness.rs"]
+#[allow(dead_code)]
+mod harness;
 use mpi::ffi;
 
 extern "C" {
@@ -425,22 +430,8 @@ fn main() -> anyhow::Result<()> {
     for np in nps {
         let mut cmd = std::process::Command::new("mpirun");
         cmd.args(["-np", &np, "--bind-to", "none"]).arg(&exe);
-        // The same defaults as scripts/setup.sh, so that a bare `cargo bench` works too.
-        for (k, v) in [
-            ("OMPI_MCA_rmaps_base_oversubscribe", "1"),
-            ("OMPI_MCA_btl", "self,vader"),
-            ("OMPI_MCA_oob_tcp_if_include", "lo"),
-            ("OMPI_MCA_mpi_yield_when_idle", "1"),
-        ] {
-            if std::env::var_os(k).is_none() {
-                cmd.env(k, v);
-            }
-        }
-        // SAFETY: geteuid has no preconditions.
-        if unsafe { libc::geteuid() } == 0 {
-            cmd.env("OMPI_ALLOW_RUN_AS_ROOT", "1")
-                .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1");
-        }
+        // The same defaults as the tests' launcher, so that a bare `cargo bench` works.
+        harness::mpi_env(&mut cmd);
         if quick {
             cmd.arg("--quick");
         }

@@ -22,6 +22,38 @@ pub(crate) fn mpi_env(cmd: &mut Command) {
     }
 }
 
+/// Worker side: runs `case` (found in `cases`) on this rank between `kolo::init` and
+/// `shutdown`, and exits 0 on success, 1 on failure (printing the error), 2 for an
+/// unknown case, 3 if kolo cannot start.
+/// A worker case: runs on every rank and checks its own results.
+pub(crate) type Case = fn(&kolo::Kolo) -> anyhow::Result<()>;
+
+pub(crate) fn run_worker(case: &str, cases: &[(&str, Case)]) -> ! {
+    let Some((_, f)) = cases.iter().find(|(n, _)| *n == case) else {
+        eprintln!("unknown case {case}");
+        std::process::exit(2);
+    };
+    let kolo = match kolo::init() {
+        Ok(k) => k,
+        Err(e) => {
+            eprintln!("init failed: {e}");
+            std::process::exit(3);
+        }
+    };
+    let rank = kolo.rank();
+    let result = f(&kolo);
+    // Shut down before exiting so that mpirun sees a clean finish on this rank and
+    // the other ranks get an error naming it rather than a hang.
+    let _ = kolo.shutdown();
+    match result {
+        Ok(()) => std::process::exit(0),
+        Err(e) => {
+            eprintln!("rank {rank}: case {case} failed: {e:#}");
+            std::process::exit(1);
+        }
+    }
+}
+
 /// What a finished launch produced.
 pub(crate) struct Run {
     pub(crate) success: bool,

@@ -15,10 +15,9 @@ mod util;
 
 use std::time::Duration;
 
-use kolo::Kolo;
 use libtest_mimic::{Arguments, Failed, Trial};
 
-type Case = fn(&Kolo) -> anyhow::Result<()>;
+use harness::Case;
 
 /// Every case, with the smallest np it is meaningful at.
 const CASES: &[(&str, Case, usize)] = &[
@@ -159,37 +158,15 @@ const FAULTS: &[(&str, Case, &[usize], &str)] = &[
 const FAULT_DEADLINE: Duration = Duration::from_secs(11);
 
 fn worker(case: &str) -> ! {
-    let faults = FAULTS.iter().map(|(n, f, _, _)| (*n, *f, 0));
-    let variant_only = VARIANT_ONLY.iter().map(|(n, f)| (*n, *f, 0));
-    let all: Vec<(&str, Case, usize)> = CASES
+    let faults = FAULTS.iter().map(|(n, f, _, _)| (*n, *f));
+    let variant_only = VARIANT_ONLY.iter().copied();
+    let all: Vec<(&str, Case)> = CASES
         .iter()
-        .copied()
+        .map(|(n, f, _)| (*n, *f))
         .chain(faults)
         .chain(variant_only)
         .collect();
-    let Some((_, f, _)) = all.iter().find(|(n, _, _)| *n == case) else {
-        eprintln!("unknown case {case}");
-        std::process::exit(2);
-    };
-    let kolo = match kolo::init() {
-        Ok(k) => k,
-        Err(e) => {
-            eprintln!("init failed: {e}");
-            std::process::exit(3);
-        }
-    };
-    let rank = kolo.rank();
-    let result = f(&kolo);
-    // Shut down before exiting so that mpirun sees a clean finish on this rank and
-    // the other ranks get an error naming it rather than a hang.
-    let _ = kolo.shutdown();
-    match result {
-        Ok(()) => std::process::exit(0),
-        Err(e) => {
-            eprintln!("rank {rank}: case {case} failed: {e:#}");
-            std::process::exit(1);
-        }
-    }
+    harness::run_worker(case, &all)
 }
 
 fn main() {

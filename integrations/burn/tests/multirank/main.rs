@@ -485,7 +485,7 @@ fn learner(k: &Kolo) -> Result<()> {
     Ok(())
 }
 
-type Case = fn(&Kolo) -> Result<()>;
+use harness::Case;
 
 const CASES: &[(&str, Case, &[usize])] = &[
     ("equivalence", equivalence, &[2, 3]),
@@ -499,25 +499,8 @@ const CASES: &[(&str, Case, &[usize])] = &[
 
 fn main() {
     if let Ok(case) = std::env::var("KOLO_TEST_CASE") {
-        let Some((_, f, _)) = CASES.iter().find(|(n, _, _)| *n == case) else {
-            eprintln!("unknown case {case}");
-            std::process::exit(2);
-        };
-        let kolo = match kolo::init() {
-            Ok(k) => k,
-            Err(e) => {
-                eprintln!("init failed: {e}");
-                std::process::exit(3);
-            }
-        };
-        let rank = kolo.rank();
-        let result = f(&kolo);
-        let _ = kolo.shutdown();
-        if let Err(e) = result {
-            eprintln!("rank {rank}: case {case} failed: {e:#}");
-            std::process::exit(1);
-        }
-        std::process::exit(0);
+        let cases: Vec<(&str, Case)> = CASES.iter().map(|(n, f, _)| (*n, *f)).collect();
+        harness::run_worker(&case, &cases);
     }
     let args = Arguments::from_args();
     let mut trials = Vec::new();
