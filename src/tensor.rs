@@ -315,14 +315,6 @@ impl Tensor {
         with_storage!(&mut self.data, v => bytemuck::cast_slice_mut(v))
     }
 
-    pub(crate) fn storage(&self) -> &Storage {
-        &self.data
-    }
-
-    pub(crate) fn storage_mut(&mut self) -> &mut Storage {
-        &mut self.data
-    }
-
     pub(crate) fn from_parts(data: Storage, shape: Vec<usize>) -> Tensor {
         Tensor { data, shape }
     }

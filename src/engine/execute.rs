@@ -3,17 +3,16 @@
 
 use std::time::Instant;
 
-use half::slice::HalfFloatSliceExt;
 use half::{bf16, f16};
 
-use super::fusion::{wire_size, FusionBuffer};
+use super::fusion::FusionBuffer;
 use super::negotiate::Ready;
 use super::request::{OpKind, RequestMeta};
 use crate::error::{Error, Result};
 use crate::handle::Output;
 use crate::ops::{AlltoallOutput, ReduceOp};
 use crate::tensor::{with_storage, DType, Storage, Tensor};
-use crate::transport::{reducible, Transport};
+use crate::transport::Transport;
 
 /// Runs `ready` with this rank's tensors (`None` on a joined rank, which contributes
 /// zeros of the agreed shape).
@@ -83,18 +82,10 @@ fn allreduce(
     if tensor.is_empty() {
         return Ok(());
     }
-    let post = post_factor(meta, size);
-    if reducible(tensor.dtype()) {
-        let dtype = tensor.dtype();
-        scale_bytes(tensor.as_bytes_mut(), dtype, meta.prescale);
-        t.allreduce(tensor.as_bytes_mut(), dtype, meta.op)?;
-        scale_bytes(tensor.as_bytes_mut(), dtype, post);
-    } else {
-        // f16/bf16: reduce in f32 so that sums of many ranks keep their precision.
-        let mut wide = widen(tensor.storage(), meta.prescale);
-        t.allreduce(bytemuck::cast_slice_mut(&mut wide), DType::F32, meta.op)?;
-        narrow(&wide, tensor.storage_mut(), post);
-    }
+    let dtype = tensor.dtype();
+    scale_bytes(tensor.as_bytes_mut(), dtype, meta.prescale);
+    t.allreduce(tensor.as_bytes_mut(), dtype, meta.op)?;
+    scale_bytes(tensor.as_bytes_mut(), dtype, post_factor(meta, size));
     Ok(())
 }
 
@@ -196,7 +187,7 @@ fn alltoall(t: &mut dyn Transport, tensor: &Tensor, ready: &Ready) -> Result<All
 }
 
 /// Reduces several ready allreduces that agree on dtype, op and scale factors in one
-/// collective over the fusion buffer: copy in (widening f16/bf16 to f32), prescale,
+/// collective over the fusion buffer: copy in, prescale,
 /// reduce in place, postscale, copy out. Members without local tensors (joined ranks)
 /// contribute zeros and get `None` back.
 pub(crate) fn run_fused(
@@ -211,7 +202,6 @@ pub(crate) fn run_fused(
     };
     let meta = first.first().clone();
     let dtype = meta.tensors[0].dtype;
-    let wire = if reducible(dtype) { dtype } else { DType::F32 };
     let mut tensors = Vec::with_capacity(members.len());
     let mut local = Vec::with_capacity(members.len());
     for (ready, data) in members {
@@ -225,33 +215,22 @@ pub(crate) fn run_fused(
         };
         tensors.push(tensor);
     }
-    let total: usize = tensors.iter().map(|x| x.len() * wire_size(dtype)).sum();
+    let total: usize = tensors.iter().map(Tensor::num_bytes).sum();
     let buf = buffer.bytes_mut(total);
     let mut at = 0;
     for x in &tensors {
-        let n = x.len() * wire_size(dtype);
-        let dst = &mut buf[at..at + n];
-        match x.storage() {
-            Storage::F16(v) => v.convert_to_f32_slice(bytemuck::cast_slice_mut(dst)),
-            Storage::BF16(v) => v.convert_to_f32_slice(bytemuck::cast_slice_mut(dst)),
-            _ => dst.copy_from_slice(x.as_bytes()),
-        }
-        at += n;
+        buf[at..at + x.num_bytes()].copy_from_slice(x.as_bytes());
+        at += x.num_bytes();
     }
-    scale_bytes(buf, wire, meta.prescale);
+    scale_bytes(buf, dtype, meta.prescale);
     let copied_in = Instant::now();
-    t.allreduce(buf, wire, meta.op)?;
-    scale_bytes(buf, wire, post_factor(&meta, size));
+    t.allreduce(buf, dtype, meta.op)?;
+    scale_bytes(buf, dtype, post_factor(&meta, size));
     let reduced = Instant::now();
     let mut at = 0;
     for x in &mut tensors {
-        let n = x.len() * wire_size(dtype);
-        let src = &buf[at..at + n];
-        match x.storage_mut() {
-            Storage::F16(v) => v.convert_from_f32_slice(bytemuck::cast_slice(src)),
-            Storage::BF16(v) => v.convert_from_f32_slice(bytemuck::cast_slice(src)),
-            _ => x.as_bytes_mut().copy_from_slice(src),
-        }
+        let n = x.num_bytes();
+        x.as_bytes_mut().copy_from_slice(&buf[at..at + n]);
         at += n;
     }
     let outputs = tensors
@@ -289,7 +268,7 @@ impl FusedTimes {
 }
 
 /// Multiplies every element of raw bytes holding `dtype` elements by `f`; integers
-/// are scaled in f64 and rounded (saturating). f16/bf16 are scaled while widening.
+/// are scaled in f64 and rounded (saturating).
 pub(crate) fn scale_bytes(bytes: &mut [u8], dtype: DType, f: f64) {
     if f == 1.0 {
         return;
@@ -317,7 +296,19 @@ pub(crate) fn scale_bytes(bytes: &mut [u8], dtype: DType, f: f64) {
         DType::I64 => typed!(i64)
             .iter_mut()
             .for_each(|x| *x = (*x as f64 * f).round() as i64),
-        DType::F16 | DType::BF16 => {}
+        // Scaled in f32, rounded once.
+        DType::F16 => {
+            let f = f as f32;
+            typed!(f16)
+                .iter_mut()
+                .for_each(|x| *x = f16::from_f32(x.to_f32() * f));
+        }
+        DType::BF16 => {
+            let f = f as f32;
+            typed!(bf16)
+                .iter_mut()
+                .for_each(|x| *x = bf16::from_f32(x.to_f32() * f));
+        }
     }
 }
 
@@ -339,61 +330,17 @@ fn reducescatter(
     let mut shape = tensor.shape().to_vec();
     shape[0] = scatter_rows(d0, size, me);
     let mut out = Tensor::zeros(tensor.dtype(), &shape);
-    let post = post_factor(meta, size);
-    if reducible(tensor.dtype()) {
-        let dtype = tensor.dtype();
-        scale_bytes(tensor.as_bytes_mut(), dtype, meta.prescale);
-        t.reduce_scatter(
-            tensor.as_bytes(),
-            out.as_bytes_mut(),
-            &counts,
-            dtype,
-            meta.op,
-        )?;
-        scale_bytes(out.as_bytes_mut(), dtype, post);
-    } else {
-        let wide = widen(tensor.storage(), meta.prescale);
-        let mut wide_out = vec![0f32; out.len()];
-        t.reduce_scatter(
-            bytemuck::cast_slice(&wide),
-            bytemuck::cast_slice_mut(&mut wide_out),
-            &counts,
-            DType::F32,
-            meta.op,
-        )?;
-        narrow(&wide_out, out.storage_mut(), post);
-    }
+    let dtype = tensor.dtype();
+    scale_bytes(tensor.as_bytes_mut(), dtype, meta.prescale);
+    t.reduce_scatter(
+        tensor.as_bytes(),
+        out.as_bytes_mut(),
+        &counts,
+        dtype,
+        meta.op,
+    )?;
+    scale_bytes(out.as_bytes_mut(), dtype, post_factor(meta, size));
     Ok(out)
-}
-
-/// f16/bf16 to f32, times `f`.
-fn widen(s: &Storage, f: f64) -> Vec<f32> {
-    let mut wide = match s {
-        Storage::F16(v) => v.to_f32_vec(),
-        Storage::BF16(v) => v.to_f32_vec(),
-        _ => Vec::new(),
-    };
-    if f != 1.0 {
-        let f = f as f32;
-        wide.iter_mut().for_each(|x| *x *= f);
-    }
-    wide
-}
-
-/// f32 times `f` back into f16/bf16 storage.
-fn narrow(wide: &[f32], s: &mut Storage, f: f64) {
-    let f = f as f32;
-    match s {
-        Storage::F16(v) => v
-            .iter_mut()
-            .zip(wide)
-            .for_each(|(x, w)| *x = f16::from_f32(w * f)),
-        Storage::BF16(v) => v
-            .iter_mut()
-            .zip(wide)
-            .for_each(|(x, w)| *x = bf16::from_f32(w * f)),
-        _ => {}
-    }
 }
 
 /// Flattens same-dtype tensors into one 1-d tensor.

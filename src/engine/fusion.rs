@@ -8,7 +8,6 @@ use super::negotiate::Response;
 use super::request::OpKind;
 use crate::ops::ReduceOp;
 use crate::tensor::DType;
-use crate::transport::reducible;
 
 /// One unit of execution, in order.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -44,7 +43,7 @@ fn fuse_key(r: &Response) -> Option<(FuseKey, usize)> {
     let m = ready.first();
     let t = m.tensors.first()?;
     let len: usize = t.shape.iter().product();
-    if len * wire_size(t.dtype) > MAX_FUSED_TENSOR_BYTES {
+    if len * t.dtype.size_of() > MAX_FUSED_TENSOR_BYTES {
         return None;
     }
     Some((
@@ -54,17 +53,8 @@ fn fuse_key(r: &Response) -> Option<(FuseKey, usize)> {
             prescale: m.prescale.to_bits(),
             postscale: m.postscale.to_bits(),
         },
-        len * wire_size(t.dtype),
+        len * t.dtype.size_of(),
     ))
-}
-
-/// Bytes per element in the reduction buffer: f16/bf16 are reduced in f32.
-pub(crate) fn wire_size(dtype: DType) -> usize {
-    if reducible(dtype) {
-        dtype.size_of()
-    } else {
-        4
-    }
 }
 
 /// Greedy fusion with look-ahead, as Horovod does: a batch starts at the first
@@ -224,13 +214,13 @@ mod tests {
     }
 
     #[test]
-    fn half_types_count_at_f32_width() {
+    fn half_types_count_at_their_width() {
         let rs = vec![
             allreduce("a", 4, DType::F16, ReduceOp::Sum),
             allreduce("b", 4, DType::F16, ReduceOp::Sum),
         ];
-        assert_eq!(plan(&rs, 16), vec![Step::Single(0), Step::Single(1)]);
-        assert_eq!(plan(&rs, 32), vec![Step::Fused(vec![0, 1])]);
+        assert_eq!(plan(&rs, 8), vec![Step::Single(0), Step::Single(1)]);
+        assert_eq!(plan(&rs, 16), vec![Step::Fused(vec![0, 1])]);
     }
 
     #[test]

@@ -26,8 +26,8 @@ pub(crate) struct Topology {
 }
 
 /// Collectives as the engine needs them. Buffers are raw native-endian bytes of
-/// `dtype` elements; counts are in elements. Reductions accept only the dtypes for
-/// which [`reducible`] is true (the engine widens f16/bf16 to f32 first).
+/// `dtype` elements; counts are in elements. Every dtype can be reduced; f16 and bf16
+/// travel at their own width and each pairwise combine is computed in f32.
 pub(crate) trait Transport {
     /// This process's place in the job.
     fn topology(&self) -> Topology;
@@ -92,9 +92,4 @@ pub(crate) fn request_abort() {
 /// Whether [`request_abort`] was called.
 pub(crate) fn abort_requested() -> bool {
     ABORT_REQUESTED.load(Ordering::SeqCst)
-}
-
-/// Whether the transport can reduce `dtype` natively.
-pub(crate) fn reducible(dtype: DType) -> bool {
-    !matches!(dtype, DType::F16 | DType::BF16)
 }

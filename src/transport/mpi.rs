@@ -15,7 +15,7 @@ use mpi::raw::AsRaw;
 use mpi::topology::{Color, Communicator, SimpleCommunicator};
 use mpi::Threading;
 
-use super::{abort_requested, reducible, Topology, Transport};
+use super::{abort_requested, Topology, Transport};
 use crate::error::{Error, Result};
 use crate::ops::ReduceOp;
 use crate::tensor::DType;
@@ -31,6 +31,8 @@ pub(crate) struct MpiTransport {
     /// kolo's own duplicate of MPI_COMM_WORLD, so that an application (or a benchmark)
     /// can use MPI_COMM_WORLD itself without its messages mixing with kolo's.
     comm: SimpleCommunicator,
+    /// User-defined reductions for f16 and bf16 (MPI has no half types).
+    half_ops: HalfOps,
     // Dropped last: finalises MPI after the communicators are gone.
     _universe: mpi::environment::Universe,
 }
@@ -76,9 +78,11 @@ impl MpiTransport {
             cross_size: to_usize(cross.size()),
         };
         let comm = world.duplicate();
+        let half_ops = HalfOps::create()?;
         Ok(MpiTransport {
             topology,
             comm,
+            half_ops,
             _universe: universe,
         })
     }
@@ -167,7 +171,7 @@ fn check(call: &'static str, rc: c_int) -> Result<()> {
     })
 }
 
-/// The MPI datatype used to move (and, where [`reducible`], reduce) `dtype`.
+/// The MPI datatype used to move and reduce `dtype`.
 fn datatype(dtype: DType) -> ffi::MPI_Datatype {
     // SAFETY: reading MPI's predefined datatype handles, constant after MPI_Init.
     unsafe {
@@ -176,7 +180,7 @@ fn datatype(dtype: DType) -> ffi::MPI_Datatype {
             DType::I8 => ffi::RSMPI_INT8_T,
             DType::I32 => ffi::RSMPI_INT32_T,
             DType::I64 => ffi::RSMPI_INT64_T,
-            // Moved as opaque 16-bit words; never reduced by MPI.
+            // 16-bit words, reduced by kolo's own ops (see `HalfOps`).
             DType::F16 | DType::BF16 => ffi::RSMPI_UINT16_T,
             DType::F32 => ffi::RSMPI_FLOAT,
             DType::F64 => ffi::RSMPI_DOUBLE,
@@ -184,14 +188,10 @@ fn datatype(dtype: DType) -> ffi::MPI_Datatype {
     }
 }
 
-fn mpi_op(call: &'static str, op: ReduceOp, dtype: DType) -> Result<ffi::MPI_Op> {
-    if !reducible(dtype) {
-        return Err(Error::Internal(format!(
-            "{call} asked to reduce {dtype} natively"
-        )));
-    }
+/// MPI's predefined op for `op` (for every dtype but f16/bf16).
+fn predefined_op(op: ReduceOp) -> ffi::MPI_Op {
     // SAFETY: reading MPI's predefined op handles, constant after MPI_Init.
-    Ok(unsafe {
+    unsafe {
         match op {
             // Average is a sum followed by a postscale in the engine.
             ReduceOp::Sum | ReduceOp::Average => ffi::RSMPI_SUM,
@@ -199,7 +199,105 @@ fn mpi_op(call: &'static str, op: ReduceOp, dtype: DType) -> Result<ffi::MPI_Op>
             ReduceOp::Max => ffi::RSMPI_MAX,
             ReduceOp::Product => ffi::RSMPI_PROD,
         }
-    })
+    }
+}
+
+/// User-defined MPI ops reducing f16 or bf16 words: each pairwise combine widens to
+/// f32, combines, and rounds back, so the wire carries 2 bytes per element (what
+/// gradient compression is for) while every step is computed in f32.
+struct HalfOps {
+    /// [sum, min, max, product] for f16, then for bf16.
+    ops: [ffi::MPI_Op; 8],
+}
+
+macro_rules! half_op {
+    ($name:ident, $t:ty, |$a:ident, $b:ident| $body:expr) => {
+        unsafe extern "C" fn $name(
+            invec: *mut c_void,
+            inoutvec: *mut c_void,
+            len: *mut c_int,
+            _datatype: *mut ffi::MPI_Datatype,
+        ) {
+            // SAFETY: MPI passes `*len` elements of the 16-bit datatype the op was used
+            // with (kolo only uses these ops on f16/bf16 buffers), both aligned for u16.
+            let (input, inout) = unsafe {
+                let n = usize::try_from(*len).unwrap_or(0);
+                (
+                    std::slice::from_raw_parts(invec as *const $t, n),
+                    std::slice::from_raw_parts_mut(inoutvec as *mut $t, n),
+                )
+            };
+            for (o, i) in inout.iter_mut().zip(input) {
+                let ($a, $b) = (i.to_f32(), o.to_f32());
+                *o = <$t>::from_f32($body);
+            }
+        }
+    };
+}
+
+half_op!(f16_sum, half::f16, |a, b| a + b);
+half_op!(f16_min, half::f16, |a, b| a.min(b));
+half_op!(f16_max, half::f16, |a, b| a.max(b));
+half_op!(f16_prod, half::f16, |a, b| a * b);
+half_op!(bf16_sum, half::bf16, |a, b| a + b);
+half_op!(bf16_min, half::bf16, |a, b| a.min(b));
+half_op!(bf16_max, half::bf16, |a, b| a.max(b));
+half_op!(bf16_prod, half::bf16, |a, b| a * b);
+
+impl HalfOps {
+    fn create() -> Result<Self> {
+        let fns: [ffi::MPI_User_function; 8] = [
+            Some(f16_sum),
+            Some(f16_min),
+            Some(f16_max),
+            Some(f16_prod),
+            Some(bf16_sum),
+            Some(bf16_min),
+            Some(bf16_max),
+            Some(bf16_prod),
+        ];
+        // Placeholders, each overwritten by MPI_Op_create below (rsmpi exports no
+        // MPI_OP_NULL). SAFETY: reading a constant handle.
+        let mut ops = [unsafe { ffi::RSMPI_SUM }; 8];
+        for (op, f) in ops.iter_mut().zip(fns) {
+            // SAFETY: `f` is a valid MPI user function; commutative (1).
+            check("MPI_Op_create", unsafe { ffi::MPI_Op_create(f, 1, op) })?;
+        }
+        Ok(HalfOps { ops })
+    }
+
+    fn get(&self, dtype: DType, op: ReduceOp) -> Option<ffi::MPI_Op> {
+        let base = match dtype {
+            DType::F16 => 0,
+            DType::BF16 => 4,
+            _ => return None,
+        };
+        let i = match op {
+            ReduceOp::Sum | ReduceOp::Average => 0,
+            ReduceOp::Min => 1,
+            ReduceOp::Max => 2,
+            ReduceOp::Product => 3,
+        };
+        Some(self.ops[base + i])
+    }
+}
+
+impl Drop for MpiTransport {
+    fn drop(&mut self) {
+        // Before MPI_Finalize, which runs when `_universe` drops after this.
+        for op in &mut self.half_ops.ops {
+            // SAFETY: each op was created by MPI_Op_create and is freed once.
+            unsafe { ffi::MPI_Op_free(op) };
+        }
+    }
+}
+
+impl MpiTransport {
+    fn reduce_op(&self, op: ReduceOp, dtype: DType) -> ffi::MPI_Op {
+        self.half_ops
+            .get(dtype, op)
+            .unwrap_or_else(|| predefined_op(op))
+    }
 }
 
 impl Transport for MpiTransport {
@@ -283,7 +381,7 @@ impl Transport for MpiTransport {
 
     fn allreduce(&mut self, buf: &mut [u8], dtype: DType, op: ReduceOp) -> Result<()> {
         const CALL: &str = "MPI_Allreduce";
-        let op = mpi_op(CALL, op, dtype)?;
+        let op = self.reduce_op(op, dtype);
         let n = count(CALL, buf.len() / dtype.size_of())?;
         // SAFETY: `buf` is valid for the call; MPI_IN_PLACE comes from the MPI header
         // through the C shim.
@@ -373,7 +471,7 @@ impl Transport for MpiTransport {
         op: ReduceOp,
     ) -> Result<()> {
         const CALL: &str = "MPI_Reduce_scatter";
-        let op = mpi_op(CALL, op, dtype)?;
+        let op = self.reduce_op(op, dtype);
         let (c, _) = counts(CALL, counts_)?;
         // SAFETY: buffers and the count array are valid for the call.
         check(CALL, unsafe {
