@@ -218,6 +218,7 @@ macro_rules! half_op {
             len: *mut c_int,
             _datatype: *mut ffi::MPI_Datatype,
         ) {
+            use half::slice::HalfFloatSliceExt;
             // SAFETY: MPI passes `*len` elements of the 16-bit datatype the op was used
             // with (kolo only uses these ops on f16/bf16 buffers), both aligned for u16.
             let (input, inout) = unsafe {
@@ -227,9 +228,19 @@ macro_rules! half_op {
                     std::slice::from_raw_parts_mut(inoutvec as *mut $t, n),
                 )
             };
-            for (o, i) in inout.iter_mut().zip(input) {
-                let ($a, $b) = (i.to_f32(), o.to_f32());
-                *o = <$t>::from_f32($body);
+            // Blocks through f32 scratch, so that half's vectorised conversions (F16C
+            // where the CPU has it) do the widening and rounding.
+            const BLOCK: usize = 1024;
+            let (mut x, mut y) = ([0f32; BLOCK], [0f32; BLOCK]);
+            for (o, i) in inout.chunks_mut(BLOCK).zip(input.chunks(BLOCK)) {
+                let n = o.len();
+                i.convert_to_f32_slice(&mut x[..n]);
+                o.convert_to_f32_slice(&mut y[..n]);
+                for (yv, &xv) in y[..n].iter_mut().zip(&x[..n]) {
+                    let ($a, $b) = (xv, *yv);
+                    *yv = $body;
+                }
+                o.convert_from_f32_slice(&y[..n]);
             }
         }
     };
