@@ -613,10 +613,15 @@ impl Engine {
             }
         }
         tracing::debug!(tensors = inputs.len(), "fused allreduce");
-        let keys: Vec<(String, serde_json::Value)> = inputs
-            .iter()
-            .map(|(r, _)| (r.key.clone(), trace_args(r.first())))
-            .collect();
+        // Built only when tracing: it allocates per tensor.
+        let keys: Vec<(String, serde_json::Value)> = if self.timeline.enabled() {
+            inputs
+                .iter()
+                .map(|(r, _)| (r.key.clone(), trace_args(r.first())))
+                .collect()
+        } else {
+            Vec::new()
+        };
         match execute::run_fused(&mut self.transport, inputs, &mut self.fusion_buffer) {
             Ok((outputs, times)) => {
                 if self.timeline.enabled() {
