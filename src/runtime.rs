@@ -162,6 +162,9 @@ impl Drop for Inner {
 /// calls MPI. All-or-nothing: on any failure the thread is joined before returning.
 pub(crate) fn start(config: Config) -> Result<Kolo> {
     crate::logging::install(&config);
+    if config.autotune || config.autotune_log.is_some() {
+        tracing::warn!("KOLO_AUTOTUNE / KOLO_AUTOTUNE_LOG are not implemented yet and are ignored");
+    }
     if STARTED.swap(true, Ordering::SeqCst) {
         return Err(Error::Init(
             "kolo was already initialised in this process; MPI can start only once per process \
