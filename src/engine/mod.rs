@@ -248,7 +248,8 @@ impl Engine {
             let leaving = self.inbox.shutting_down;
             match self.cycle() {
                 Ok(Some(left)) => {
-                    if !leaving {
+                    // Read again: a shutdown taken in during the cycle was announced in it.
+                    if !self.inbox.shutting_down {
                         self.serve_after_rank_left(left);
                     }
                     return;

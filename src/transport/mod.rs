@@ -13,6 +13,7 @@ use crate::ops::ReduceOp;
 use crate::tensor::DType;
 
 pub(crate) mod mpi;
+pub(crate) mod ring;
 
 /// Where this process sits in the job.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

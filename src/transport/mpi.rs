@@ -33,6 +33,8 @@ pub(crate) struct MpiTransport {
     comm: SimpleCommunicator,
     /// User-defined reductions for f16 and bf16 (MPI has no half types).
     half_ops: HalfOps,
+    /// The ring allreduce's reused segment buffer.
+    ring_scratch: Vec<u8>,
     // Dropped last: finalises MPI after the communicators are gone.
     _universe: mpi::environment::Universe,
 }
@@ -83,6 +85,7 @@ impl MpiTransport {
             topology,
             comm,
             half_ops,
+            ring_scratch: Vec::new(),
             _universe: universe,
         })
     }
@@ -303,7 +306,97 @@ impl Drop for MpiTransport {
     }
 }
 
+/// Sums at least this large use the segmented ring instead of MPI_Allreduce.
+/// Measured with `benches/` (one node, Open MPI 4.1.4, np 2): see the note in
+/// `ring_allreduce`.
+const RING_MIN_BYTES: usize = 2 << 20;
+
+/// Segment size of the ring: bounds the reused scratch buffer and pipelines copies.
+const RING_SEGMENT_BYTES: usize = 256 << 10;
+
 impl MpiTransport {
+    /// In-place segmented ring allreduce (sum) over point-to-point messages, with a
+    /// reused scratch segment: Open MPI allocates about half the message as scratch on
+    /// every large MPI_Allreduce; this allocates nothing after the first call.
+    fn ring_allreduce(&mut self, buf: &mut [u8], dtype: DType) -> Result<()> {
+        use super::ring::{add_into, chunk, send_chunk};
+        const CALL: &str = "MPI_Sendrecv (ring allreduce)";
+        let n = self.topology.size;
+        let r = self.topology.rank;
+        let right = count(CALL, (r + 1) % n)?;
+        let left = count(CALL, (r + n - 1) % n)?;
+        let es = dtype.size_of();
+        let len = buf.len() / es;
+        let seg = (RING_SEGMENT_BYTES / es).max(1);
+        let mut scratch = std::mem::take(&mut self.ring_scratch);
+        scratch.resize(seg * es, 0);
+        let ty = datatype(dtype);
+        let comm = self.comm();
+        // One exchange: send `send` elements to the right, receive `recv` from the left.
+        let exchange = |buf: &mut [u8],
+                        send: (usize, usize),
+                        recv: (usize, usize),
+                        into_scratch: bool,
+                        scratch: &mut [u8]|
+         -> Result<()> {
+            let (s0, s1) = (send.0 * es, send.1 * es);
+            let (r0, r1) = (recv.0 * es, recv.1 * es);
+            let send_ptr = buf[s0..s1].as_ptr();
+            let recv_ptr: *mut u8 = if into_scratch {
+                scratch.as_mut_ptr()
+            } else {
+                buf[r0..r1].as_mut_ptr()
+            };
+            // SAFETY: the send and receive ranges are disjoint chunks of `buf` (or the
+            // scratch), valid for the blocking call; counts fit in c_int (checked).
+            check(CALL, unsafe {
+                ffi::MPI_Sendrecv(
+                    send_ptr.cast(),
+                    count(CALL, send.1 - send.0)?,
+                    ty,
+                    right,
+                    7,
+                    recv_ptr.cast(),
+                    count(CALL, recv.1 - recv.0)?,
+                    ty,
+                    left,
+                    7,
+                    comm,
+                    ffi::RSMPI_STATUS_IGNORE,
+                )
+            })
+        };
+        let result = (|| {
+            for step in 0..n - 1 {
+                let (ss, se) = chunk(len, n, send_chunk(r, step, n));
+                let (rs, re) = chunk(len, n, send_chunk(r, step + 1, n));
+                // Every rank makes the same number of exchanges per step (from the
+                // largest chunk), so that messages pair up; short chunks send empty tails.
+                let segs = (chunk(len, n, 0).1).div_ceil(seg);
+                for k in 0..segs {
+                    let sa = (ss + k * seg).min(se);
+                    let sb = (sa + seg).min(se);
+                    let ra = (rs + k * seg).min(re);
+                    let rb = (ra + seg).min(re);
+                    exchange(buf, (sa, sb), (ra, rb), true, &mut scratch)?;
+                    add_into(
+                        &mut buf[ra * es..rb * es],
+                        &scratch[..(rb - ra) * es],
+                        dtype,
+                    );
+                }
+            }
+            for step in 0..n - 1 {
+                let (ss, se) = chunk(len, n, send_chunk(r, step + n - 1, n));
+                let (rs, re) = chunk(len, n, send_chunk(r, step + n, n));
+                exchange(buf, (ss, se), (rs, re), false, &mut scratch)?;
+            }
+            Ok(())
+        })();
+        self.ring_scratch = scratch;
+        result
+    }
+
     fn reduce_op(&self, op: ReduceOp, dtype: DType) -> ffi::MPI_Op {
         self.half_ops
             .get(dtype, op)
@@ -391,6 +484,10 @@ impl Transport for MpiTransport {
     }
 
     fn allreduce(&mut self, buf: &mut [u8], dtype: DType, op: ReduceOp) -> Result<()> {
+        let sum = matches!(op, ReduceOp::Sum | ReduceOp::Average);
+        if sum && buf.len() >= RING_MIN_BYTES && self.topology.size > 1 {
+            return self.ring_allreduce(buf, dtype);
+        }
         const CALL: &str = "MPI_Allreduce";
         let op = self.reduce_op(op, dtype);
         let n = count(CALL, buf.len() / dtype.size_of())?;

@@ -73,3 +73,60 @@ pub(crate) fn shape_change(k: &Kolo) -> Result<()> {
     }
     Ok(())
 }
+
+/// Sums large enough for the segmented ring (and sizes around chunk and segment
+/// boundaries): exact for integers, equal on every rank for floats.
+pub(crate) fn large_sums(k: &Kolo) -> Result<()> {
+    let (rank, size) = (k.rank(), k.size());
+    // 2 MiB and up go through the ring; odd lengths exercise uneven chunks.
+    for n in [(2 << 20) / 4, (3 << 20) / 4 + 7, (8 << 20) / 8 + size + 1] {
+        let v: Vec<i32> = (0..n)
+            .map(|i| (i % 1000) as i32 * (rank as i32 + 1))
+            .collect();
+        let out = k
+            .allreduce(format!("large.i32.{n}"), Tensor::from_vec(v, &[n])?)
+            .op(ReduceOp::Sum)
+            .wait()?;
+        let tri = (size * (size + 1) / 2) as i32;
+        ensure!(
+            out.as_slice::<i32>()?
+                .iter()
+                .enumerate()
+                .all(|(i, &x)| x == (i % 1000) as i32 * tri),
+            "i32 sum of {n} elements is wrong"
+        );
+        let v: Vec<f64> = (0..n)
+            .map(|i| (i as f64).sin() * (rank + 1) as f64)
+            .collect();
+        let out = k
+            .allreduce(format!("large.f64.{n}"), Tensor::from_vec(v, &[n])?)
+            .op(ReduceOp::Average)
+            .wait()?;
+        let got = out.as_slice::<f64>()?;
+        let scale = (size + 1) as f64 / 2.0;
+        ensure!(
+            got.iter()
+                .enumerate()
+                .all(|(i, x)| (x - (i as f64).sin() * scale).abs() < 1e-9),
+            "f64 average of {n} elements is wrong"
+        );
+        let bits: Vec<u64> = got.iter().step_by(97).map(|x| x.to_bits()).collect();
+        let all = k.allgather_object(format!("large.bits.{n}"), bits)?;
+        ensure!(
+            all.iter().all(|b| b == &all[0]),
+            "ranks hold different f64 sums"
+        );
+        let v = vec![kolo::half::f16::from_f32(0.5); n];
+        let out = k
+            .allreduce(format!("large.f16.{n}"), Tensor::from_vec(v, &[n])?)
+            .op(ReduceOp::Sum)
+            .wait()?;
+        ensure!(
+            out.as_slice::<kolo::half::f16>()?
+                .iter()
+                .all(|x| x.to_f32() == 0.5 * size as f32),
+            "f16 sum"
+        );
+    }
+    Ok(())
+}

@@ -42,6 +42,7 @@ const CASES: &[(&str, Case, usize)] = &[
     ("fusion_mixed_async", fusion::mixed_async, 1),
     ("cache_shape_change", fusion::shape_change, 1),
     ("soak_20000_ops", soak::soak, 2),
+    ("large_sums_ring", fusion::large_sums, 1),
 ];
 
 /// Cases rerun under other settings: (trial name, case, np values, environment, text
