@@ -1,0 +1,160 @@
+//! Running the responses of a cycle on this rank: single ops, fused batches, and
+//! their timeline spans.
+
+use std::time::Instant;
+
+use super::negotiate::Response;
+use super::request::{self, RequestMeta};
+use super::{execute, Engine};
+use crate::error::Error;
+use crate::handle::Output;
+
+impl Engine {
+    /// Records a ready op's negotiation span (from its submission here) on the timeline.
+    fn trace_negotiation(&mut self, meta: &RequestMeta, submitted: Instant) {
+        if self.timeline.enabled() {
+            let args = trace_args(meta);
+            for t in &meta.tensors {
+                self.timeline
+                    .span(&t.name, "NEGOTIATE", submitted, self.ready_at, &args);
+            }
+        }
+    }
+
+    /// Runs one response: an op on its own, an error for its handle, or a join.
+    pub(super) fn respond(&mut self, response: Response) {
+        match response {
+            Response::Run(ready) => {
+                let local = self.inbox.pending.remove(&ready.key);
+                let (tensors, done) = match local {
+                    Some(req) => {
+                        self.trace_negotiation(&req.meta, req.submitted);
+                        (Some(req.tensors), Some(req.done))
+                    }
+                    None => (None, None),
+                };
+                let span = tracing::debug_span!("op", kind = ready.kind.name(), key = %ready.key);
+                let started = Instant::now();
+                let result = span.in_scope(|| execute::run(&mut self.transport, &ready, tensors));
+                if self.timeline.enabled() {
+                    let meta = ready.first();
+                    let (args, end) = (trace_args(meta), Instant::now());
+                    let phase = meta.kind.name().to_ascii_uppercase();
+                    for t in &meta.tensors {
+                        self.timeline.span(&t.name, &phase, started, end, &args);
+                    }
+                }
+                if let Some(done) = done {
+                    done.complete(result);
+                } else if let Err(e) = result {
+                    tracing::warn!(key = %ready.key, error = %e, "op for a joined rank failed");
+                }
+            }
+            Response::Fail { key, error } => {
+                if let Some(req) = self.inbox.pending.remove(&key) {
+                    req.done.complete(Err(error));
+                }
+            }
+            Response::JoinDone { last } => {
+                if let Some(req) = self.inbox.pending.remove(request::JOIN_KEY) {
+                    req.done.complete(Ok(Output::Rank(last)));
+                }
+            }
+        }
+    }
+
+    /// Runs a fusion batch (every member is a ready allreduce) in one collective.
+    pub(super) fn respond_fused(&mut self, members: Vec<Response>) {
+        let mut readies = Vec::with_capacity(members.len());
+        let mut locals = Vec::with_capacity(members.len());
+        for m in members {
+            if let Response::Run(ready) = m {
+                let local = self.inbox.pending.remove(&ready.key);
+                readies.push(ready);
+                locals.push(local);
+            }
+        }
+        let mut inputs = Vec::with_capacity(readies.len());
+        let mut dones = Vec::with_capacity(readies.len());
+        for (ready, local) in readies.iter().zip(locals) {
+            match local {
+                Some(req) => {
+                    if self.timeline.enabled() {
+                        let args = trace_args(&req.meta);
+                        self.timeline.span(
+                            &req.meta.key,
+                            "NEGOTIATE",
+                            req.submitted,
+                            self.ready_at,
+                            &args,
+                        );
+                    }
+                    inputs.push((ready, Some(req.tensors)));
+                    dones.push(Some(req.done));
+                }
+                None => {
+                    inputs.push((ready, None));
+                    dones.push(None);
+                }
+            }
+        }
+        tracing::debug!(tensors = inputs.len(), "fused allreduce");
+        // Built only when tracing: it allocates per tensor.
+        let keys: Vec<(String, serde_json::Value)> = if self.timeline.enabled() {
+            inputs
+                .iter()
+                .map(|(r, _)| (r.key.clone(), trace_args(r.first())))
+                .collect()
+        } else {
+            Vec::new()
+        };
+        match execute::run_fused(&mut self.transport, inputs, &mut self.fusion_buffer) {
+            Ok((outputs, times)) => {
+                if self.timeline.enabled() {
+                    for (key, args) in &keys {
+                        self.timeline.span(
+                            key,
+                            "MEMCPY_IN_FUSION_BUFFER",
+                            times.start,
+                            times.copied_in,
+                            args,
+                        );
+                        self.timeline
+                            .span(key, "ALLREDUCE", times.copied_in, times.reduced, args);
+                        self.timeline.span(
+                            key,
+                            "MEMCPY_OUT_FUSION_BUFFER",
+                            times.reduced,
+                            times.copied_out,
+                            args,
+                        );
+                    }
+                }
+                for (done, out) in dones.into_iter().zip(outputs) {
+                    if let (Some(done), Some(out)) = (done, out) {
+                        done.complete(Ok(Output::Tensor(out)));
+                    }
+                }
+            }
+            Err(e) => {
+                let message = e.to_string();
+                for done in dones.into_iter().flatten() {
+                    done.complete(Err(Error::Transport {
+                        call: "fused allreduce",
+                        message: message.clone(),
+                    }));
+                }
+            }
+        }
+    }
+}
+
+/// The timeline args of an op: dtype and shape of each tensor.
+fn trace_args(meta: &RequestMeta) -> serde_json::Value {
+    match meta.tensors.as_slice() {
+        [t] => serde_json::json!({"dtype": t.dtype.to_string(), "shape": t.shape}),
+        ts => serde_json::json!({
+            "tensors": ts.iter().map(|t| serde_json::json!({"name": t.name, "dtype": t.dtype.to_string(), "shape": t.shape})).collect::<Vec<_>>()
+        }),
+    }
+}
