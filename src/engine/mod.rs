@@ -1,7 +1,8 @@
 //! The background engine: one thread per rank that owns the transport, negotiates
 //! which requests are ready on every rank and runs them in one global order.
 //!
-//! The protocol is written down in `README.md` beside this file.
+//! The protocol is written down in `README.md` beside this file; the responses of a
+//! cycle are run in `respond.rs`.
 
 pub(crate) mod cache;
 pub(crate) mod execute;
