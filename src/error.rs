@@ -137,9 +137,10 @@ pub enum Error {
         name: String,
         /// The rank whose bytes failed.
         rank: usize,
-        /// The serialisation error.
+        /// The serialisation error; for a failure on another rank, a note saying so
+        /// (the cause itself is in that rank's error).
         #[source]
-        source: postcard::Error,
+        source: Box<dyn std::error::Error + Send + Sync>,
     },
 
     /// The optimizer wrapped by a [`DistributedOptimizer`](crate::DistributedOptimizer)

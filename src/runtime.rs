@@ -71,6 +71,11 @@ pub fn init() -> Result<Kolo> {
     Config::from_env()?.init()
 }
 
+/// The cause given when another rank could not serialise its object.
+fn remote_failure(rank: usize) -> Box<dyn std::error::Error + Send + Sync> {
+    format!("rank {rank} could not serialise its object; its own error says why").into()
+}
+
 /// What this build of kolo contains; see [`build_info`].
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[non_exhaustive]
@@ -342,7 +347,7 @@ impl Kolo {
                 op: OP,
                 name,
                 rank: root,
-                source,
+                source: source.into(),
             });
         }
         let Ok(len) = usize::try_from(len) else {
@@ -350,7 +355,7 @@ impl Kolo {
                 op: OP,
                 name,
                 rank: root,
-                source: postcard::Error::SerializeBufferFull,
+                source: remote_failure(root),
             });
         };
         let data = if self.rank() == root {
@@ -367,7 +372,7 @@ impl Kolo {
             op: OP,
             name,
             rank: root,
-            source,
+            source: source.into(),
         })
     }
 
@@ -417,12 +422,9 @@ impl Kolo {
             })?;
             at += 9 + len;
             if !ok {
-                let source = if rank == self.rank() {
-                    failure
-                        .take()
-                        .unwrap_or(postcard::Error::SerializeBufferFull)
-                } else {
-                    postcard::Error::SerializeBufferFull
+                let source = match failure.take() {
+                    Some(e) if rank == self.rank() => e.into(),
+                    _ => remote_failure(rank),
                 };
                 return Err(Error::Serialization {
                     op: OP,
@@ -436,7 +438,7 @@ impl Kolo {
                     op: OP,
                     name: name.clone(),
                     rank,
-                    source,
+                    source: source.into(),
                 })?,
             );
         }
