@@ -54,6 +54,28 @@ pub(crate) fn run_worker(case: &str, cases: &[(&str, Case)]) -> ! {
     }
 }
 
+/// A test that runs `case` under `mpirun -np np` with `env` and passes when every
+/// rank succeeds within `timeout`.
+pub(crate) fn trial(
+    case: &'static str,
+    np: usize,
+    timeout: Duration,
+    env: &'static [(&'static str, &'static str)],
+) -> libtest_mimic::Trial {
+    libtest_mimic::Trial::test(format!("{case}/np{np}"), move || {
+        let run = mpirun(case, np, timeout, env)?;
+        if run.success {
+            Ok(())
+        } else {
+            Err(format!(
+                "case {case} failed at np={np} after {:?}\n{}",
+                run.elapsed, run.output
+            )
+            .into())
+        }
+    })
+}
+
 /// What a finished launch produced.
 pub(crate) struct Run {
     pub(crate) success: bool,

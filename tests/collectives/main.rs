@@ -181,19 +181,7 @@ fn main() {
             if np < min_np {
                 continue;
             }
-            trials.push(Trial::test(format!("{name}/np{np}"), move || {
-                let run = harness::mpirun(name, np, Duration::from_secs(120), &[])
-                    .map_err(Failed::from)?;
-                if run.success {
-                    Ok(())
-                } else {
-                    Err(format!(
-                        "case {name} failed at np={np} after {:?}\n{}",
-                        run.elapsed, run.output
-                    )
-                    .into())
-                }
-            }));
+            trials.push(harness::trial(name, np, Duration::from_secs(120), &[]));
         }
     }
     for &(trial, case, nps, env, expect) in VARIANTS {

@@ -19,7 +19,7 @@ use kolo_burn::{
     broadcast_optimizer_state, broadcast_parameters, load_checkpoint, save_checkpoint,
     DistributedOptimizer, DistributedSampler, GradientReducer,
 };
-use libtest_mimic::{Arguments, Failed, Trial};
+use libtest_mimic::Arguments;
 
 #[derive(Module, Debug)]
 struct Small {
@@ -506,24 +506,12 @@ fn main() {
     let mut trials = Vec::new();
     for &(name, _, nps) in CASES {
         for &np in nps {
-            trials.push(Trial::test(format!("{name}/np{np}"), move || {
-                let run = harness::mpirun(
-                    name,
-                    np,
-                    Duration::from_secs(180),
-                    &[("RAYON_NUM_THREADS", "1")],
-                )
-                .map_err(Failed::from)?;
-                if run.success {
-                    Ok(())
-                } else {
-                    Err(format!(
-                        "case {name} failed at np={np} after {:?}\n{}",
-                        run.elapsed, run.output
-                    )
-                    .into())
-                }
-            }));
+            trials.push(harness::trial(
+                name,
+                np,
+                Duration::from_secs(180),
+                &[("RAYON_NUM_THREADS", "1")],
+            ));
         }
     }
     libtest_mimic::run(&args, trials).exit();
