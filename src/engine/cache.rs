@@ -158,26 +158,11 @@ pub(crate) fn bits(words: &[u64]) -> impl Iterator<Item = usize> + '_ {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::engine::request::{Device, TensorMeta};
     use crate::ops::ReduceOp;
     use crate::tensor::DType;
 
     fn meta(key: &str, len: usize) -> RequestMeta {
-        RequestMeta {
-            key: key.into(),
-            kind: OpKind::Allreduce,
-            tensors: vec![TensorMeta {
-                name: key.into(),
-                dtype: DType::F32,
-                shape: vec![len],
-            }],
-            op: ReduceOp::Sum,
-            prescale: 1.0,
-            postscale: 1.0,
-            root: 0,
-            splits: None,
-            device: Device::Cpu,
-        }
+        RequestMeta::for_test(key, OpKind::Allreduce, DType::F32, &[len], ReduceOp::Sum)
     }
 
     #[test]

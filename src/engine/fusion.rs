@@ -122,25 +122,11 @@ impl FusionBuffer {
 mod tests {
     use super::*;
     use crate::engine::negotiate::Ready;
-    use crate::engine::request::{Device, RequestMeta, TensorMeta};
+    use crate::engine::request::RequestMeta;
     use crate::error::Error;
 
     fn allreduce(key: &str, len: usize, dtype: DType, op: ReduceOp) -> Response {
-        let meta = RequestMeta {
-            key: key.into(),
-            kind: OpKind::Allreduce,
-            tensors: vec![TensorMeta {
-                name: key.into(),
-                dtype,
-                shape: vec![len],
-            }],
-            op,
-            prescale: 1.0,
-            postscale: 1.0,
-            root: 0,
-            splits: None,
-            device: Device::Cpu,
-        };
+        let meta = RequestMeta::for_test(key, OpKind::Allreduce, dtype, &[len], op);
         Response::Run(Ready {
             key: key.into(),
             kind: OpKind::Allreduce,

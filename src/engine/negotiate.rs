@@ -330,26 +330,11 @@ fn check(key: &str, metas: &[Option<RequestMeta>], joined: &[usize]) -> Result<(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::engine::request::{Device, TensorMeta};
     use crate::ops::ReduceOp;
     use crate::tensor::DType;
 
     fn req(key: &str, kind: OpKind, shape: &[usize]) -> RequestMeta {
-        RequestMeta {
-            key: key.into(),
-            kind,
-            tensors: vec![TensorMeta {
-                name: key.into(),
-                dtype: DType::F32,
-                shape: shape.to_vec(),
-            }],
-            op: ReduceOp::Sum,
-            prescale: 1.0,
-            postscale: 1.0,
-            root: 0,
-            splits: None,
-            device: Device::Cpu,
-        }
+        RequestMeta::for_test(key, kind, DType::F32, shape, ReduceOp::Sum)
     }
 
     fn cycle(per_rank: Vec<Vec<RequestMeta>>) -> Vec<CycleMsg> {

@@ -79,6 +79,34 @@ pub(crate) struct RequestMeta {
     pub(crate) device: Device,
 }
 
+#[cfg(test)]
+impl RequestMeta {
+    /// A one-tensor request for the engine's unit tests (CPU, no scaling, root 0).
+    pub(crate) fn for_test(
+        key: &str,
+        kind: OpKind,
+        dtype: DType,
+        shape: &[usize],
+        op: ReduceOp,
+    ) -> Self {
+        RequestMeta {
+            key: key.into(),
+            kind,
+            tensors: vec![TensorMeta {
+                name: key.into(),
+                dtype,
+                shape: shape.to_vec(),
+            }],
+            op,
+            prescale: 1.0,
+            postscale: 1.0,
+            root: 0,
+            splits: None,
+            device: Device::Cpu,
+        }
+    }
+}
+
 /// A request as the builders assemble it, before validation.
 #[derive(Debug)]
 pub(crate) struct Submission {
