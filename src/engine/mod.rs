@@ -181,6 +181,16 @@ impl Inbox {
         }
     }
 
+    /// Takes the request announced by cache `slot` (if any) back into the next cycle's
+    /// full announcements.
+    fn announce_in_full(&mut self, slot: usize) {
+        if let Some(key) = self.announced.remove(&slot) {
+            if let Some(req) = self.pending.get(&key) {
+                self.outgoing.push(req.meta.clone());
+            }
+        }
+    }
+
     fn has_work(&self) -> bool {
         !self.pending.is_empty() || !self.outgoing.is_empty()
     }
@@ -405,11 +415,7 @@ impl Engine {
         }
         // Requests announced by a slot that no longer holds them go out in full.
         for slot in stale {
-            if let Some(key) = self.inbox.announced.remove(&slot) {
-                if let Some(req) = self.inbox.pending.get(&key) {
-                    self.inbox.outgoing.push(req.meta.clone());
-                }
-            }
+            self.inbox.announce_in_full(slot);
         }
         self.last_cycle_had_news =
             !responses.is_empty() || msgs.iter().any(|m| !m.requests.is_empty());
@@ -475,11 +481,7 @@ impl Engine {
                 .map(|(&slot, _)| slot)
                 .collect();
             for slot in old {
-                if let Some(key) = self.inbox.announced.remove(&slot) {
-                    if let Some(req) = self.inbox.pending.get(&key) {
-                        self.inbox.outgoing.push(req.meta.clone());
-                    }
-                }
+                self.inbox.announce_in_full(slot);
             }
         }
     }
@@ -487,10 +489,9 @@ impl Engine {
     /// Without the cache (disabled, or a rank has joined) every pending request is
     /// announced in full.
     fn unannounce_all(&mut self) {
-        for (_, key) in std::mem::take(&mut self.inbox.announced) {
-            if let Some(req) = self.inbox.pending.get(&key) {
-                self.inbox.outgoing.push(req.meta.clone());
-            }
+        let slots: Vec<usize> = self.inbox.announced.keys().copied().collect();
+        for slot in slots {
+            self.inbox.announce_in_full(slot);
         }
     }
 
