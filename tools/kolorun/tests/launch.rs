@@ -1,6 +1,8 @@
 //! kolorun end to end: a real mpirun launch that shows the variables reach every rank.
 
-use std::process::Command;
+use std::io::Read;
+use std::process::{Command, Output, Stdio};
+use std::time::{Duration, Instant};
 
 fn kolorun() -> Command {
     let mut c = Command::new(env!("CARGO_BIN_EXE_kolorun"));
@@ -9,9 +11,40 @@ fn kolorun() -> Command {
     c
 }
 
+/// Runs `cmd` to completion, failing the test (and killing it) after 60 s: a hang
+/// must not block the suite.
+fn run(cmd: &mut Command) -> Output {
+    let mut child = cmd
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("start kolorun");
+    let start = Instant::now();
+    let status = loop {
+        if let Some(status) = child.try_wait().expect("wait") {
+            break status;
+        }
+        if start.elapsed() > Duration::from_secs(60) {
+            let _ = child.kill();
+            panic!("kolorun did not finish within 60 s");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let (mut stdout, mut stderr) = (Vec::new(), Vec::new());
+    let mut out = child.stdout.take().expect("stdout");
+    out.read_to_end(&mut stdout).expect("read stdout");
+    let mut err = child.stderr.take().expect("stderr");
+    err.read_to_end(&mut stderr).expect("read stderr");
+    Output {
+        status,
+        stdout,
+        stderr,
+    }
+}
+
 #[test]
 fn variables_reach_every_rank() {
-    let out = kolorun()
+    let out = run(kolorun()
         .args([
             "-np",
             "3",
@@ -25,9 +58,7 @@ fn variables_reach_every_rank() {
             "sh",
             "-c",
             "echo $KOLO_FUSION_THRESHOLD/$KOLO_CACHE_CAPACITY",
-        ])
-        .output()
-        .expect("run kolorun");
+        ]));
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(
         out.status.success(),
@@ -43,25 +74,22 @@ fn variables_reach_every_rank() {
 
 #[test]
 fn dry_run_and_check_build() {
-    let out = kolorun()
-        .args([
-            "-np",
-            "2",
-            "--dry-run",
-            "--autotune",
-            "./train",
-            "--lr",
-            "0.1",
-        ])
-        .output()
-        .expect("run");
+    let out = run(kolorun().args([
+        "-np",
+        "2",
+        "--dry-run",
+        "--autotune",
+        "./train",
+        "--lr",
+        "0.1",
+    ]));
     let line = String::from_utf8_lossy(&out.stdout);
     assert!(line.starts_with("mpirun -np 2 "), "{line}");
     assert!(
         line.contains("-x KOLO_AUTOTUNE=1") && line.trim_end().ends_with("./train --lr 0.1"),
         "{line}"
     );
-    let out = kolorun().arg("--check-build").output().expect("run");
+    let out = run(kolorun().arg("--check-build"));
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(
         text.contains("MPI transport:  yes") && text.contains("NCCL transport:"),
@@ -71,7 +99,7 @@ fn dry_run_and_check_build() {
 
 #[test]
 fn missing_program_is_an_error() {
-    let out = kolorun().args(["-np", "2"]).output().expect("run");
+    let out = run(kolorun().args(["-np", "2"]));
     assert_eq!(out.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&out.stderr).contains("no program given"));
 }
