@@ -1,6 +1,6 @@
 //! The error type of every fallible kolo call.
 
-use crate::tensor::{DType, Tensor};
+use crate::tensor::{DType, Device, Tensor};
 
 /// Everything that can go wrong in kolo.
 ///
@@ -159,6 +159,31 @@ pub enum Error {
         call: &'static str,
         /// MPI's description.
         message: String,
+    },
+
+    /// CUDA (or NCCL) cannot be used on this machine: the driver library, a device or
+    /// the NCCL library is missing, or kolo was built without the `nccl` feature.
+    #[error("CUDA is not available: {0}")]
+    CudaUnavailable(String),
+
+    /// A CUDA or NCCL call failed.
+    #[error("{call} failed: {message}")]
+    Cuda {
+        /// The CUDA or NCCL call.
+        call: &'static str,
+        /// The library's description.
+        message: String,
+    },
+
+    /// A tensor is on a device this operation does not take.
+    #[error("{what}: the tensor is on {actual}, but this needs a tensor on {expected}")]
+    WrongDevice {
+        /// The operation.
+        what: &'static str,
+        /// Where the tensor would have to be.
+        expected: Device,
+        /// Where it is.
+        actual: Device,
     },
 
     /// A bug in kolo: please report it with the message.

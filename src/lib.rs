@@ -39,6 +39,8 @@
 //! Run it with `mpirun -np 4 target/release/my-program`.
 
 mod config;
+#[cfg(feature = "nccl")]
+mod device;
 mod engine;
 mod error;
 mod handle;
@@ -60,8 +62,11 @@ pub use optimizer::{
     broadcast_parameters, Compression, DistributedOptimizer, DistributedOptimizerBuilder,
     GradientStep, Gradients,
 };
-pub use runtime::{build_info, init, BuildInfo, Kolo};
-pub use tensor::{DType, Element, Tensor};
+pub use runtime::{build_info, cuda_device_count, init, nccl_library_present, BuildInfo, Kolo};
+pub use tensor::{DType, Device, Element, Tensor};
 
 /// Re-exported so that users can build f16/bf16 tensors without naming `half` themselves.
 pub use half;
+/// The CUDA bindings kolo was built with (feature `nccl`), for `Tensor::from_cuda`.
+#[cfg(feature = "nccl")]
+pub use cudarc;

@@ -84,8 +84,9 @@ pub struct BuildInfo {
     pub version: &'static str,
     /// The MPI library kolo was built against (as its build probe reported it).
     pub mpi_library: &'static str,
-    /// Whether an NCCL transport for CUDA tensors was compiled in (not yet: kolo
-    /// reduces CPU tensors over MPI only).
+    /// Whether the NCCL transport for CUDA tensors was compiled in (feature `nccl`).
+    /// Whether it can run here is another question: see [`cuda_device_count`] and
+    /// [`nccl_library_present`].
     pub nccl: bool,
 }
 
@@ -94,7 +95,39 @@ pub fn build_info() -> BuildInfo {
     BuildInfo {
         version: env!("CARGO_PKG_VERSION"),
         mpi_library: env!("KOLO_MPI_LIBRARY"),
-        nccl: false,
+        nccl: cfg!(feature = "nccl"),
+    }
+}
+
+/// The number of CUDA devices this process can use; needs no MPI.
+///
+/// # Errors
+/// [`Error::CudaUnavailable`] when kolo was built without the `nccl` feature, when the
+/// CUDA driver library is not installed ("CUDA driver library not found"), or when the
+/// driver finds no device.
+pub fn cuda_device_count() -> Result<usize> {
+    #[cfg(feature = "nccl")]
+    {
+        crate::device::device_count()
+    }
+    #[cfg(not(feature = "nccl"))]
+    {
+        Err(Error::CudaUnavailable(
+            "kolo was built without the `nccl` feature".into(),
+        ))
+    }
+}
+
+/// Whether the NCCL library (libnccl.so.2) can be loaded; always false without the
+/// `nccl` feature.
+pub fn nccl_library_present() -> bool {
+    #[cfg(feature = "nccl")]
+    {
+        crate::device::nccl_present()
+    }
+    #[cfg(not(feature = "nccl"))]
+    {
+        false
     }
 }
 
@@ -223,6 +256,19 @@ impl Kolo {
     /// This process's rank among the ranks on its machine.
     pub fn local_rank(&self) -> usize {
         self.inner.topology.local_rank
+    }
+
+    /// The CUDA device this rank should use, as Horovod users pick it: the local rank
+    /// modulo the number of devices on this machine.
+    ///
+    /// # Errors
+    /// As [`cuda_device_count`].
+    pub fn cuda_device(&self) -> Result<usize> {
+        let n = cuda_device_count()?;
+        if n == 0 {
+            return Err(Error::CudaUnavailable("no CUDA device".into()));
+        }
+        Ok(self.local_rank() % n)
     }
 
     /// The number of ranks on this machine.
@@ -522,6 +568,16 @@ impl Kolo {
             if let Some((n, _)) = s.tensors.iter().find(|(n, _)| !seen.insert(n)) {
                 return Err(invalid(format!(
                     "the name {n:?} appears twice in the group"
+                )));
+            }
+        }
+        if let Some((_, first)) = s.tensors.first() {
+            let device = first.device();
+            if let Some((n, t)) = s.tensors.iter().find(|(_, t)| t.device() != device) {
+                return Err(invalid(format!(
+                    "all tensors of one op must be on the same device: {:?} is on {device}, {n:?} on {}",
+                    s.tensors[0].0,
+                    t.device()
                 )));
             }
         }

@@ -62,6 +62,32 @@ impl fmt::Display for DType {
     }
 }
 
+/// Where a tensor's data lives.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[non_exhaustive]
+pub enum Device {
+    /// Host memory (reduced over MPI).
+    Cpu,
+    /// CUDA device memory on the GPU of this ordinal (reduced with NCCL; feature `nccl`).
+    Cuda(usize),
+}
+
+impl Device {
+    /// Whether this is a CUDA device.
+    pub fn is_cuda(self) -> bool {
+        matches!(self, Device::Cuda(_))
+    }
+}
+
+impl fmt::Display for Device {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Device::Cpu => f.write_str("cpu"),
+            Device::Cuda(i) => write!(f, "cuda:{i}"),
+        }
+    }
+}
+
 mod sealed {
     pub trait Sealed {}
 }
@@ -192,7 +218,10 @@ impl Storage {
 /// An owned, typed buffer with a shape (row-major).
 ///
 /// Moving data in and out is free: [`Tensor::from_vec`] keeps the `Vec` it is given
-/// and [`Tensor::into_vec`] gives it back.
+/// and [`Tensor::into_vec`] gives it back. With the `nccl` feature a tensor can also
+/// live on a CUDA device (`Tensor::from_cuda`, `Tensor::to_cuda`); collectives on such
+/// tensors run over NCCL. Cloning a CUDA tensor copies its device memory; two CUDA
+/// tensors compare equal only when they are the same allocation.
 ///
 /// ```
 /// let t = kolo::Tensor::from_vec(vec![1.0f32, 2.0, 3.0, 4.0], &[2, 2])?;
@@ -204,8 +233,11 @@ impl Storage {
 /// ```
 #[derive(Clone, PartialEq)]
 pub struct Tensor {
+    /// The host data; for a CUDA tensor an empty vector of the right dtype.
     data: Storage,
     shape: Vec<usize>,
+    #[cfg(feature = "nccl")]
+    cuda: Option<crate::device::CudaData>,
 }
 
 impl fmt::Debug for Tensor {
@@ -213,6 +245,7 @@ impl fmt::Debug for Tensor {
         f.debug_struct("Tensor")
             .field("dtype", &self.dtype())
             .field("shape", &self.shape)
+            .field("device", &self.device())
             .finish_non_exhaustive()
     }
 }
@@ -232,18 +265,12 @@ impl Tensor {
                 actual: data.len(),
             });
         }
-        Ok(Tensor {
-            data: T::into_storage(data),
-            shape: shape.to_vec(),
-        })
+        Ok(Tensor::from_parts(T::into_storage(data), shape.to_vec()))
     }
 
     /// A tensor of zeros.
     pub fn zeros(dtype: DType, shape: &[usize]) -> Tensor {
-        Tensor {
-            data: Storage::zeros(dtype, shape.iter().product()),
-            shape: shape.to_vec(),
-        }
+        Tensor::from_parts(Storage::zeros(dtype, shape.iter().product()), shape.to_vec())
     }
 
     /// Gives back the elements without copying.
@@ -251,6 +278,7 @@ impl Tensor {
     /// # Errors
     /// [`Error::DTypeMismatch`] when `T` is not the tensor's element type.
     pub fn into_vec<T: Element>(self) -> Result<Vec<T>> {
+        self.require_cpu("Tensor::into_vec")?;
         T::from_storage(self.data).map_err(|s| Error::DTypeMismatch {
             expected: T::DTYPE,
             actual: s.dtype(),
@@ -262,6 +290,7 @@ impl Tensor {
     /// # Errors
     /// [`Error::DTypeMismatch`] when `T` is not the tensor's element type.
     pub fn as_slice<T: Element>(&self) -> Result<&[T]> {
+        self.require_cpu("Tensor::as_slice")?;
         T::slice(&self.data).ok_or(Error::DTypeMismatch {
             expected: T::DTYPE,
             actual: self.dtype(),
@@ -273,6 +302,7 @@ impl Tensor {
     /// # Errors
     /// [`Error::DTypeMismatch`] when `T` is not the tensor's element type.
     pub fn as_mut_slice<T: Element>(&mut self) -> Result<&mut [T]> {
+        self.require_cpu("Tensor::as_mut_slice")?;
         let actual = self.dtype();
         T::slice_mut(&mut self.data).ok_or(Error::DTypeMismatch {
             expected: T::DTYPE,
@@ -292,7 +322,27 @@ impl Tensor {
 
     /// The number of elements.
     pub fn len(&self) -> usize {
-        with_storage!(&self.data, v => v.len())
+        self.shape.iter().product()
+    }
+
+    /// Where the data lives.
+    pub fn device(&self) -> Device {
+        #[cfg(feature = "nccl")]
+        if let Some(c) = &self.cuda {
+            return Device::Cuda(c.ordinal());
+        }
+        Device::Cpu
+    }
+
+    fn require_cpu(&self, what: &'static str) -> Result<()> {
+        match self.device() {
+            Device::Cpu => Ok(()),
+            actual => Err(Error::WrongDevice {
+                what,
+                expected: Device::Cpu,
+                actual,
+            }),
+        }
     }
 
     /// Whether the tensor has no elements (some dimension is 0).
@@ -306,21 +356,141 @@ impl Tensor {
     }
 
     /// The raw bytes, native endian.
-    pub fn as_bytes(&self) -> &[u8] {
-        with_storage!(&self.data, v => bytemuck::cast_slice(v))
+    ///
+    /// # Errors
+    /// [`Error::WrongDevice`] for a tensor on a CUDA device.
+    pub fn as_bytes(&self) -> Result<&[u8]> {
+        self.require_cpu("Tensor::as_bytes")?;
+        Ok(self.host_bytes())
     }
 
     /// The raw bytes, native endian, mutably.
-    pub fn as_bytes_mut(&mut self) -> &mut [u8] {
+    ///
+    /// # Errors
+    /// [`Error::WrongDevice`] for a tensor on a CUDA device.
+    pub fn as_bytes_mut(&mut self) -> Result<&mut [u8]> {
+        self.require_cpu("Tensor::as_bytes_mut")?;
+        Ok(self.host_bytes_mut())
+    }
+
+    /// The host bytes (empty for a CUDA tensor; the engine routes those elsewhere).
+    pub(crate) fn host_bytes(&self) -> &[u8] {
+        with_storage!(&self.data, v => bytemuck::cast_slice(v))
+    }
+
+    /// The host bytes, mutably (empty for a CUDA tensor).
+    pub(crate) fn host_bytes_mut(&mut self) -> &mut [u8] {
         with_storage!(&mut self.data, v => bytemuck::cast_slice_mut(v))
     }
 
     pub(crate) fn from_parts(data: Storage, shape: Vec<usize>) -> Tensor {
-        Tensor { data, shape }
+        Tensor {
+            data,
+            shape,
+            #[cfg(feature = "nccl")]
+            cuda: None,
+        }
     }
 
     pub(crate) fn into_storage(self) -> Storage {
         self.data
+    }
+}
+
+/// CUDA tensors (feature `nccl`).
+#[cfg(feature = "nccl")]
+impl Tensor {
+    /// Wraps a CUDA allocation with `shape`, without copying. The tensor remembers the
+    /// device; collectives on it run over NCCL on that device.
+    ///
+    /// # Errors
+    /// [`Error::ShapeMismatch`] when `slice.len()` is not the product of `shape`.
+    pub fn from_cuda<T: Element>(
+        slice: cudarc::driver::CudaSlice<T>,
+        shape: &[usize],
+    ) -> Result<Tensor> {
+        let expected: usize = shape.iter().product();
+        if expected != slice.len() {
+            return Err(Error::ShapeMismatch {
+                shape: shape.to_vec(),
+                expected,
+                actual: slice.len(),
+            });
+        }
+        Ok(Tensor::from_cuda_parts(
+            T::DTYPE,
+            crate::device::CudaData::from_typed(slice),
+            shape.to_vec(),
+        ))
+    }
+
+    pub(crate) fn from_cuda_parts(
+        dtype: DType,
+        data: crate::device::CudaData,
+        shape: Vec<usize>,
+    ) -> Tensor {
+        Tensor {
+            data: Storage::zeros(dtype, 0),
+            shape,
+            cuda: Some(data),
+        }
+    }
+
+    /// Gives back the CUDA allocation, without copying.
+    ///
+    /// # Errors
+    /// [`Error::WrongDevice`] for a CPU tensor, [`Error::DTypeMismatch`] when `T` is not
+    /// the element type.
+    pub fn into_cuda<T: Element>(self) -> Result<cudarc::driver::CudaSlice<T>> {
+        let len = self.len();
+        let actual = self.dtype();
+        match self.cuda {
+            None => Err(Error::WrongDevice {
+                what: "Tensor::into_cuda",
+                expected: Device::Cuda(0),
+                actual: Device::Cpu,
+            }),
+            Some(_) if actual != T::DTYPE => Err(Error::DTypeMismatch {
+                expected: T::DTYPE,
+                actual,
+            }),
+            Some(c) => Ok(c.into_typed(len)),
+        }
+    }
+
+    /// Copies the tensor to CUDA device `ordinal` (a CUDA tensor on another device is
+    /// copied through the host).
+    ///
+    /// # Errors
+    /// [`Error::CudaUnavailable`] without a CUDA driver ("CUDA driver library not
+    /// found") or without that device; [`Error::Cuda`] when the copy fails.
+    pub fn to_cuda(self, ordinal: usize) -> Result<Tensor> {
+        if self.device() == Device::Cuda(ordinal) {
+            return Ok(self);
+        }
+        let host = self.to_cpu()?;
+        let data = crate::device::CudaData::upload(host.host_bytes(), ordinal)?;
+        Ok(Tensor::from_cuda_parts(host.dtype(), data, host.shape))
+    }
+
+    /// Copies a CUDA tensor to host memory (waits for the copy); a CPU tensor is
+    /// returned as it is.
+    ///
+    /// # Errors
+    /// [`Error::Cuda`] when the copy fails.
+    pub fn to_cpu(self) -> Result<Tensor> {
+        let Some(c) = &self.cuda else {
+            return Ok(self);
+        };
+        let bytes = c.download()?;
+        let mut out = Tensor::zeros(self.dtype(), &self.shape);
+        out.host_bytes_mut().copy_from_slice(&bytes);
+        Ok(out)
+    }
+
+    /// The device data of a CUDA tensor.
+    pub(crate) fn cuda_data(&self) -> Option<&crate::device::CudaData> {
+        self.cuda.as_ref()
     }
 }
 

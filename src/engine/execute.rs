@@ -48,7 +48,7 @@ pub(crate) fn run(
             let mut tensor = take(&mut inputs)?;
             let dtype = tensor.dtype();
             if !tensor.is_empty() {
-                t.broadcast(tensor.as_bytes_mut(), first.root, dtype)?;
+                t.broadcast(tensor.host_bytes_mut(), first.root, dtype)?;
             }
             Ok(Output::Tensor(tensor))
         }
@@ -66,7 +66,7 @@ pub(crate) fn run(
 
 /// The factor applied after the reduction: postscale, divided by `size` for Average
 /// (the full size, also when ranks have joined, as in Horovod).
-fn post_factor(meta: &RequestMeta, size: usize) -> f64 {
+pub(super) fn post_factor(meta: &RequestMeta, size: usize) -> f64 {
     match meta.op {
         ReduceOp::Average => meta.postscale / size as f64,
         _ => meta.postscale,
@@ -83,9 +83,9 @@ fn allreduce(
         return Ok(());
     }
     let dtype = tensor.dtype();
-    scale_bytes(tensor.as_bytes_mut(), dtype, meta.prescale);
-    t.allreduce(tensor.as_bytes_mut(), dtype, meta.op)?;
-    scale_bytes(tensor.as_bytes_mut(), dtype, post_factor(meta, size));
+    scale_bytes(tensor.host_bytes_mut(), dtype, meta.prescale);
+    t.allreduce(tensor.host_bytes_mut(), dtype, meta.op)?;
+    scale_bytes(tensor.host_bytes_mut(), dtype, post_factor(meta, size));
     Ok(())
 }
 
@@ -120,7 +120,7 @@ fn grouped_allreduce(
         .collect()
 }
 
-fn row_len(shape: &[usize]) -> usize {
+pub(super) fn row_len(shape: &[usize]) -> usize {
     shape.iter().skip(1).product()
 }
 
@@ -137,8 +137,8 @@ fn allgather(t: &mut dyn Transport, tensor: &Tensor, ready: &Ready) -> Result<Te
     let mut out = Tensor::zeros(tensor.dtype(), &shape);
     if !out.is_empty() {
         t.allgatherv(
-            tensor.as_bytes(),
-            out.as_bytes_mut(),
+            tensor.host_bytes(),
+            out.host_bytes_mut(),
             &counts,
             tensor.dtype(),
         )?;
@@ -147,7 +147,7 @@ fn allgather(t: &mut dyn Transport, tensor: &Tensor, ready: &Ready) -> Result<Te
 }
 
 /// Rows rank `r` sends to each rank: its splits, or dim 0 divided equally.
-fn send_splits(meta: &RequestMeta, size: usize) -> Vec<usize> {
+pub(super) fn send_splits(meta: &RequestMeta, size: usize) -> Vec<usize> {
     meta.splits
         .clone()
         .unwrap_or_else(|| vec![meta.tensors[0].shape[0] / size; size])
@@ -174,9 +174,9 @@ fn alltoall(t: &mut dyn Transport, tensor: &Tensor, ready: &Ready) -> Result<All
     let send_counts: Vec<usize> = send_rows.iter().map(|r| r * row).collect();
     let recv_counts: Vec<usize> = recv_rows.iter().map(|r| r * row).collect();
     t.alltoallv(
-        tensor.as_bytes(),
+        tensor.host_bytes(),
         &send_counts,
-        out.as_bytes_mut(),
+        out.host_bytes_mut(),
         &recv_counts,
         tensor.dtype(),
     )?;
@@ -219,7 +219,7 @@ pub(crate) fn run_fused(
     let buf = buffer.bytes_mut(total);
     let mut at = 0;
     for x in &tensors {
-        buf[at..at + x.num_bytes()].copy_from_slice(x.as_bytes());
+        buf[at..at + x.num_bytes()].copy_from_slice(x.host_bytes());
         at += x.num_bytes();
     }
     scale_bytes(buf, dtype, meta.prescale);
@@ -230,7 +230,7 @@ pub(crate) fn run_fused(
     let mut at = 0;
     for x in &mut tensors {
         let n = x.num_bytes();
-        x.as_bytes_mut().copy_from_slice(&buf[at..at + n]);
+        x.host_bytes_mut().copy_from_slice(&buf[at..at + n]);
         at += n;
     }
     let outputs = tensors
@@ -331,15 +331,15 @@ fn reducescatter(
     shape[0] = scatter_rows(d0, size, me);
     let mut out = Tensor::zeros(tensor.dtype(), &shape);
     let dtype = tensor.dtype();
-    scale_bytes(tensor.as_bytes_mut(), dtype, meta.prescale);
+    scale_bytes(tensor.host_bytes_mut(), dtype, meta.prescale);
     t.reduce_scatter(
-        tensor.as_bytes(),
-        out.as_bytes_mut(),
+        tensor.host_bytes(),
+        out.host_bytes_mut(),
         &counts,
         dtype,
         meta.op,
     )?;
-    scale_bytes(out.as_bytes_mut(), dtype, post_factor(meta, size));
+    scale_bytes(out.host_bytes_mut(), dtype, post_factor(meta, size));
     Ok(out)
 }
 

@@ -5,7 +5,7 @@
 //! threshold (rank 0's, agreed at start-up), so every rank packs the same batches.
 
 use super::negotiate::Response;
-use super::request::OpKind;
+use super::request::{Device, OpKind};
 use crate::ops::ReduceOp;
 use crate::tensor::DType;
 
@@ -21,6 +21,7 @@ pub(crate) enum Step {
 /// What must agree for two allreduces to share a buffer.
 #[derive(Debug, PartialEq)]
 struct FuseKey {
+    device: Device,
     dtype: DType,
     op: ReduceOp,
     prescale: u64,
@@ -48,6 +49,7 @@ fn fuse_key(r: &Response) -> Option<(FuseKey, usize)> {
     }
     Some((
         FuseKey {
+            device: m.device,
             dtype: t.dtype,
             op: m.op,
             prescale: m.prescale.to_bits(),

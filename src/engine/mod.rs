@@ -7,6 +7,8 @@
 pub(crate) mod cache;
 pub(crate) mod execute;
 pub(crate) mod fusion;
+#[cfg(feature = "nccl")]
+mod gpu;
 pub(crate) mod negotiate;
 pub(crate) mod request;
 mod respond;
@@ -32,6 +34,10 @@ use timeline::Timeline;
 /// see what the others are waiting for (so stalls name the missing ranks) and notice a
 /// rank that left, at a cost of a few microseconds ten times a second.
 const HEARTBEAT: Duration = Duration::from_millis(100);
+
+/// How often an engine with ops in flight on the GPU checks their events.
+#[cfg(feature = "nccl")]
+const GPU_POLL: Duration = Duration::from_micros(50);
 
 /// Entry point of the `kolo-engine` thread: starts MPI, reports the topology (or the
 /// start-up error) through `started`, serves requests until shutdown, then finalises
@@ -77,6 +83,8 @@ pub(crate) fn run(config: Config, rx: Receiver<Command>, started: SyncSender<Res
         stall_abort: false,
         timeline: Timeline::new(topology.rank, mark_cycles),
         ready_at: Instant::now(),
+        #[cfg(feature = "nccl")]
+        gpu: gpu::Gpu::default(),
     };
     if let Some(path) = engine
         .config
@@ -230,6 +238,9 @@ struct Engine {
     timeline: Timeline,
     /// When the responses being run became ready (the end of their cycle).
     ready_at: Instant,
+    /// Ops on CUDA tensors (NCCL).
+    #[cfg(feature = "nccl")]
+    gpu: gpu::Gpu,
 }
 
 impl Engine {
@@ -286,10 +297,30 @@ impl Engine {
         if self.inbox.shutting_down || !self.inbox.outgoing.is_empty() {
             return;
         }
+        #[cfg(feature = "nccl")]
+        self.wait_for_gpu();
+        if self.inbox.shutting_down || !self.inbox.outgoing.is_empty() {
+            return;
+        }
         if !self.inbox.has_work() {
             self.inbox.wait_for_work(HEARTBEAT);
         } else if !self.last_cycle_had_news {
             self.inbox.wait_for_work(self.config.cycle_time);
+        }
+    }
+
+    /// While ops run on the GPU and nothing new was submitted here, completes them as
+    /// their events fire instead of cycling.
+    #[cfg(feature = "nccl")]
+    fn wait_for_gpu(&mut self) {
+        self.gpu.poll();
+        while self.gpu.busy()
+            && !self.inbox.shutting_down
+            && self.inbox.outgoing.is_empty()
+            && !abort_requested()
+        {
+            self.inbox.wait_for_work(GPU_POLL);
+            self.gpu.poll();
         }
     }
 
@@ -336,10 +367,14 @@ impl Engine {
                 transport,
                 inbox,
                 stall,
+                #[cfg(feature = "nccl")]
+                gpu,
                 ..
             } = self;
             transport.agree_bits(&mut words, &mut |waited| {
                 inbox.drain();
+                #[cfg(feature = "nccl")]
+                gpu.poll();
                 stall.check_while_waiting(waited, &inbox.pending);
             })?;
             someone_has_full = words[0] & 1 == 0;
@@ -503,10 +538,14 @@ impl Engine {
             transport,
             inbox,
             stall,
+            #[cfg(feature = "nccl")]
+            gpu,
             ..
         } = self;
         let all = transport.exchange(&bytes, &mut |waited| {
             inbox.drain();
+            #[cfg(feature = "nccl")]
+            gpu.poll();
             stall.check_while_waiting(waited, &inbox.pending);
         })?;
         all.iter()

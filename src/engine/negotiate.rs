@@ -268,7 +268,7 @@ fn check(key: &str, metas: &[Option<RequestMeta>], joined: &[usize]) -> Result<(
             ranks: joined.to_vec(),
         });
     }
-    if let Some(m) = differ(metas, |m| m.device, debug) {
+    if let Some(m) = differ(metas, |m| m.device, |d| d.name().to_string()) {
         return Err(fail("device", m));
     }
     if let Some(m) = differ(

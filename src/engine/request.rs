@@ -49,11 +49,29 @@ impl OpKind {
     }
 }
 
-/// Where a tensor lives. Only CPU exists until the NCCL transport lands; the field is
-/// negotiated already so that a CPU/GPU mismatch is reported like any other.
+/// Where a request's tensors live, as negotiated: ranks must agree on the kind of
+/// device (each rank uses its own GPU, so ordinals may differ).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub(crate) enum Device {
     Cpu,
+    Cuda,
+}
+
+impl Device {
+    pub(crate) fn of(d: crate::tensor::Device) -> Device {
+        if d.is_cuda() {
+            Device::Cuda
+        } else {
+            Device::Cpu
+        }
+    }
+
+    pub(crate) fn name(self) -> &'static str {
+        match self {
+            Device::Cpu => "cpu",
+            Device::Cuda => "cuda",
+        }
+    }
 }
 
 /// One tensor of a request, as the other ranks see it.
@@ -138,6 +156,11 @@ impl Submission {
     pub(crate) fn into_parts(self) -> (RequestMeta, Vec<Tensor>) {
         let mut metas = Vec::with_capacity(self.tensors.len());
         let mut data = Vec::with_capacity(self.tensors.len());
+        // Validation made sure that every tensor of a request is on the same kind.
+        let device = self
+            .tensors
+            .first()
+            .map_or(Device::Cpu, |(_, t)| Device::of(t.device()));
         for (name, t) in self.tensors {
             metas.push(TensorMeta {
                 name,
@@ -155,7 +178,7 @@ impl Submission {
             postscale: self.postscale,
             root: self.root,
             splits: self.splits,
-            device: Device::Cpu,
+            device,
         };
         (meta, data)
     }

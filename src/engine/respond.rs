@@ -21,6 +21,44 @@ impl Engine {
         }
     }
 
+    /// Records an op's span, from `started` to now, on the timeline.
+    fn trace_op(&mut self, meta: &RequestMeta, started: Instant) {
+        if self.timeline.enabled() {
+            let (args, end) = (trace_args(meta), Instant::now());
+            let phase = meta.kind.name().to_ascii_uppercase();
+            for t in &meta.tensors {
+                self.timeline.span(&t.name, &phase, started, end, &args);
+            }
+        }
+    }
+
+    /// Runs an op on CUDA tensors over NCCL.
+    #[cfg(feature = "nccl")]
+    fn respond_cuda(
+        &mut self,
+        ready: &super::negotiate::Ready,
+        tensors: Option<Vec<crate::tensor::Tensor>>,
+        done: Option<crate::handle::Completer>,
+    ) {
+        self.gpu.respond(&mut self.transport, ready, tensors, done);
+    }
+
+    /// Without the `nccl` feature no tensor of this rank can be on a GPU, so the
+    /// negotiation reports a device mismatch first; this is the backstop.
+    #[cfg(not(feature = "nccl"))]
+    fn respond_cuda(
+        &mut self,
+        _ready: &super::negotiate::Ready,
+        _tensors: Option<Vec<crate::tensor::Tensor>>,
+        done: Option<crate::handle::Completer>,
+    ) {
+        if let Some(done) = done {
+            done.complete(Err(Error::CudaUnavailable(
+                "kolo was built without the `nccl` feature".into(),
+            )));
+        }
+    }
+
     /// Runs one response: an op on its own, an error for its handle, or a join.
     pub(super) fn respond(&mut self, response: Response) {
         match response {
@@ -35,15 +73,14 @@ impl Engine {
                 };
                 let span = tracing::debug_span!("op", kind = ready.kind.name(), key = %ready.key);
                 let started = Instant::now();
-                let result = span.in_scope(|| execute::run(&mut self.transport, &ready, tensors));
-                if self.timeline.enabled() {
-                    let meta = ready.first();
-                    let (args, end) = (trace_args(meta), Instant::now());
-                    let phase = meta.kind.name().to_ascii_uppercase();
-                    for t in &meta.tensors {
-                        self.timeline.span(&t.name, &phase, started, end, &args);
-                    }
+                if ready.first().device == request::Device::Cuda {
+                    // Enqueued on the GPU; the handle completes when the device is done.
+                    span.in_scope(|| self.respond_cuda(&ready, tensors, done));
+                    self.trace_op(ready.first(), started);
+                    return;
                 }
+                let result = span.in_scope(|| execute::run(&mut self.transport, &ready, tensors));
+                self.trace_op(ready.first(), started);
                 if let Some(done) = done {
                     done.complete(result);
                 } else if let Err(e) = result {
@@ -73,6 +110,23 @@ impl Engine {
                 readies.push(ready);
                 locals.push(local);
             }
+        }
+        #[cfg(feature = "nccl")]
+        if readies
+            .first()
+            .is_some_and(|r| r.first().device == request::Device::Cuda)
+        {
+            tracing::debug!(tensors = readies.len(), "fused NCCL allreduce");
+            let members = readies
+                .iter()
+                .zip(locals)
+                .map(|(ready, local)| match local {
+                    Some(req) => (ready, Some(req.tensors), Some(req.done)),
+                    None => (ready, None, None),
+                })
+                .collect();
+            self.gpu.respond_fused(&mut self.transport, members);
+            return;
         }
         let mut inputs = Vec::with_capacity(readies.len());
         let mut dones = Vec::with_capacity(readies.len());

@@ -1,4 +1,4 @@
-//! The only code that knows MPI (or, later, NCCL) exists.
+//! The only code that knows MPI or NCCL exists.
 //!
 //! The engine talks to a [`Transport`]: a control-plane exchange of negotiation
 //! messages and data-plane collectives on raw buffers. Every method is called from the
@@ -13,6 +13,8 @@ use crate::ops::ReduceOp;
 use crate::tensor::DType;
 
 pub(crate) mod mpi;
+#[cfg(feature = "nccl")]
+pub(crate) mod nccl;
 pub(crate) mod ring;
 
 /// Where this process sits in the job.

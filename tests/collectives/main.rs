@@ -6,6 +6,8 @@ mod allreduce;
 mod control;
 mod faults;
 mod fusion;
+#[cfg(feature = "nccl")]
+mod gpu;
 mod harness;
 mod optimizer;
 mod others;
@@ -158,14 +160,37 @@ const FAULTS: &[(&str, Case, &[usize], &str)] = &[
 /// mpirun start-up (~1 s here) plus the 10 s the design allows a panic to take.
 const FAULT_DEADLINE: Duration = Duration::from_secs(11);
 
+/// CUDA cases (feature `nccl`): (name, case, np values). They need a CUDA GPU per
+/// rank, so they are ignored unless `KOLO_TEST_GPU=1` (then the no-GPU case, which
+/// expects no CUDA driver, is left out instead).
+#[cfg(feature = "nccl")]
+const GPU_CASES: &[(&str, Case, &[usize])] = &[
+    ("gpu_allreduce", gpu::allreduce, &[1, 2]),
+    ("gpu_fused_and_grouped", gpu::fused_and_grouped, &[1, 2]),
+    ("gpu_others", gpu::others, &[1, 2]),
+    ("gpu_errors", gpu::errors, &[1]),
+];
+#[cfg(not(feature = "nccl"))]
+const GPU_CASES: &[(&str, Case, &[usize])] = &[];
+
+#[cfg(feature = "nccl")]
+const NO_GPU_CASES: &[(&str, Case, &[usize])] = &[("no_gpu", gpu::no_gpu, &[1, 2])];
+#[cfg(not(feature = "nccl"))]
+const NO_GPU_CASES: &[(&str, Case, &[usize])] = &[];
+
 fn worker(case: &str) -> ! {
     let faults = FAULTS.iter().map(|(n, f, _, _)| (*n, *f));
     let variant_only = VARIANT_ONLY.iter().copied();
+    let gpu = GPU_CASES
+        .iter()
+        .chain(NO_GPU_CASES)
+        .map(|(n, f, _)| (*n, *f));
     let all: Vec<(&str, Case)> = CASES
         .iter()
         .map(|(n, f, _)| (*n, *f))
         .chain(faults)
         .chain(variant_only)
+        .chain(gpu)
         .collect();
     harness::run_worker(case, &all)
 }
@@ -182,6 +207,26 @@ fn main() {
                 continue;
             }
             trials.push(harness::trial(name, np, Duration::from_secs(120), &[]));
+        }
+    }
+    let gpu_machine = std::env::var_os("KOLO_TEST_GPU").is_some_and(|v| v == "1");
+    // One GPU per rank: NCCL refuses two ranks on one device.
+    let gpus = if gpu_machine {
+        kolo::cuda_device_count().unwrap_or(0)
+    } else {
+        usize::MAX
+    };
+    for &(name, _, nps) in GPU_CASES {
+        for &np in nps.iter().filter(|&&np| np <= gpus) {
+            let t = harness::trial(name, np, Duration::from_secs(180), &[]);
+            trials.push(t.with_ignored_flag(!gpu_machine));
+        }
+    }
+    if !gpu_machine {
+        for &(name, _, nps) in NO_GPU_CASES {
+            for &np in nps {
+                trials.push(harness::trial(name, np, Duration::from_secs(60), &[]));
+            }
         }
     }
     for &(trial, case, nps, env, expect) in VARIANTS {

@@ -205,9 +205,23 @@ fn main() {
             if b.nccl {
                 "compiled in"
             } else {
-                "not compiled in (this kolo reduces CPU tensors over MPI only)"
+                "not compiled in (build with --features nccl for CUDA tensors)"
             }
         );
+        if b.nccl {
+            match kolo::cuda_device_count() {
+                Ok(n) => println!("  CUDA driver:    found, {n} device(s)"),
+                Err(e) => println!("  CUDA driver:    {e}"),
+            }
+            println!(
+                "  NCCL library:   {}",
+                if kolo::nccl_library_present() {
+                    "found"
+                } else {
+                    "not found (libnccl.so.2)"
+                }
+            );
+        }
         return;
     }
     let Some(np) = args.np else {

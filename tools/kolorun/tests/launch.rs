@@ -95,6 +95,8 @@ fn dry_run_and_check_build() {
         text.contains("MPI transport:  yes") && text.contains("NCCL transport:"),
         "{text}"
     );
+    // With the NCCL transport compiled in, it also says whether a driver was found.
+    assert_eq!(text.contains("CUDA driver:"), cfg!(feature = "nccl"), "{text}");
 }
 
 #[test]

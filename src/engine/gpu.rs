@@ -1,0 +1,569 @@
+//! Runs negotiated ops on CUDA tensors (feature `nccl`): enqueues NCCL calls and
+//! device-to-device copies on the NCCL stream, records a CUDA event after each op, and
+//! completes the op's handle once its event has fired — the engine never waits for the
+//! whole stream and keeps negotiating meanwhile.
+//!
+//! Scale factors NCCL can apply itself (float sums and averages, via PreMulSum) are
+//! applied there; the rest (integer averages, scaled min/max/product) take a slow path
+//! through host memory with the same rounding as CPU tensors.
+
+use std::collections::VecDeque;
+use std::sync::Arc;
+
+use cudarc::driver::{result as cu, CudaEvent, CudaSlice, CudaStream, DevicePtr};
+
+use super::execute::{post_factor, row_len, scale_bytes, scatter_rows, send_splits};
+use super::negotiate::Ready;
+use super::request::{OpKind, RequestMeta};
+use crate::device::{self, cuda_err, CudaData};
+use crate::error::{Error, Result};
+use crate::handle::{Completer, Output};
+use crate::ops::AlltoallOutput;
+use crate::tensor::{DType, Tensor};
+use crate::transport::nccl::{can_scale, DevicePtr as Ptr, Nccl};
+use crate::transport::Transport;
+
+/// A fusion batch member: the response, this rank's tensors and handle (none on a
+/// joined rank).
+pub(super) type Member<'a> = (&'a Ready, Option<Vec<Tensor>>, Option<Completer>);
+
+/// An enqueued op whose handles complete when `event` has fired.
+struct Inflight {
+    event: CudaEvent,
+    finish: Vec<(Completer, Output)>,
+    /// Device buffers the op reads that are not part of its output (inputs of
+    /// allgather / alltoall / reducescatter, a joined rank's zeros): freed only after
+    /// the event, since their allocations are freed on their own streams.
+    keep: Vec<Tensor>,
+}
+
+/// The GPU side of the engine.
+#[derive(Default)]
+pub(super) struct Gpu {
+    nccl: Option<Nccl>,
+    /// The persistent device fusion buffer (grown to the largest batch).
+    fusion: Option<CudaSlice<u8>>,
+    inflight: VecDeque<Inflight>,
+}
+
+impl Gpu {
+    /// Whether ops are still running on the device.
+    pub(super) fn busy(&self) -> bool {
+        !self.inflight.is_empty()
+    }
+
+    /// Completes, in order, every op whose event has fired.
+    pub(super) fn poll(&mut self) {
+        while let Some(front) = self.inflight.front() {
+            let state = front.event.try_is_complete();
+            if matches!(state, Ok(false)) {
+                return;
+            }
+            let Some(done) = self.inflight.pop_front() else {
+                return;
+            };
+            match state {
+                Ok(_) => {
+                    drop(done.keep);
+                    for (c, out) in done.finish {
+                        c.complete(Ok(out));
+                    }
+                }
+                Err(e) => {
+                    for (c, _) in done.finish {
+                        c.complete(Err(cuda_err("cuEventQuery")(e)));
+                    }
+                }
+            }
+        }
+    }
+
+    /// Waits for every op on the device and completes their handles.
+    pub(super) fn drain(&mut self) {
+        for f in &self.inflight {
+            if let Err(e) = f.event.synchronize() {
+                tracing::warn!(error = %e, "waiting for a GPU op failed");
+            }
+        }
+        self.poll();
+    }
+
+    /// Completes `finish` (and frees `keep`) once everything enqueued so far has run.
+    fn finish_later(&mut self, finish: Vec<(Completer, Output)>, keep: Vec<Tensor>) {
+        let event = match self.nccl.as_ref().map(|n| n.stream().record_event(None)) {
+            Some(Ok(e)) => e,
+            Some(Err(e)) => {
+                let message = e.to_string();
+                for (c, _) in finish {
+                    c.complete(Err(Error::Cuda {
+                        call: "cuEventRecord",
+                        message: message.clone(),
+                    }));
+                }
+                return;
+            }
+            None => {
+                for (c, _) in finish {
+                    c.complete(Err(Error::Internal("GPU op without a communicator".into())));
+                }
+                return;
+            }
+        };
+        self.inflight.push_back(Inflight {
+            event,
+            finish,
+            keep,
+        });
+    }
+
+    /// Enqueues one op; its handle completes when the device has run it.
+    pub(super) fn respond(
+        &mut self,
+        mpi: &mut dyn Transport,
+        ready: &Ready,
+        local: Option<Vec<Tensor>>,
+        done: Option<Completer>,
+    ) {
+        let mut keep = Vec::new();
+        match self.run(mpi, ready, local, &mut keep) {
+            Ok(out) => {
+                let finish = done.map(|c| (c, out)).into_iter().collect();
+                self.finish_later(finish, keep);
+            }
+            Err(e) => {
+                self.settle(keep);
+                match done {
+                    Some(c) => c.complete(Err(e)),
+                    None => {
+                        tracing::warn!(key = %ready.key, error = %e, "GPU op for a joined rank failed")
+                    }
+                }
+            }
+        }
+    }
+
+    /// Enqueues a fused allreduce of `members` (same dtype, op and scale factors).
+    pub(super) fn respond_fused(
+        &mut self,
+        mpi: &mut dyn Transport,
+        members: Vec<Member<'_>>,
+    ) {
+        let mut dones = Vec::with_capacity(members.len());
+        let mut inputs = Vec::with_capacity(members.len());
+        for (ready, local, done) in members {
+            dones.push(done);
+            inputs.push((ready, local));
+        }
+        let mut keep = Vec::new();
+        match self.run_fused(mpi, inputs, &mut keep) {
+            Ok(outputs) => {
+                let finish = dones
+                    .into_iter()
+                    .zip(outputs)
+                    .filter_map(|(d, t)| Some((d?, Output::Tensor(t?))))
+                    .collect();
+                self.finish_later(finish, keep);
+            }
+            Err(e) => {
+                self.settle(keep);
+                let message = e.to_string();
+                for c in dones.into_iter().flatten() {
+                    c.complete(Err(Error::Cuda {
+                        call: "fused NCCL allreduce",
+                        message: message.clone(),
+                    }));
+                }
+            }
+        }
+    }
+
+    /// After a failed op: waits for whatever it enqueued before freeing its buffers.
+    fn settle(&mut self, keep: Vec<Tensor>) {
+        if let Some(n) = &self.nccl {
+            if let Err(e) = n.stream().synchronize() {
+                tracing::warn!(error = %e, "waiting for the NCCL stream after a failed op");
+            }
+        }
+        drop(keep);
+    }
+
+    /// The communicator, created on first use on the device of `local`'s tensors (or,
+    /// on a joined rank, the device of this rank's local rank).
+    fn comm(&mut self, mpi: &mut dyn Transport, local: Option<&[Tensor]>) -> Result<&Nccl> {
+        let wanted = match local.and_then(|l| l.first()) {
+            Some(t) => match t.device() {
+                crate::tensor::Device::Cuda(i) => Some(i),
+                other => {
+                    return Err(Error::Internal(format!(
+                        "CPU tensor on the GPU path ({other})"
+                    )))
+                }
+            },
+            None => None,
+        };
+        if self.nccl.is_none() {
+            let ordinal = match wanted {
+                Some(i) => i,
+                None => mpi.topology().local_rank % device::device_count()?.max(1),
+            };
+            self.nccl = Some(Nccl::connect(mpi, ordinal)?);
+        }
+        let nccl = self
+            .nccl
+            .as_ref()
+            .ok_or_else(|| Error::Internal("NCCL communicator missing".into()))?;
+        if let Some(i) = wanted {
+            if i != nccl.ordinal() {
+                return Err(Error::WrongDevice {
+                    what: "NCCL collective",
+                    expected: crate::tensor::Device::Cuda(nccl.ordinal()),
+                    actual: crate::tensor::Device::Cuda(i),
+                });
+            }
+        }
+        nccl.stream()
+            .context()
+            .bind_to_thread()
+            .map_err(cuda_err("cuCtxSetCurrent"))?;
+        Ok(nccl)
+    }
+
+    fn run(
+        &mut self,
+        mpi: &mut dyn Transport,
+        ready: &Ready,
+        local: Option<Vec<Tensor>>,
+        keep: &mut Vec<Tensor>,
+    ) -> Result<Output> {
+        let nccl = self.comm(mpi, local.as_deref())?;
+        let stream = nccl.stream().clone();
+        let first = ready.first();
+        let mut inputs = match local {
+            Some(v) => v,
+            None => first
+                .tensors
+                .iter()
+                .map(|m| zeros(&stream, m.dtype, &m.shape))
+                .collect::<Result<_>>()?,
+        };
+        for t in &inputs {
+            order_after(&stream, t)?;
+        }
+        let size = nccl.size();
+        let take = |inputs: &mut Vec<Tensor>| {
+            inputs
+                .pop()
+                .ok_or_else(|| Error::Internal(format!("{:?} has no tensor", ready.key)))
+        };
+        match ready.kind {
+            OpKind::Allreduce => {
+                let tensor = take(&mut inputs)?;
+                let ptr = ptr_of(&tensor)?;
+                allreduce(nccl, ptr, tensor.len(), tensor.dtype(), first, size)?;
+                Ok(Output::Tensor(tensor))
+            }
+            OpKind::GroupedAllreduce => {
+                let mut outs = Vec::with_capacity(inputs.len());
+                // Every member is reduced in place; NCCL batches the group's calls.
+                for t in &inputs {
+                    allreduce(nccl, ptr_of(t)?, t.len(), t.dtype(), first, size)?;
+                }
+                outs.extend(inputs);
+                Ok(Output::Tensors(outs))
+            }
+            OpKind::Broadcast => {
+                let tensor = take(&mut inputs)?;
+                if !tensor.is_empty() {
+                    // SAFETY: the tensor's own allocation of `len` elements, kept alive
+                    // in the output until the op's event has fired.
+                    unsafe {
+                        nccl.broadcast(ptr_of(&tensor)?, tensor.len(), tensor.dtype(), first.root)
+                    }?;
+                }
+                Ok(Output::Tensor(tensor))
+            }
+            OpKind::Allgather => {
+                let tensor = take(&mut inputs)?;
+                let dims0: Vec<usize> = ready
+                    .metas
+                    .iter()
+                    .map(|m| m.as_ref().map_or(0, |m| m.tensors[0].shape[0]))
+                    .collect();
+                let row = row_len(tensor.shape());
+                let counts: Vec<usize> = dims0.iter().map(|d| d * row).collect();
+                let mut shape = tensor.shape().to_vec();
+                shape[0] = dims0.iter().sum();
+                let out = empty(&stream, tensor.dtype(), &shape)?;
+                if !out.is_empty() {
+                    // SAFETY: `out` holds the sum of `counts`, `tensor` this rank's count.
+                    unsafe {
+                        nccl.allgatherv(ptr_of(&tensor)?, ptr_of(&out)?, &counts, tensor.dtype())
+                    }?;
+                }
+                keep.push(tensor);
+                Ok(Output::Tensor(out))
+            }
+            OpKind::Alltoall => {
+                let tensor = take(&mut inputs)?;
+                let me = nccl.rank();
+                let mine = ready.metas[me]
+                    .as_ref()
+                    .ok_or_else(|| Error::Internal("alltoall on a rank without a request".into()))?;
+                let row = row_len(tensor.shape());
+                let send_rows = send_splits(mine, size);
+                let mut recv_rows = Vec::with_capacity(size);
+                for m in &ready.metas {
+                    let m = m
+                        .as_ref()
+                        .ok_or_else(|| Error::Internal("alltoall with a joined rank".into()))?;
+                    recv_rows.push(send_splits(m, size)[me]);
+                }
+                let mut shape = tensor.shape().to_vec();
+                shape[0] = recv_rows.iter().sum();
+                let out = empty(&stream, tensor.dtype(), &shape)?;
+                let sc: Vec<usize> = send_rows.iter().map(|r| r * row).collect();
+                let rc: Vec<usize> = recv_rows.iter().map(|r| r * row).collect();
+                // SAFETY: the buffers hold the sums of their counts.
+                unsafe {
+                    nccl.alltoallv(ptr_of(&tensor)?, &sc, ptr_of(&out)?, &rc, tensor.dtype())
+                }?;
+                keep.push(tensor);
+                Ok(Output::Alltoall(AlltoallOutput {
+                    tensor: out,
+                    received_splits: recv_rows,
+                }))
+            }
+            OpKind::Reducescatter => {
+                let mut tensor = take(&mut inputs)?;
+                let me = nccl.rank();
+                let row = row_len(tensor.shape());
+                let d0 = tensor.shape()[0];
+                let counts: Vec<usize> =
+                    (0..size).map(|r| scatter_rows(d0, size, r) * row).collect();
+                let mut shape = tensor.shape().to_vec();
+                shape[0] = scatter_rows(d0, size, me);
+                let mut out = empty(&stream, tensor.dtype(), &shape)?;
+                let dtype = tensor.dtype();
+                let total = first.prescale * post_factor(first, size);
+                if can_scale(dtype, first.op, total) {
+                    // SAFETY: as for allgather.
+                    unsafe {
+                        nccl.reduce_scatter(
+                            ptr_of(&tensor)?,
+                            ptr_of(&out)?,
+                            &counts,
+                            dtype,
+                            first.op,
+                            total,
+                        )
+                    }?;
+                } else {
+                    scale_on_host(&stream, &mut tensor, first.prescale)?;
+                    // SAFETY: as for allgather.
+                    unsafe {
+                        nccl.reduce_scatter(
+                            ptr_of(&tensor)?,
+                            ptr_of(&out)?,
+                            &counts,
+                            dtype,
+                            first.op,
+                            1.0,
+                        )
+                    }?;
+                    scale_on_host(&stream, &mut out, post_factor(first, size))?;
+                }
+                keep.push(tensor);
+                Ok(Output::Tensor(out))
+            }
+            OpKind::Barrier | OpKind::Join => Err(Error::Internal(format!(
+                "{} reached the GPU executor",
+                ready.kind.name()
+            ))),
+        }
+    }
+
+    fn run_fused(
+        &mut self,
+        mpi: &mut dyn Transport,
+        members: Vec<(&Ready, Option<Vec<Tensor>>)>,
+        keep: &mut Vec<Tensor>,
+    ) -> Result<Vec<Option<Tensor>>> {
+        let Some((first_ready, _)) = members.first() else {
+            return Ok(Vec::new());
+        };
+        let meta = first_ready.first().clone();
+        // The device is that of the first member this rank holds.
+        let local_first: Option<&[Tensor]> = members
+            .iter()
+            .find_map(|(_, l)| l.as_deref())
+            .filter(|l| !l.is_empty())
+            .map(|l| &l[..1]);
+        let nccl = self.comm(mpi, local_first)?;
+        let stream = nccl.stream().clone();
+        let size = nccl.size();
+        let dtype = meta.tensors[0].dtype;
+        let mut tensors = Vec::with_capacity(members.len());
+        let mut mine = Vec::with_capacity(members.len());
+        for (ready, data) in members {
+            mine.push(data.is_some());
+            let t = match data.and_then(|mut v| v.pop()) {
+                Some(t) => t,
+                None => {
+                    let m = &ready.first().tensors[0];
+                    zeros(&stream, m.dtype, &m.shape)?
+                }
+            };
+            order_after(&stream, &t)?;
+            tensors.push(t);
+        }
+        let total: usize = tensors.iter().map(Tensor::num_bytes).sum();
+        let grow = self.fusion.as_ref().is_none_or(|b| b.len() < total);
+        if grow {
+            self.fusion = None;
+            // SAFETY: every byte used is written by the copies below first.
+            self.fusion = Some(unsafe { stream.alloc::<u8>(total.max(1)) }.map_err(cuda_err("cuMemAlloc"))?);
+        }
+        let nccl = self
+            .nccl
+            .as_ref()
+            .ok_or_else(|| Error::Internal("NCCL communicator missing".into()))?;
+        let buf = self
+            .fusion
+            .as_ref()
+            .ok_or_else(|| Error::Internal("fusion buffer missing".into()))?;
+        let (base, _record) = buf.device_ptr(&stream);
+        let mut at = 0u64;
+        for t in &tensors {
+            let n = t.num_bytes();
+            // SAFETY: both ranges lie inside their allocations; same device.
+            unsafe { cu::memcpy_dtod_async(base + at, ptr_of(t)?, n, stream.cu_stream()) }
+                .map_err(cuda_err("cuMemcpyDtoDAsync"))?;
+            at += n as u64;
+        }
+        allreduce(nccl, base, total / dtype.size_of(), dtype, &meta, size)?;
+        let mut at = 0u64;
+        for t in &tensors {
+            let n = t.num_bytes();
+            // SAFETY: as above.
+            unsafe { cu::memcpy_dtod_async(ptr_of(t)?, base + at, n, stream.cu_stream()) }
+                .map_err(cuda_err("cuMemcpyDtoDAsync"))?;
+            at += n as u64;
+        }
+        let mut outputs = Vec::with_capacity(tensors.len());
+        for (t, m) in tensors.into_iter().zip(mine) {
+            if m {
+                outputs.push(Some(t));
+            } else {
+                keep.push(t);
+                outputs.push(None);
+            }
+        }
+        Ok(outputs)
+    }
+}
+
+impl Drop for Gpu {
+    fn drop(&mut self) {
+        self.drain();
+    }
+}
+
+/// Allreduce of `count` elements at `ptr` with `meta`'s op and scale factors.
+fn allreduce(
+    nccl: &Nccl,
+    ptr: Ptr,
+    count: usize,
+    dtype: DType,
+    meta: &RequestMeta,
+    size: usize,
+) -> Result<()> {
+    if count == 0 {
+        return Ok(());
+    }
+    let total = meta.prescale * post_factor(meta, size);
+    if can_scale(dtype, meta.op, total) {
+        // SAFETY: `ptr` is a live allocation of `count` elements on the NCCL device,
+        // kept alive until the op's event has fired.
+        return unsafe { nccl.allreduce(ptr, count, dtype, meta.op, total) };
+    }
+    let stream = nccl.stream();
+    host_scale_ptr(stream, ptr, count * dtype.size_of(), dtype, meta.prescale)?;
+    // SAFETY: as above.
+    unsafe { nccl.allreduce(ptr, count, dtype, meta.op, 1.0) }?;
+    host_scale_ptr(stream, ptr, count * dtype.size_of(), dtype, post_factor(meta, size))
+}
+
+/// The slow path for factors NCCL cannot apply: copy to the host, scale like a CPU
+/// tensor, copy back (waits for the stream).
+fn host_scale_ptr(stream: &Arc<CudaStream>, ptr: Ptr, bytes: usize, dtype: DType, f: f64) -> Result<()> {
+    if f == 1.0 || bytes == 0 {
+        return Ok(());
+    }
+    let mut host = vec![0u8; bytes];
+    // SAFETY: `ptr` holds `bytes` bytes; the stream is synchronised before `host` is
+    // read and before it is dropped.
+    unsafe {
+        cu::memcpy_dtoh_async(&mut host, ptr, stream.cu_stream()).map_err(cuda_err("cuMemcpyDtoHAsync"))?;
+        stream.synchronize().map_err(cuda_err("cuStreamSynchronize"))?;
+    }
+    scale_bytes(&mut host, dtype, f);
+    // SAFETY: as above.
+    unsafe {
+        cu::memcpy_htod_async(ptr, &host, stream.cu_stream()).map_err(cuda_err("cuMemcpyHtoDAsync"))?;
+        stream.synchronize().map_err(cuda_err("cuStreamSynchronize"))?;
+    }
+    Ok(())
+}
+
+fn scale_on_host(stream: &Arc<CudaStream>, t: &mut Tensor, f: f64) -> Result<()> {
+    let (bytes, dtype) = (t.num_bytes(), t.dtype());
+    host_scale_ptr(stream, ptr_of(t)?, bytes, dtype, f)
+}
+
+/// The device address of a CUDA tensor.
+fn ptr_of(t: &Tensor) -> Result<Ptr> {
+    let data = t
+        .cuda_data()
+        .ok_or_else(|| Error::Internal("CPU tensor on the GPU path".into()))?;
+    let (ptr, _record) = data.slice.device_ptr(data.slice.stream());
+    Ok(ptr)
+}
+
+/// Makes `stream` wait for the work already enqueued on the stream `t` was made on,
+/// so that NCCL reads what the user wrote.
+fn order_after(stream: &CudaStream, t: &Tensor) -> Result<()> {
+    let Some(data) = t.cuda_data() else {
+        return Ok(());
+    };
+    let theirs = data.stream();
+    if theirs.cu_stream() == stream.cu_stream() {
+        return Ok(());
+    }
+    let event = theirs.record_event(None).map_err(cuda_err("cuEventRecord"))?;
+    stream.wait(&event).map_err(cuda_err("cuStreamWaitEvent"))
+}
+
+/// A tensor of uninitialised device memory (every byte is written by the op).
+fn empty(stream: &Arc<CudaStream>, dtype: DType, shape: &[usize]) -> Result<Tensor> {
+    let n: usize = shape.iter().product::<usize>() * dtype.size_of();
+    let slice = if n == 0 {
+        stream.null::<u8>()
+    } else {
+        // SAFETY: the collective writes every byte before the handle completes.
+        unsafe { stream.alloc::<u8>(n) }
+    }
+    .map_err(cuda_err("cuMemAlloc"))?;
+    Ok(Tensor::from_cuda_parts(dtype, CudaData { slice }, shape.to_vec()))
+}
+
+/// Zeros on the device (what a joined rank contributes).
+fn zeros(stream: &Arc<CudaStream>, dtype: DType, shape: &[usize]) -> Result<Tensor> {
+    let n: usize = shape.iter().product::<usize>() * dtype.size_of();
+    let slice = if n == 0 {
+        stream.null::<u8>()
+    } else {
+        stream.alloc_zeros::<u8>(n)
+    }
+    .map_err(cuda_err("cuMemAlloc"))?;
+    Ok(Tensor::from_cuda_parts(dtype, CudaData { slice }, shape.to_vec()))
+}
