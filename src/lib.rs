@@ -65,8 +65,8 @@ pub use optimizer::{
 pub use runtime::{build_info, cuda_device_count, init, nccl_library_present, BuildInfo, Kolo};
 pub use tensor::{DType, Device, Element, Tensor};
 
-/// Re-exported so that users can build f16/bf16 tensors without naming `half` themselves.
-pub use half;
 /// The CUDA bindings kolo was built with (feature `nccl`), for `Tensor::from_cuda`.
 #[cfg(feature = "nccl")]
 pub use cudarc;
+/// Re-exported so that users can build f16/bf16 tensors without naming `half` themselves.
+pub use half;

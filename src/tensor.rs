@@ -270,7 +270,10 @@ impl Tensor {
 
     /// A tensor of zeros.
     pub fn zeros(dtype: DType, shape: &[usize]) -> Tensor {
-        Tensor::from_parts(Storage::zeros(dtype, shape.iter().product()), shape.to_vec())
+        Tensor::from_parts(
+            Storage::zeros(dtype, shape.iter().product()),
+            shape.to_vec(),
+        )
     }
 
     /// Gives back the elements without copying.

@@ -143,11 +143,7 @@ impl Gpu {
     }
 
     /// Enqueues a fused allreduce of `members` (same dtype, op and scale factors).
-    pub(super) fn respond_fused(
-        &mut self,
-        mpi: &mut dyn Transport,
-        members: Vec<Member<'_>>,
-    ) {
+    pub(super) fn respond_fused(&mut self, mpi: &mut dyn Transport, members: Vec<Member<'_>>) {
         let mut dones = Vec::with_capacity(members.len());
         let mut inputs = Vec::with_capacity(members.len());
         for (ready, local, done) in members {
@@ -306,9 +302,9 @@ impl Gpu {
             OpKind::Alltoall => {
                 let tensor = take(&mut inputs)?;
                 let me = nccl.rank();
-                let mine = ready.metas[me]
-                    .as_ref()
-                    .ok_or_else(|| Error::Internal("alltoall on a rank without a request".into()))?;
+                let mine = ready.metas[me].as_ref().ok_or_else(|| {
+                    Error::Internal("alltoall on a rank without a request".into())
+                })?;
                 let row = row_len(tensor.shape());
                 let send_rows = send_splits(mine, size);
                 let mut recv_rows = Vec::with_capacity(size);
@@ -421,7 +417,8 @@ impl Gpu {
         if grow {
             self.fusion = None;
             // SAFETY: every byte used is written by the copies below first.
-            self.fusion = Some(unsafe { stream.alloc::<u8>(total.max(1)) }.map_err(cuda_err("cuMemAlloc"))?);
+            self.fusion =
+                Some(unsafe { stream.alloc::<u8>(total.max(1)) }.map_err(cuda_err("cuMemAlloc"))?);
         }
         let nccl = self
             .nccl
@@ -490,12 +487,24 @@ fn allreduce(
     host_scale_ptr(stream, ptr, count * dtype.size_of(), dtype, meta.prescale)?;
     // SAFETY: as above.
     unsafe { nccl.allreduce(ptr, count, dtype, meta.op, 1.0) }?;
-    host_scale_ptr(stream, ptr, count * dtype.size_of(), dtype, post_factor(meta, size))
+    host_scale_ptr(
+        stream,
+        ptr,
+        count * dtype.size_of(),
+        dtype,
+        post_factor(meta, size),
+    )
 }
 
 /// The slow path for factors NCCL cannot apply: copy to the host, scale like a CPU
 /// tensor, copy back (waits for the stream).
-fn host_scale_ptr(stream: &Arc<CudaStream>, ptr: Ptr, bytes: usize, dtype: DType, f: f64) -> Result<()> {
+fn host_scale_ptr(
+    stream: &Arc<CudaStream>,
+    ptr: Ptr,
+    bytes: usize,
+    dtype: DType,
+    f: f64,
+) -> Result<()> {
     if f == 1.0 || bytes == 0 {
         return Ok(());
     }
@@ -503,14 +512,20 @@ fn host_scale_ptr(stream: &Arc<CudaStream>, ptr: Ptr, bytes: usize, dtype: DType
     // SAFETY: `ptr` holds `bytes` bytes; the stream is synchronised before `host` is
     // read and before it is dropped.
     unsafe {
-        cu::memcpy_dtoh_async(&mut host, ptr, stream.cu_stream()).map_err(cuda_err("cuMemcpyDtoHAsync"))?;
-        stream.synchronize().map_err(cuda_err("cuStreamSynchronize"))?;
+        cu::memcpy_dtoh_async(&mut host, ptr, stream.cu_stream())
+            .map_err(cuda_err("cuMemcpyDtoHAsync"))?;
+        stream
+            .synchronize()
+            .map_err(cuda_err("cuStreamSynchronize"))?;
     }
     scale_bytes(&mut host, dtype, f);
     // SAFETY: as above.
     unsafe {
-        cu::memcpy_htod_async(ptr, &host, stream.cu_stream()).map_err(cuda_err("cuMemcpyHtoDAsync"))?;
-        stream.synchronize().map_err(cuda_err("cuStreamSynchronize"))?;
+        cu::memcpy_htod_async(ptr, &host, stream.cu_stream())
+            .map_err(cuda_err("cuMemcpyHtoDAsync"))?;
+        stream
+            .synchronize()
+            .map_err(cuda_err("cuStreamSynchronize"))?;
     }
     Ok(())
 }
@@ -539,7 +554,9 @@ fn order_after(stream: &CudaStream, t: &Tensor) -> Result<()> {
     if theirs.cu_stream() == stream.cu_stream() {
         return Ok(());
     }
-    let event = theirs.record_event(None).map_err(cuda_err("cuEventRecord"))?;
+    let event = theirs
+        .record_event(None)
+        .map_err(cuda_err("cuEventRecord"))?;
     stream.wait(&event).map_err(cuda_err("cuStreamWaitEvent"))
 }
 
@@ -553,7 +570,11 @@ fn empty(stream: &Arc<CudaStream>, dtype: DType, shape: &[usize]) -> Result<Tens
         unsafe { stream.alloc::<u8>(n) }
     }
     .map_err(cuda_err("cuMemAlloc"))?;
-    Ok(Tensor::from_cuda_parts(dtype, CudaData { slice }, shape.to_vec()))
+    Ok(Tensor::from_cuda_parts(
+        dtype,
+        CudaData { slice },
+        shape.to_vec(),
+    ))
 }
 
 /// Zeros on the device (what a joined rank contributes).
@@ -565,5 +586,9 @@ fn zeros(stream: &Arc<CudaStream>, dtype: DType, shape: &[usize]) -> Result<Tens
         stream.alloc_zeros::<u8>(n)
     }
     .map_err(cuda_err("cuMemAlloc"))?;
-    Ok(Tensor::from_cuda_parts(dtype, CudaData { slice }, shape.to_vec()))
+    Ok(Tensor::from_cuda_parts(
+        dtype,
+        CudaData { slice },
+        shape.to_vec(),
+    ))
 }

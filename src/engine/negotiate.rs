@@ -419,6 +419,24 @@ mod tests {
     }
 
     #[test]
+    fn cpu_and_cuda_tensors_under_one_name_are_a_device_mismatch() {
+        let mut n = Negotiator::new(2);
+        let mut gpu = req("g.b", OpKind::Allreduce, &[3]);
+        gpu.device = crate::engine::request::Device::Cuda;
+        let r = responses(n.handle(
+            &cycle(vec![vec![req("g.b", OpKind::Allreduce, &[3])], vec![gpu]]),
+            Instant::now(),
+        ));
+        let Response::Fail { error, .. } = &r[0] else {
+            panic!("{r:?}")
+        };
+        assert_eq!(
+            error.to_string(),
+            "allreduce \"g.b\": device mismatch: rank 0 sent cpu, rank 1 sent cuda"
+        );
+    }
+
+    #[test]
     fn allgather_allows_different_first_dims_only() {
         let mut n = Negotiator::new(2);
         let r = responses(n.handle(

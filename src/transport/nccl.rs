@@ -64,8 +64,36 @@ pub(crate) fn decide(setups: &[Setup]) -> Result<[u8; ID_BYTES]> {
 fn nccl_err(call: &'static str) -> impl Fn(nccl::NcclError) -> Error {
     move |e| Error::Cuda {
         call,
-        message: format!("{e:?}"),
+        message: describe(&e),
     }
+}
+
+/// NCCL's own words for an error: the result code, its description and the last
+/// error message NCCL logged on this thread (e.g. "Duplicate GPU detected").
+fn describe(e: &nccl::NcclError) -> String {
+    let text = |p: *const std::ffi::c_char| {
+        if p.is_null() {
+            String::new()
+        } else {
+            // SAFETY: NCCL returns NUL-terminated static or thread-local strings.
+            unsafe { std::ffi::CStr::from_ptr(p) }
+                .to_string_lossy()
+                .trim()
+                .to_string()
+        }
+    };
+    // SAFETY: plain lookups; the library is loaded (we got an error from it).
+    let (what, last) = unsafe {
+        (
+            text(sys::ncclGetErrorString(e.0)),
+            text(sys::ncclGetLastError(std::ptr::null_mut())),
+        )
+    };
+    let mut msg = format!("{:?}: {what}", e.0);
+    if !last.is_empty() {
+        msg.push_str(&format!(" ({last})"));
+    }
+    msg
 }
 
 fn data_type(dtype: DType) -> sys::ncclDataType_t {

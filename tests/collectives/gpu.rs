@@ -27,7 +27,11 @@ pub(crate) fn no_gpu(k: &Kolo) -> Result<()> {
         kolo::cuda_device_count(),
         &["CUDA driver library not found"],
     )?;
-    expect_err("cuda_device", k.cuda_device(), &["CUDA driver library not found"])?;
+    expect_err(
+        "cuda_device",
+        k.cuda_device(),
+        &["CUDA driver library not found"],
+    )?;
     expect_err(
         "into_cuda of a CPU tensor",
         t.clone().into_cuda::<f32>(),
@@ -41,13 +45,20 @@ pub(crate) fn no_gpu(k: &Kolo) -> Result<()> {
         .wait()?
         .into_vec::<f32>()?;
     let n = k.size() as f32;
-    ensure!(sum == [n, 2.0 * n], "allreduce after CUDA errors gave {sum:?}");
+    ensure!(
+        sum == [n, 2.0 * n],
+        "allreduce after CUDA errors gave {sum:?}"
+    );
     Ok(())
 }
 
 fn gpu(t: &Tensor, k: &Kolo) -> Result<Tensor> {
     let g = t.clone().to_cuda(k.cuda_device()?)?;
-    ensure!(g.device().is_cuda(), "to_cuda gave a tensor on {}", g.device());
+    ensure!(
+        g.device().is_cuda(),
+        "to_cuda gave a tensor on {}",
+        g.device()
+    );
     Ok(g)
 }
 
@@ -91,7 +102,11 @@ pub(crate) fn allreduce(k: &Kolo) -> Result<()> {
             } else {
                 values(dtype, 33 * 5, size, &mut rng)
             };
-            let shape = if op == ReduceOp::Product { vec![33] } else { vec![33, 5] };
+            let shape = if op == ReduceOp::Product {
+                vec![33]
+            } else {
+                vec![33, 5]
+            };
             let t = tensor(dtype, &v, &shape)?;
             let name = format!("ar.{dtype:?}.{i}");
             let cpu = k
@@ -114,7 +129,11 @@ pub(crate) fn allreduce(k: &Kolo) -> Result<()> {
     let big: Vec<f64> = (0..(4 << 20)).map(|i| (i % 1000) as f64).collect();
     let t = tensor(DType::F32, &big, &[4 << 20])?;
     let cpu = k.allreduce("ar.big.cpu", t.clone()).wait()?;
-    same("16 MiB average", &cpu, k.allreduce("ar.big.gpu", gpu(&t, k)?).wait()?)?;
+    same(
+        "16 MiB average",
+        &cpu,
+        k.allreduce("ar.big.gpu", gpu(&t, k)?).wait()?,
+    )?;
     let e = Tensor::zeros(DType::F32, &[0, 3]);
     let out = k.allreduce("ar.empty", gpu(&e, k)?).wait()?;
     ensure!(out.shape() == [0, 3] && out.device().is_cuda());
@@ -133,11 +152,19 @@ pub(crate) fn fused_and_grouped(k: &Kolo) -> Result<()> {
     }
     let mut handles = Vec::new();
     for (i, t) in inputs.iter().enumerate() {
-        handles.push(k.allreduce(format!("fz.{i}"), gpu(t, k)?).op(ReduceOp::Sum).submit()?);
+        handles.push(
+            k.allreduce(format!("fz.{i}"), gpu(t, k)?)
+                .op(ReduceOp::Sum)
+                .submit()?,
+        );
     }
     let mut cpu = Vec::new();
     for (i, t) in inputs.iter().enumerate() {
-        cpu.push(k.allreduce(format!("fz.cpu.{i}"), t.clone()).op(ReduceOp::Sum).submit()?);
+        cpu.push(
+            k.allreduce(format!("fz.cpu.{i}"), t.clone())
+                .op(ReduceOp::Sum)
+                .submit()?,
+        );
     }
     for (i, (h, c)) in handles.into_iter().zip(cpu).enumerate() {
         same(&format!("fused {i}"), &c.wait()?, h.wait()?)?;
@@ -172,12 +199,20 @@ pub(crate) fn others(k: &Kolo) -> Result<()> {
         let rows = rank + 2;
         let t = tensor(dtype, &values(dtype, rows * 3, size, &mut rng), &[rows, 3])?;
         let cpu = k.allgather(format!("ag.{dtype:?}.cpu"), t.clone()).wait()?;
-        same("allgather", &cpu, k.allgather(format!("ag.{dtype:?}"), gpu(&t, k)?).wait()?)?;
+        same(
+            "allgather",
+            &cpu,
+            k.allgather(format!("ag.{dtype:?}"), gpu(&t, k)?).wait()?,
+        )?;
         for root in 0..size {
             // Broadcast needs the same shape everywhere.
             let t = tensor(dtype, &values(dtype, 12, size, &mut rng), &[4, 3])?;
-            let want = k.broadcast(format!("bc2.{dtype:?}.{root}.cpu"), t.clone(), root).wait()?;
-            let got = k.broadcast(format!("bc2.{dtype:?}.{root}"), gpu(&t, k)?, root).wait()?;
+            let want = k
+                .broadcast(format!("bc2.{dtype:?}.{root}.cpu"), t.clone(), root)
+                .wait()?;
+            let got = k
+                .broadcast(format!("bc2.{dtype:?}.{root}"), gpu(&t, k)?, root)
+                .wait()?;
             same("broadcast", &want, got)?;
         }
         let splits: Vec<usize> = (0..size).map(|r| r + 1).collect();
@@ -218,8 +253,11 @@ pub(crate) fn errors(k: &Kolo) -> Result<()> {
     let cuda = cpu.clone().to_cuda(dev)?;
     expect_err(
         "mixed group",
-        k.grouped_allreduce(vec![("m.a".into(), cpu.clone()), ("m.b".into(), cuda.clone())])
-            .submit(),
+        k.grouped_allreduce(vec![
+            ("m.a".into(), cpu.clone()),
+            ("m.b".into(), cuda.clone()),
+        ])
+        .submit(),
         &[
             "all tensors of one op must be on the same device",
             "\"m.a\" is on cpu",
@@ -229,10 +267,16 @@ pub(crate) fn errors(k: &Kolo) -> Result<()> {
     expect_err(
         "as_slice on CUDA",
         cuda.as_slice::<f32>(),
-        &[&format!("Tensor::as_slice: the tensor is on cuda:{dev}, but this needs a tensor on cpu")],
+        &[&format!(
+            "Tensor::as_slice: the tensor is on cuda:{dev}, but this needs a tensor on cpu"
+        )],
     )?;
     expect_err("as_bytes on CUDA", cuda.as_bytes(), &["Tensor::as_bytes"])?;
-    expect_err("into_cuda wrong dtype", cuda.clone().into_cuda::<f64>(), &["F32"])?;
+    expect_err(
+        "into_cuda wrong dtype",
+        cuda.clone().into_cuda::<f64>(),
+        &["F32"],
+    )?;
     let n = kolo::cuda_device_count()?;
     expect_err(
         "missing device",
@@ -245,6 +289,10 @@ pub(crate) fn errors(k: &Kolo) -> Result<()> {
     let back = Tensor::from_cuda(slice, &[3])?;
     ensure!(back.clone().to_cpu()?.into_vec::<f32>()? == [1.0, 2.0, 3.0]);
     let slice = back.into_cuda::<f32>()?;
-    expect_err("from_cuda shape", Tensor::from_cuda(slice, &[4]), &["needs 4 elements but 3"])?;
+    expect_err(
+        "from_cuda shape",
+        Tensor::from_cuda(slice, &[4]),
+        &["needs 4 elements but 3"],
+    )?;
     Ok(())
 }

@@ -96,7 +96,11 @@ fn dry_run_and_check_build() {
         "{text}"
     );
     // With the NCCL transport compiled in, it also says whether a driver was found.
-    assert_eq!(text.contains("CUDA driver:"), cfg!(feature = "nccl"), "{text}");
+    assert_eq!(
+        text.contains("CUDA driver:"),
+        cfg!(feature = "nccl"),
+        "{text}"
+    );
 }
 
 #[test]
