@@ -12,6 +12,7 @@ use std::sync::{Arc, Mutex, OnceLock};
 use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DriverError};
 
 use crate::error::{Error, Result};
+use crate::tensor::{DType, Storage};
 
 /// Whether the CUDA driver library can be loaded. Every cudarc driver call panics
 /// without it, so each entry point checks this first.
@@ -85,58 +86,147 @@ pub(crate) fn cuda_err(call: &'static str) -> impl Fn(DriverError) -> Error {
     }
 }
 
-/// A tensor's bytes on a CUDA device.
+/// A tensor's data on a CUDA device, typed as the user handed it over, so that
+/// `Tensor::from_cuda` / `into_cuda` move the slice without touching the driver.
 #[derive(Debug)]
-pub(crate) struct CudaData {
-    pub(crate) slice: CudaSlice<u8>,
+#[doc(hidden)]
+#[allow(unreachable_pub)] // named by the hidden methods of the public `Element` trait
+pub enum CudaData {
+    U8(CudaSlice<u8>),
+    I8(CudaSlice<i8>),
+    I32(CudaSlice<i32>),
+    I64(CudaSlice<i64>),
+    F16(CudaSlice<half::f16>),
+    BF16(CudaSlice<half::bf16>),
+    F32(CudaSlice<f32>),
+    F64(CudaSlice<f64>),
+}
+
+/// Runs `$body` with `$s` bound to the typed slice inside a [`CudaData`].
+macro_rules! with_slice {
+    ($data:expr, $s:ident => $body:expr) => {
+        match $data {
+            CudaData::U8($s) => $body,
+            CudaData::I8($s) => $body,
+            CudaData::I32($s) => $body,
+            CudaData::I64($s) => $body,
+            CudaData::F16($s) => $body,
+            CudaData::BF16($s) => $body,
+            CudaData::F32($s) => $body,
+            CudaData::F64($s) => $body,
+        }
+    };
 }
 
 impl CudaData {
-    /// Takes over `slice`'s allocation as bytes, without copying.
-    pub(crate) fn from_typed<T>(slice: CudaSlice<T>) -> CudaData {
-        let stream = slice.stream().clone();
-        let bytes = slice.num_bytes();
-        let ptr = slice.leak();
-        // SAFETY: `ptr` is the allocation just leaked from `slice`, `bytes` long; the
-        // new slice frees it on the same stream.
-        let slice = unsafe { stream.upgrade_device_ptr::<u8>(ptr, bytes) };
-        CudaData { slice }
-    }
-
-    /// Gives the allocation back as `len` elements of `T`, without copying.
-    pub(crate) fn into_typed<T>(self, len: usize) -> CudaSlice<T> {
-        let stream = self.slice.stream().clone();
-        let ptr = self.slice.leak();
-        // SAFETY: as in `from_typed`; the caller checked that `T` is the element type
-        // and `len` elements fill the allocation.
-        unsafe { stream.upgrade_device_ptr::<T>(ptr, len) }
-    }
-
     pub(crate) fn ordinal(&self) -> usize {
-        self.slice.ordinal()
+        with_slice!(self, s => s.ordinal())
     }
 
+    /// The stream the allocation was made on (and will be freed on).
     pub(crate) fn stream(&self) -> &Arc<CudaStream> {
-        self.slice.stream()
+        with_slice!(self, s => s.stream())
     }
 
-    /// Copies host bytes to a new allocation on device `ordinal`.
-    pub(crate) fn upload(bytes: &[u8], ordinal: usize) -> Result<CudaData> {
+    /// The device address, for NCCL and copies enqueued on `stream`. With cudarc's
+    /// event tracking on, `stream` first waits for earlier writes to the allocation.
+    pub(crate) fn ptr(&self, stream: &CudaStream) -> cudarc::driver::sys::CUdeviceptr {
+        use cudarc::driver::DevicePtr;
+        with_slice!(self, s => {
+            let (ptr, _record) = s.device_ptr(stream);
+            ptr
+        })
+    }
+
+    /// `bytes` of uninitialised device memory holding `dtype` elements, on `stream`.
+    pub(crate) fn alloc(stream: &Arc<CudaStream>, dtype: DType, bytes: usize) -> Result<CudaData> {
+        let n = bytes / dtype.size_of();
+        macro_rules! alloc {
+            ($v:ident, $t:ty) => {
+                CudaData::$v(
+                    if n == 0 {
+                        stream.null::<$t>()
+                    } else {
+                        // SAFETY: the collective writes every element before the handle
+                        // completes.
+                        unsafe { stream.alloc::<$t>(n) }
+                    }
+                    .map_err(cuda_err("cuMemAlloc"))?,
+                )
+            };
+        }
+        Ok(match dtype {
+            DType::U8 => alloc!(U8, u8),
+            DType::I8 => alloc!(I8, i8),
+            DType::I32 => alloc!(I32, i32),
+            DType::I64 => alloc!(I64, i64),
+            DType::F16 => alloc!(F16, half::f16),
+            DType::BF16 => alloc!(BF16, half::bf16),
+            DType::F32 => alloc!(F32, f32),
+            DType::F64 => alloc!(F64, f64),
+        })
+    }
+
+    /// `bytes` of zeros holding `dtype` elements, on `stream`.
+    pub(crate) fn zeros(stream: &Arc<CudaStream>, dtype: DType, bytes: usize) -> Result<CudaData> {
+        let n = bytes / dtype.size_of();
+        macro_rules! zeros {
+            ($v:ident, $t:ty) => {
+                CudaData::$v(
+                    if n == 0 {
+                        stream.null::<$t>()
+                    } else {
+                        stream.alloc_zeros::<$t>(n)
+                    }
+                    .map_err(cuda_err("cuMemAlloc"))?,
+                )
+            };
+        }
+        Ok(match dtype {
+            DType::U8 => zeros!(U8, u8),
+            DType::I8 => zeros!(I8, i8),
+            DType::I32 => zeros!(I32, i32),
+            DType::I64 => zeros!(I64, i64),
+            DType::F16 => zeros!(F16, half::f16),
+            DType::BF16 => zeros!(BF16, half::bf16),
+            DType::F32 => zeros!(F32, f32),
+            DType::F64 => zeros!(F64, f64),
+        })
+    }
+
+    /// Copies a host tensor's elements to a new allocation on device `ordinal`.
+    pub(crate) fn upload(host: &Storage, ordinal: usize) -> Result<CudaData> {
         let stream = context(ordinal)?.default_stream();
-        let slice = stream.clone_htod(bytes).map_err(cuda_err("cuMemcpyHtoD"))?;
-        Ok(CudaData { slice })
+        let map = cuda_err("cuMemcpyHtoD");
+        Ok(match host {
+            Storage::U8(v) => CudaData::U8(stream.clone_htod(v).map_err(map)?),
+            Storage::I8(v) => CudaData::I8(stream.clone_htod(v).map_err(map)?),
+            Storage::I32(v) => CudaData::I32(stream.clone_htod(v).map_err(map)?),
+            Storage::I64(v) => CudaData::I64(stream.clone_htod(v).map_err(map)?),
+            Storage::F16(v) => CudaData::F16(stream.clone_htod(v).map_err(map)?),
+            Storage::BF16(v) => CudaData::BF16(stream.clone_htod(v).map_err(map)?),
+            Storage::F32(v) => CudaData::F32(stream.clone_htod(v).map_err(map)?),
+            Storage::F64(v) => CudaData::F64(stream.clone_htod(v).map_err(map)?),
+        })
     }
 
-    /// Copies the bytes back to the host (waits for the copy).
-    pub(crate) fn download(&self) -> Result<Vec<u8>> {
-        let stream = self.slice.stream();
-        stream
+    /// Copies the elements back to the host (waits for the copy).
+    pub(crate) fn download(&self) -> Result<Storage> {
+        self.stream()
             .context()
             .bind_to_thread()
             .map_err(cuda_err("cuCtxSetCurrent"))?;
-        stream
-            .clone_dtoh(&self.slice)
-            .map_err(cuda_err("cuMemcpyDtoH"))
+        let map = cuda_err("cuMemcpyDtoH");
+        Ok(match self {
+            CudaData::U8(s) => Storage::U8(s.stream().clone_dtoh(s).map_err(map)?),
+            CudaData::I8(s) => Storage::I8(s.stream().clone_dtoh(s).map_err(map)?),
+            CudaData::I32(s) => Storage::I32(s.stream().clone_dtoh(s).map_err(map)?),
+            CudaData::I64(s) => Storage::I64(s.stream().clone_dtoh(s).map_err(map)?),
+            CudaData::F16(s) => Storage::F16(s.stream().clone_dtoh(s).map_err(map)?),
+            CudaData::BF16(s) => Storage::BF16(s.stream().clone_dtoh(s).map_err(map)?),
+            CudaData::F32(s) => Storage::F32(s.stream().clone_dtoh(s).map_err(map)?),
+            CudaData::F64(s) => Storage::F64(s.stream().clone_dtoh(s).map_err(map)?),
+        })
     }
 }
 
@@ -146,9 +236,23 @@ impl Clone for CudaData {
     /// # Panics
     /// When the device is out of memory, as `Vec::clone` does on the host.
     fn clone(&self) -> Self {
-        match self.slice.try_clone() {
-            Ok(slice) => CudaData { slice },
-            Err(e) => panic!("cloning a CUDA tensor failed: {e}"),
+        macro_rules! copy {
+            ($v:ident, $s:expr) => {
+                match $s.try_clone() {
+                    Ok(c) => CudaData::$v(c),
+                    Err(e) => panic!("cloning a CUDA tensor failed: {e}"),
+                }
+            };
+        }
+        match self {
+            CudaData::U8(s) => copy!(U8, s),
+            CudaData::I8(s) => copy!(I8, s),
+            CudaData::I32(s) => copy!(I32, s),
+            CudaData::I64(s) => copy!(I64, s),
+            CudaData::F16(s) => copy!(F16, s),
+            CudaData::BF16(s) => copy!(BF16, s),
+            CudaData::F32(s) => copy!(F32, s),
+            CudaData::F64(s) => copy!(F64, s),
         }
     }
 }
@@ -157,15 +261,7 @@ impl PartialEq for CudaData {
     /// Two CUDA tensors are equal only when they are the same allocation: comparing
     /// contents would need a copy to the host (use `Tensor::to_cpu`).
     fn eq(&self, other: &Self) -> bool {
-        let (a, b) = (self.raw(), other.raw());
-        a == b && self.slice.len() == other.slice.len()
-    }
-}
-
-impl CudaData {
-    fn raw(&self) -> cudarc::driver::sys::CUdeviceptr {
-        use cudarc::driver::DevicePtr;
-        let (ptr, _sync) = self.slice.device_ptr(self.slice.stream());
-        ptr
+        std::ptr::eq(self.stream().as_ref(), other.stream().as_ref())
+            && self.ptr(self.stream()) == other.ptr(other.stream())
     }
 }

@@ -104,6 +104,14 @@ pub trait Element: bytemuck::Pod + Send + Sync + sealed::Sealed + 'static {
     fn slice(s: &Storage) -> Option<&[Self]>;
     #[doc(hidden)]
     fn slice_mut(s: &mut Storage) -> Option<&mut [Self]>;
+    #[cfg(feature = "nccl")]
+    #[doc(hidden)]
+    fn into_cuda_data(s: cudarc::driver::CudaSlice<Self>) -> crate::device::CudaData;
+    #[cfg(feature = "nccl")]
+    #[doc(hidden)]
+    fn from_cuda_data(
+        d: crate::device::CudaData,
+    ) -> std::result::Result<cudarc::driver::CudaSlice<Self>, crate::device::CudaData>;
 }
 
 /// The typed vector inside a tensor. Public only so that [`Element`] can name it.
@@ -144,6 +152,19 @@ macro_rules! element {
                 match s {
                     Storage::$variant(v) => Some(v),
                     _ => None,
+                }
+            }
+            #[cfg(feature = "nccl")]
+            fn into_cuda_data(s: cudarc::driver::CudaSlice<Self>) -> crate::device::CudaData {
+                crate::device::CudaData::$variant(s)
+            }
+            #[cfg(feature = "nccl")]
+            fn from_cuda_data(
+                d: crate::device::CudaData,
+            ) -> std::result::Result<cudarc::driver::CudaSlice<Self>, crate::device::CudaData> {
+                match d {
+                    crate::device::CudaData::$variant(s) => Ok(s),
+                    other => Err(other),
                 }
             }
         }
@@ -422,7 +443,7 @@ impl Tensor {
         }
         Ok(Tensor::from_cuda_parts(
             T::DTYPE,
-            crate::device::CudaData::from_typed(slice),
+            T::into_cuda_data(slice),
             shape.to_vec(),
         ))
     }
@@ -445,7 +466,6 @@ impl Tensor {
     /// [`Error::WrongDevice`] for a CPU tensor, [`Error::DTypeMismatch`] when `T` is not
     /// the element type.
     pub fn into_cuda<T: Element>(self) -> Result<cudarc::driver::CudaSlice<T>> {
-        let len = self.len();
         let actual = self.dtype();
         match self.cuda {
             None => Err(Error::WrongDevice {
@@ -453,11 +473,10 @@ impl Tensor {
                 expected: Device::Cuda(0),
                 actual: Device::Cpu,
             }),
-            Some(_) if actual != T::DTYPE => Err(Error::DTypeMismatch {
+            Some(c) => T::from_cuda_data(c).map_err(|_| Error::DTypeMismatch {
                 expected: T::DTYPE,
                 actual,
             }),
-            Some(c) => Ok(c.into_typed(len)),
         }
     }
 
@@ -472,7 +491,7 @@ impl Tensor {
             return Ok(self);
         }
         let host = self.to_cpu()?;
-        let data = crate::device::CudaData::upload(host.host_bytes(), ordinal)?;
+        let data = crate::device::CudaData::upload(&host.data, ordinal)?;
         Ok(Tensor::from_cuda_parts(host.dtype(), data, host.shape))
     }
 
@@ -485,10 +504,8 @@ impl Tensor {
         let Some(c) = &self.cuda else {
             return Ok(self);
         };
-        let bytes = c.download()?;
-        let mut out = Tensor::zeros(self.dtype(), &self.shape);
-        out.host_bytes_mut().copy_from_slice(&bytes);
-        Ok(out)
+        let data = c.download()?;
+        Ok(Tensor::from_parts(data, self.shape))
     }
 
     /// The device data of a CUDA tensor.

@@ -44,6 +44,9 @@ pub(super) struct Gpu {
     /// The persistent device fusion buffer (grown to the largest batch).
     fusion: Option<CudaSlice<u8>>,
     inflight: VecDeque<Inflight>,
+    /// Completion events whose ops have finished, for reuse (creating one per op
+    /// costs a driver call).
+    spare_events: Vec<CudaEvent>,
 }
 
 impl Gpu {
@@ -68,6 +71,7 @@ impl Gpu {
                     for (c, out) in done.finish {
                         c.complete(Ok(out));
                     }
+                    self.spare_events.push(done.event);
                 }
                 Err(e) => {
                     for (c, _) in done.finish {
@@ -90,7 +94,12 @@ impl Gpu {
 
     /// Completes `finish` (and frees `keep`) once everything enqueued so far has run.
     fn finish_later(&mut self, finish: Vec<(Completer, Output)>, keep: Vec<Tensor>) {
-        let event = match self.nccl.as_ref().map(|n| n.stream().record_event(None)) {
+        let spare = self.spare_events.pop();
+        let recorded = self.nccl.as_ref().map(|n| match spare {
+            Some(e) => e.record(n.stream()).map(|()| e),
+            None => n.stream().record_event(None),
+        });
+        let event = match recorded {
             Some(Ok(e)) => e,
             Some(Err(e)) => {
                 let message = e.to_string();
@@ -242,9 +251,7 @@ impl Gpu {
                 .map(|m| zeros(&stream, m.dtype, &m.shape))
                 .collect::<Result<_>>()?,
         };
-        for t in &inputs {
-            order_after(&stream, t)?;
-        }
+        order_after(&stream, &inputs)?;
         let size = nccl.size();
         let take = |inputs: &mut Vec<Tensor>| {
             inputs
@@ -409,9 +416,10 @@ impl Gpu {
                     zeros(&stream, m.dtype, &m.shape)?
                 }
             };
-            order_after(&stream, &t)?;
             tensors.push(t);
         }
+        order_after(&stream, &tensors)?;
+        let ptrs = tensors.iter().map(ptr_of).collect::<Result<Vec<_>>>()?;
         let total: usize = tensors.iter().map(Tensor::num_bytes).sum();
         let grow = self.fusion.as_ref().is_none_or(|b| b.len() < total);
         if grow {
@@ -430,19 +438,19 @@ impl Gpu {
             .ok_or_else(|| Error::Internal("fusion buffer missing".into()))?;
         let (base, _record) = buf.device_ptr(&stream);
         let mut at = 0u64;
-        for t in &tensors {
+        for (t, &p) in tensors.iter().zip(&ptrs) {
             let n = t.num_bytes();
             // SAFETY: both ranges lie inside their allocations; same device.
-            unsafe { cu::memcpy_dtod_async(base + at, ptr_of(t)?, n, stream.cu_stream()) }
+            unsafe { cu::memcpy_dtod_async(base + at, p, n, stream.cu_stream()) }
                 .map_err(cuda_err("cuMemcpyDtoDAsync"))?;
             at += n as u64;
         }
         allreduce(nccl, base, total / dtype.size_of(), dtype, &meta, size)?;
         let mut at = 0u64;
-        for t in &tensors {
+        for (t, &p) in tensors.iter().zip(&ptrs) {
             let n = t.num_bytes();
             // SAFETY: as above.
-            unsafe { cu::memcpy_dtod_async(ptr_of(t)?, base + at, n, stream.cu_stream()) }
+            unsafe { cu::memcpy_dtod_async(p, base + at, n, stream.cu_stream()) }
                 .map_err(cuda_err("cuMemcpyDtoDAsync"))?;
             at += n as u64;
         }
@@ -540,55 +548,37 @@ fn ptr_of(t: &Tensor) -> Result<Ptr> {
     let data = t
         .cuda_data()
         .ok_or_else(|| Error::Internal("CPU tensor on the GPU path".into()))?;
-    let (ptr, _record) = data.slice.device_ptr(data.slice.stream());
-    Ok(ptr)
+    Ok(data.ptr(data.stream()))
 }
 
-/// Makes `stream` wait for the work already enqueued on the stream `t` was made on,
-/// so that NCCL reads what the user wrote.
-fn order_after(stream: &CudaStream, t: &Tensor) -> Result<()> {
-    let Some(data) = t.cuda_data() else {
-        return Ok(());
-    };
-    let theirs = data.stream();
-    if theirs.cu_stream() == stream.cu_stream() {
-        return Ok(());
+/// Makes `stream` wait for the work already enqueued on the streams `tensors` were
+/// made on (one event per distinct stream), so that NCCL reads what the user wrote.
+fn order_after(stream: &CudaStream, tensors: &[Tensor]) -> Result<()> {
+    let mut seen = vec![stream.cu_stream()];
+    for data in tensors.iter().filter_map(Tensor::cuda_data) {
+        let theirs = data.stream();
+        if seen.contains(&theirs.cu_stream()) {
+            continue;
+        }
+        seen.push(theirs.cu_stream());
+        let event = theirs
+            .record_event(None)
+            .map_err(cuda_err("cuEventRecord"))?;
+        stream.wait(&event).map_err(cuda_err("cuStreamWaitEvent"))?;
     }
-    let event = theirs
-        .record_event(None)
-        .map_err(cuda_err("cuEventRecord"))?;
-    stream.wait(&event).map_err(cuda_err("cuStreamWaitEvent"))
+    Ok(())
 }
 
-/// A tensor of uninitialised device memory (every byte is written by the op).
+/// A tensor of uninitialised device memory (every element is written by the op).
 fn empty(stream: &Arc<CudaStream>, dtype: DType, shape: &[usize]) -> Result<Tensor> {
     let n: usize = shape.iter().product::<usize>() * dtype.size_of();
-    let slice = if n == 0 {
-        stream.null::<u8>()
-    } else {
-        // SAFETY: the collective writes every byte before the handle completes.
-        unsafe { stream.alloc::<u8>(n) }
-    }
-    .map_err(cuda_err("cuMemAlloc"))?;
-    Ok(Tensor::from_cuda_parts(
-        dtype,
-        CudaData { slice },
-        shape.to_vec(),
-    ))
+    let data = CudaData::alloc(stream, dtype, n)?;
+    Ok(Tensor::from_cuda_parts(dtype, data, shape.to_vec()))
 }
 
 /// Zeros on the device (what a joined rank contributes).
 fn zeros(stream: &Arc<CudaStream>, dtype: DType, shape: &[usize]) -> Result<Tensor> {
     let n: usize = shape.iter().product::<usize>() * dtype.size_of();
-    let slice = if n == 0 {
-        stream.null::<u8>()
-    } else {
-        stream.alloc_zeros::<u8>(n)
-    }
-    .map_err(cuda_err("cuMemAlloc"))?;
-    Ok(Tensor::from_cuda_parts(
-        dtype,
-        CudaData { slice },
-        shape.to_vec(),
-    ))
+    let data = CudaData::zeros(stream, dtype, n)?;
+    Ok(Tensor::from_cuda_parts(dtype, data, shape.to_vec()))
 }

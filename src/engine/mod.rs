@@ -39,6 +39,10 @@ const HEARTBEAT: Duration = Duration::from_millis(100);
 #[cfg(feature = "nccl")]
 const GPU_POLL: Duration = Duration::from_micros(50);
 
+/// How long the engine polls GPU events without sleeping after enqueueing work.
+#[cfg(feature = "nccl")]
+const GPU_SPIN: Duration = Duration::from_micros(200);
+
 /// Entry point of the `kolo-engine` thread: starts MPI, reports the topology (or the
 /// start-up error) through `started`, serves requests until shutdown, then finalises
 /// MPI by dropping the transport.
@@ -314,12 +318,19 @@ impl Engine {
     #[cfg(feature = "nccl")]
     fn wait_for_gpu(&mut self) {
         self.gpu.poll();
+        let start = Instant::now();
         while self.gpu.busy()
             && !self.inbox.shutting_down
             && self.inbox.outgoing.is_empty()
             && !abort_requested()
         {
-            self.inbox.wait_for_work(GPU_POLL);
+            if start.elapsed() < GPU_SPIN {
+                // Short ops finish within microseconds: look again at once.
+                std::thread::yield_now();
+                self.inbox.drain();
+            } else {
+                self.inbox.wait_for_work(GPU_POLL);
+            }
             self.gpu.poll();
         }
     }
