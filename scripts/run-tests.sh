@@ -7,3 +7,7 @@ source scripts/setup.sh
 cargo fmt --all -- --check
 cargo test --workspace --release --all-targets
 cargo test --workspace --release --doc
+# The NCCL transport (feature "nccl") builds and runs without CUDA: its no-GPU tests
+# (missing-driver errors, id exchange, device checks) run here; the GPU cases are
+# ignored unless KOLO_TEST_GPU=1 (README, "GPUs").
+cargo test -p kolo -p kolorun --release --features nccl --all-targets
