@@ -27,6 +27,7 @@ pub struct Config {
     pub(crate) cycle_time: Duration,
     pub(crate) cycle_time_explicit: bool,
     pub(crate) cache_capacity: usize,
+    pub(crate) cache_capacity_explicit: bool,
     pub(crate) timeline: Option<PathBuf>,
     pub(crate) timeline_mark_cycles: bool,
     pub(crate) stall_check_time: Duration,
@@ -34,6 +35,10 @@ pub struct Config {
     pub(crate) stall_check_disable: bool,
     pub(crate) autotune: bool,
     pub(crate) autotune_log: Option<PathBuf>,
+    pub(crate) autotune_warmup_samples: usize,
+    pub(crate) autotune_steps_per_sample: usize,
+    pub(crate) autotune_max_samples: usize,
+    pub(crate) autotune_noise: f64,
     pub(crate) log_level: Option<String>,
 }
 
@@ -45,6 +50,7 @@ impl Default for Config {
             cycle_time: Duration::from_millis(1),
             cycle_time_explicit: false,
             cache_capacity: 1024,
+            cache_capacity_explicit: false,
             timeline: None,
             timeline_mark_cycles: false,
             stall_check_time: Duration::from_secs(60),
@@ -52,6 +58,10 @@ impl Default for Config {
             stall_check_disable: false,
             autotune: false,
             autotune_log: None,
+            autotune_warmup_samples: 3,
+            autotune_steps_per_sample: 10,
+            autotune_max_samples: 20,
+            autotune_noise: 0.8,
             log_level: None,
         }
     }
@@ -88,6 +98,7 @@ impl Config {
         }
         if let Some((var, v)) = env.get("CACHE_CAPACITY") {
             c.cache_capacity = parse_usize(&var, &v)?;
+            c.cache_capacity_explicit = true;
         }
         if let Some((_, v)) = env.get("TIMELINE") {
             c.timeline = (!v.is_empty()).then(|| PathBuf::from(v));
@@ -109,6 +120,21 @@ impl Config {
         }
         if let Some((_, v)) = env.get("AUTOTUNE_LOG") {
             c.autotune_log = (!v.is_empty()).then(|| PathBuf::from(v));
+        }
+        if let Some((var, v)) = env.get("AUTOTUNE_WARMUP_SAMPLES") {
+            c.autotune_warmup_samples = parse_usize(&var, &v)?;
+        }
+        if let Some((var, v)) = env.get("AUTOTUNE_STEPS_PER_SAMPLE") {
+            c.autotune_steps_per_sample = parse_positive(&var, &v)?;
+        }
+        if let Some((var, v)) = env.get("AUTOTUNE_BAYES_OPT_MAX_SAMPLES") {
+            c.autotune_max_samples = parse_positive(&var, &v)?;
+        }
+        if let Some((var, v)) = env.get("AUTOTUNE_GAUSSIAN_PROCESS_NOISE") {
+            c.autotune_noise = match v.trim().parse::<f64>() {
+                Ok(x) if x.is_finite() && x > 0.0 => x,
+                _ => return Err(bad(&var, &v, "expected a positive number")),
+            };
         }
         if let Some((var, v)) = env.get("LOG_LEVEL") {
             let level = v.trim().to_ascii_lowercase();
@@ -143,6 +169,7 @@ impl Config {
     /// Entries in the response cache; 0 disables it. (`KOLO_CACHE_CAPACITY`)
     pub fn cache_capacity(mut self, entries: usize) -> Self {
         self.cache_capacity = entries;
+        self.cache_capacity_explicit = true;
         self
     }
 
@@ -188,6 +215,35 @@ impl Config {
     /// Writes one CSV row per autotune sample to `path`. (`KOLO_AUTOTUNE_LOG`)
     pub fn autotune_log(mut self, path: impl Into<PathBuf>) -> Self {
         self.autotune_log = Some(path.into());
+        self
+    }
+
+    /// Autotune samples discarded at the start. (`KOLO_AUTOTUNE_WARMUP_SAMPLES`, 3)
+    pub fn autotune_warmup_samples(mut self, n: usize) -> Self {
+        self.autotune_warmup_samples = n;
+        self
+    }
+
+    /// Cycles with allreduce work per autotune sample (at least 1).
+    /// (`KOLO_AUTOTUNE_STEPS_PER_SAMPLE`, 10)
+    pub fn autotune_steps_per_sample(mut self, n: usize) -> Self {
+        self.autotune_steps_per_sample = n.max(1);
+        self
+    }
+
+    /// Configurations the autotuner tries before keeping the best (at least 1).
+    /// (`KOLO_AUTOTUNE_BAYES_OPT_MAX_SAMPLES`, 20)
+    pub fn autotune_max_samples(mut self, n: usize) -> Self {
+        self.autotune_max_samples = n.max(1);
+        self
+    }
+
+    /// Observation noise of the autotuner's Gaussian process, in units of the
+    /// scores' spread. (`KOLO_AUTOTUNE_GAUSSIAN_PROCESS_NOISE`, 0.8)
+    pub fn autotune_gaussian_process_noise(mut self, noise: f64) -> Self {
+        if noise.is_finite() && noise > 0.0 {
+            self.autotune_noise = noise;
+        }
         self
     }
 
@@ -262,6 +318,13 @@ fn parse_usize(var: &str, value: &str) -> Result<usize> {
         .trim()
         .parse::<usize>()
         .map_err(|_| bad(var, value, "expected a non-negative integer"))
+}
+
+fn parse_positive(var: &str, value: &str) -> Result<usize> {
+    match parse_usize(var, value) {
+        Ok(n) if n > 0 => Ok(n),
+        _ => Err(bad(var, value, "expected a positive whole number")),
+    }
 }
 
 fn parse_bytes(var: &str, value: &str) -> Result<usize> {

@@ -52,6 +52,7 @@ mod tensor;
 mod transport;
 
 pub use config::{Config, DEFAULT_FUSION_THRESHOLD};
+pub use engine::autotune::{AutotuneChange, AutotuneState};
 pub use error::{Error, Result};
 pub use handle::Handle;
 pub use ops::{

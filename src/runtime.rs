@@ -10,6 +10,7 @@ use serde::de::DeserializeOwned;
 use serde::Serialize;
 
 use crate::config::Config;
+use crate::engine::autotune::AutotuneState;
 use crate::engine::request::{self, Command, OpKind, Request, Submission};
 use crate::error::{Error, Result};
 use crate::handle::{self, Handle, Output, PendingNames};
@@ -160,6 +161,7 @@ struct Inner {
     tx: Mutex<Option<Sender<Command>>>,
     engine: Mutex<Option<JoinHandle<()>>>,
     pending: PendingNames,
+    autotune: Arc<Mutex<AutotuneState>>,
 }
 
 impl Inner {
@@ -200,9 +202,6 @@ impl Drop for Inner {
 /// calls MPI. All-or-nothing: on any failure the thread is joined before returning.
 pub(crate) fn start(config: Config) -> Result<Kolo> {
     crate::logging::install(&config);
-    if config.autotune || config.autotune_log.is_some() {
-        tracing::warn!("KOLO_AUTOTUNE / KOLO_AUTOTUNE_LOG are not implemented yet and are ignored");
-    }
     if STARTED.swap(true, Ordering::SeqCst) {
         return Err(Error::Init(
             "kolo was already initialised in this process; MPI can start only once per process \
@@ -212,9 +211,11 @@ pub(crate) fn start(config: Config) -> Result<Kolo> {
     }
     let (tx, rx) = mpsc::channel();
     let (started_tx, started_rx) = mpsc::sync_channel(1);
+    let autotune = Arc::new(Mutex::new(AutotuneState::default()));
+    let engine_autotune = autotune.clone();
     let engine = std::thread::Builder::new()
         .name("kolo-engine".into())
-        .spawn(move || crate::engine::run(config, rx, started_tx))
+        .spawn(move || crate::engine::run(config, rx, started_tx, engine_autotune))
         .map_err(|e| Error::Init(format!("cannot start the engine thread: {e}")))?;
     let topology = match started_rx.recv() {
         Ok(Ok(t)) => t,
@@ -238,6 +239,7 @@ pub(crate) fn start(config: Config) -> Result<Kolo> {
             tx: Mutex::new(Some(tx)),
             engine: Mutex::new(Some(engine)),
             pending: Arc::new(Mutex::new(HashSet::new())),
+            autotune,
         }),
     })
 }
@@ -256,6 +258,16 @@ impl Kolo {
     /// This process's rank among the ranks on its machine.
     pub fn local_rank(&self) -> usize {
         self.inner.topology.local_rank
+    }
+
+    /// The settings the engine runs with and what the autotuner (`KOLO_AUTOTUNE=1`)
+    /// changed, with the cycle of each change (the same on every rank).
+    pub fn autotune_state(&self) -> AutotuneState {
+        self.inner
+            .autotune
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone()
     }
 
     /// The CUDA device this rank should use, as Horovod users pick it: the local rank

@@ -4,6 +4,7 @@
 //! The protocol is written down in `README.md` beside this file; the responses of a
 //! cycle are run in `respond.rs`.
 
+pub(crate) mod autotune;
 pub(crate) mod cache;
 pub(crate) mod execute;
 pub(crate) mod fusion;
@@ -16,6 +17,7 @@ pub(crate) mod stall;
 pub(crate) mod timeline;
 
 use std::collections::HashMap;
+use std::sync::{Arc, Mutex, PoisonError};
 use std::sync::mpsc::{Receiver, RecvTimeoutError, SyncSender, TryRecvError};
 use std::time::{Duration, Instant};
 
@@ -23,6 +25,7 @@ use crate::config::Config;
 use crate::error::{Error, Result};
 use crate::transport::mpi::MpiTransport;
 use crate::transport::{abort_requested, Topology, Transport};
+use autotune::{AutotuneChange, AutotuneState, Settings, Tuner};
 use cache::ResponseCache;
 use fusion::{FusionBuffer, Step};
 use negotiate::{Negotiator, Outcome, Response};
@@ -46,7 +49,12 @@ const GPU_SPIN: Duration = Duration::from_micros(200);
 /// Entry point of the `kolo-engine` thread: starts MPI, reports the topology (or the
 /// start-up error) through `started`, serves requests until shutdown, then finalises
 /// MPI by dropping the transport.
-pub(crate) fn run(config: Config, rx: Receiver<Command>, started: SyncSender<Result<Topology>>) {
+pub(crate) fn run(
+    config: Config,
+    rx: Receiver<Command>,
+    started: SyncSender<Result<Topology>>,
+    autotune: Arc<Mutex<AutotuneState>>,
+) {
     let mut transport = match MpiTransport::init() {
         Ok(t) => t,
         Err(e) => {
@@ -62,6 +70,26 @@ pub(crate) fn run(config: Config, rx: Receiver<Command>, started: SyncSender<Res
             return;
         }
     };
+    let start_settings = Settings {
+        fusion_threshold: agreed.fusion_threshold,
+        cycle_time_us: u64::try_from(config.cycle_time.as_micros()).unwrap_or(u64::MAX),
+        cache: agreed.cache_capacity > 0,
+        last: false,
+    };
+    let tuner = (agreed.autotune && topology.rank == 0)
+        .then(|| Tuner::new(&config, start_settings))
+        .flatten();
+    {
+        let mut state = autotune.lock().unwrap_or_else(PoisonError::into_inner);
+        *state = AutotuneState {
+            enabled: agreed.autotune,
+            finished: false,
+            fusion_threshold: agreed.fusion_threshold,
+            cycle_time: config.cycle_time,
+            cache_enabled: agreed.cache_capacity > 0,
+            changes: Vec::new(),
+        };
+    }
     if started.send(Ok(topology)).is_err() {
         return;
     }
@@ -89,6 +117,14 @@ pub(crate) fn run(config: Config, rx: Receiver<Command>, started: SyncSender<Res
         ready_at: Instant::now(),
         #[cfg(feature = "nccl")]
         gpu: gpu::Gpu::default(),
+        cache_capacity_on: tuner
+            .as_ref()
+            .map_or(agreed.cache_capacity, Tuner::cache_capacity_on)
+            .max(agreed.cache_capacity),
+        tuner,
+        pending_tuning: None,
+        cycles: 0,
+        autotune,
     };
     if let Some(path) = engine
         .config
@@ -110,6 +146,8 @@ pub(crate) fn run(config: Config, rx: Receiver<Command>, started: SyncSender<Res
 struct Agreed {
     fusion_threshold: usize,
     cache_capacity: usize,
+    /// Rank 0 runs the autotuner; the others apply what it sends.
+    autotune: bool,
 }
 
 /// Takes rank 0's shared settings, warning on ranks configured differently.
@@ -117,6 +155,7 @@ fn agree(t: &mut MpiTransport, config: &Config) -> Result<Agreed> {
     let mine = Agreed {
         fusion_threshold: config.fusion_threshold,
         cache_capacity: config.cache_capacity,
+        autotune: config.autotune,
     };
     let bytes = postcard::to_stdvec(&mine)
         .map_err(|e| Error::Internal(format!("encoding settings: {e}")))?;
@@ -132,6 +171,23 @@ fn agree(t: &mut MpiTransport, config: &Config) -> Result<Agreed> {
         );
     }
     Ok(first)
+}
+
+/// Bytes an allreduce response reduces (what the autotuner scores).
+fn allreduce_bytes(r: &Response) -> u64 {
+    let Response::Run(ready) = r else { return 0 };
+    if !matches!(
+        ready.kind,
+        request::OpKind::Allreduce | request::OpKind::GroupedAllreduce
+    ) {
+        return 0;
+    }
+    ready
+        .first()
+        .tensors
+        .iter()
+        .map(|t| (t.shape.iter().product::<usize>() * t.dtype.size_of()) as u64)
+        .sum()
 }
 
 /// This rank's queue: requests accepted from framework threads and not yet finished.
@@ -245,6 +301,16 @@ struct Engine {
     /// Ops on CUDA tensors (NCCL).
     #[cfg(feature = "nccl")]
     gpu: gpu::Gpu,
+    /// Rank 0's autotuner (None elsewhere or when off).
+    tuner: Option<Tuner>,
+    /// Settings from the tuner to send in the next cycle.
+    pending_tuning: Option<Settings>,
+    /// The response cache's capacity when the tuner turns it on.
+    cache_capacity_on: usize,
+    /// Negotiation cycles run so far (the same count on every rank).
+    cycles: u64,
+    /// The settings in effect, for `Kolo::autotune_state`.
+    autotune: Arc<Mutex<AutotuneState>>,
 }
 
 impl Engine {
@@ -355,15 +421,19 @@ impl Engine {
     /// One negotiation cycle and the responses it makes ready. Returns the rank that
     /// left, if one did.
     fn cycle(&mut self) -> Result<Option<usize>> {
-        self.timeline.cycle_start(Instant::now());
+        let cycle_start = Instant::now();
+        self.cycles += 1;
+        self.timeline.cycle_start(cycle_start);
         let use_cache = self.cache.enabled() && !self.negotiator.any_joined();
         if use_cache {
             self.announce_cached();
         } else {
             self.unannounce_all();
         }
-        let has_full =
-            !self.inbox.outgoing.is_empty() || self.inbox.shutting_down || self.stall_abort;
+        let has_full = !self.inbox.outgoing.is_empty()
+            || self.inbox.shutting_down
+            || self.stall_abort
+            || self.pending_tuning.is_some();
 
         // Phase 1 (with the cache): one AND of [flags, cache bits] across ranks.
         let mut cached_ready = Vec::new();
@@ -398,6 +468,7 @@ impl Engine {
                 requests: std::mem::take(&mut self.inbox.outgoing),
                 shutdown: self.inbox.shutting_down,
                 stall_abort: self.stall_abort,
+                tuning: self.pending_tuning.take(),
             };
             self.full_exchange(&msg)?
         } else {
@@ -466,6 +537,8 @@ impl Engine {
         self.last_cycle_had_news =
             !responses.is_empty() || msgs.iter().any(|m| !m.requests.is_empty());
 
+        let tuning = msgs.first().and_then(|m| m.tuning);
+        let reduced_bytes: u64 = responses.iter().map(allreduce_bytes).sum();
         self.ready_at = Instant::now();
         let steps = fusion::plan(&responses, self.agreed.fusion_threshold);
         tracing::trace!(
@@ -493,7 +566,49 @@ impl Engine {
         if self.stall.shutdown_due(&self.negotiator, now) {
             self.stall_abort = true;
         }
+        if let Some(s) = tuning {
+            self.apply_tuning(s);
+        }
+        if let Some(tuner) = &mut self.tuner {
+            if let Some(s) = tuner.observe(reduced_bytes, cycle_start, Instant::now()) {
+                self.pending_tuning = Some(s);
+            }
+        }
         Ok(None)
+    }
+
+    /// Switches to the autotuner's settings: every rank does this at the end of the
+    /// same cycle, so fusion plans and cache slots stay identical everywhere.
+    fn apply_tuning(&mut self, s: Settings) {
+        self.agreed.fusion_threshold = s.fusion_threshold;
+        self.config.cycle_time = s.cycle_time();
+        if s.cache != self.cache.enabled() {
+            // Requests announced by a slot go out in full next cycle.
+            self.unannounce_all();
+            let capacity = if s.cache { self.cache_capacity_on.max(1) } else { 0 };
+            self.cache = ResponseCache::new(capacity);
+        }
+        tracing::debug!(
+            rank = self.inbox.rank,
+            cycle = self.cycles,
+            fusion_threshold = s.fusion_threshold,
+            cycle_time_us = s.cycle_time_us,
+            cache = s.cache,
+            last = s.last,
+            "autotune: settings applied"
+        );
+        let mut state = self.autotune.lock().unwrap_or_else(PoisonError::into_inner);
+        state.fusion_threshold = s.fusion_threshold;
+        state.cycle_time = s.cycle_time();
+        state.cache_enabled = s.cache;
+        state.finished |= s.last;
+        state.changes.push(AutotuneChange {
+            cycle: self.cycles,
+            fusion_threshold: s.fusion_threshold,
+            cycle_time: s.cycle_time(),
+            cache_enabled: s.cache,
+            last: s.last,
+        });
     }
 
     /// Moves new requests that hit the cache from the full list to bits, and demotes

@@ -342,8 +342,7 @@ mod tests {
             .into_iter()
             .map(|requests| CycleMsg {
                 requests,
-                shutdown: false,
-                stall_abort: false,
+                ..CycleMsg::default()
             })
             .collect()
     }

@@ -216,4 +216,7 @@ pub(crate) struct CycleMsg {
     /// This rank's stall inspector found a stall older than the stall shutdown time:
     /// every rank fails its pending ops with the stall report.
     pub(crate) stall_abort: bool,
+    /// New engine settings from rank 0's autotuner, applied by every rank at the end
+    /// of this cycle.
+    pub(crate) tuning: Option<super::autotune::Settings>,
 }

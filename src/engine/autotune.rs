@@ -1,0 +1,467 @@
+//! The autotuner (KOLO_AUTOTUNE=1): rank 0 scores the engine's settings by allreduce
+//! bytes per second of wall time and searches fusion threshold, cycle time and
+//! response cache on/off by Bayesian optimisation — a Gaussian process over the
+//! settings (normalised to [0, 1]) with expected improvement as the acquisition, as
+//! Horovod's autotuner does. Each new setting travels in rank 0's next cycle message
+//! and every rank applies it at the end of that same cycle.
+//!
+//! Sampling: a *step* is a cycle that ran allreduce work; a *sample* is
+//! `steps_per_sample` steps, scored as their bytes over the time from the first
+//! step's cycle start to the last step's end. The first `warmup_samples` samples are
+//! discarded, and so is the first sample after every switch (it straddles the
+//! change). A configuration's score is the median of `SAMPLES_PER_CONFIG` samples.
+//! After `max_samples` configurations the best one observed is applied and kept.
+
+use std::fs::File;
+use std::io::Write;
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use nalgebra::{DMatrix, DVector};
+use serde::{Deserialize, Serialize};
+
+use crate::config::Config;
+
+/// Samples whose median scores one configuration.
+const SAMPLES_PER_CONFIG: usize = 3;
+
+/// Kernel length scale in the normalised space.
+const LENGTH_SCALE: f64 = 0.3;
+
+/// Candidates scored by expected improvement for each proposal.
+const CANDIDATES: usize = 512;
+
+/// Thresholds below this point of the normalised axis mean "fusion off".
+const FUSION_OFF_BELOW: f64 = 0.05;
+
+/// What the autotuner has applied so far; the same on every rank (see
+/// [`Kolo::autotune_state`](crate::Kolo::autotune_state)).
+#[derive(Debug, Clone, PartialEq, Default)]
+#[non_exhaustive]
+pub struct AutotuneState {
+    /// Whether rank 0 runs the autotuner (`KOLO_AUTOTUNE=1` on rank 0).
+    pub enabled: bool,
+    /// The autotuner has settled on its final settings.
+    pub finished: bool,
+    /// The fusion threshold in effect, in bytes.
+    pub fusion_threshold: usize,
+    /// The cycle time in effect.
+    pub cycle_time: Duration,
+    /// Whether the response cache is on.
+    pub cache_enabled: bool,
+    /// Every change, in order, with the negotiation cycle it took effect after.
+    pub changes: Vec<AutotuneChange>,
+}
+
+/// One change of settings made by the autotuner.
+#[derive(Debug, Clone, Copy, PartialEq)]
+#[non_exhaustive]
+pub struct AutotuneChange {
+    /// The negotiation cycle (counted from 1 on every rank) at whose end it applied.
+    pub cycle: u64,
+    /// New fusion threshold in bytes.
+    pub fusion_threshold: usize,
+    /// New cycle time.
+    pub cycle_time: Duration,
+    /// Whether the response cache is on.
+    pub cache_enabled: bool,
+    /// The final settings.
+    pub last: bool,
+}
+
+/// Engine settings the tuner changes; identical on every rank once applied.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub(crate) struct Settings {
+    pub(crate) fusion_threshold: usize,
+    /// Cycle time in microseconds.
+    pub(crate) cycle_time_us: u64,
+    pub(crate) cache: bool,
+    /// The tuner is done: these are the settings it keeps.
+    pub(crate) last: bool,
+}
+
+impl Settings {
+    pub(crate) fn cycle_time(&self) -> Duration {
+        Duration::from_micros(self.cycle_time_us)
+    }
+}
+
+/// Which settings are tuned (those not fixed by the user).
+#[derive(Debug, Clone, Copy)]
+struct Dims {
+    threshold: bool,
+    cycle: bool,
+    cache: bool,
+}
+
+impl Dims {
+    fn count(&self) -> usize {
+        usize::from(self.threshold) + usize::from(self.cycle) + usize::from(self.cache)
+    }
+}
+
+fn threshold_to_x(t: usize) -> f64 {
+    if t == 0 {
+        return 0.0;
+    }
+    let l = (t as f64).log2().clamp(12.0, 26.0);
+    FUSION_OFF_BELOW + (1.0 - FUSION_OFF_BELOW) * (l - 12.0) / 14.0
+}
+
+/// 0 (off) below 0.05, else 4 KiB .. 64 MiB on a log scale.
+fn x_to_threshold(x: f64) -> usize {
+    if x < FUSION_OFF_BELOW {
+        return 0;
+    }
+    let l = 12.0 + 14.0 * (x - FUSION_OFF_BELOW) / (1.0 - FUSION_OFF_BELOW);
+    2f64.powf(l).round() as usize
+}
+
+/// 0.1 ms .. 10 ms on a log scale.
+fn cycle_to_x(us: u64) -> f64 {
+    (((us.max(1) as f64) / 1000.0).log10() + 1.0).clamp(0.0, 2.0) / 2.0
+}
+
+fn x_to_cycle(x: f64) -> u64 {
+    (10f64.powf(2.0 * x - 1.0) * 1000.0).round() as u64
+}
+
+/// A Gaussian process with a squared-exponential kernel over points in [0, 1]^d.
+struct Gp {
+    xs: Vec<Vec<f64>>,
+    alpha: DVector<f64>,
+    chol: nalgebra::linalg::Cholesky<f64, nalgebra::Dyn>,
+}
+
+fn kernel(a: &[f64], b: &[f64]) -> f64 {
+    let d2: f64 = a.iter().zip(b).map(|(x, y)| (x - y) * (x - y)).sum();
+    (-d2 / (2.0 * LENGTH_SCALE * LENGTH_SCALE)).exp()
+}
+
+impl Gp {
+    /// Fits normalised scores `ys` at `xs`; `noise` is the observation noise's
+    /// standard deviation in units of the scores' spread.
+    fn fit(xs: &[Vec<f64>], ys: &[f64], noise: f64) -> Option<Gp> {
+        let n = xs.len();
+        let k = DMatrix::from_fn(n, n, |i, j| {
+            kernel(&xs[i], &xs[j]) + if i == j { noise * noise + 1e-9 } else { 0.0 }
+        });
+        let chol = k.cholesky()?;
+        let alpha = chol.solve(&DVector::from_column_slice(ys));
+        Some(Gp {
+            xs: xs.to_vec(),
+            alpha,
+            chol,
+        })
+    }
+
+    /// Posterior mean and standard deviation at `x`.
+    fn predict(&self, x: &[f64]) -> (f64, f64) {
+        let ks = DVector::from_iterator(self.xs.len(), self.xs.iter().map(|xi| kernel(xi, x)));
+        let mean = ks.dot(&self.alpha);
+        let v = self.chol.solve(&ks);
+        let var = (1.0 - ks.dot(&v)).max(1e-12);
+        (mean, var.sqrt())
+    }
+}
+
+/// Expected improvement over `best` of a normal posterior (mean, sd), with a small
+/// exploration margin.
+fn expected_improvement(mean: f64, sd: f64, best: f64) -> f64 {
+    let xi = 0.01;
+    let z = (mean - best - xi) / sd;
+    let cdf = 0.5 * (1.0 + libm::erf(z / std::f64::consts::SQRT_2));
+    let pdf = (-0.5 * z * z).exp() / (2.0 * std::f64::consts::PI).sqrt();
+    (mean - best - xi) * cdf + sd * pdf
+}
+
+/// Rank 0's tuner.
+pub(crate) struct Tuner {
+    dims: Dims,
+    current: Settings,
+    cache_capacity_on: usize,
+    warmup_left: usize,
+    steps_per_sample: usize,
+    max_configs: usize,
+    noise: f64,
+    discard_left: usize,
+    window: Option<(Instant, u64, usize)>,
+    scores: Vec<f64>,
+    observed: Vec<(Vec<f64>, f64, Settings)>,
+    rng: u64,
+    sample: usize,
+    log: Option<File>,
+}
+
+impl Tuner {
+    /// A tuner starting from `start`, or `None` when every setting is fixed by the
+    /// user (nothing to tune).
+    pub(crate) fn new(config: &Config, start: Settings) -> Option<Tuner> {
+        let dims = Dims {
+            threshold: !config.fusion_threshold_explicit,
+            cycle: !config.cycle_time_explicit,
+            cache: !config.cache_capacity_explicit,
+        };
+        if dims.count() == 0 {
+            tracing::warn!("KOLO_AUTOTUNE: fusion threshold, cycle time and cache capacity are all set explicitly; nothing to tune");
+            return None;
+        }
+        let log = config.autotune_log.as_deref().and_then(open_log);
+        Some(Tuner {
+            dims,
+            current: start,
+            cache_capacity_on: config.cache_capacity.max(1),
+            warmup_left: config.autotune_warmup_samples,
+            steps_per_sample: config.autotune_steps_per_sample.max(1),
+            max_configs: config.autotune_max_samples.max(1),
+            noise: config.autotune_noise,
+            discard_left: 0,
+            window: None,
+            scores: Vec::new(),
+            observed: Vec::new(),
+            rng: 0x6b6f_6c6f,
+            sample: 0,
+            log,
+        })
+    }
+
+    /// The capacity the cache gets when the tuner turns it on.
+    pub(crate) fn cache_capacity_on(&self) -> usize {
+        self.cache_capacity_on
+    }
+
+    /// Called at the end of every cycle with the allreduce bytes it ran and when it
+    /// started; returns settings for every rank to switch to.
+    pub(crate) fn observe(&mut self, bytes: u64, cycle_start: Instant, now: Instant) -> Option<Settings> {
+        if self.current.last || bytes == 0 {
+            return None;
+        }
+        let (start, total, steps) = self.window.get_or_insert((cycle_start, 0, 0));
+        *total += bytes;
+        *steps += 1;
+        if *steps < self.steps_per_sample {
+            return None;
+        }
+        let secs = now.duration_since(*start).as_secs_f64().max(1e-9);
+        let score = *total as f64 / secs;
+        self.window = None;
+        self.sample += 1;
+        if self.warmup_left > 0 {
+            self.warmup_left -= 1;
+            self.write_row(score, "warmup");
+            return None;
+        }
+        if self.discard_left > 0 {
+            self.discard_left -= 1;
+            self.write_row(score, "after-switch");
+            return None;
+        }
+        self.write_row(score, "sample");
+        self.scores.push(score);
+        if self.scores.len() < SAMPLES_PER_CONFIG {
+            return None;
+        }
+        self.scores.sort_by(f64::total_cmp);
+        let median = self.scores[self.scores.len() / 2];
+        self.scores.clear();
+        self.observed.push((self.to_x(&self.current), median, self.current));
+        tracing::debug!(?self.current, median, "autotune: configuration scored");
+        let next = if self.observed.len() >= self.max_configs {
+            let best = self
+                .observed
+                .iter()
+                .max_by(|a, b| a.1.total_cmp(&b.1))
+                .map(|(_, score, s)| (*score, *s))?;
+            let mut s = best.1;
+            s.last = true;
+            tracing::info!(
+                fusion_threshold = s.fusion_threshold,
+                cycle_time_us = s.cycle_time_us,
+                cache = s.cache,
+                score = best.0,
+                "autotune: done, keeping the best settings"
+            );
+            self.current = s;
+            self.write_row(best.0, "best");
+            s
+        } else {
+            let s = self.propose();
+            self.current = s;
+            self.discard_left = 1;
+            s
+        };
+        Some(next)
+    }
+
+    fn to_x(&self, s: &Settings) -> Vec<f64> {
+        let mut x = Vec::with_capacity(3);
+        if self.dims.threshold {
+            x.push(threshold_to_x(s.fusion_threshold));
+        }
+        if self.dims.cycle {
+            x.push(cycle_to_x(s.cycle_time_us));
+        }
+        if self.dims.cache {
+            x.push(if s.cache { 1.0 } else { 0.0 });
+        }
+        x
+    }
+
+    fn from_x(&self, x: &[f64]) -> Settings {
+        let mut s = self.current;
+        let mut it = x.iter();
+        if self.dims.threshold {
+            s.fusion_threshold = x_to_threshold(it.next().copied().unwrap_or(0.0));
+        }
+        if self.dims.cycle {
+            s.cycle_time_us = x_to_cycle(it.next().copied().unwrap_or(0.5));
+        }
+        if self.dims.cache {
+            s.cache = it.next().copied().unwrap_or(1.0) >= 0.5;
+        }
+        s
+    }
+
+    fn uniform(&mut self) -> f64 {
+        // splitmix64: deterministic, so a run's proposals can be reproduced.
+        self.rng = self.rng.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.rng;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        ((z ^ (z >> 31)) >> 11) as f64 / (1u64 << 53) as f64
+    }
+
+    /// The candidate with the highest expected improvement under a GP fitted to the
+    /// configurations scored so far (scores normalised to mean 0, spread 1).
+    fn propose(&mut self) -> Settings {
+        let d = self.dims.count();
+        let xs: Vec<Vec<f64>> = self.observed.iter().map(|o| o.0.clone()).collect();
+        let raw: Vec<f64> = self.observed.iter().map(|o| o.1).collect();
+        let mean = raw.iter().sum::<f64>() / raw.len() as f64;
+        let sd = (raw.iter().map(|y| (y - mean).powi(2)).sum::<f64>() / raw.len() as f64).sqrt();
+        let sd = if sd > 0.0 { sd } else { 1.0 };
+        let ys: Vec<f64> = raw.iter().map(|y| (y - mean) / sd).collect();
+        let best = ys.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+        let mut candidates: Vec<Vec<f64>> = (0..CANDIDATES)
+            .map(|_| (0..d).map(|_| self.uniform()).collect())
+            .collect();
+        // The corners too: fusion off / largest, shortest / longest cycle, cache off / on.
+        for mask in 0..(1usize << d) {
+            candidates.push((0..d).map(|i| ((mask >> i) & 1) as f64).collect());
+        }
+        let Some(gp) = Gp::fit(&xs, &ys, self.noise) else {
+            let i = (self.uniform() * candidates.len() as f64) as usize;
+            return self.from_x(&candidates[i.min(candidates.len() - 1)]);
+        };
+        let pick = candidates
+            .iter()
+            .map(|c| {
+                let (m, s) = gp.predict(c);
+                (expected_improvement(m, s, best), c)
+            })
+            .max_by(|a, b| a.0.total_cmp(&b.0))
+            .map(|(_, c)| c.clone())
+            .unwrap_or_else(|| vec![0.5; d]);
+        let mut s = self.from_x(&pick);
+        s.last = false;
+        s
+    }
+
+    fn write_row(&mut self, score: f64, kind: &str) {
+        let (sample, s) = (self.sample, self.current);
+        if let Some(f) = &mut self.log {
+            let row = format!(
+                "{sample},{},{:.3},{},{score:.0},{kind}\n",
+                s.fusion_threshold,
+                s.cycle_time_us as f64 / 1000.0,
+                u8::from(s.cache)
+            );
+            if let Err(e) = f.write_all(row.as_bytes()).and_then(|()| f.flush()) {
+                tracing::warn!(error = %e, "cannot write the autotune log; stopping it");
+                self.log = None;
+            }
+        }
+    }
+}
+
+fn open_log(path: &Path) -> Option<File> {
+    let header = "sample,fusion_threshold_bytes,cycle_time_ms,cache_enabled,score_bytes_per_s,kind\n";
+    match File::create(path).and_then(|mut f| f.write_all(header.as_bytes()).map(|()| f)) {
+        Ok(f) => Some(f),
+        Err(e) => {
+            tracing::warn!(path = %path.display(), error = %e, "cannot write the autotune log; tuning without it");
+            None
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn axes_round_trip() {
+        for t in [0usize, 4096, 1 << 20, 64 << 20] {
+            assert_eq!(x_to_threshold(threshold_to_x(t)), t);
+        }
+        for us in [100u64, 1000, 10_000] {
+            assert_eq!(x_to_cycle(cycle_to_x(us)), us);
+        }
+    }
+
+    #[test]
+    fn gp_interpolates_and_is_unsure_far_away() {
+        let xs = vec![vec![0.1], vec![0.9]];
+        let gp = Gp::fit(&xs, &[1.0, -1.0], 0.01).unwrap();
+        let (m, s) = gp.predict(&[0.1]);
+        assert!((m - 1.0).abs() < 0.05 && s < 0.1, "{m} {s}");
+        let (_, far) = gp.predict(&[0.5]);
+        assert!(far > s);
+    }
+
+    /// The tuner finds the peak of a known score function of the threshold alone.
+    #[test]
+    fn finds_the_best_threshold_of_a_synthetic_score() {
+        let config = Config::default()
+            .cycle_time(Duration::from_millis(1))
+            .cache_capacity(1024)
+            .autotune(true);
+        let mut config = config;
+        config.autotune_warmup_samples = 0;
+        config.autotune_steps_per_sample = 1;
+        config.autotune_max_samples = 12;
+        let start = Settings {
+            fusion_threshold: 0,
+            cycle_time_us: 1000,
+            cache: true,
+            last: false,
+        };
+        let mut t = Tuner::new(&config, start).unwrap();
+        // Bytes per second peak at 1 MiB (x ≈ 0.64) and fall off on both sides.
+        let score = |s: &Settings| {
+            let x = threshold_to_x(s.fusion_threshold);
+            1e9 * (-(x - threshold_to_x(1 << 20)).powi(2) / 0.02).exp() + 1e6
+        };
+        let t0 = Instant::now();
+        let mut now = t0;
+        let mut last = start;
+        for _ in 0..200 {
+            let begin = now;
+            now += Duration::from_millis(1);
+            let bytes = (score(&last) / 1000.0) as u64;
+            if let Some(s) = t.observe(bytes, begin, now) {
+                last = s;
+                if s.last {
+                    break;
+                }
+            }
+        }
+        assert!(last.last, "the tuner did not finish");
+        let got = threshold_to_x(last.fusion_threshold);
+        assert!(
+            (got - threshold_to_x(1 << 20)).abs() < 0.15,
+            "chose {} bytes",
+            last.fusion_threshold
+        );
+    }
+}
