@@ -40,6 +40,7 @@ pub struct Config {
     pub(crate) autotune_max_samples: usize,
     pub(crate) autotune_noise: f64,
     pub(crate) log_level: Option<String>,
+    pub(crate) simulated_collective_cost: Duration,
 }
 
 impl Default for Config {
@@ -63,6 +64,7 @@ impl Default for Config {
             autotune_max_samples: 20,
             autotune_noise: 0.8,
             log_level: None,
+            simulated_collective_cost: Duration::ZERO,
         }
     }
 }
@@ -135,6 +137,9 @@ impl Config {
                 Ok(x) if x.is_finite() && x > 0.0 => x,
                 _ => return Err(bad(&var, &v, "expected a positive number")),
             };
+        }
+        if let Some((var, v)) = env.get("SIMULATED_COLLECTIVE_COST_US") {
+            c.simulated_collective_cost = parse_duration(&var, &v, 1e-6, "microseconds")?;
         }
         if let Some((var, v)) = env.get("LOG_LEVEL") {
             let level = v.trim().to_ascii_lowercase();
@@ -215,6 +220,14 @@ impl Config {
     /// Writes one CSV row per autotune sample to `path`. (`KOLO_AUTOTUNE_LOG`)
     pub fn autotune_log(mut self, path: impl Into<PathBuf>) -> Self {
         self.autotune_log = Some(path.into());
+        self
+    }
+
+    /// Adds this delay to every collective kolo runs on CPU tensors, as a slow
+    /// network would: for trying fusion and autotune settings on one machine (the
+    /// autotuner's tests use it). (`KOLO_SIMULATED_COLLECTIVE_COST_US`, 0)
+    pub fn simulated_collective_cost(mut self, cost: Duration) -> Self {
+        self.simulated_collective_cost = cost;
         self
     }
 

@@ -232,7 +232,12 @@ impl Tuner {
 
     /// Called at the end of every cycle with the allreduce bytes it ran and when it
     /// started; returns settings for every rank to switch to.
-    pub(crate) fn observe(&mut self, bytes: u64, cycle_start: Instant, now: Instant) -> Option<Settings> {
+    pub(crate) fn observe(
+        &mut self,
+        bytes: u64,
+        cycle_start: Instant,
+        now: Instant,
+    ) -> Option<Settings> {
         if self.current.last || bytes == 0 {
             return None;
         }
@@ -264,7 +269,8 @@ impl Tuner {
         self.scores.sort_by(f64::total_cmp);
         let median = self.scores[self.scores.len() / 2];
         self.scores.clear();
-        self.observed.push((self.to_x(&self.current), median, self.current));
+        self.observed
+            .push((self.point_of(&self.current), median, self.current));
         tracing::debug!(?self.current, median, "autotune: configuration scored");
         let next = if self.observed.len() >= self.max_configs {
             let best = self
@@ -293,7 +299,7 @@ impl Tuner {
         Some(next)
     }
 
-    fn to_x(&self, s: &Settings) -> Vec<f64> {
+    fn point_of(&self, s: &Settings) -> Vec<f64> {
         let mut x = Vec::with_capacity(3);
         if self.dims.threshold {
             x.push(threshold_to_x(s.fusion_threshold));
@@ -307,7 +313,7 @@ impl Tuner {
         x
     }
 
-    fn from_x(&self, x: &[f64]) -> Settings {
+    fn settings_at(&self, x: &[f64]) -> Settings {
         let mut s = self.current;
         let mut it = x.iter();
         if self.dims.threshold {
@@ -351,7 +357,7 @@ impl Tuner {
         }
         let Some(gp) = Gp::fit(&xs, &ys, self.noise) else {
             let i = (self.uniform() * candidates.len() as f64) as usize;
-            return self.from_x(&candidates[i.min(candidates.len() - 1)]);
+            return self.settings_at(&candidates[i.min(candidates.len() - 1)]);
         };
         let pick = candidates
             .iter()
@@ -362,7 +368,7 @@ impl Tuner {
             .max_by(|a, b| a.0.total_cmp(&b.0))
             .map(|(_, c)| c.clone())
             .unwrap_or_else(|| vec![0.5; d]);
-        let mut s = self.from_x(&pick);
+        let mut s = self.settings_at(&pick);
         s.last = false;
         s
     }
@@ -385,7 +391,8 @@ impl Tuner {
 }
 
 fn open_log(path: &Path) -> Option<File> {
-    let header = "sample,fusion_threshold_bytes,cycle_time_ms,cache_enabled,score_bytes_per_s,kind\n";
+    let header =
+        "sample,fusion_threshold_bytes,cycle_time_ms,cache_enabled,score_bytes_per_s,kind\n";
     match File::create(path).and_then(|mut f| f.write_all(header.as_bytes()).map(|()| f)) {
         Ok(f) => Some(f),
         Err(e) => {

@@ -17,8 +17,8 @@ pub(crate) mod stall;
 pub(crate) mod timeline;
 
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex, PoisonError};
 use std::sync::mpsc::{Receiver, RecvTimeoutError, SyncSender, TryRecvError};
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 use crate::config::Config;
@@ -585,7 +585,11 @@ impl Engine {
         if s.cache != self.cache.enabled() {
             // Requests announced by a slot go out in full next cycle.
             self.unannounce_all();
-            let capacity = if s.cache { self.cache_capacity_on.max(1) } else { 0 };
+            let capacity = if s.cache {
+                self.cache_capacity_on.max(1)
+            } else {
+                0
+            };
             self.cache = ResponseCache::new(capacity);
         }
         tracing::debug!(

@@ -21,6 +21,15 @@ impl Engine {
         }
     }
 
+    /// `KOLO_SIMULATED_COLLECTIVE_COST_US`: a fixed cost per collective, as on a slow
+    /// network.
+    fn simulate_collective_cost(&self) {
+        let cost = self.config.simulated_collective_cost;
+        if !cost.is_zero() {
+            std::thread::sleep(cost);
+        }
+    }
+
     /// Records an op's span, from `started` to now, on the timeline.
     fn trace_op(&mut self, meta: &RequestMeta, started: Instant) {
         if self.timeline.enabled() {
@@ -79,6 +88,7 @@ impl Engine {
                     self.trace_op(ready.first(), started);
                     return;
                 }
+                self.simulate_collective_cost();
                 let result = span.in_scope(|| execute::run(&mut self.transport, &ready, tensors));
                 self.trace_op(ready.first(), started);
                 if let Some(done) = done {
@@ -162,6 +172,7 @@ impl Engine {
         } else {
             Vec::new()
         };
+        self.simulate_collective_cost();
         match execute::run_fused(&mut self.transport, inputs, &mut self.fusion_buffer) {
             Ok((outputs, times)) => {
                 if self.timeline.enabled() {

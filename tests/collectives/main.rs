@@ -3,6 +3,7 @@
 //! under mpirun (`KOLO_TEST_CASE` set) it runs that case on every rank.
 
 mod allreduce;
+mod autotune;
 mod control;
 mod faults;
 mod fusion;
@@ -53,7 +54,67 @@ const CASES: &[(&str, Case, usize)] = &[
 const VARIANT_ONLY: &[(&str, Case)] = &[
     ("stall_shutdown", faults::stall_shutdown),
     ("timeline", timeline::trace),
+    ("autotune_grid_point", autotune::grid_point),
+    ("autotune_tune", autotune::tune),
 ];
+
+/// The autotuner's test settings: only the fusion threshold is tuned (cycle time and
+/// cache fixed), 8 configurations of 3 samples of 3 steps after 2 warm-up samples.
+const AUTOTUNE_ENV: &[(&str, &str)] = &[
+    ("KOLO_AUTOTUNE", "1"),
+    ("KOLO_AUTOTUNE_LOG", "/tmp/kolo-test-autotune.csv"),
+    ("KOLO_AUTOTUNE_WARMUP_SAMPLES", "2"),
+    ("KOLO_AUTOTUNE_STEPS_PER_SAMPLE", "3"),
+    ("KOLO_AUTOTUNE_BAYES_OPT_MAX_SAMPLES", "8"),
+    ("KOLO_CYCLE_TIME", "1"),
+    ("KOLO_CACHE_CAPACITY", "1024"),
+    ("KOLO_SIMULATED_COLLECTIVE_COST_US", "200"),
+];
+
+/// Fusion thresholds of the grid the tuner is compared with.
+const AUTOTUNE_GRID: &[&str] = &["0", "4096", "65536", "1048576", "67108864"];
+
+/// Runs the grid, then the tuner, every collective costing 200 us extra (as on a slow
+/// network, so that the cost per collective dominates as the workload intends); the
+/// tuned median step must be within 2x of the best grid point's. Fusion off (300
+/// collectives) and 4 KiB (19) are far slower than the best here, so picking them fails.
+fn autotune_vs_grid(np: usize) -> Result<(), Failed> {
+    let number = |out: &str, key: &str| -> Option<f64> {
+        out.lines()
+            .find_map(|l| l.split(key).nth(1))
+            .and_then(|rest| rest.split_whitespace().next())
+            .and_then(|v| v.parse().ok())
+    };
+    let mut grid = Vec::new();
+    for &threshold in AUTOTUNE_GRID {
+        let env = [
+            ("KOLO_FUSION_THRESHOLD", threshold),
+            ("KOLO_SIMULATED_COLLECTIVE_COST_US", "200"),
+        ];
+        let run = harness::mpirun("autotune_grid_point", np, Duration::from_secs(60), &env)?;
+        let ms = number(&run.output, "STEP_MS ")
+            .ok_or_else(|| format!("grid point {threshold} failed:\n{}", run.output))?;
+        grid.push((threshold, ms));
+    }
+    let run = harness::mpirun("autotune_tune", np, Duration::from_secs(120), AUTOTUNE_ENV)?;
+    let tuned = number(&run.output, "TUNED_MS ")
+        .ok_or_else(|| format!("tuning failed:\n{}", run.output))?;
+    let best = grid.iter().map(|g| g.1).fold(f64::INFINITY, f64::min);
+    let line = run
+        .output
+        .lines()
+        .find(|l| l.contains("TUNED_MS"))
+        .unwrap_or_default();
+    eprintln!("autotune np{np}: grid (threshold, median step ms) {grid:?}; {line}");
+    if tuned > 2.0 * best {
+        return Err(format!(
+            "tuned step {tuned:.3} ms is more than 2x the best grid point {best:.3} ms; grid {grid:?}\n{}",
+            run.output
+        )
+        .into());
+    }
+    Ok(())
+}
 
 /// A rerun of a case: trial name, case, np values, environment, required output.
 type Variant = (
@@ -277,5 +338,6 @@ fn main() {
             }));
         }
     }
+    trials.push(Trial::test("autotune_vs_grid/np2", || autotune_vs_grid(2)));
     libtest_mimic::run(&args, trials).exit();
 }
