@@ -359,6 +359,57 @@ fn fmt_time(s: f64) -> String {
     }
 }
 
+/// `KOLO_BENCH_RESNET=<reps>`: only the ResNet-50 set, under whatever KOLO_* settings
+/// the environment gives (`scripts/run-tuning-grid.sh` runs it per grid point). With
+/// KOLO_AUTOTUNE=1 it first runs steps until the tuner has finished (at most 300 s).
+/// Prints `RESNET_MS <median step>` on rank 0.
+fn resnet_worker(reps: usize) -> anyhow::Result<()> {
+    let k = kolo::init()?;
+    let grads: Vec<Vec<f32>> = resnet50_sizes().iter().map(|&n| vec![0.5f32; n]).collect();
+    let step = |k: &Kolo| -> anyhow::Result<()> {
+        let mut hs = Vec::with_capacity(grads.len());
+        for (i, g) in grads.iter().enumerate().rev() {
+            let t = Tensor::from_vec(g.clone(), &[g.len()])?;
+            hs.push(k.allreduce(format!("rn50.{i}"), t).op(ReduceOp::Sum).submit()?);
+        }
+        for h in hs {
+            h.wait()?;
+        }
+        Ok(())
+    };
+    let deadline = Instant::now() + std::time::Duration::from_secs(300);
+    let mut tuning_steps = 0;
+    while k.autotune_state().enabled {
+        step(&k)?;
+        tuning_steps += 1;
+        let done = k.broadcast_object("tuned", k.autotune_state().finished, 0)?;
+        if done || Instant::now() > deadline {
+            break;
+        }
+    }
+    let mut times = Vec::with_capacity(reps);
+    for i in 0..reps + 3 {
+        raw_barrier();
+        let t = Instant::now();
+        step(&k)?;
+        if i >= 3 {
+            times.push(t.elapsed().as_secs_f64());
+        }
+    }
+    if k.rank() == 0 {
+        let s = k.autotune_state();
+        println!(
+            "RESNET_MS {:.3} tuning_steps {tuning_steps} threshold {} cycle_us {} cache {}",
+            median(&mut times) * 1e3,
+            s.fusion_threshold,
+            s.cycle_time.as_micros(),
+            s.cache_enabled
+        );
+    }
+    k.shutdown()?;
+    Ok(())
+}
+
 fn worker(quick: bool, only: Option<u32>) -> anyhow::Result<()> {
     let k = kolo::init()?;
     let rows = bench(&k, quick, only)?;
@@ -419,6 +470,12 @@ fn main() -> anyhow::Result<()> {
         .and_then(|v| v.parse().ok())
         .or(if smoke { Some(1) } else { None });
     if std::env::var_os("OMPI_COMM_WORLD_SIZE").is_some() {
+        if let Some(reps) = std::env::var("KOLO_BENCH_RESNET")
+            .ok()
+            .and_then(|v| v.parse().ok())
+        {
+            return resnet_worker(reps);
+        }
         return worker(quick, only);
     }
     let nps: Vec<String> = match args.iter().position(|a| a == "--np") {
