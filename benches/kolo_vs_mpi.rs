@@ -370,7 +370,11 @@ fn resnet_worker(reps: usize) -> anyhow::Result<()> {
         let mut hs = Vec::with_capacity(grads.len());
         for (i, g) in grads.iter().enumerate().rev() {
             let t = Tensor::from_vec(g.clone(), &[g.len()])?;
-            hs.push(k.allreduce(format!("rn50.{i}"), t).op(ReduceOp::Sum).submit()?);
+            hs.push(
+                k.allreduce(format!("rn50.{i}"), t)
+                    .op(ReduceOp::Sum)
+                    .submit()?,
+            );
         }
         for h in hs {
             h.wait()?;
