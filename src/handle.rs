@@ -51,7 +51,9 @@ pub(crate) struct Completer {
     slot: Arc<Slot>,
     names: Vec<String>,
     pending: PendingNames,
-    on_drop: Option<Error>,
+    /// Dropped without completing (the engine stopped): the op and rank for the
+    /// "engine stopped" error, built only then.
+    on_drop: Option<(&'static str, usize)>,
 }
 
 impl fmt::Debug for Completer {
@@ -91,7 +93,15 @@ impl Completer {
 
 impl Drop for Completer {
     fn drop(&mut self) {
-        if let Some(err) = self.on_drop.take() {
+        if let Some((op, rank)) = self.on_drop.take() {
+            let err = Error::EngineStopped {
+                op,
+                // `submit` puts the negotiation key first.
+                name: self.names.first().cloned().unwrap_or_default(),
+                rank,
+                reason: "the engine stopped before this op completed".into(),
+                tensors: Vec::new(),
+            };
             self.finish(Err(err));
         }
     }
@@ -164,12 +174,12 @@ impl<T> Future for Handle<T> {
     }
 }
 
-/// Makes a connected handle and completer. `on_drop` is the error the handle gets if
+/// Makes a connected handle and completer. `on_drop` (op, rank) names the error the handle gets if
 /// the engine drops the completer without completing it.
 pub(crate) fn pair<T>(
     names: Vec<String>,
     pending: PendingNames,
-    on_drop: Error,
+    on_drop: (&'static str, usize),
     convert: fn(Output) -> Result<T>,
 ) -> (Handle<T>, Completer) {
     let slot = Arc::new(Slot::default());
@@ -230,15 +240,11 @@ pub(crate) fn to_unit(o: Output) -> Result<()> {
 mod tests {
     use super::*;
 
-    fn stopped() -> Error {
-        Error::Internal("dropped".into())
-    }
-
     #[test]
     fn completes_and_releases_names() {
         let pending: PendingNames = Arc::default();
         pending.lock().unwrap().insert("a".into());
-        let (h, c) = pair(vec!["a".into()], pending.clone(), stopped(), to_rank);
+        let (h, c) = pair(vec!["a".into()], pending.clone(), ("allreduce", 0), to_rank);
         assert!(!h.poll());
         let t = std::thread::spawn(move || c.complete(Ok(Output::Rank(3))));
         assert_eq!(h.wait().unwrap(), 3);
@@ -248,12 +254,12 @@ mod tests {
 
     #[test]
     fn dropped_completer_fails_the_handle() {
-        let (h, c) = pair(vec![], Arc::default(), stopped(), to_unit);
+        let (h, c) = pair(vec!["w".into()], Arc::default(), ("broadcast", 2), to_unit);
         drop(c);
         assert!(h.poll());
         assert_eq!(
             h.wait().unwrap_err().to_string(),
-            "internal kolo error (please report this bug): dropped"
+            "broadcast \"w\": the kolo engine on rank 2 is not running (the engine stopped before this op completed)"
         );
     }
 }

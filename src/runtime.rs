@@ -652,10 +652,13 @@ impl Kolo {
         self.validate(&s)?;
         let rank = self.rank();
         let op = s.kind.name();
-        let key = s.key.clone();
-        let mut names: Vec<String> = s.tensors.iter().map(|(n, _)| n.clone()).collect();
-        if !names.contains(&key) {
-            names.push(key.clone());
+        // The key first: an "engine stopped" error names it.
+        let mut names: Vec<String> = Vec::with_capacity(s.tensors.len() + 1);
+        names.push(s.key.clone());
+        for (n, _) in &s.tensors {
+            if *n != s.key {
+                names.push(n.clone());
+            }
         }
         {
             let mut pending = self
@@ -672,13 +675,7 @@ impl Kolo {
             }
             pending.extend(names.iter().cloned());
         }
-        let on_drop = Error::EngineStopped {
-            op,
-            name: key.clone(),
-            rank,
-            reason: "the engine stopped before this op completed".into(),
-            tensors: Vec::new(),
-        };
+        let on_drop = (op, rank);
         let (meta, tensors) = s.into_parts();
         let (handle, done) = handle::pair(names, self.inner.pending.clone(), on_drop, convert);
         let request = Request {
@@ -694,12 +691,17 @@ impl Kolo {
         };
         drop(tx);
         if let Err(Command::Submit(request)) = sent {
-            let Request { tensors, done, .. } = *request;
+            let Request {
+                tensors,
+                done,
+                meta,
+                ..
+            } = *request;
             // Completing releases the names; the caller gets the tensors back.
             done.complete(Ok(Output::Unit));
             return Err(Error::EngineStopped {
                 op,
-                name: key,
+                name: meta.key,
                 rank,
                 reason: "kolo has been shut down on this rank".into(),
                 tensors,

@@ -13,12 +13,13 @@
 //! announced by an invalidated or evicted slot is re-sent in full.
 
 use std::collections::HashMap;
+use std::sync::Arc;
 
 use super::request::{OpKind, RequestMeta};
 
 #[derive(Debug)]
 struct Slot {
-    meta: RequestMeta,
+    meta: Arc<RequestMeta>,
     last_used: u64,
 }
 
@@ -68,7 +69,7 @@ impl ResponseCache {
     pub(crate) fn lookup(&self, meta: &RequestMeta) -> Option<usize> {
         let slot = *self.by_key.get(&meta.key)?;
         let cached = self.slots.get(slot)?.as_ref()?;
-        (cached.meta == *meta).then_some(slot)
+        (*cached.meta == *meta).then_some(slot)
     }
 
     /// The slot cached under `key`, whatever its request.
@@ -77,7 +78,7 @@ impl ResponseCache {
         self.by_key.get(key).copied()
     }
 
-    pub(crate) fn meta(&self, slot: usize) -> Option<&RequestMeta> {
+    pub(crate) fn meta(&self, slot: usize) -> Option<&Arc<RequestMeta>> {
         self.slots.get(slot)?.as_ref().map(|s| &s.meta)
     }
 
@@ -99,7 +100,7 @@ impl ResponseCache {
     }
 
     /// Caches a request that just ran; returns the slot that was evicted for it, if any.
-    pub(crate) fn insert(&mut self, meta: RequestMeta) -> Option<usize> {
+    pub(crate) fn insert(&mut self, meta: Arc<RequestMeta>) -> Option<usize> {
         if !self.enabled() || self.by_key.contains_key(&meta.key) {
             return None;
         }
@@ -168,23 +169,23 @@ mod tests {
     #[test]
     fn hits_only_identical_requests() {
         let mut c = ResponseCache::new(4);
-        assert_eq!(c.insert(meta("a", 3)), None);
+        assert_eq!(c.insert(Arc::new(meta("a", 3))), None);
         assert_eq!(c.lookup(&meta("a", 3)), Some(0));
         assert_eq!(c.lookup(&meta("a", 4)), None);
         assert_eq!(c.slot_of("a"), Some(0));
         assert_eq!(c.invalidate("a"), Some(0));
         assert_eq!(c.lookup(&meta("a", 3)), None);
-        assert_eq!(c.insert(meta("b", 1)), None);
+        assert_eq!(c.insert(Arc::new(meta("b", 1))), None);
         assert_eq!(c.slot_of("b"), Some(0), "freed slots are reused");
     }
 
     #[test]
     fn evicts_the_least_recently_used() {
         let mut c = ResponseCache::new(2);
-        c.insert(meta("a", 1));
-        c.insert(meta("b", 1));
+        c.insert(Arc::new(meta("a", 1)));
+        c.insert(Arc::new(meta("b", 1)));
         c.touch(0);
-        assert_eq!(c.insert(meta("c", 1)), Some(1));
+        assert_eq!(c.insert(Arc::new(meta("c", 1))), Some(1));
         assert_eq!(c.lookup(&meta("b", 1)), None);
         assert_eq!(c.lookup(&meta("c", 1)), Some(1));
         assert_eq!(c.lookup(&meta("a", 1)), Some(0));
@@ -193,7 +194,7 @@ mod tests {
     #[test]
     fn disabled_cache_stores_nothing() {
         let mut c = ResponseCache::new(0);
-        assert_eq!(c.insert(meta("a", 1)), None);
+        assert_eq!(c.insert(Arc::new(meta("a", 1))), None);
         assert_eq!(c.lookup(&meta("a", 1)), None);
         assert_eq!(c.words(), 0);
     }

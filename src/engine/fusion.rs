@@ -132,7 +132,7 @@ mod tests {
         Response::Run(Ready {
             key: key.into(),
             kind: OpKind::Allreduce,
-            metas: vec![Some(meta)],
+            metas: vec![Some(std::sync::Arc::new(meta))],
         })
     }
 

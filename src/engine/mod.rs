@@ -125,6 +125,7 @@ pub(crate) fn run(
         pending_tuning: None,
         cycles: 0,
         autotune,
+        next_demotion_scan: Instant::now(),
     };
     if let Some(path) = engine
         .config
@@ -195,8 +196,9 @@ struct Inbox {
     rx: Receiver<Command>,
     /// Requests by negotiation key, waiting to be negotiated or run.
     pending: HashMap<String, Request>,
-    /// Requests to announce in full in the next cycle.
-    outgoing: Vec<RequestMeta>,
+    /// Keys of the requests to announce in full in the next cycle (their requests are
+    /// in `pending`; copied only if they really go out in full).
+    outgoing: Vec<String>,
     /// Requests announced by their response-cache slot: slot → key.
     announced: HashMap<usize, String>,
     shutting_down: bool,
@@ -214,7 +216,7 @@ impl Inbox {
                     req.done.complete(Err(err));
                     return;
                 }
-                self.outgoing.push(req.meta.clone());
+                self.outgoing.push(req.meta.key.clone());
                 self.pending.insert(req.meta.key.clone(), *req);
             }
             Command::Shutdown => self.shutting_down = true,
@@ -253,8 +255,8 @@ impl Inbox {
     /// full announcements.
     fn announce_in_full(&mut self, slot: usize) {
         if let Some(key) = self.announced.remove(&slot) {
-            if let Some(req) = self.pending.get(&key) {
-                self.outgoing.push(req.meta.clone());
+            if self.pending.contains_key(&key) {
+                self.outgoing.push(key);
             }
         }
     }
@@ -311,6 +313,9 @@ struct Engine {
     cycles: u64,
     /// The settings in effect, for `Kolo::autotune_state`.
     autotune: Arc<Mutex<AutotuneState>>,
+    /// When `announce_cached` next looks for requests waiting long enough to be
+    /// announced in full.
+    next_demotion_scan: Instant,
 }
 
 impl Engine {
@@ -464,8 +469,12 @@ impl Engine {
 
         // Phase 2 (when anyone has something the cache cannot say): the full exchange.
         let msgs = if someone_has_full {
+            let requests = std::mem::take(&mut self.inbox.outgoing)
+                .iter()
+                .filter_map(|k| self.inbox.pending.get(k).map(|r| r.meta.clone()))
+                .collect();
             let msg = CycleMsg {
-                requests: std::mem::take(&mut self.inbox.outgoing),
+                requests,
                 shutdown: self.inbox.shutting_down,
                 stall_abort: self.stall_abort,
                 tuning: self.pending_tuning.take(),
@@ -620,19 +629,25 @@ impl Engine {
     /// announcement (so that the stall inspector sees, and can name, missing ranks).
     fn announce_cached(&mut self) {
         let outgoing = std::mem::take(&mut self.inbox.outgoing);
-        for meta in outgoing {
-            match ResponseCache::cacheable(meta.kind)
-                .then(|| self.cache.lookup(&meta))
-                .flatten()
-            {
+        for key in outgoing {
+            let slot = self.inbox.pending.get(&key).and_then(|r| {
+                ResponseCache::cacheable(r.meta.kind)
+                    .then(|| self.cache.lookup(&r.meta))
+                    .flatten()
+            });
+            match slot {
                 Some(slot) => {
-                    self.inbox.announced.insert(slot, meta.key);
+                    self.inbox.announced.insert(slot, key);
                 }
-                None => self.inbox.outgoing.push(meta),
+                None => self.inbox.outgoing.push(key),
             }
         }
-        if self.stall.enabled() {
+        // Looking at every bit-announced request's age is not free with thousands of
+        // them: do it a few times per stall interval, not every cycle.
+        let now = Instant::now();
+        if self.stall.enabled() && now >= self.next_demotion_scan {
             let limit = self.stall.after() / 2;
+            self.next_demotion_scan = now + limit / 4;
             let old: Vec<usize> = self
                 .inbox
                 .announced

@@ -7,6 +7,7 @@
 
 use std::collections::{BTreeMap, HashMap};
 use std::fmt::Debug;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use super::request::{CycleMsg, OpKind, RequestMeta};
@@ -17,13 +18,14 @@ use crate::error::Error;
 pub(crate) struct Ready {
     pub(crate) key: String,
     pub(crate) kind: OpKind,
-    /// Each rank's request; `None` for a joined rank that did not submit it.
-    pub(crate) metas: Vec<Option<RequestMeta>>,
+    /// Each rank's request; `None` for a joined rank that did not submit it. Shared:
+    /// a cached response hands every rank the same request without copying it.
+    pub(crate) metas: Vec<Option<Arc<RequestMeta>>>,
 }
 
 impl Ready {
     /// The request of the lowest rank that submitted it (all agree after the checks).
-    pub(crate) fn first(&self) -> &RequestMeta {
+    pub(crate) fn first(&self) -> &Arc<RequestMeta> {
         // The constructor only builds a Ready with at least one submission.
         self.metas
             .iter()
@@ -155,7 +157,7 @@ impl Negotiator {
                 Ok(()) => Response::Run(Ready {
                     key,
                     kind,
-                    metas: entry.metas,
+                    metas: entry.metas.into_iter().map(|m| m.map(Arc::new)).collect(),
                 }),
                 Err(error) => Response::Fail { key, error },
             });
