@@ -1,6 +1,6 @@
 //! Handles: the caller's side of a submitted collective.
 
-use std::collections::HashSet;
+use rustc_hash::FxHashSet;
 use std::fmt;
 use std::future::Future;
 use std::pin::Pin;
@@ -26,6 +26,9 @@ struct State {
     result: Option<Result<Output>>,
     done: bool,
     waker: Option<Waker>,
+    /// A thread is blocked in `wait`: only then is the condvar signalled (a futex
+    /// wake is a system call, and most handles are complete before anyone waits).
+    waiting: bool,
 }
 
 #[derive(Default)]
@@ -43,7 +46,7 @@ impl Slot {
 
 /// Names that are pending on this rank; a name is released right before its handle
 /// completes, so that a caller may reuse it as soon as `wait` returns.
-pub(crate) type PendingNames = Arc<Mutex<HashSet<String>>>;
+pub(crate) type PendingNames = Arc<Mutex<FxHashSet<String>>>;
 
 /// The engine's side of a handle. Completing it (or dropping it, which completes it
 /// with an "engine stopped" error) wakes the waiter.
@@ -86,8 +89,11 @@ impl Completer {
         if let Some(w) = state.waker.take() {
             w.wake();
         }
+        let waiting = state.waiting;
         drop(state);
-        self.slot.ready.notify_all();
+        if waiting {
+            self.slot.ready.notify_all();
+        }
     }
 }
 
@@ -139,6 +145,7 @@ impl<T> Handle<T> {
     pub fn wait(self) -> Result<T> {
         let mut state = self.slot.lock();
         while !state.done {
+            state.waiting = true;
             state = self
                 .slot
                 .ready

@@ -238,7 +238,7 @@ pub(crate) fn start(config: Config) -> Result<Kolo> {
             topology,
             tx: Mutex::new(Some(tx)),
             engine: Mutex::new(Some(engine)),
-            pending: Arc::new(Mutex::new(HashSet::new())),
+            pending: Arc::default(),
             autotune,
         }),
     })

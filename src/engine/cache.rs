@@ -12,7 +12,7 @@
 //! When the cache is full the least recently used slot is evicted; any request still
 //! announced by an invalidated or evicted slot is re-sent in full.
 
-use std::collections::HashMap;
+use rustc_hash::FxHashMap;
 use std::sync::Arc;
 
 use super::request::{OpKind, RequestMeta};
@@ -28,7 +28,7 @@ struct Slot {
 pub(crate) struct ResponseCache {
     capacity: usize,
     slots: Vec<Option<Slot>>,
-    by_key: HashMap<String, usize>,
+    by_key: FxHashMap<String, usize>,
     clock: u64,
     evictions_logged: bool,
 }
@@ -38,7 +38,7 @@ impl ResponseCache {
         ResponseCache {
             capacity,
             slots: Vec::new(),
-            by_key: HashMap::new(),
+            by_key: FxHashMap::default(),
             clock: 0,
             evictions_logged: false,
         }

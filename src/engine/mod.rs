@@ -16,7 +16,7 @@ mod respond;
 pub(crate) mod stall;
 pub(crate) mod timeline;
 
-use std::collections::HashMap;
+use rustc_hash::FxHashMap;
 use std::sync::mpsc::{Receiver, RecvTimeoutError, SyncSender, TryRecvError};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
@@ -99,9 +99,9 @@ pub(crate) fn run(
         stall: StallInspector::new(&config, topology.rank),
         inbox: Inbox {
             rx,
-            pending: HashMap::new(),
+            pending: FxHashMap::default(),
             outgoing: Vec::new(),
-            announced: HashMap::new(),
+            announced: FxHashMap::default(),
             shutting_down: false,
             rank: topology.rank,
             timeline_requests: Vec::new(),
@@ -195,12 +195,12 @@ fn allreduce_bytes(r: &Response) -> u64 {
 struct Inbox {
     rx: Receiver<Command>,
     /// Requests by negotiation key, waiting to be negotiated or run.
-    pending: HashMap<String, Request>,
+    pending: FxHashMap<String, Request>,
     /// Keys of the requests to announce in full in the next cycle (their requests are
     /// in `pending`; copied only if they really go out in full).
     outgoing: Vec<String>,
     /// Requests announced by their response-cache slot: slot → key.
-    announced: HashMap<usize, String>,
+    announced: FxHashMap<usize, String>,
     shutting_down: bool,
     rank: usize,
     /// Timeline start (Some path) / stop (None) requests, with where to answer.

@@ -5,7 +5,9 @@
 //! every rank reaches the same responses in the same order without a coordinator.
 //! It is a plain state machine: no threads, no MPI, unit-tested below.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
+
+use rustc_hash::FxHashMap;
 use std::fmt::Debug;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -63,7 +65,7 @@ pub(crate) struct Negotiator {
     size: usize,
     /// Entries in order of first submission, which is the order they run in.
     table: BTreeMap<u64, Entry>,
-    by_key: HashMap<String, u64>,
+    by_key: FxHashMap<String, u64>,
     next_seq: u64,
     joined: Vec<bool>,
     last_joined: usize,
@@ -74,7 +76,7 @@ impl Negotiator {
         Negotiator {
             size,
             table: BTreeMap::new(),
-            by_key: HashMap::new(),
+            by_key: FxHashMap::default(),
             next_seq: 0,
             joined: vec![false; size],
             last_joined: 0,

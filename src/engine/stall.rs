@@ -1,7 +1,7 @@
 //! The stall inspector: warns when some ranks have submitted a request and others
 //! have not for longer than the stall check time.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashSet;
 use std::time::{Duration, Instant};
 
 use super::negotiate::Negotiator;
@@ -90,7 +90,7 @@ impl StallInspector {
     pub(crate) fn check_while_waiting(
         &mut self,
         waited: Duration,
-        pending: &HashMap<String, Request>,
+        pending: &rustc_hash::FxHashMap<String, Request>,
     ) {
         if !self.enabled || self.warned_waiting || waited < self.after {
             return;
