@@ -148,7 +148,17 @@ fn bench(k: &Kolo, quick: bool) -> anyhow::Result<Vec<(String, f64, f64)>> {
     let mut rows = Vec::new();
     let mut scenario =
         |name: String, sizes: Vec<usize>, reps: usize| -> anyhow::Result<(f64, f64)> {
-            let mut kb = gpu.buffers(&sizes)?;
+            // kolo's side allocates through kolo (`to_cuda`), as a program whose tensors
+            // come from kolo would; the raw side uses cudarc's own context and stream.
+            let dev = k.cuda_device()?;
+            let mut kb = sizes
+                .iter()
+                .map(|&n| {
+                    Ok(Tensor::from_vec(vec![1.0f32; n], &[n])?
+                        .to_cuda(dev)?
+                        .into_cuda::<f32>()?)
+                })
+                .collect::<anyhow::Result<Vec<_>>>()?;
             let mut rb = gpu.buffers(&sizes)?;
             let prefix = format!("b{}", rows.len());
             let kolo = time(k, reps, 3, || kolo_run(k, &prefix, &mut kb))?;

@@ -74,6 +74,12 @@ pub(crate) fn context(ordinal: usize) -> Result<Arc<CudaContext>> {
         return Ok(ctx.clone());
     }
     let ctx = CudaContext::new(ordinal).map_err(cuda_err("cuDevicePrimaryCtxRetain"))?;
+    // SAFETY: kolo orders every use itself — NCCL work waits on an event recorded on
+    // each input's stream, handles complete only after the op's completion event, and
+    // buffers an op reads are freed only after that event — so cudarc's per-slice
+    // read/write events (two driver calls per pointer taken) are not needed for the
+    // slices of this context.
+    unsafe { ctx.disable_event_tracking() };
     map.insert(ordinal, ctx.clone());
     Ok(ctx)
 }

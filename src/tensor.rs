@@ -460,7 +460,10 @@ impl Tensor {
         }
     }
 
-    /// Gives back the CUDA allocation, without copying.
+    /// Gives back the CUDA allocation, without copying. When the handle that produced
+    /// the tensor has completed, the GPU has finished writing it. Allocations kolo made
+    /// (outputs, `to_cuda`) come from a context without cudarc's automatic cross-stream
+    /// event tracking: order your own streams around them as with raw CUDA.
     ///
     /// # Errors
     /// [`Error::WrongDevice`] for a CPU tensor, [`Error::DTypeMismatch`] when `T` is not
