@@ -17,6 +17,8 @@ use std::time::{Duration, Instant};
 use kolo::{Kolo, ReduceOp, Tensor};
 
 // The tests' mpirun launcher; the benchmark uses only its environment defaults.
+mod common;
+
 #[path = "../tests/collectives/harness.rs"]
 #[allow(dead_code)]
 mod harness;
@@ -63,33 +65,6 @@ fn raw_allreduce(buf: &mut [f32], in_place: bool, scratch: &mut Vec<f32>) {
             buf.copy_from_slice(scratch);
         }
     }
-}
-
-/// Every ResNet-50 parameter size (torchvision layout): 161 tensors, 25.56 M elements.
-fn resnet50_sizes() -> Vec<usize> {
-    let mut sizes = vec![64 * 3 * 7 * 7, 64, 64];
-    let mut inp = 64;
-    for (blocks, width) in [(3, 64), (4, 128), (6, 256), (3, 512)] {
-        for b in 0..blocks {
-            sizes.extend([
-                inp * width,
-                width,
-                width,
-                width * width * 9,
-                width,
-                width,
-                width * 4 * width,
-                4 * width,
-                4 * width,
-            ]);
-            if b == 0 {
-                sizes.extend([inp * 4 * width, 4 * width, 4 * width]);
-            }
-            inp = 4 * width;
-        }
-    }
-    sizes.extend([2048 * 1000, 1000]);
-    sizes
 }
 
 fn median(v: &mut [f64]) -> f64 {
@@ -225,7 +200,7 @@ fn bench(k: &Kolo, quick: bool, only: Option<u32>) -> anyhow::Result<Vec<Row>> {
 
     // 3. The ResNet-50 gradient set, in reverse (backward) order.
     if run(3) {
-        let sizes = resnet50_sizes();
+        let sizes = common::resnet50_sizes();
         let grads: Vec<Vec<f32>> = sizes.iter().map(|&n| vec![0.5f32; n]).collect();
         let tensors = || {
             grads
@@ -351,21 +326,16 @@ fn bench(k: &Kolo, quick: bool, only: Option<u32>) -> anyhow::Result<Vec<Row>> {
     Ok(rows)
 }
 
-fn fmt_time(s: f64) -> String {
-    if s < 1e-3 {
-        format!("{:.1} us", s * 1e6)
-    } else {
-        format!("{:.2} ms", s * 1e3)
-    }
-}
-
 /// `KOLO_BENCH_RESNET=<reps>`: only the ResNet-50 set, under whatever KOLO_* settings
 /// the environment gives (`scripts/run-tuning-grid.sh` runs it per grid point). With
 /// KOLO_AUTOTUNE=1 it first runs steps until the tuner has finished (at most 300 s).
 /// Prints `RESNET_MS <median step>` on rank 0.
 fn resnet_worker(reps: usize) -> anyhow::Result<()> {
     let k = kolo::init()?;
-    let grads: Vec<Vec<f32>> = resnet50_sizes().iter().map(|&n| vec![0.5f32; n]).collect();
+    let grads: Vec<Vec<f32>> = common::resnet50_sizes()
+        .iter()
+        .map(|&n| vec![0.5f32; n])
+        .collect();
     let step = |k: &Kolo| -> anyhow::Result<()> {
         let mut hs = Vec::with_capacity(grads.len());
         for (i, g) in grads.iter().enumerate().rev() {
@@ -431,8 +401,8 @@ fn worker(quick: bool, only: Option<u32>) -> anyhow::Result<()> {
                 (format!("{:.4}", r.kolo), "-".to_string(), "-".to_string())
             } else {
                 (
-                    fmt_time(r.kolo),
-                    fmt_time(r.raw),
+                    common::fmt_time(r.kolo),
+                    common::fmt_time(r.raw),
                     format!("{:.2}", r.kolo / r.raw),
                 )
             };

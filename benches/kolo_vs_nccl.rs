@@ -10,6 +10,8 @@
 //! loop that needs the result would use it. kolo's side is submit + wait. Without a
 //! GPU (e.g. `cargo test --all-targets --features nccl`) it says so and exits 0.
 
+mod common;
+
 #[path = "../tests/collectives/harness.rs"]
 #[allow(dead_code)]
 mod harness;
@@ -20,33 +22,6 @@ use std::time::Instant;
 use kolo::cudarc::driver::{CudaContext, CudaSlice, CudaStream};
 use kolo::cudarc::nccl::{Comm, Id, ReduceOp as NcclOp};
 use kolo::{Kolo, ReduceOp, Tensor};
-
-/// Every ResNet-50 parameter size (torchvision layout): 161 tensors, 25.56 M elements.
-fn resnet50_sizes() -> Vec<usize> {
-    let mut sizes = vec![64 * 3 * 7 * 7, 64, 64];
-    let mut inp = 64;
-    for (blocks, width) in [(3, 64), (4, 128), (6, 256), (3, 512)] {
-        for b in 0..blocks {
-            sizes.extend([
-                inp * width,
-                width,
-                width,
-                width * width * 9,
-                width,
-                width,
-                width * 4 * width,
-                4 * width,
-                4 * width,
-            ]);
-            if b == 0 {
-                sizes.extend([inp * 4 * width, 4 * width, 4 * width]);
-            }
-            inp = 4 * width;
-        }
-    }
-    sizes.extend([2048 * 1000, 1000]);
-    sizes
-}
 
 fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(|a, b| a.total_cmp(b));
@@ -178,7 +153,7 @@ fn bench(k: &Kolo, quick: bool) -> anyhow::Result<Vec<(String, f64, f64)>> {
         if quick { 50 } else { 500 },
     )?;
     scenario("(2) 1000 x 256 floats, async".into(), vec![256; 1000], reps)?;
-    let mut resnet = resnet50_sizes();
+    let mut resnet = common::resnet50_sizes();
     resnet.reverse();
     scenario(
         "(3) ResNet-50 set, 161 tensors, reverse order".into(),
@@ -187,14 +162,6 @@ fn bench(k: &Kolo, quick: bool) -> anyhow::Result<Vec<(String, f64, f64)>> {
     )?;
     scenario("(4) one 64 MiB tensor".into(), vec![16 << 20], reps)?;
     Ok(rows)
-}
-
-fn fmt_time(s: f64) -> String {
-    if s < 1e-3 {
-        format!("{:.1} us", s * 1e6)
-    } else {
-        format!("{:.2} ms", s * 1e3)
-    }
 }
 
 fn worker(quick: bool) -> anyhow::Result<()> {
@@ -212,8 +179,8 @@ fn worker(quick: bool) -> anyhow::Result<()> {
         for (s, kolo, raw) in &rows {
             println!(
                 "{s:<52} {:>11} {:>11} {:>7.2}",
-                fmt_time(*kolo),
-                fmt_time(*raw),
+                common::fmt_time(*kolo),
+                common::fmt_time(*raw),
                 kolo / raw
             );
         }

@@ -7,7 +7,7 @@ use half::{bf16, f16};
 
 use super::fusion::FusionBuffer;
 use super::negotiate::Ready;
-use super::request::{OpKind, RequestMeta};
+use super::request::{OpKind, RequestMeta, TensorMeta};
 use crate::error::{Error, Result};
 use crate::handle::Output;
 use crate::ops::{AlltoallOutput, ReduceOp};
@@ -120,20 +120,27 @@ fn grouped_allreduce(
         .collect()
 }
 
-pub(super) fn row_len(shape: &[usize]) -> usize {
+fn row_len(shape: &[usize]) -> usize {
     shape.iter().skip(1).product()
 }
 
-fn allgather(t: &mut dyn Transport, tensor: &Tensor, ready: &Ready) -> Result<Tensor> {
+/// An allgather's element count per rank and output shape (dim 0 may differ per
+/// rank; a joined rank contributes nothing).
+pub(super) fn allgather_layout(ready: &Ready, shape: &[usize]) -> (Vec<usize>, Vec<usize>) {
     let dims0: Vec<usize> = ready
         .metas
         .iter()
         .map(|m| m.as_ref().map_or(0, |m| m.tensors[0].shape[0]))
         .collect();
-    let row = row_len(tensor.shape());
-    let counts: Vec<usize> = dims0.iter().map(|d| d * row).collect();
-    let mut shape = tensor.shape().to_vec();
-    shape[0] = dims0.iter().sum();
+    let row = row_len(shape);
+    let counts = dims0.iter().map(|d| d * row).collect();
+    let mut out = shape.to_vec();
+    out[0] = dims0.iter().sum();
+    (counts, out)
+}
+
+fn allgather(t: &mut dyn Transport, tensor: &Tensor, ready: &Ready) -> Result<Tensor> {
+    let (counts, shape) = allgather_layout(ready, tensor.shape());
     let mut out = Tensor::zeros(tensor.dtype(), &shape);
     if !out.is_empty() {
         t.allgatherv(
@@ -147,19 +154,27 @@ fn allgather(t: &mut dyn Transport, tensor: &Tensor, ready: &Ready) -> Result<Te
 }
 
 /// Rows rank `r` sends to each rank: its splits, or dim 0 divided equally.
-pub(super) fn send_splits(meta: &RequestMeta, size: usize) -> Vec<usize> {
+fn send_splits(meta: &RequestMeta, size: usize) -> Vec<usize> {
     meta.splits
         .clone()
         .unwrap_or_else(|| vec![meta.tensors[0].shape[0] / size; size])
 }
 
-fn alltoall(t: &mut dyn Transport, tensor: &Tensor, ready: &Ready) -> Result<AlltoallOutput> {
+/// What this rank sends to and receives from each rank in an alltoall.
+pub(super) struct AlltoallLayout {
+    pub(super) send_counts: Vec<usize>,
+    pub(super) recv_counts: Vec<usize>,
+    pub(super) recv_rows: Vec<usize>,
+    pub(super) shape: Vec<usize>,
+}
+
+/// Element counts and output shape of rank `me`'s alltoall of a tensor of `shape`.
+pub(super) fn alltoall_layout(ready: &Ready, me: usize, shape: &[usize]) -> Result<AlltoallLayout> {
     let size = ready.metas.len();
-    let me = t.topology().rank;
     let mine = ready.metas[me]
         .as_ref()
         .ok_or_else(|| Error::Internal("alltoall on a rank without a request".into()))?;
-    let row = row_len(tensor.shape());
+    let row = row_len(shape);
     let send_rows = send_splits(mine, size);
     let mut recv_rows = Vec::with_capacity(size);
     for m in &ready.metas {
@@ -168,21 +183,29 @@ fn alltoall(t: &mut dyn Transport, tensor: &Tensor, ready: &Ready) -> Result<All
             .ok_or_else(|| Error::Internal("alltoall with a joined rank".into()))?;
         recv_rows.push(send_splits(m, size)[me]);
     }
-    let mut shape = tensor.shape().to_vec();
-    shape[0] = recv_rows.iter().sum();
-    let mut out = Tensor::zeros(tensor.dtype(), &shape);
-    let send_counts: Vec<usize> = send_rows.iter().map(|r| r * row).collect();
-    let recv_counts: Vec<usize> = recv_rows.iter().map(|r| r * row).collect();
+    let mut out = shape.to_vec();
+    out[0] = recv_rows.iter().sum();
+    Ok(AlltoallLayout {
+        send_counts: send_rows.iter().map(|r| r * row).collect(),
+        recv_counts: recv_rows.iter().map(|r| r * row).collect(),
+        recv_rows,
+        shape: out,
+    })
+}
+
+fn alltoall(t: &mut dyn Transport, tensor: &Tensor, ready: &Ready) -> Result<AlltoallOutput> {
+    let l = alltoall_layout(ready, t.topology().rank, tensor.shape())?;
+    let mut out = Tensor::zeros(tensor.dtype(), &l.shape);
     t.alltoallv(
         tensor.host_bytes(),
-        &send_counts,
+        &l.send_counts,
         out.host_bytes_mut(),
-        &recv_counts,
+        &l.recv_counts,
         tensor.dtype(),
     )?;
     Ok(AlltoallOutput {
         tensor: out,
-        received_splits: recv_rows,
+        received_splits: l.recv_rows,
     })
 }
 
@@ -202,19 +225,7 @@ pub(crate) fn run_fused(
     };
     let meta = first.first().clone();
     let dtype = meta.tensors[0].dtype;
-    let mut tensors = Vec::with_capacity(members.len());
-    let mut local = Vec::with_capacity(members.len());
-    for (ready, data) in members {
-        local.push(data.is_some());
-        let tensor = match data.and_then(|mut v| v.pop()) {
-            Some(t) => t,
-            None => {
-                let m = &ready.first().tensors[0];
-                Tensor::zeros(m.dtype, &m.shape)
-            }
-        };
-        tensors.push(tensor);
-    }
+    let (mut tensors, local) = fused_inputs(members, |m| Ok(Tensor::zeros(m.dtype, &m.shape)))?;
     let total: usize = tensors.iter().map(Tensor::num_bytes).sum();
     let buf = buffer.bytes_mut(total);
     let mut at = 0;
@@ -245,6 +256,25 @@ pub(crate) fn run_fused(
         copied_out: Instant::now(),
     };
     Ok((outputs, times))
+}
+
+/// The tensors of a fusion batch in order — this rank's, or `zeros` of the agreed
+/// shape where it has none (a joined rank) — and which were this rank's.
+pub(super) fn fused_inputs(
+    members: Vec<(&Ready, Option<Vec<Tensor>>)>,
+    mut zeros: impl FnMut(&TensorMeta) -> Result<Tensor>,
+) -> Result<(Vec<Tensor>, Vec<bool>)> {
+    let mut tensors = Vec::with_capacity(members.len());
+    let mut local = Vec::with_capacity(members.len());
+    for (ready, data) in members {
+        local.push(data.is_some());
+        let tensor = match data.and_then(|mut v| v.pop()) {
+            Some(t) => t,
+            None => zeros(&ready.first().tensors[0])?,
+        };
+        tensors.push(tensor);
+    }
+    Ok((tensors, local))
 }
 
 /// When the phases of a fused allreduce ended, for the timeline.
@@ -317,18 +347,27 @@ pub(crate) fn scatter_rows(d0: usize, size: usize, r: usize) -> usize {
     d0 / size + usize::from(r < d0 % size)
 }
 
+/// A reducescatter's element count per rank and rank `me`'s output shape.
+pub(super) fn reducescatter_layout(
+    shape: &[usize],
+    size: usize,
+    me: usize,
+) -> (Vec<usize>, Vec<usize>) {
+    let row = row_len(shape);
+    let d0 = shape[0];
+    let counts = (0..size).map(|r| scatter_rows(d0, size, r) * row).collect();
+    let mut out = shape.to_vec();
+    out[0] = scatter_rows(d0, size, me);
+    (counts, out)
+}
+
 fn reducescatter(
     t: &mut dyn Transport,
     mut tensor: Tensor,
     meta: &RequestMeta,
     size: usize,
 ) -> Result<Tensor> {
-    let me = t.topology().rank;
-    let row = row_len(tensor.shape());
-    let d0 = tensor.shape()[0];
-    let counts: Vec<usize> = (0..size).map(|r| scatter_rows(d0, size, r) * row).collect();
-    let mut shape = tensor.shape().to_vec();
-    shape[0] = scatter_rows(d0, size, me);
+    let (counts, shape) = reducescatter_layout(tensor.shape(), size, t.topology().rank);
     let mut out = Tensor::zeros(tensor.dtype(), &shape);
     let dtype = tensor.dtype();
     scale_bytes(tensor.host_bytes_mut(), dtype, meta.prescale);

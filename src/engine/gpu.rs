@@ -12,7 +12,9 @@ use std::sync::Arc;
 
 use cudarc::driver::{result as cu, CudaEvent, CudaSlice, CudaStream, DevicePtr};
 
-use super::execute::{post_factor, row_len, scale_bytes, scatter_rows, send_splits};
+use super::execute::{
+    allgather_layout, alltoall_layout, fused_inputs, post_factor, reducescatter_layout, scale_bytes,
+};
 use super::negotiate::Ready;
 use super::request::{OpKind, RequestMeta};
 use crate::device::{self, cuda_err, CudaData};
@@ -287,15 +289,7 @@ impl Gpu {
             }
             OpKind::Allgather => {
                 let tensor = take(&mut inputs)?;
-                let dims0: Vec<usize> = ready
-                    .metas
-                    .iter()
-                    .map(|m| m.as_ref().map_or(0, |m| m.tensors[0].shape[0]))
-                    .collect();
-                let row = row_len(tensor.shape());
-                let counts: Vec<usize> = dims0.iter().map(|d| d * row).collect();
-                let mut shape = tensor.shape().to_vec();
-                shape[0] = dims0.iter().sum();
+                let (counts, shape) = allgather_layout(ready, tensor.shape());
                 let out = empty(&stream, tensor.dtype(), &shape)?;
                 if !out.is_empty() {
                     // SAFETY: `out` holds the sum of `counts`, `tensor` this rank's count.
@@ -308,73 +302,49 @@ impl Gpu {
             }
             OpKind::Alltoall => {
                 let tensor = take(&mut inputs)?;
-                let me = nccl.rank();
-                let mine = ready.metas[me].as_ref().ok_or_else(|| {
-                    Error::Internal("alltoall on a rank without a request".into())
-                })?;
-                let row = row_len(tensor.shape());
-                let send_rows = send_splits(mine, size);
-                let mut recv_rows = Vec::with_capacity(size);
-                for m in &ready.metas {
-                    let m = m
-                        .as_ref()
-                        .ok_or_else(|| Error::Internal("alltoall with a joined rank".into()))?;
-                    recv_rows.push(send_splits(m, size)[me]);
-                }
-                let mut shape = tensor.shape().to_vec();
-                shape[0] = recv_rows.iter().sum();
-                let out = empty(&stream, tensor.dtype(), &shape)?;
-                let sc: Vec<usize> = send_rows.iter().map(|r| r * row).collect();
-                let rc: Vec<usize> = recv_rows.iter().map(|r| r * row).collect();
+                let l = alltoall_layout(ready, nccl.rank(), tensor.shape())?;
+                let out = empty(&stream, tensor.dtype(), &l.shape)?;
                 // SAFETY: the buffers hold the sums of their counts.
                 unsafe {
-                    nccl.alltoallv(ptr_of(&tensor)?, &sc, ptr_of(&out)?, &rc, tensor.dtype())
+                    nccl.alltoallv(
+                        ptr_of(&tensor)?,
+                        &l.send_counts,
+                        ptr_of(&out)?,
+                        &l.recv_counts,
+                        tensor.dtype(),
+                    )
                 }?;
                 keep.push(tensor);
                 Ok(Output::Alltoall(AlltoallOutput {
                     tensor: out,
-                    received_splits: recv_rows,
+                    received_splits: l.recv_rows,
                 }))
             }
             OpKind::Reducescatter => {
                 let mut tensor = take(&mut inputs)?;
-                let me = nccl.rank();
-                let row = row_len(tensor.shape());
-                let d0 = tensor.shape()[0];
-                let counts: Vec<usize> =
-                    (0..size).map(|r| scatter_rows(d0, size, r) * row).collect();
-                let mut shape = tensor.shape().to_vec();
-                shape[0] = scatter_rows(d0, size, me);
+                let (counts, shape) = reducescatter_layout(tensor.shape(), size, nccl.rank());
                 let mut out = empty(&stream, tensor.dtype(), &shape)?;
                 let dtype = tensor.dtype();
+                // NCCL applies both factors when it can; otherwise the host does.
                 let total = first.prescale * post_factor(first, size);
-                if can_scale(dtype, first.op, total) {
-                    // SAFETY: as for allgather.
-                    unsafe {
-                        nccl.reduce_scatter(
-                            ptr_of(&tensor)?,
-                            ptr_of(&out)?,
-                            &counts,
-                            dtype,
-                            first.op,
-                            total,
-                        )
-                    }?;
+                let (in_nccl, pre, post) = if can_scale(dtype, first.op, total) {
+                    (total, 1.0, 1.0)
                 } else {
-                    scale_on_host(&stream, &mut tensor, first.prescale)?;
-                    // SAFETY: as for allgather.
-                    unsafe {
-                        nccl.reduce_scatter(
-                            ptr_of(&tensor)?,
-                            ptr_of(&out)?,
-                            &counts,
-                            dtype,
-                            first.op,
-                            1.0,
-                        )
-                    }?;
-                    scale_on_host(&stream, &mut out, post_factor(first, size))?;
-                }
+                    (1.0, first.prescale, post_factor(first, size))
+                };
+                scale_on_host(&stream, &mut tensor, pre)?;
+                // SAFETY: as for allgather.
+                unsafe {
+                    nccl.reduce_scatter(
+                        ptr_of(&tensor)?,
+                        ptr_of(&out)?,
+                        &counts,
+                        dtype,
+                        first.op,
+                        in_nccl,
+                    )
+                }?;
+                scale_on_host(&stream, &mut out, post)?;
                 keep.push(tensor);
                 Ok(Output::Tensor(out))
             }
@@ -405,19 +375,7 @@ impl Gpu {
         let stream = nccl.stream().clone();
         let size = nccl.size();
         let dtype = meta.tensors[0].dtype;
-        let mut tensors = Vec::with_capacity(members.len());
-        let mut mine = Vec::with_capacity(members.len());
-        for (ready, data) in members {
-            mine.push(data.is_some());
-            let t = match data.and_then(|mut v| v.pop()) {
-                Some(t) => t,
-                None => {
-                    let m = &ready.first().tensors[0];
-                    zeros(&stream, m.dtype, &m.shape)?
-                }
-            };
-            tensors.push(t);
-        }
+        let (tensors, mine) = fused_inputs(members, |m| zeros(&stream, m.dtype, &m.shape))?;
         order_after(&stream, &tensors)?;
         let ptrs = tensors.iter().map(ptr_of).collect::<Result<Vec<_>>>()?;
         let total: usize = tensors.iter().map(Tensor::num_bytes).sum();
