@@ -39,6 +39,22 @@ fn raw_barrier() {
     unsafe { ffi::MPI_Barrier(world()) };
 }
 
+/// MPI_Allgather of f32s: `out` holds `send.len()` elements per rank.
+fn raw_allgather(send: &[f32], out: &mut [f32]) {
+    // SAFETY: `send` and `out` are valid for the counts passed.
+    unsafe {
+        ffi::MPI_Allgather(
+            send.as_ptr().cast(),
+            send.len() as i32,
+            ffi::RSMPI_FLOAT,
+            out.as_mut_ptr().cast(),
+            send.len() as i32,
+            ffi::RSMPI_FLOAT,
+            world(),
+        );
+    }
+}
+
 /// MPI_Allreduce(SUM) of f32s, in place or out of place.
 fn raw_allreduce(buf: &mut [f32], in_place: bool, scratch: &mut Vec<f32>) {
     // SAFETY: buffers are valid for `buf.len()` f32s for the duration of the call.
@@ -292,6 +308,38 @@ fn bench(k: &Kolo, quick: bool, only: Option<u32>) -> anyhow::Result<Vec<Row>> {
                 },
             });
         }
+    }
+
+    // 6. 1000 small allgathers (64 f32 per rank each) submitted async, then waited;
+    // kolo fuses them into a few MPI_Allgatherv calls. Inputs built outside the timing.
+    if run(6) {
+        let size = k.size();
+        let data: Vec<Vec<f32>> = (0..1000).map(|i| vec![i as f32; 64]).collect();
+        let tensors = || {
+            data.iter()
+                .map(|d| Tensor::from_vec(d.clone(), &[1, d.len()]).expect("tensor"))
+                .collect::<Vec<_>>()
+        };
+        let mut kolo_ag = time_with(reps, 2, tensors, |ts| {
+            let hs: Vec<_> = ts
+                .into_iter()
+                .enumerate()
+                .map(|(i, t)| k.allgather(format!("ag.{i}"), t).submit().expect("submit"))
+                .collect();
+            hs.into_iter().for_each(|h| drop(h.wait().expect("wait")));
+        });
+        let mut out = vec![0f32; 64 * size];
+        let mut raw_ag = time(reps, 2, || {
+            for d in &data {
+                raw_allgather(d, &mut out);
+            }
+        });
+        rows.push(Row {
+            scenario: "6. 1000 x 64 f32 allgather, async".into(),
+            kolo: median(&mut kolo_ag),
+            raw: median(&mut raw_ag),
+            raw_label: "per-tensor MPI_Allgather loop",
+        });
     }
 
     // 5. Engine CPU: idle, and waiting for a rank that sleeps 2 s.

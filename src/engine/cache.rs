@@ -7,6 +7,11 @@
 //! in which no rank has anything else to say is one bitwise-AND allreduce of the bit
 //! vectors: the bits set everywhere are ready, in slot order.
 //!
+//! A slot holds every rank's request, so ops whose requests differ per rank (allgather's
+//! dim 0, alltoall's splits) are cached too: a rank announces a slot only when its own
+//! request equals the one it sent last time, so a slot set on every rank means every
+//! rank's request is unchanged.
+//!
 //! A request for a cached name with a different shape, dtype or op is sent in full,
 //! which invalidates the slot on every rank (the same message reaches all of them).
 //! When the cache is full the least recently used slot is evicted; any request still
@@ -19,8 +24,14 @@ use super::request::{OpKind, RequestMeta};
 
 #[derive(Debug)]
 struct Slot {
-    meta: Arc<RequestMeta>,
+    /// Every rank's request, as the response had them.
+    metas: Vec<Option<Arc<RequestMeta>>>,
     last_used: u64,
+}
+
+/// The negotiation key of a response's requests.
+fn key_of(metas: &[Option<Arc<RequestMeta>>]) -> Option<&str> {
+    metas.iter().flatten().next().map(|m| m.key.as_str())
 }
 
 /// The cache; see the module docs.
@@ -53,8 +64,8 @@ impl ResponseCache {
         self.capacity > 0
     }
 
-    /// Whether requests of this kind can be cached: those whose request is the same on
-    /// every rank (allgather and alltoall differ per rank in dim 0 or splits).
+    /// Whether requests of this kind can be cached: every collective on tensors (join
+    /// and barrier are not per-name work).
     pub(crate) fn cacheable(kind: OpKind) -> bool {
         matches!(
             kind,
@@ -62,14 +73,17 @@ impl ResponseCache {
                 | OpKind::GroupedAllreduce
                 | OpKind::Broadcast
                 | OpKind::Reducescatter
+                | OpKind::Allgather
+                | OpKind::Alltoall
         )
     }
 
-    /// The slot of an identical cached request.
-    pub(crate) fn lookup(&self, meta: &RequestMeta) -> Option<usize> {
+    /// The slot whose request from `rank` is identical to `meta`.
+    pub(crate) fn lookup(&self, meta: &RequestMeta, rank: usize) -> Option<usize> {
         let slot = *self.by_key.get(&meta.key)?;
         let cached = self.slots.get(slot)?.as_ref()?;
-        (*cached.meta == *meta).then_some(slot)
+        let mine = cached.metas.get(rank)?.as_deref()?;
+        (*mine == *meta).then_some(slot)
     }
 
     /// The slot cached under `key`, whatever its request.
@@ -78,8 +92,9 @@ impl ResponseCache {
         self.by_key.get(key).copied()
     }
 
-    pub(crate) fn meta(&self, slot: usize) -> Option<&Arc<RequestMeta>> {
-        self.slots.get(slot)?.as_ref().map(|s| &s.meta)
+    /// Every rank's request cached in `slot`.
+    pub(crate) fn metas(&self, slot: usize) -> Option<&[Option<Arc<RequestMeta>>]> {
+        self.slots.get(slot)?.as_ref().map(|s| s.metas.as_slice())
     }
 
     /// Marks a slot as used by this cycle.
@@ -99,9 +114,11 @@ impl ResponseCache {
         Some(slot)
     }
 
-    /// Caches a request that just ran; returns the slot that was evicted for it, if any.
-    pub(crate) fn insert(&mut self, meta: Arc<RequestMeta>) -> Option<usize> {
-        if !self.enabled() || self.by_key.contains_key(&meta.key) {
+    /// Caches a response that just ran (every rank's request); returns the slot that
+    /// was evicted for it, if any.
+    pub(crate) fn insert(&mut self, metas: Vec<Option<Arc<RequestMeta>>>) -> Option<usize> {
+        let key = key_of(&metas)?.to_string();
+        if !self.enabled() || self.by_key.contains_key(&key) {
             return None;
         }
         self.clock += 1;
@@ -119,7 +136,9 @@ impl ResponseCache {
                 .min()
                 .map_or(0, |(_, i)| i);
             if let Some(old) = self.slots[lru].take() {
-                self.by_key.remove(&old.meta.key);
+                if let Some(k) = key_of(&old.metas) {
+                    self.by_key.remove(k);
+                }
                 if !self.evictions_logged {
                     self.evictions_logged = true;
                     tracing::warn!(
@@ -131,9 +150,9 @@ impl ResponseCache {
             }
             (lru, Some(lru))
         };
-        self.by_key.insert(meta.key.clone(), slot);
+        self.by_key.insert(key, slot);
         self.slots[slot] = Some(Slot {
-            meta,
+            metas,
             last_used: self.clock,
         });
         evicted
@@ -166,37 +185,61 @@ mod tests {
         RequestMeta::for_test(key, OpKind::Allreduce, DType::F32, &[len], ReduceOp::Sum)
     }
 
+    /// One rank's response of `meta`.
+    fn one(m: RequestMeta) -> Vec<Option<Arc<RequestMeta>>> {
+        vec![Some(Arc::new(m))]
+    }
+
     #[test]
     fn hits_only_identical_requests() {
         let mut c = ResponseCache::new(4);
-        assert_eq!(c.insert(Arc::new(meta("a", 3))), None);
-        assert_eq!(c.lookup(&meta("a", 3)), Some(0));
-        assert_eq!(c.lookup(&meta("a", 4)), None);
+        assert_eq!(c.insert(one(meta("a", 3))), None);
+        assert_eq!(c.lookup(&meta("a", 3), 0), Some(0));
+        assert_eq!(c.lookup(&meta("a", 4), 0), None);
         assert_eq!(c.slot_of("a"), Some(0));
         assert_eq!(c.invalidate("a"), Some(0));
-        assert_eq!(c.lookup(&meta("a", 3)), None);
-        assert_eq!(c.insert(Arc::new(meta("b", 1))), None);
+        assert_eq!(c.lookup(&meta("a", 3), 0), None);
+        assert_eq!(c.insert(one(meta("b", 1))), None);
         assert_eq!(c.slot_of("b"), Some(0), "freed slots are reused");
     }
 
     #[test]
     fn evicts_the_least_recently_used() {
         let mut c = ResponseCache::new(2);
-        c.insert(Arc::new(meta("a", 1)));
-        c.insert(Arc::new(meta("b", 1)));
+        c.insert(one(meta("a", 1)));
+        c.insert(one(meta("b", 1)));
         c.touch(0);
-        assert_eq!(c.insert(Arc::new(meta("c", 1))), Some(1));
-        assert_eq!(c.lookup(&meta("b", 1)), None);
-        assert_eq!(c.lookup(&meta("c", 1)), Some(1));
-        assert_eq!(c.lookup(&meta("a", 1)), Some(0));
+        assert_eq!(c.insert(one(meta("c", 1))), Some(1));
+        assert_eq!(c.lookup(&meta("b", 1), 0), None);
+        assert_eq!(c.lookup(&meta("c", 1), 0), Some(1));
+        assert_eq!(c.lookup(&meta("a", 1), 0), Some(0));
     }
 
     #[test]
     fn disabled_cache_stores_nothing() {
         let mut c = ResponseCache::new(0);
-        assert_eq!(c.insert(Arc::new(meta("a", 1))), None);
-        assert_eq!(c.lookup(&meta("a", 1)), None);
+        assert_eq!(c.insert(one(meta("a", 1))), None);
+        assert_eq!(c.lookup(&meta("a", 1), 0), None);
         assert_eq!(c.words(), 0);
+    }
+
+    #[test]
+    fn per_rank_requests_hit_only_for_their_own_rank() {
+        let g = |rows: usize| {
+            RequestMeta::for_test(
+                "g",
+                OpKind::Allgather,
+                DType::F32,
+                &[rows, 2],
+                ReduceOp::Sum,
+            )
+        };
+        let mut c = ResponseCache::new(4);
+        c.insert(vec![Some(Arc::new(g(1))), Some(Arc::new(g(3)))]);
+        assert_eq!(c.lookup(&g(1), 0), Some(0));
+        assert_eq!(c.lookup(&g(3), 1), Some(0));
+        assert_eq!(c.lookup(&g(3), 0), None, "rank 0 sent 1 row last time");
+        assert_eq!(c.metas(0).map(<[_]>::len), Some(2));
     }
 
     #[test]

@@ -277,7 +277,70 @@ pub(super) fn fused_inputs(
     Ok((tensors, local))
 }
 
-/// When the phases of a fused allreduce ended, for the timeline.
+/// Gathers several ready allgathers (same dtype, every rank taking part) in one
+/// MPI_Allgatherv: each rank packs its tensors into the fusion buffer, the gathered
+/// blocks arrive rank by rank, and are cut back out per tensor.
+pub(crate) fn run_fused_allgather(
+    t: &mut dyn Transport,
+    members: Vec<(&Ready, Option<Vec<Tensor>>)>,
+    buffer: &mut FusionBuffer,
+) -> Result<(Vec<Option<Tensor>>, FusedTimes)> {
+    let start = Instant::now();
+    let size = t.topology().size;
+    let mut layouts = Vec::with_capacity(members.len());
+    let mut inputs = Vec::with_capacity(members.len());
+    for (ready, data) in members {
+        let local = data.and_then(|mut v| v.pop()).ok_or_else(|| {
+            Error::Internal(format!("fused allgather {:?} without a tensor", ready.key))
+        })?;
+        layouts.push(allgather_layout(ready, local.shape()));
+        inputs.push(local);
+    }
+    let Some(dtype) = inputs.first().map(Tensor::dtype) else {
+        return Ok((Vec::new(), FusedTimes::at(start)));
+    };
+    let w = dtype.size_of();
+    let per_rank: Vec<usize> = (0..size)
+        .map(|r| layouts.iter().map(|(counts, _)| counts[r]).sum())
+        .collect();
+    let send_len: usize = inputs.iter().map(Tensor::len).sum();
+    let recv_len: usize = per_rank.iter().sum();
+    let buf = buffer.bytes_mut((send_len + recv_len) * w);
+    let (send, recv) = buf.split_at_mut(send_len * w);
+    let mut at = 0;
+    for x in &inputs {
+        let n = x.num_bytes();
+        send[at..at + n].copy_from_slice(x.host_bytes());
+        at += n;
+    }
+    let copied_in = Instant::now();
+    t.allgatherv(send, recv, &per_rank, dtype)?;
+    let reduced = Instant::now();
+    let mut outputs: Vec<Tensor> = layouts
+        .iter()
+        .map(|(_, shape)| Tensor::zeros(dtype, shape))
+        .collect();
+    let mut filled = vec![0usize; outputs.len()];
+    let mut at = 0;
+    for r in 0..size {
+        for (i, (counts, _)) in layouts.iter().enumerate() {
+            let n = counts[r] * w;
+            outputs[i].host_bytes_mut()[filled[i]..filled[i] + n]
+                .copy_from_slice(&recv[at..at + n]);
+            filled[i] += n;
+            at += n;
+        }
+    }
+    let times = FusedTimes {
+        start,
+        copied_in,
+        reduced,
+        copied_out: Instant::now(),
+    };
+    Ok((outputs.into_iter().map(Some).collect(), times))
+}
+
+/// When the phases of a fused collective ended, for the timeline.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct FusedTimes {
     pub(crate) start: Instant,

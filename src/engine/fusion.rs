@@ -14,13 +14,15 @@ use crate::tensor::DType;
 pub(crate) enum Step {
     /// Run response `i` on its own (in place for an allreduce).
     Single(usize),
-    /// Reduce these allreduce responses together in the fusion buffer.
+    /// Run these responses (all allreduces, or all allgathers) as one collective
+    /// through the fusion buffer.
     Fused(Vec<usize>),
 }
 
-/// What must agree for two allreduces to share a buffer.
+/// What must agree for two responses to share a buffer.
 #[derive(Debug, PartialEq)]
 struct FuseKey {
+    kind: OpKind,
     device: Device,
     dtype: DType,
     op: ReduceOp,
@@ -38,24 +40,35 @@ pub(crate) const MAX_FUSED_TENSOR_BYTES: usize = 64 << 10;
 
 fn fuse_key(r: &Response) -> Option<(FuseKey, usize)> {
     let Response::Run(ready) = r else { return None };
-    if ready.kind != OpKind::Allreduce {
-        return None;
-    }
     let m = ready.first();
     let t = m.tensors.first()?;
-    let len: usize = t.shape.iter().product();
-    if len * t.dtype.size_of() > MAX_FUSED_TENSOR_BYTES {
+    let bytes = match ready.kind {
+        OpKind::Allreduce => t.shape.iter().product::<usize>() * t.dtype.size_of(),
+        // Allgathers fuse by their gathered size, on the CPU (MPI) path only, and only
+        // when every rank takes part (with a joined rank they fail anyway).
+        OpKind::Allgather if m.device == Device::Cpu => {
+            let row: usize = t.shape.iter().skip(1).product();
+            let mut rows = 0;
+            for meta in &ready.metas {
+                rows += meta.as_ref()?.tensors.first()?.shape.first()?;
+            }
+            rows * row * t.dtype.size_of()
+        }
+        _ => return None,
+    };
+    if bytes > MAX_FUSED_TENSOR_BYTES {
         return None;
     }
     Some((
         FuseKey {
+            kind: ready.kind,
             device: m.device,
             dtype: t.dtype,
             op: m.op,
             prescale: m.prescale.to_bits(),
             postscale: m.postscale.to_bits(),
         },
-        len * t.dtype.size_of(),
+        bytes,
     ))
 }
 
@@ -151,6 +164,62 @@ mod tests {
         assert_eq!(
             plan(&rs, 0),
             vec![Step::Single(0), Step::Single(1), Step::Single(2)]
+        );
+    }
+
+    /// An allgather whose ranks contribute `rows[r]` rows of 4 f32.
+    fn allgather(key: &str, rows: &[usize]) -> Response {
+        let metas = rows
+            .iter()
+            .map(|&n| {
+                let m = RequestMeta::for_test(
+                    key,
+                    OpKind::Allgather,
+                    DType::F32,
+                    &[n, 4],
+                    ReduceOp::Sum,
+                );
+                Some(std::sync::Arc::new(m))
+            })
+            .collect();
+        Response::Run(Ready {
+            key: key.into(),
+            kind: OpKind::Allgather,
+            metas,
+        })
+    }
+
+    #[test]
+    fn allgathers_fuse_with_each_other_by_gathered_size_not_with_allreduces() {
+        let rs = vec![
+            allgather("g1", &[1, 2]),
+            allreduce("a", 12, DType::F32, ReduceOp::Sum),
+            allgather("g2", &[0, 3]),
+            allreduce("b", 12, DType::F32, ReduceOp::Sum),
+            allgather("g3", &[4, 0]),
+        ];
+        // Gathered sizes: 48, 48 and 64 bytes.
+        assert_eq!(
+            plan(&rs, 1 << 20),
+            vec![Step::Fused(vec![0, 2, 4]), Step::Fused(vec![1, 3])]
+        );
+        assert_eq!(
+            plan(&rs, 100),
+            vec![
+                Step::Fused(vec![0, 2]),
+                Step::Fused(vec![1, 3]),
+                Step::Single(4)
+            ]
+        );
+        // A rank that did not submit (joined): never fused.
+        let Response::Run(mut joined) = allgather("j", &[1, 1]) else {
+            unreachable!()
+        };
+        joined.metas[1] = None;
+        let joined = Response::Run(joined);
+        assert_eq!(
+            plan(&[allgather("g", &[1, 1]), joined], 1 << 20),
+            vec![Step::Single(0), Step::Single(1)]
         );
     }
 

@@ -487,18 +487,17 @@ impl Engine {
         let now = Instant::now();
         let mut responses = Vec::with_capacity(cached_ready.len());
         for slot in cached_ready {
-            let Some(meta) = self.cache.meta(slot).cloned() else {
+            let Some((metas, key, kind)) = self.cache.metas(slot).and_then(|metas| {
+                let first = metas.iter().flatten().next()?;
+                Some((metas.to_vec(), first.key.clone(), first.kind))
+            }) else {
                 return Err(Error::Internal(format!(
                     "cache slot {slot} agreed but empty"
                 )));
             };
             self.cache.touch(slot);
             self.inbox.announced.remove(&slot);
-            responses.push(Response::Run(negotiate::Ready {
-                key: meta.key.clone(),
-                kind: meta.kind,
-                metas: vec![Some(meta); self.negotiator.size()],
-            }));
+            responses.push(Response::Run(negotiate::Ready { key, kind, metas }));
         }
         let mut stale = Vec::new();
         if !msgs.is_empty() {
@@ -529,7 +528,7 @@ impl Engine {
                     for r in &negotiated {
                         if let Response::Run(ready) = r {
                             if cache_new && ResponseCache::cacheable(ready.kind) {
-                                if let Some(slot) = self.cache.insert(ready.first().clone()) {
+                                if let Some(slot) = self.cache.insert(ready.metas.clone()) {
                                     stale.push(slot);
                                 }
                             }
@@ -632,7 +631,7 @@ impl Engine {
         for key in outgoing {
             let slot = self.inbox.pending.get(&key).and_then(|r| {
                 ResponseCache::cacheable(r.meta.kind)
-                    .then(|| self.cache.lookup(&r.meta))
+                    .then(|| self.cache.lookup(&r.meta, self.inbox.rank))
                     .flatten()
             });
             match slot {

@@ -89,11 +89,6 @@ impl Negotiator {
         !self.table.is_empty() || self.joined.iter().any(|&j| j)
     }
 
-    /// The number of ranks.
-    pub(crate) fn size(&self) -> usize {
-        self.size
-    }
-
     /// Whether some rank has joined and not every rank has yet.
     pub(crate) fn any_joined(&self) -> bool {
         self.joined.iter().any(|&j| j)

@@ -110,7 +110,8 @@ impl Engine {
         }
     }
 
-    /// Runs a fusion batch (every member is a ready allreduce) in one collective.
+    /// Runs a fusion batch (all ready allreduces, or all ready allgathers) in one
+    /// collective.
     pub(super) fn respond_fused(&mut self, members: Vec<Response>) {
         let mut readies = Vec::with_capacity(members.len());
         let mut locals = Vec::with_capacity(members.len());
@@ -162,7 +163,15 @@ impl Engine {
                 }
             }
         }
-        tracing::debug!(tensors = inputs.len(), "fused allreduce");
+        let kind = readies
+            .first()
+            .map_or(request::OpKind::Allreduce, |r| r.kind);
+        let (name, phase): (&'static str, &str) = if kind == request::OpKind::Allgather {
+            ("fused allgather", "ALLGATHER")
+        } else {
+            ("fused allreduce", "ALLREDUCE")
+        };
+        tracing::debug!(tensors = inputs.len(), "{name}");
         // Built only when tracing: it allocates per tensor.
         let keys: Vec<(String, serde_json::Value)> = if self.timeline.enabled() {
             inputs
@@ -173,7 +182,12 @@ impl Engine {
             Vec::new()
         };
         self.simulate_collective_cost();
-        match execute::run_fused(&mut self.transport, inputs, &mut self.fusion_buffer) {
+        let result = if kind == request::OpKind::Allgather {
+            execute::run_fused_allgather(&mut self.transport, inputs, &mut self.fusion_buffer)
+        } else {
+            execute::run_fused(&mut self.transport, inputs, &mut self.fusion_buffer)
+        };
+        match result {
             Ok((outputs, times)) => {
                 if self.timeline.enabled() {
                     for (key, args) in &keys {
@@ -185,7 +199,7 @@ impl Engine {
                             args,
                         );
                         self.timeline
-                            .span(key, "ALLREDUCE", times.copied_in, times.reduced, args);
+                            .span(key, phase, times.copied_in, times.reduced, args);
                         self.timeline.span(
                             key,
                             "MEMCPY_OUT_FUSION_BUFFER",
@@ -205,7 +219,7 @@ impl Engine {
                 let message = e.to_string();
                 for done in dones.into_iter().flatten() {
                     done.complete(Err(Error::Transport {
-                        call: "fused allreduce",
+                        call: name,
                         message: message.clone(),
                     }));
                 }

@@ -130,3 +130,90 @@ pub(crate) fn large_sums(k: &Kolo) -> Result<()> {
     }
     Ok(())
 }
+
+/// Many small async allgathers whose dim 0 differs per rank (sometimes 0), two dtypes,
+/// submitted in a per-rank shuffled order; every gathered row is checked. Run with
+/// fusion on (they share one MPI_Allgatherv) and off, and with the response cache
+/// (which stores every rank's request): odd-numbered tensors change their dim 0 every
+/// round, so cached entries are hit and invalidated.
+pub(crate) fn allgather_async(k: &Kolo) -> Result<()> {
+    let (rank, size) = (k.rank(), k.size());
+    let value =
+        |r: usize, i: usize, row: usize, col: usize| (r * 1000 + i * 10 + row * 4 + col) as f64;
+    for round in 0..4 {
+        let rows = move |r: usize, i: usize| (r + i + round * (i % 2)) % 3;
+        let mut order: Vec<usize> = (0..80).collect();
+        Rng::new(7 + rank as u64 + 100 * round as u64).shuffle(&mut order);
+        let mut handles = Vec::new();
+        for &i in &order {
+            let dtype = if i % 2 == 0 { DType::F32 } else { DType::I32 };
+            let n = rows(rank, i);
+            let v: Vec<f64> = (0..n * 4).map(|e| value(rank, i, e / 4, e % 4)).collect();
+            let h = k
+                .allgather(format!("ag.{i}"), tensor(dtype, &v, &[n, 4])?)
+                .submit()?;
+            handles.push((i, dtype, h));
+        }
+        for (i, dtype, h) in handles {
+            let out = h.wait()?;
+            let want: Vec<f64> = (0..size)
+                .flat_map(|r| (0..rows(r, i) * 4).map(move |e| value(r, i, e / 4, e % 4)))
+                .collect();
+            ensure!(
+                out.dtype() == dtype && out.shape() == [want.len() / 4, 4],
+                "ag.{i}: {:?} {:?}",
+                out.dtype(),
+                out.shape()
+            );
+            assert_close(&format!("ag.{i}"), dtype, &to_f64(&out)?, &want)?;
+        }
+    }
+    Ok(())
+}
+
+/// Repeated alltoalls whose splits differ per rank and, for odd-numbered names, change
+/// every round: the response cache stores each rank's splits; every row is checked.
+pub(crate) fn alltoall_repeated(k: &Kolo) -> Result<()> {
+    let (rank, size) = (k.rank(), k.size());
+    for round in 0..4 {
+        // Rows rank `from` sends to rank `to` for name `j`.
+        let split =
+            move |from: usize, to: usize, j: usize| (from + 2 * to + j + round * (j % 2)) % 3;
+        let mut handles = Vec::new();
+        for j in 0..6 {
+            let splits: Vec<usize> = (0..size).map(|to| split(rank, to, j)).collect();
+            let v: Vec<f64> = (0..size)
+                .flat_map(|to| {
+                    (0..split(rank, to, j)).map(move |row| (rank * 100 + to * 10 + row) as f64)
+                })
+                .collect();
+            let n = v.len();
+            let h = k
+                .alltoall(format!("a2a.{j}"), tensor(DType::I32, &v, &[n, 1])?)
+                .splits(splits)
+                .submit()?;
+            handles.push((j, h));
+        }
+        for (j, h) in handles {
+            let out = h.wait()?;
+            let want: Vec<f64> = (0..size)
+                .flat_map(|from| {
+                    (0..split(from, rank, j)).map(move |row| (from * 100 + rank * 10 + row) as f64)
+                })
+                .collect();
+            let got_splits: Vec<usize> = (0..size).map(|from| split(from, rank, j)).collect();
+            ensure!(
+                out.received_splits == got_splits,
+                "a2a.{j}: splits {:?}",
+                out.received_splits
+            );
+            assert_close(
+                &format!("a2a.{j}"),
+                DType::I32,
+                &to_f64(&out.tensor)?,
+                &want,
+            )?;
+        }
+    }
+    Ok(())
+}
