@@ -39,6 +39,9 @@ fn key_of(metas: &[Option<Arc<RequestMeta>>]) -> Option<&str> {
 pub(crate) struct ResponseCache {
     capacity: usize,
     slots: Vec<Option<Slot>>,
+    /// Slots emptied by invalidation, reused before the cache grows (the same on every
+    /// rank, since every rank invalidates the same keys in the same order).
+    free: Vec<usize>,
     by_key: FxHashMap<String, usize>,
     clock: u64,
     evictions_logged: bool,
@@ -49,6 +52,7 @@ impl ResponseCache {
         ResponseCache {
             capacity,
             slots: Vec::new(),
+            free: Vec::new(),
             by_key: FxHashMap::default(),
             clock: 0,
             evictions_logged: false,
@@ -110,6 +114,7 @@ impl ResponseCache {
         let slot = self.by_key.remove(key)?;
         if let Some(s) = self.slots.get_mut(slot) {
             *s = None;
+            self.free.push(slot);
         }
         Some(slot)
     }
@@ -122,7 +127,7 @@ impl ResponseCache {
             return None;
         }
         self.clock += 1;
-        let (slot, evicted) = if let Some(free) = self.slots.iter().position(Option::is_none) {
+        let (slot, evicted) = if let Some(free) = self.free.pop() {
             (free, None)
         } else if self.slots.len() < self.capacity {
             self.slots.push(None);
