@@ -46,13 +46,13 @@ impl Slot {
 
 /// Names that are pending on this rank; a name is released right before its handle
 /// completes, so that a caller may reuse it as soon as `wait` returns.
-pub(crate) type PendingNames = Arc<Mutex<FxHashSet<String>>>;
+pub(crate) type PendingNames = Arc<Mutex<FxHashSet<crate::engine::request::Key>>>;
 
 /// The engine's side of a handle. Completing it (or dropping it, which completes it
 /// with an "engine stopped" error) wakes the waiter.
 pub(crate) struct Completer {
     slot: Arc<Slot>,
-    names: Vec<String>,
+    names: Vec<crate::engine::request::Key>,
     pending: PendingNames,
     /// Dropped without completing (the engine stopped): the op and rank for the
     /// "engine stopped" error, built only then.
@@ -77,7 +77,7 @@ impl Completer {
         {
             let mut pending = self.pending.lock().unwrap_or_else(PoisonError::into_inner);
             for n in &self.names {
-                pending.remove(n);
+                pending.remove(&**n);
             }
         }
         let mut state = self.slot.lock();
@@ -103,7 +103,11 @@ impl Drop for Completer {
             let err = Error::EngineStopped {
                 op,
                 // `submit` puts the negotiation key first.
-                name: self.names.first().cloned().unwrap_or_default(),
+                name: self
+                    .names
+                    .first()
+                    .map(|k| k.to_string())
+                    .unwrap_or_default(),
                 rank,
                 reason: "the engine stopped before this op completed".into(),
                 tensors: Vec::new(),
@@ -184,7 +188,7 @@ impl<T> Future for Handle<T> {
 /// Makes a connected handle and completer. `on_drop` (op, rank) names the error the handle gets if
 /// the engine drops the completer without completing it.
 pub(crate) fn pair<T>(
-    names: Vec<String>,
+    names: Vec<crate::engine::request::Key>,
     pending: PendingNames,
     on_drop: (&'static str, usize),
     convert: fn(Output) -> Result<T>,

@@ -90,7 +90,7 @@ impl<'k> AllreduceBuilder<'k> {
     pub fn submit(self) -> Result<Handle<Tensor>> {
         let mut s = Submission::new(
             OpKind::Allreduce,
-            self.name.clone(),
+            &self.name.clone(),
             vec![(self.name, self.tensor)],
         );
         s.op = self.op;
@@ -156,7 +156,7 @@ impl<'k> GroupedAllreduceBuilder<'k> {
     /// Submit-time errors: an empty group, an empty or duplicate name, engine not running.
     pub fn submit(self) -> Result<Handle<Vec<Tensor>>> {
         let key = group_key(&self.tensors);
-        let mut s = Submission::new(OpKind::GroupedAllreduce, key, self.tensors);
+        let mut s = Submission::new(OpKind::GroupedAllreduce, &key, self.tensors);
         s.op = self.op;
         s.prescale = self.prescale;
         s.postscale = self.postscale;
@@ -201,7 +201,7 @@ impl<'k> AllgatherBuilder<'k> {
     pub fn submit(self) -> Result<Handle<Tensor>> {
         let s = Submission::new(
             OpKind::Allgather,
-            self.name.clone(),
+            &self.name.clone(),
             vec![(self.name, self.tensor)],
         );
         self.kolo.submit(s, handle::to_tensor)
@@ -244,7 +244,7 @@ impl<'k> BroadcastBuilder<'k> {
     pub fn submit(self) -> Result<Handle<Tensor>> {
         let mut s = Submission::new(
             OpKind::Broadcast,
-            self.name.clone(),
+            &self.name.clone(),
             vec![(self.name, self.tensor)],
         );
         s.root = self.root;
@@ -296,7 +296,7 @@ impl<'k> AlltoallBuilder<'k> {
     pub fn submit(self) -> Result<Handle<AlltoallOutput>> {
         let mut s = Submission::new(
             OpKind::Alltoall,
-            self.name.clone(),
+            &self.name.clone(),
             vec![(self.name, self.tensor)],
         );
         s.splits = self.splits;
@@ -363,7 +363,7 @@ impl<'k> ReducescatterBuilder<'k> {
     pub fn submit(self) -> Result<Handle<Tensor>> {
         let mut s = Submission::new(
             OpKind::Reducescatter,
-            self.name.clone(),
+            &self.name.clone(),
             vec![(self.name, self.tensor)],
         );
         s.op = self.op;

@@ -345,7 +345,7 @@ impl Kolo {
     /// # Errors
     /// The engine is not running, or a rank left.
     pub fn barrier(&self) -> Result<()> {
-        let s = Submission::new(OpKind::Barrier, request::BARRIER_KEY.into(), Vec::new());
+        let s = Submission::new(OpKind::Barrier, request::BARRIER_KEY, Vec::new());
         self.submit(s, handle::to_unit)?.wait()
     }
 
@@ -358,7 +358,7 @@ impl Kolo {
     /// # Errors
     /// The engine is not running, or a rank left.
     pub fn join(&self) -> Result<usize> {
-        let s = Submission::new(OpKind::Join, request::JOIN_KEY.into(), Vec::new());
+        let s = Submission::new(OpKind::Join, request::JOIN_KEY, Vec::new());
         self.submit(s, handle::to_rank)?.wait()
     }
 
@@ -564,7 +564,7 @@ impl Kolo {
         let op = s.kind.name();
         let invalid = |message: String| Error::InvalidArgument {
             op,
-            name: s.key.clone(),
+            name: s.key.to_string(),
             message,
         };
         if s.key.is_empty() || s.tensors.iter().any(|(n, _)| n.is_empty()) {
@@ -653,11 +653,11 @@ impl Kolo {
         let rank = self.rank();
         let op = s.kind.name();
         // The key first: an "engine stopped" error names it.
-        let mut names: Vec<String> = Vec::with_capacity(s.tensors.len() + 1);
+        let mut names: Vec<request::Key> = Vec::with_capacity(s.tensors.len() + 1);
         names.push(s.key.clone());
         for (n, _) in &s.tensors {
-            if *n != s.key {
-                names.push(n.clone());
+            if **n != *s.key {
+                names.push(request::Key::from(n.as_str()));
             }
         }
         {
@@ -669,7 +669,7 @@ impl Kolo {
             if let Some(dup) = names.iter().find(|n| pending.contains(*n)) {
                 return Err(Error::DuplicateName {
                     op,
-                    name: dup.clone(),
+                    name: dup.to_string(),
                     rank,
                 });
             }
@@ -701,7 +701,7 @@ impl Kolo {
             done.complete(Ok(Output::Unit));
             return Err(Error::EngineStopped {
                 op,
-                name: meta.key,
+                name: meta.key.to_string(),
                 rank,
                 reason: "kolo has been shut down on this rank".into(),
                 tensors,

@@ -20,7 +20,7 @@
 use rustc_hash::FxHashMap;
 use std::sync::Arc;
 
-use super::request::{OpKind, RequestMeta};
+use super::request::{Key, OpKind, RequestMeta};
 
 #[derive(Debug)]
 struct Slot {
@@ -30,8 +30,8 @@ struct Slot {
 }
 
 /// The negotiation key of a response's requests.
-fn key_of(metas: &[Option<Arc<RequestMeta>>]) -> Option<&str> {
-    metas.iter().flatten().next().map(|m| m.key.as_str())
+fn key_of(metas: &[Option<Arc<RequestMeta>>]) -> Option<&Key> {
+    metas.iter().flatten().next().map(|m| &m.key)
 }
 
 /// The cache; see the module docs.
@@ -42,7 +42,7 @@ pub(crate) struct ResponseCache {
     /// Slots emptied by invalidation, reused before the cache grows (the same on every
     /// rank, since every rank invalidates the same keys in the same order).
     free: Vec<usize>,
-    by_key: FxHashMap<String, usize>,
+    by_key: FxHashMap<Key, usize>,
     clock: u64,
     evictions_logged: bool,
 }
@@ -84,7 +84,7 @@ impl ResponseCache {
 
     /// The slot whose request from `rank` is identical to `meta`.
     pub(crate) fn lookup(&self, meta: &RequestMeta, rank: usize) -> Option<usize> {
-        let slot = *self.by_key.get(&meta.key)?;
+        let slot = *self.by_key.get(&*meta.key)?;
         let cached = self.slots.get(slot)?.as_ref()?;
         let mine = cached.metas.get(rank)?.as_deref()?;
         (*mine == *meta).then_some(slot)
@@ -122,8 +122,8 @@ impl ResponseCache {
     /// Caches a response that just ran (every rank's request); returns the slot that
     /// was evicted for it, if any.
     pub(crate) fn insert(&mut self, metas: Vec<Option<Arc<RequestMeta>>>) -> Option<usize> {
-        let key = key_of(&metas)?.to_string();
-        if !self.enabled() || self.by_key.contains_key(&key) {
+        let key = key_of(&metas)?.clone();
+        if !self.enabled() || self.by_key.contains_key(&*key) {
             return None;
         }
         self.clock += 1;
@@ -142,7 +142,7 @@ impl ResponseCache {
                 .map_or(0, |(_, i)| i);
             if let Some(old) = self.slots[lru].take() {
                 if let Some(k) = key_of(&old.metas) {
-                    self.by_key.remove(k);
+                    self.by_key.remove(&**k);
                 }
                 if !self.evictions_logged {
                     self.evictions_logged = true;

@@ -29,7 +29,7 @@ use autotune::{AutotuneChange, AutotuneState, Settings, Tuner};
 use cache::ResponseCache;
 use fusion::{FusionBuffer, Step};
 use negotiate::{Negotiator, Outcome, Response};
-use request::{Command, CycleMsg, Request, RequestMeta};
+use request::{Command, CycleMsg, Key, Request, RequestMeta};
 use stall::StallInspector;
 use timeline::Timeline;
 
@@ -195,12 +195,12 @@ fn allreduce_bytes(r: &Response) -> u64 {
 struct Inbox {
     rx: Receiver<Command>,
     /// Requests by negotiation key, waiting to be negotiated or run.
-    pending: FxHashMap<String, Request>,
+    pending: FxHashMap<Key, Request>,
     /// Keys of the requests to announce in full in the next cycle (their requests are
     /// in `pending`; copied only if they really go out in full).
-    outgoing: Vec<String>,
+    outgoing: Vec<Key>,
     /// Requests announced by their response-cache slot: slot → key.
-    announced: FxHashMap<usize, String>,
+    announced: FxHashMap<usize, Key>,
     shutting_down: bool,
     rank: usize,
     /// Timeline start (Some path) / stop (None) requests, with where to answer.
@@ -278,7 +278,7 @@ impl Inbox {
 fn stopped(meta: &RequestMeta, rank: usize, reason: &str) -> Error {
     Error::EngineStopped {
         op: meta.kind.name(),
-        name: meta.key.clone(),
+        name: meta.key.to_string(),
         rank,
         reason: reason.into(),
         tensors: Vec::new(),
@@ -514,7 +514,7 @@ impl Engine {
                 Outcome::RankLeft(left) => {
                     self.inbox.fail_all(|m| Error::RankLeft {
                         op: m.kind.name(),
-                        name: m.key.clone(),
+                        name: m.key.to_string(),
                         rank: left,
                     });
                     return Ok(Some(left));
@@ -716,7 +716,7 @@ impl Engine {
                 Command::Submit(req) => {
                     let err = Error::RankLeft {
                         op: req.meta.kind.name(),
-                        name: req.meta.key.clone(),
+                        name: req.meta.key.to_string(),
                         rank: left,
                     };
                     req.done.complete(Err(err));

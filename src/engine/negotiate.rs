@@ -12,13 +12,13 @@ use std::fmt::Debug;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use super::request::{CycleMsg, OpKind, RequestMeta};
+use super::request::{CycleMsg, Key, OpKind, RequestMeta};
 use crate::error::Error;
 
 /// A request that every rank (or, for joined ranks, their stand-in zeros) is ready to run.
 #[derive(Debug, Clone, PartialEq)]
 pub(crate) struct Ready {
-    pub(crate) key: String,
+    pub(crate) key: Key,
     pub(crate) kind: OpKind,
     /// Each rank's request; `None` for a joined rank that did not submit it. Shared:
     /// a cached response hands every rank the same request without copying it.
@@ -41,7 +41,7 @@ impl Ready {
 #[derive(Debug)]
 pub(crate) enum Response {
     Run(Ready),
-    Fail { key: String, error: Error },
+    Fail { key: Key, error: Error },
     JoinDone { last: usize },
 }
 
@@ -65,7 +65,7 @@ pub(crate) struct Negotiator {
     size: usize,
     /// Entries in order of first submission, which is the order they run in.
     table: BTreeMap<u64, Entry>,
-    by_key: FxHashMap<String, u64>,
+    by_key: FxHashMap<Key, u64>,
     next_seq: u64,
     joined: Vec<bool>,
     last_joined: usize,
@@ -148,7 +148,7 @@ impl Negotiator {
                 continue;
             };
             let key = first.key.clone();
-            self.by_key.remove(&key);
+            self.by_key.remove(&*key);
             let kind = first.kind;
             responses.push(match check(&key, &entry.metas, &joined_ranks) {
                 Ok(()) => Response::Run(Ready {
@@ -200,7 +200,7 @@ impl Negotiator {
             .values()
             .filter(|e| now.duration_since(e.since) >= after)
             .filter_map(|e| {
-                let key = e.metas.iter().flatten().next()?.key.clone();
+                let key = e.metas.iter().flatten().next()?.key.to_string();
                 let missing = (0..self.size)
                     .filter(|&r| e.metas[r].is_none() && !self.joined[r])
                     .collect();
@@ -357,7 +357,7 @@ mod tests {
     fn keys(rs: &[Response]) -> Vec<String> {
         rs.iter()
             .map(|r| match r {
-                Response::Run(ready) => ready.key.clone(),
+                Response::Run(ready) => ready.key.to_string(),
                 Response::Fail { key, .. } => format!("fail:{key}"),
                 Response::JoinDone { last } => format!("join:{last}"),
             })

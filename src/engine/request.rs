@@ -7,6 +7,10 @@ use crate::handle::Completer;
 use crate::ops::ReduceOp;
 use crate::tensor::{DType, Tensor};
 
+/// A negotiation key (the tensor name, or a group's key): shared, not copied, between
+/// the submitting thread's pending set, the engine's maps and the responses.
+pub(crate) type Key = std::sync::Arc<str>;
+
 /// The negotiation key of [`OpKind::Join`] requests.
 pub(crate) const JOIN_KEY: &str = "join";
 
@@ -86,7 +90,7 @@ pub(crate) struct TensorMeta {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub(crate) struct RequestMeta {
     /// The negotiation key: the tensor name (a group's key lists its members).
-    pub(crate) key: String,
+    pub(crate) key: Key,
     pub(crate) kind: OpKind,
     pub(crate) tensors: Vec<TensorMeta>,
     pub(crate) op: ReduceOp,
@@ -129,7 +133,7 @@ impl RequestMeta {
 #[derive(Debug)]
 pub(crate) struct Submission {
     pub(crate) kind: OpKind,
-    pub(crate) key: String,
+    pub(crate) key: Key,
     pub(crate) tensors: Vec<(String, Tensor)>,
     pub(crate) op: ReduceOp,
     pub(crate) prescale: f64,
@@ -139,10 +143,10 @@ pub(crate) struct Submission {
 }
 
 impl Submission {
-    pub(crate) fn new(kind: OpKind, key: String, tensors: Vec<(String, Tensor)>) -> Self {
+    pub(crate) fn new(kind: OpKind, key: &str, tensors: Vec<(String, Tensor)>) -> Self {
         Submission {
             kind,
-            key,
+            key: Key::from(key),
             tensors,
             op: ReduceOp::Average,
             prescale: 1.0,

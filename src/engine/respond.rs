@@ -72,7 +72,7 @@ impl Engine {
     pub(super) fn respond(&mut self, response: Response) {
         match response {
             Response::Run(ready) => {
-                let local = self.inbox.pending.remove(&ready.key);
+                let local = self.inbox.pending.remove(&*ready.key);
                 let (tensors, done) = match local {
                     Some(req) => {
                         self.trace_negotiation(&req.meta, req.submitted);
@@ -98,7 +98,7 @@ impl Engine {
                 }
             }
             Response::Fail { key, error } => {
-                if let Some(req) = self.inbox.pending.remove(&key) {
+                if let Some(req) = self.inbox.pending.remove(&*key) {
                     req.done.complete(Err(error));
                 }
             }
@@ -117,7 +117,7 @@ impl Engine {
         let mut locals = Vec::with_capacity(members.len());
         for m in members {
             if let Response::Run(ready) = m {
-                let local = self.inbox.pending.remove(&ready.key);
+                let local = self.inbox.pending.remove(&*ready.key);
                 readies.push(ready);
                 locals.push(local);
             }
@@ -176,7 +176,7 @@ impl Engine {
         let keys: Vec<(String, serde_json::Value)> = if self.timeline.enabled() {
             inputs
                 .iter()
-                .map(|(r, _)| (r.key.clone(), trace_args(r.first())))
+                .map(|(r, _)| (r.key.to_string(), trace_args(r.first())))
                 .collect()
         } else {
             Vec::new()

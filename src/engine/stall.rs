@@ -90,13 +90,13 @@ impl StallInspector {
     pub(crate) fn check_while_waiting(
         &mut self,
         waited: Duration,
-        pending: &rustc_hash::FxHashMap<String, Request>,
+        pending: &rustc_hash::FxHashMap<super::request::Key, Request>,
     ) {
         if !self.enabled || self.warned_waiting || waited < self.after {
             return;
         }
         self.warned_waiting = true;
-        let mut names: Vec<&str> = pending.keys().map(String::as_str).collect();
+        let mut names: Vec<&str> = pending.keys().map(|k| &**k).collect();
         names.sort_unstable();
         names.truncate(MAX_NAMES);
         tracing::warn!(
