@@ -153,8 +153,8 @@ impl CudaData {
                     if n == 0 {
                         stream.null::<$t>()
                     } else {
-                        // SAFETY: the collective writes every element before the handle
-                        // completes.
+                        // SAFETY: every element is written before it is read: by the
+                        // collective, or by the memset of `zeros`.
                         unsafe { stream.alloc::<$t>(n) }
                     }
                     .map_err(cuda_err("cuMemAlloc"))?,
@@ -175,29 +175,12 @@ impl CudaData {
 
     /// `bytes` of zeros holding `dtype` elements, on `stream`.
     pub(crate) fn zeros(stream: &Arc<CudaStream>, dtype: DType, bytes: usize) -> Result<CudaData> {
-        let n = bytes / dtype.size_of();
-        macro_rules! zeros {
-            ($v:ident, $t:ty) => {
-                CudaData::$v(
-                    if n == 0 {
-                        stream.null::<$t>()
-                    } else {
-                        stream.alloc_zeros::<$t>(n)
-                    }
-                    .map_err(cuda_err("cuMemAlloc"))?,
-                )
-            };
+        let mut data = CudaData::alloc(stream, dtype, bytes)?;
+        if bytes > 0 {
+            with_slice!(&mut data, s => stream.memset_zeros(s))
+                .map_err(cuda_err("cuMemsetD8Async"))?;
         }
-        Ok(match dtype {
-            DType::U8 => zeros!(U8, u8),
-            DType::I8 => zeros!(I8, i8),
-            DType::I32 => zeros!(I32, i32),
-            DType::I64 => zeros!(I64, i64),
-            DType::F16 => zeros!(F16, half::f16),
-            DType::BF16 => zeros!(BF16, half::bf16),
-            DType::F32 => zeros!(F32, f32),
-            DType::F64 => zeros!(F64, f64),
-        })
+        Ok(data)
     }
 
     /// Copies a host tensor's elements to a new allocation on device `ordinal`.

@@ -22,20 +22,9 @@ pub(crate) fn run(
     local: Option<Vec<Tensor>>,
 ) -> Result<Output> {
     let first = ready.first();
-    let mut inputs = match local {
-        Some(v) => v,
-        None => first
-            .tensors
-            .iter()
-            .map(|m| Tensor::zeros(m.dtype, &m.shape))
-            .collect(),
-    };
+    let mut inputs = local_or_zeros(ready, local, |m| Ok(Tensor::zeros(m.dtype, &m.shape)))?;
     let size = t.topology().size;
-    let take = |inputs: &mut Vec<Tensor>| {
-        inputs
-            .pop()
-            .ok_or_else(|| Error::Internal(format!("{:?} has no tensor", ready.key)))
-    };
+    let take = |inputs: &mut Vec<Tensor>| take_tensor(ready, inputs);
     match ready.kind {
         OpKind::Allreduce => {
             let mut tensor = take(&mut inputs)?;
@@ -62,6 +51,26 @@ pub(crate) fn run(
         OpKind::Barrier => Ok(Output::Unit),
         OpKind::Join => Err(Error::Internal("join reached the executor".into())),
     }
+}
+
+/// This rank's tensors of `ready`, or — on a joined rank, which has none — `zeros` of
+/// the agreed shapes.
+pub(super) fn local_or_zeros(
+    ready: &Ready,
+    local: Option<Vec<Tensor>>,
+    zeros: impl FnMut(&TensorMeta) -> Result<Tensor>,
+) -> Result<Vec<Tensor>> {
+    match local {
+        Some(v) => Ok(v),
+        None => ready.first().tensors.iter().map(zeros).collect(),
+    }
+}
+
+/// The (last) tensor of a single-tensor op.
+pub(super) fn take_tensor(ready: &Ready, inputs: &mut Vec<Tensor>) -> Result<Tensor> {
+    inputs
+        .pop()
+        .ok_or_else(|| Error::Internal(format!("{:?} has no tensor", ready.key)))
 }
 
 /// The factor applied after the reduction: postscale, divided by `size` for Average

@@ -13,7 +13,8 @@ use std::sync::Arc;
 use cudarc::driver::{result as cu, CudaEvent, CudaSlice, CudaStream, DevicePtr};
 
 use super::execute::{
-    allgather_layout, alltoall_layout, fused_inputs, post_factor, reducescatter_layout, scale_bytes,
+    allgather_layout, alltoall_layout, fused_inputs, local_or_zeros, post_factor,
+    reducescatter_layout, scale_bytes, take_tensor,
 };
 use super::negotiate::Ready;
 use super::request::{OpKind, RequestMeta};
@@ -245,21 +246,10 @@ impl Gpu {
         let nccl = self.comm(mpi, local.as_deref())?;
         let stream = nccl.stream().clone();
         let first = ready.first();
-        let mut inputs = match local {
-            Some(v) => v,
-            None => first
-                .tensors
-                .iter()
-                .map(|m| zeros(&stream, m.dtype, &m.shape))
-                .collect::<Result<_>>()?,
-        };
+        let mut inputs = local_or_zeros(ready, local, |m| zeros(&stream, m.dtype, &m.shape))?;
         order_after(&stream, &inputs)?;
         let size = nccl.size();
-        let take = |inputs: &mut Vec<Tensor>| {
-            inputs
-                .pop()
-                .ok_or_else(|| Error::Internal(format!("{:?} has no tensor", ready.key)))
-        };
+        let take = |inputs: &mut Vec<Tensor>| take_tensor(ready, inputs);
         match ready.kind {
             OpKind::Allreduce => {
                 let tensor = take(&mut inputs)?;

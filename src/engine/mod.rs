@@ -449,20 +449,7 @@ impl Engine {
             for &slot in self.inbox.announced.keys() {
                 cache::set_bit(&mut words[1..], slot);
             }
-            let Engine {
-                transport,
-                inbox,
-                stall,
-                #[cfg(feature = "nccl")]
-                gpu,
-                ..
-            } = self;
-            transport.agree_bits(&mut words, &mut |waited| {
-                inbox.drain();
-                #[cfg(feature = "nccl")]
-                gpu.poll();
-                stall.check_while_waiting(waited, &inbox.pending);
-            })?;
+            self.while_waiting(|t, idle| t.agree_bits(&mut words, idle))?;
             someone_has_full = words[0] & 1 == 0;
             cached_ready = cache::bits(&words[1..]).collect();
         }
@@ -674,10 +661,13 @@ impl Engine {
         }
     }
 
-    /// Every rank's [`CycleMsg`], in rank order.
-    fn full_exchange(&mut self, msg: &CycleMsg) -> Result<Vec<CycleMsg>> {
-        let bytes = postcard::to_stdvec(msg)
-            .map_err(|e| Error::Internal(format!("encoding a cycle message: {e}")))?;
+    /// Runs a control-plane collective; while it waits for other ranks the engine keeps
+    /// taking in work, completes GPU ops whose events fired, and lets the stall
+    /// inspector warn.
+    fn while_waiting<R>(
+        &mut self,
+        call: impl FnOnce(&mut MpiTransport, &mut dyn FnMut(Duration)) -> Result<R>,
+    ) -> Result<R> {
         let Engine {
             transport,
             inbox,
@@ -686,12 +676,19 @@ impl Engine {
             gpu,
             ..
         } = self;
-        let all = transport.exchange(&bytes, &mut |waited| {
+        call(transport, &mut |waited| {
             inbox.drain();
             #[cfg(feature = "nccl")]
             gpu.poll();
             stall.check_while_waiting(waited, &inbox.pending);
-        })?;
+        })
+    }
+
+    /// Every rank's [`CycleMsg`], in rank order.
+    fn full_exchange(&mut self, msg: &CycleMsg) -> Result<Vec<CycleMsg>> {
+        let bytes = postcard::to_stdvec(msg)
+            .map_err(|e| Error::Internal(format!("encoding a cycle message: {e}")))?;
+        let all = self.while_waiting(|t, idle| t.exchange(&bytes, idle))?;
         all.iter()
             .enumerate()
             .map(|(r, b)| {
