@@ -2,7 +2,7 @@
 //!
 //! `cargo bench --bench kolo_vs_mpi` launches itself under `mpirun -np 2` and then
 //! `-np 4` (`-- --np 2` for one size; `-- --quick` for fewer repetitions; `-- --only 3`
-//! for one scenario), prints a
+//! for one scenario; `KOLO_BENCH_REPS=N` for N timed repetitions of each), prints a
 //! table of medians with kolo/raw ratios and writes the same to
 //! `target/kolo-bench-np<N>.json`. `scripts/run-bench.sh` sets OpenMPI up first.
 //!
@@ -146,7 +146,10 @@ struct Row {
 }
 
 fn bench(k: &Kolo, quick: bool, only: Option<u32>) -> anyhow::Result<Vec<Row>> {
-    let reps = if quick { 5 } else { 15 };
+    let reps = std::env::var("KOLO_BENCH_REPS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(if quick { 5 } else { 15 });
     let run = |n: u32| only.is_none_or(|o| o == n);
     let mut rows = Vec::new();
     let mut scratch = Vec::new();

@@ -44,6 +44,10 @@ impl Slot {
     }
 }
 
+/// The names a handle holds in the pending set: its key first, then any other tensor
+/// names of its request.
+pub(crate) type Names = smallvec::SmallVec<[crate::engine::request::Key; 1]>;
+
 /// Names that are pending on this rank; a name is released right before its handle
 /// completes, so that a caller may reuse it as soon as `wait` returns.
 pub(crate) type PendingNames = Arc<Mutex<FxHashSet<crate::engine::request::Key>>>;
@@ -52,7 +56,7 @@ pub(crate) type PendingNames = Arc<Mutex<FxHashSet<crate::engine::request::Key>>
 /// with an "engine stopped" error) wakes the waiter.
 pub(crate) struct Completer {
     slot: Arc<Slot>,
-    names: Vec<crate::engine::request::Key>,
+    names: Names,
     pending: PendingNames,
     /// Dropped without completing (the engine stopped): the op and rank for the
     /// "engine stopped" error, built only then.
@@ -70,36 +74,72 @@ impl fmt::Debug for Completer {
 impl Completer {
     /// Completes the handle with `result`.
     pub(crate) fn complete(mut self, result: Result<Output>) {
-        self.finish(result);
+        self.release_names();
+        if let Some(slot) = self.store(result) {
+            slot.ready.notify_all();
+        }
     }
 
-    fn finish(&mut self, result: Result<Output>) {
-        {
-            let mut pending = self.pending.lock().unwrap_or_else(PoisonError::into_inner);
-            for n in &self.names {
-                pending.remove(&**n);
-            }
-        }
+    /// Takes this handle's names out of the pending set.
+    fn release_names(&mut self) {
+        let mut set = self.pending.lock().unwrap_or_else(PoisonError::into_inner);
+        release(&mut self.names, &mut set);
+    }
+
+    /// Puts `result` in the slot (the first result wins) and wakes an async waiter.
+    /// Returns the slot when a thread is blocked on it and must be signalled.
+    fn store(&mut self, result: Result<Output>) -> Option<Arc<Slot>> {
+        self.on_drop = None;
         let mut state = self.slot.lock();
         if state.done {
-            return;
+            return None;
         }
         state.result = Some(result);
         state.done = true;
         if let Some(w) = state.waker.take() {
             w.wake();
         }
-        let waiting = state.waiting;
-        drop(state);
-        if waiting {
-            self.slot.ready.notify_all();
+        state.waiting.then(|| self.slot.clone())
+    }
+}
+
+fn release(names: &mut Names, pending: &mut FxHashSet<crate::engine::request::Key>) {
+    for n in names.drain(..) {
+        pending.remove(&*n);
+    }
+}
+
+/// Completes a batch of handles (a fused collective's): the names of all of them are
+/// released under one lock of the pending set, and blocked threads are signalled only
+/// once every result is in place. A thread waiting on the batch's first handle then
+/// wakes once and finds the rest complete, instead of being woken (and competing with
+/// the engine for a core) once per handle.
+pub(crate) fn complete_all(batch: Vec<(Completer, Result<Output>)>) {
+    let mut batch = batch;
+    if let Some(pending) = batch.first().map(|(c, _)| c.pending.clone()) {
+        let mut set = pending.lock().unwrap_or_else(PoisonError::into_inner);
+        for (c, _) in &mut batch {
+            if Arc::ptr_eq(&c.pending, &pending) {
+                release(&mut c.names, &mut set);
+            }
         }
+    }
+    let mut wake = Vec::new();
+    for (mut c, result) in batch {
+        if !c.names.is_empty() {
+            // Another Kolo's handle (not the case within one engine).
+            c.release_names();
+        }
+        wake.extend(c.store(result));
+    }
+    for slot in wake {
+        slot.ready.notify_all();
     }
 }
 
 impl Drop for Completer {
     fn drop(&mut self) {
-        if let Some((op, rank)) = self.on_drop.take() {
+        if let Some((op, rank)) = self.on_drop {
             let err = Error::EngineStopped {
                 op,
                 // `submit` puts the negotiation key first.
@@ -112,7 +152,10 @@ impl Drop for Completer {
                 reason: "the engine stopped before this op completed".into(),
                 tensors: Vec::new(),
             };
-            self.finish(Err(err));
+            self.release_names();
+            if let Some(slot) = self.store(Err(err)) {
+                slot.ready.notify_all();
+            }
         }
     }
 }
@@ -188,7 +231,7 @@ impl<T> Future for Handle<T> {
 /// Makes a connected handle and completer. `on_drop` (op, rank) names the error the handle gets if
 /// the engine drops the completer without completing it.
 pub(crate) fn pair<T>(
-    names: Vec<crate::engine::request::Key>,
+    names: Names,
     pending: PendingNames,
     on_drop: (&'static str, usize),
     convert: fn(Output) -> Result<T>,
@@ -255,7 +298,12 @@ mod tests {
     fn completes_and_releases_names() {
         let pending: PendingNames = Arc::default();
         pending.lock().unwrap().insert("a".into());
-        let (h, c) = pair(vec!["a".into()], pending.clone(), ("allreduce", 0), to_rank);
+        let (h, c) = pair(
+            smallvec::smallvec!["a".into()],
+            pending.clone(),
+            ("allreduce", 0),
+            to_rank,
+        );
         assert!(!h.poll());
         let t = std::thread::spawn(move || c.complete(Ok(Output::Rank(3))));
         assert_eq!(h.wait().unwrap(), 3);
@@ -265,12 +313,55 @@ mod tests {
 
     #[test]
     fn dropped_completer_fails_the_handle() {
-        let (h, c) = pair(vec!["w".into()], Arc::default(), ("broadcast", 2), to_unit);
+        let (h, c) = pair(
+            smallvec::smallvec!["w".into()],
+            Arc::default(),
+            ("broadcast", 2),
+            to_unit,
+        );
         drop(c);
         assert!(h.poll());
         assert_eq!(
             h.wait().unwrap_err().to_string(),
             "broadcast \"w\": the kolo engine on rank 2 is not running (the engine stopped before this op completed)"
         );
+    }
+
+    #[test]
+    fn a_batch_releases_every_name_and_wakes_its_waiter_once_all_are_in() {
+        let pending: PendingNames = Arc::default();
+        let names = ["a", "b", "c"];
+        pending
+            .lock()
+            .unwrap()
+            .extend(names.iter().map(|&n| n.into()));
+        let (handles, completers): (Vec<_>, Vec<_>) = names
+            .iter()
+            .map(|&n| {
+                pair(
+                    smallvec::smallvec![n.into()],
+                    pending.clone(),
+                    ("allreduce", 0),
+                    to_rank,
+                )
+            })
+            .unzip();
+        let mut handles = handles.into_iter();
+        let first = handles.next().unwrap();
+        let waiter = std::thread::spawn(move || first.wait().unwrap());
+        // Let the waiter block on the first handle.
+        while !completers[0].slot.lock().waiting {
+            std::thread::yield_now();
+        }
+        let batch = completers
+            .into_iter()
+            .enumerate()
+            .map(|(i, c)| (c, Ok(Output::Rank(i))))
+            .collect();
+        complete_all(batch);
+        assert_eq!(waiter.join().unwrap(), 0);
+        let rest: Vec<usize> = handles.map(|h| h.wait().unwrap()).collect();
+        assert_eq!(rest, [1, 2]);
+        assert!(pending.lock().unwrap().is_empty());
     }
 }

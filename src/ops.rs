@@ -8,7 +8,7 @@
 
 use serde::{Deserialize, Serialize};
 
-use crate::engine::request::{OpKind, Submission};
+use crate::engine::request::{Key, OpKind, Submission};
 use crate::error::Result;
 use crate::handle::{self, Handle};
 use crate::runtime::Kolo;
@@ -88,11 +88,7 @@ impl<'k> AllreduceBuilder<'k> {
     /// # Errors
     /// Submit-time errors only: empty or duplicate name, engine not running.
     pub fn submit(self) -> Result<Handle<Tensor>> {
-        let mut s = Submission::new(
-            OpKind::Allreduce,
-            &self.name.clone(),
-            vec![(self.name, self.tensor)],
-        );
+        let mut s = Submission::single(OpKind::Allreduce, self.name, self.tensor);
         s.op = self.op;
         s.prescale = self.prescale;
         s.postscale = self.postscale;
@@ -156,7 +152,12 @@ impl<'k> GroupedAllreduceBuilder<'k> {
     /// Submit-time errors: an empty group, an empty or duplicate name, engine not running.
     pub fn submit(self) -> Result<Handle<Vec<Tensor>>> {
         let key = group_key(&self.tensors);
-        let mut s = Submission::new(OpKind::GroupedAllreduce, &key, self.tensors);
+        let tensors = self
+            .tensors
+            .into_iter()
+            .map(|(n, t)| (Key::from(n), t))
+            .collect();
+        let mut s = Submission::new(OpKind::GroupedAllreduce, Key::from(key), tensors);
         s.op = self.op;
         s.prescale = self.prescale;
         s.postscale = self.postscale;
@@ -199,11 +200,7 @@ impl<'k> AllgatherBuilder<'k> {
     /// # Errors
     /// Submit-time errors: a 0-d tensor, empty or duplicate name, engine not running.
     pub fn submit(self) -> Result<Handle<Tensor>> {
-        let s = Submission::new(
-            OpKind::Allgather,
-            &self.name.clone(),
-            vec![(self.name, self.tensor)],
-        );
+        let s = Submission::single(OpKind::Allgather, self.name, self.tensor);
         self.kolo.submit(s, handle::to_tensor)
     }
 
@@ -242,11 +239,7 @@ impl<'k> BroadcastBuilder<'k> {
     /// # Errors
     /// Submit-time errors: root out of range, empty or duplicate name, engine not running.
     pub fn submit(self) -> Result<Handle<Tensor>> {
-        let mut s = Submission::new(
-            OpKind::Broadcast,
-            &self.name.clone(),
-            vec![(self.name, self.tensor)],
-        );
+        let mut s = Submission::single(OpKind::Broadcast, self.name, self.tensor);
         s.root = self.root;
         self.kolo.submit(s, handle::to_tensor)
     }
@@ -294,11 +287,7 @@ impl<'k> AlltoallBuilder<'k> {
     /// dim 0, dim 0 not divisible by the number of ranks without splits, empty or
     /// duplicate name, engine not running.
     pub fn submit(self) -> Result<Handle<AlltoallOutput>> {
-        let mut s = Submission::new(
-            OpKind::Alltoall,
-            &self.name.clone(),
-            vec![(self.name, self.tensor)],
-        );
+        let mut s = Submission::single(OpKind::Alltoall, self.name, self.tensor);
         s.splits = self.splits;
         self.kolo.submit(s, handle::to_alltoall)
     }
@@ -361,11 +350,7 @@ impl<'k> ReducescatterBuilder<'k> {
     /// # Errors
     /// Submit-time errors: a 0-d tensor, empty or duplicate name, engine not running.
     pub fn submit(self) -> Result<Handle<Tensor>> {
-        let mut s = Submission::new(
-            OpKind::Reducescatter,
-            &self.name.clone(),
-            vec![(self.name, self.tensor)],
-        );
+        let mut s = Submission::single(OpKind::Reducescatter, self.name, self.tensor);
         s.op = self.op;
         s.prescale = self.prescale;
         s.postscale = self.postscale;

@@ -11,7 +11,7 @@ use serde::Serialize;
 
 use crate::config::Config;
 use crate::engine::autotune::AutotuneState;
-use crate::engine::request::{self, Command, OpKind, Request, Submission};
+use crate::engine::request::{self, Command, Named, OpKind, Request, Submission};
 use crate::error::{Error, Result};
 use crate::handle::{self, Handle, Output, PendingNames};
 use crate::ops::{
@@ -345,7 +345,7 @@ impl Kolo {
     /// # Errors
     /// The engine is not running, or a rank left.
     pub fn barrier(&self) -> Result<()> {
-        let s = Submission::new(OpKind::Barrier, request::BARRIER_KEY, Vec::new());
+        let s = Submission::new(OpKind::Barrier, request::BARRIER_KEY.into(), Named::new());
         self.submit(s, handle::to_unit)?.wait()
     }
 
@@ -358,7 +358,7 @@ impl Kolo {
     /// # Errors
     /// The engine is not running, or a rank left.
     pub fn join(&self) -> Result<usize> {
-        let s = Submission::new(OpKind::Join, request::JOIN_KEY, Vec::new());
+        let s = Submission::new(OpKind::Join, request::JOIN_KEY.into(), Named::new());
         self.submit(s, handle::to_rank)?.wait()
     }
 
@@ -653,11 +653,11 @@ impl Kolo {
         let rank = self.rank();
         let op = s.kind.name();
         // The key first: an "engine stopped" error names it.
-        let mut names: Vec<request::Key> = Vec::with_capacity(s.tensors.len() + 1);
+        let mut names = handle::Names::new();
         names.push(s.key.clone());
         for (n, _) in &s.tensors {
-            if **n != *s.key {
-                names.push(request::Key::from(n.as_str()));
+            if *n != s.key {
+                names.push(n.clone());
             }
         }
         {
@@ -686,8 +686,8 @@ impl Kolo {
         };
         let tx = self.inner.tx.lock().unwrap_or_else(PoisonError::into_inner);
         let sent = match tx.as_ref() {
-            Some(tx) => tx.send(Command::Submit(Box::new(request))).map_err(|e| e.0),
-            None => Err(Command::Submit(Box::new(request))),
+            Some(tx) => tx.send(Command::Submit(request)).map_err(|e| e.0),
+            None => Err(Command::Submit(request)),
         };
         drop(tx);
         if let Err(Command::Submit(request)) = sent {
@@ -696,7 +696,7 @@ impl Kolo {
                 done,
                 meta,
                 ..
-            } = *request;
+            } = request;
             // Completing releases the names; the caller gets the tensors back.
             done.complete(Ok(Output::Unit));
             return Err(Error::EngineStopped {
@@ -704,7 +704,7 @@ impl Kolo {
                 name: meta.key.to_string(),
                 rank,
                 reason: "kolo has been shut down on this rank".into(),
-                tensors,
+                tensors: tensors.into_vec(),
             });
         }
         Ok(handle)

@@ -20,12 +20,13 @@
 use rustc_hash::FxHashMap;
 use std::sync::Arc;
 
+use super::negotiate::Metas;
 use super::request::{Key, OpKind, RequestMeta};
 
 #[derive(Debug)]
 struct Slot {
     /// Every rank's request, as the response had them.
-    metas: Vec<Option<Arc<RequestMeta>>>,
+    metas: Metas,
     last_used: u64,
 }
 
@@ -97,8 +98,8 @@ impl ResponseCache {
     }
 
     /// Every rank's request cached in `slot`.
-    pub(crate) fn metas(&self, slot: usize) -> Option<&[Option<Arc<RequestMeta>>]> {
-        self.slots.get(slot)?.as_ref().map(|s| s.metas.as_slice())
+    pub(crate) fn metas(&self, slot: usize) -> Option<&Metas> {
+        self.slots.get(slot)?.as_ref().map(|s| &s.metas)
     }
 
     /// Marks a slot as used by this cycle.
@@ -121,7 +122,7 @@ impl ResponseCache {
 
     /// Caches a response that just ran (every rank's request); returns the slot that
     /// was evicted for it, if any.
-    pub(crate) fn insert(&mut self, metas: Vec<Option<Arc<RequestMeta>>>) -> Option<usize> {
+    pub(crate) fn insert(&mut self, metas: Metas) -> Option<usize> {
         let key = key_of(&metas)?.clone();
         if !self.enabled() || self.by_key.contains_key(&*key) {
             return None;
@@ -191,8 +192,8 @@ mod tests {
     }
 
     /// One rank's response of `meta`.
-    fn one(m: RequestMeta) -> Vec<Option<Arc<RequestMeta>>> {
-        vec![Some(Arc::new(m))]
+    fn one(m: RequestMeta) -> Metas {
+        Arc::from([Some(Arc::new(m))])
     }
 
     #[test]
@@ -240,11 +241,11 @@ mod tests {
             )
         };
         let mut c = ResponseCache::new(4);
-        c.insert(vec![Some(Arc::new(g(1))), Some(Arc::new(g(3)))]);
+        c.insert(Arc::from([Some(Arc::new(g(1))), Some(Arc::new(g(3)))]));
         assert_eq!(c.lookup(&g(1), 0), Some(0));
         assert_eq!(c.lookup(&g(3), 1), Some(0));
         assert_eq!(c.lookup(&g(3), 0), None, "rank 0 sent 1 row last time");
-        assert_eq!(c.metas(0).map(<[_]>::len), Some(2));
+        assert_eq!(c.metas(0).map(|m| m.len()), Some(2));
     }
 
     #[test]

@@ -7,7 +7,7 @@ use half::{bf16, f16};
 
 use super::fusion::FusionBuffer;
 use super::negotiate::Ready;
-use super::request::{OpKind, RequestMeta, TensorMeta};
+use super::request::{OpKind, RequestMeta, TensorMeta, Tensors};
 use crate::error::{Error, Result};
 use crate::handle::Output;
 use crate::ops::{AlltoallOutput, ReduceOp};
@@ -16,15 +16,11 @@ use crate::transport::Transport;
 
 /// Runs `ready` with this rank's tensors (`None` on a joined rank, which contributes
 /// zeros of the agreed shape).
-pub(crate) fn run(
-    t: &mut dyn Transport,
-    ready: &Ready,
-    local: Option<Vec<Tensor>>,
-) -> Result<Output> {
+pub(crate) fn run(t: &mut dyn Transport, ready: &Ready, local: Option<Tensors>) -> Result<Output> {
     let first = ready.first();
     let mut inputs = local_or_zeros(ready, local, |m| Ok(Tensor::zeros(m.dtype, &m.shape)))?;
     let size = t.topology().size;
-    let take = |inputs: &mut Vec<Tensor>| take_tensor(ready, inputs);
+    let take = |inputs: &mut Tensors| take_tensor(ready, inputs);
     match ready.kind {
         OpKind::Allreduce => {
             let mut tensor = take(&mut inputs)?;
@@ -57,9 +53,9 @@ pub(crate) fn run(
 /// the agreed shapes.
 pub(super) fn local_or_zeros(
     ready: &Ready,
-    local: Option<Vec<Tensor>>,
+    local: Option<Tensors>,
     zeros: impl FnMut(&TensorMeta) -> Result<Tensor>,
-) -> Result<Vec<Tensor>> {
+) -> Result<Tensors> {
     match local {
         Some(v) => Ok(v),
         None => ready.first().tensors.iter().map(zeros).collect(),
@@ -67,7 +63,7 @@ pub(super) fn local_or_zeros(
 }
 
 /// The (last) tensor of a single-tensor op.
-pub(super) fn take_tensor(ready: &Ready, inputs: &mut Vec<Tensor>) -> Result<Tensor> {
+pub(super) fn take_tensor(ready: &Ready, inputs: &mut Tensors) -> Result<Tensor> {
     inputs
         .pop()
         .ok_or_else(|| Error::Internal(format!("{:?} has no tensor", ready.key)))
@@ -101,7 +97,7 @@ fn allreduce(
 /// Reduces a group's tensors of the same dtype together in one buffer.
 fn grouped_allreduce(
     t: &mut dyn Transport,
-    inputs: Vec<Tensor>,
+    inputs: Tensors,
     meta: &RequestMeta,
     size: usize,
 ) -> Result<Vec<Tensor>> {
@@ -186,7 +182,7 @@ pub(super) fn alltoall_layout(ready: &Ready, me: usize, shape: &[usize]) -> Resu
     let row = row_len(shape);
     let send_rows = send_splits(mine, size);
     let mut recv_rows = Vec::with_capacity(size);
-    for m in &ready.metas {
+    for m in ready.metas.iter() {
         let m = m
             .as_ref()
             .ok_or_else(|| Error::Internal("alltoall with a joined rank".into()))?;
@@ -224,7 +220,7 @@ fn alltoall(t: &mut dyn Transport, tensor: &Tensor, ready: &Ready) -> Result<All
 /// contribute zeros and get `None` back.
 pub(crate) fn run_fused(
     t: &mut dyn Transport,
-    members: Vec<(&Ready, Option<Vec<Tensor>>)>,
+    members: Vec<(&Ready, Option<Tensors>)>,
     buffer: &mut FusionBuffer,
 ) -> Result<(Vec<Option<Tensor>>, FusedTimes)> {
     let start = Instant::now();
@@ -270,7 +266,7 @@ pub(crate) fn run_fused(
 /// The tensors of a fusion batch in order — this rank's, or `zeros` of the agreed
 /// shape where it has none (a joined rank) — and which were this rank's.
 pub(super) fn fused_inputs(
-    members: Vec<(&Ready, Option<Vec<Tensor>>)>,
+    members: Vec<(&Ready, Option<Tensors>)>,
     mut zeros: impl FnMut(&TensorMeta) -> Result<Tensor>,
 ) -> Result<(Vec<Tensor>, Vec<bool>)> {
     let mut tensors = Vec::with_capacity(members.len());
@@ -291,7 +287,7 @@ pub(super) fn fused_inputs(
 /// blocks arrive rank by rank, and are cut back out per tensor.
 pub(crate) fn run_fused_allgather(
     t: &mut dyn Transport,
-    members: Vec<(&Ready, Option<Vec<Tensor>>)>,
+    members: Vec<(&Ready, Option<Tensors>)>,
     buffer: &mut FusionBuffer,
 ) -> Result<(Vec<Option<Tensor>>, FusedTimes)> {
     let start = Instant::now();

@@ -49,7 +49,7 @@ fn fuse_key(r: &Response) -> Option<(FuseKey, usize)> {
         OpKind::Allgather if m.device == Device::Cpu => {
             let row: usize = t.shape.iter().skip(1).product();
             let mut rows = 0;
-            for meta in &ready.metas {
+            for meta in ready.metas.iter() {
                 rows += meta.as_ref()?.tensors.first()?.shape.first()?;
             }
             rows * row * t.dtype.size_of()
@@ -145,7 +145,7 @@ mod tests {
         Response::Run(Ready {
             key: key.into(),
             kind: OpKind::Allreduce,
-            metas: vec![Some(std::sync::Arc::new(meta))],
+            metas: vec![Some(std::sync::Arc::new(meta))].into(),
         })
     }
 
@@ -215,7 +215,7 @@ mod tests {
         let Response::Run(mut joined) = allgather("j", &[1, 1]) else {
             unreachable!()
         };
-        joined.metas[1] = None;
+        joined.metas = std::sync::Arc::from([joined.metas[0].clone(), None]);
         let joined = Response::Run(joined);
         assert_eq!(
             plan(&[allgather("g", &[1, 1]), joined], 1 << 20),

@@ -17,7 +17,7 @@ use super::execute::{
     reducescatter_layout, scale_bytes, take_tensor,
 };
 use super::negotiate::Ready;
-use super::request::{OpKind, RequestMeta};
+use super::request::{OpKind, RequestMeta, Tensors};
 use crate::device::{self, cuda_err, CudaData};
 use crate::error::{Error, Result};
 use crate::handle::{Completer, Output};
@@ -28,7 +28,7 @@ use crate::transport::Transport;
 
 /// A fusion batch member: the response, this rank's tensors and handle (none on a
 /// joined rank).
-pub(super) type Member<'a> = (&'a Ready, Option<Vec<Tensor>>, Option<Completer>);
+pub(super) type Member<'a> = (&'a Ready, Option<Tensors>, Option<Completer>);
 
 /// An enqueued op whose handles complete when `event` has fired.
 struct Inflight {
@@ -133,7 +133,7 @@ impl Gpu {
         &mut self,
         mpi: &mut dyn Transport,
         ready: &Ready,
-        local: Option<Vec<Tensor>>,
+        local: Option<Tensors>,
         done: Option<Completer>,
     ) {
         let mut keep = Vec::new();
@@ -240,7 +240,7 @@ impl Gpu {
         &mut self,
         mpi: &mut dyn Transport,
         ready: &Ready,
-        local: Option<Vec<Tensor>>,
+        local: Option<Tensors>,
         keep: &mut Vec<Tensor>,
     ) -> Result<Output> {
         let nccl = self.comm(mpi, local.as_deref())?;
@@ -249,7 +249,7 @@ impl Gpu {
         let mut inputs = local_or_zeros(ready, local, |m| zeros(&stream, m.dtype, &m.shape))?;
         order_after(&stream, &inputs)?;
         let size = nccl.size();
-        let take = |inputs: &mut Vec<Tensor>| take_tensor(ready, inputs);
+        let take = |inputs: &mut Tensors| take_tensor(ready, inputs);
         match ready.kind {
             OpKind::Allreduce => {
                 let tensor = take(&mut inputs)?;
@@ -348,7 +348,7 @@ impl Gpu {
     fn run_fused(
         &mut self,
         mpi: &mut dyn Transport,
-        members: Vec<(&Ready, Option<Vec<Tensor>>)>,
+        members: Vec<(&Ready, Option<Tensors>)>,
         keep: &mut Vec<Tensor>,
     ) -> Result<Vec<Option<Tensor>>> {
         let Some((first_ready, _)) = members.first() else {

@@ -217,7 +217,7 @@ impl Inbox {
                     return;
                 }
                 self.outgoing.push(req.meta.key.clone());
-                self.pending.insert(req.meta.key.clone(), *req);
+                self.pending.insert(req.meta.key.clone(), req);
             }
             Command::Shutdown => self.shutting_down = true,
             Command::Timeline { path, reply } => self.timeline_requests.push((path, reply)),
@@ -476,7 +476,7 @@ impl Engine {
         for slot in cached_ready {
             let Some((metas, key, kind)) = self.cache.metas(slot).and_then(|metas| {
                 let first = metas.iter().flatten().next()?;
-                Some((metas.to_vec(), first.key.clone(), first.kind))
+                Some((metas.clone(), first.key.clone(), first.kind))
             }) else {
                 return Err(Error::Internal(format!(
                     "cache slot {slot} agreed but empty"

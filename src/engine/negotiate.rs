@@ -21,9 +21,13 @@ pub(crate) struct Ready {
     pub(crate) key: Key,
     pub(crate) kind: OpKind,
     /// Each rank's request; `None` for a joined rank that did not submit it. Shared:
-    /// a cached response hands every rank the same request without copying it.
-    pub(crate) metas: Vec<Option<Arc<RequestMeta>>>,
+    /// a cached response hands every rank the same requests without copying them.
+    pub(crate) metas: Metas,
 }
+
+/// Every rank's request of a response, in rank order, shared between the response
+/// cache and each cycle's responses.
+pub(crate) type Metas = Arc<[Option<Arc<RequestMeta>>]>;
 
 impl Ready {
     /// The request of the lowest rank that submitted it (all agree after the checks).

@@ -2,6 +2,7 @@
 //! about it during negotiation.
 
 use serde::{Deserialize, Serialize};
+use smallvec::SmallVec;
 
 use crate::handle::Completer;
 use crate::ops::ReduceOp;
@@ -78,12 +79,16 @@ impl Device {
     }
 }
 
+/// A tensor's shape, inline up to four dimensions.
+pub(crate) type Shape = SmallVec<[usize; 4]>;
+
 /// One tensor of a request, as the other ranks see it.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub(crate) struct TensorMeta {
-    pub(crate) name: String,
+    /// Shared with the request's key when the request has one tensor of that name.
+    pub(crate) name: Key,
     pub(crate) dtype: DType,
-    pub(crate) shape: Vec<usize>,
+    pub(crate) shape: Shape,
 }
 
 /// A request as the other ranks see it: everything but the data.
@@ -92,7 +97,7 @@ pub(crate) struct RequestMeta {
     /// The negotiation key: the tensor name (a group's key lists its members).
     pub(crate) key: Key,
     pub(crate) kind: OpKind,
-    pub(crate) tensors: Vec<TensorMeta>,
+    pub(crate) tensors: SmallVec<[TensorMeta; 1]>,
     pub(crate) op: ReduceOp,
     pub(crate) prescale: f64,
     pub(crate) postscale: f64,
@@ -114,10 +119,10 @@ impl RequestMeta {
         RequestMeta {
             key: key.into(),
             kind,
-            tensors: vec![TensorMeta {
+            tensors: smallvec::smallvec![TensorMeta {
                 name: key.into(),
                 dtype,
-                shape: shape.to_vec(),
+                shape: shape.into(),
             }],
             op,
             prescale: 1.0,
@@ -129,12 +134,15 @@ impl RequestMeta {
     }
 }
 
+/// The tensors of a request with their names: one inline, as most requests have.
+pub(crate) type Named = SmallVec<[(Key, Tensor); 1]>;
+
 /// A request as the builders assemble it, before validation.
 #[derive(Debug)]
 pub(crate) struct Submission {
     pub(crate) kind: OpKind,
     pub(crate) key: Key,
-    pub(crate) tensors: Vec<(String, Tensor)>,
+    pub(crate) tensors: Named,
     pub(crate) op: ReduceOp,
     pub(crate) prescale: f64,
     pub(crate) postscale: f64,
@@ -143,10 +151,10 @@ pub(crate) struct Submission {
 }
 
 impl Submission {
-    pub(crate) fn new(kind: OpKind, key: &str, tensors: Vec<(String, Tensor)>) -> Self {
+    pub(crate) fn new(kind: OpKind, key: Key, tensors: Named) -> Self {
         Submission {
             kind,
-            key: Key::from(key),
+            key,
             tensors,
             op: ReduceOp::Average,
             prescale: 1.0,
@@ -156,10 +164,16 @@ impl Submission {
         }
     }
 
+    /// A request on one tensor whose name is the key (every op but a group).
+    pub(crate) fn single(kind: OpKind, name: String, tensor: Tensor) -> Self {
+        let key = Key::from(name);
+        Submission::new(kind, key.clone(), smallvec::smallvec![(key, tensor)])
+    }
+
     /// Splits into what is negotiated and the data that stays on this rank.
-    pub(crate) fn into_parts(self) -> (RequestMeta, Vec<Tensor>) {
-        let mut metas = Vec::with_capacity(self.tensors.len());
-        let mut data = Vec::with_capacity(self.tensors.len());
+    pub(crate) fn into_parts(self) -> (RequestMeta, Tensors) {
+        let mut metas = SmallVec::with_capacity(self.tensors.len());
+        let mut data = Tensors::with_capacity(self.tensors.len());
         // Validation made sure that every tensor of a request is on the same kind.
         let device = self
             .tensors
@@ -169,7 +183,7 @@ impl Submission {
             metas.push(TensorMeta {
                 name,
                 dtype: t.dtype(),
-                shape: t.shape().to_vec(),
+                shape: Shape::from_slice(t.shape()),
             });
             data.push(t);
         }
@@ -188,20 +202,27 @@ impl Submission {
     }
 }
 
+/// A request's tensors on this rank, one inline.
+pub(crate) type Tensors = SmallVec<[Tensor; 1]>;
+
 /// A validated request on this rank's queue.
 #[derive(Debug)]
 pub(crate) struct Request {
     pub(crate) meta: RequestMeta,
-    pub(crate) tensors: Vec<Tensor>,
+    pub(crate) tensors: Tensors,
     pub(crate) done: Completer,
     /// When it was submitted (for the stall inspector).
     pub(crate) submitted: std::time::Instant,
 }
 
 /// Messages from framework threads to the engine.
+///
+/// A request is not boxed: a box would cost every submit an allocation, freed on
+/// the engine thread; the queue stores commands in blocks, so their size costs little.
 #[derive(Debug)]
+#[allow(clippy::large_enum_variant)]
 pub(crate) enum Command {
-    Submit(Box<Request>),
+    Submit(Request),
     Shutdown,
     /// Start writing the timeline to a path, or stop (None); the result is sent back.
     Timeline {

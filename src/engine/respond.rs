@@ -7,7 +7,7 @@ use super::negotiate::Response;
 use super::request::{self, RequestMeta};
 use super::{execute, Engine};
 use crate::error::Error;
-use crate::handle::Output;
+use crate::handle::{self, Output};
 
 impl Engine {
     /// Records a ready op's negotiation span (from its submission here) on the timeline.
@@ -46,7 +46,7 @@ impl Engine {
     fn respond_cuda(
         &mut self,
         ready: &super::negotiate::Ready,
-        tensors: Option<Vec<crate::tensor::Tensor>>,
+        tensors: Option<super::request::Tensors>,
         done: Option<crate::handle::Completer>,
     ) {
         self.gpu.respond(&mut self.transport, ready, tensors, done);
@@ -58,7 +58,7 @@ impl Engine {
     fn respond_cuda(
         &mut self,
         _ready: &super::negotiate::Ready,
-        _tensors: Option<Vec<crate::tensor::Tensor>>,
+        _tensors: Option<super::request::Tensors>,
         done: Option<crate::handle::Completer>,
     ) {
         if let Some(done) = done {
@@ -209,20 +209,27 @@ impl Engine {
                         );
                     }
                 }
-                for (done, out) in dones.into_iter().zip(outputs) {
-                    if let (Some(done), Some(out)) = (done, out) {
-                        done.complete(Ok(Output::Tensor(out)));
-                    }
-                }
+                let batch = dones
+                    .into_iter()
+                    .zip(outputs)
+                    .filter_map(|(done, out)| Some((done?, Ok(Output::Tensor(out?)))))
+                    .collect();
+                handle::complete_all(batch);
             }
             Err(e) => {
                 let message = e.to_string();
-                for done in dones.into_iter().flatten() {
-                    done.complete(Err(Error::Transport {
-                        call: name,
-                        message: message.clone(),
-                    }));
-                }
+                let batch = dones
+                    .into_iter()
+                    .flatten()
+                    .map(|done| {
+                        let err = Error::Transport {
+                            call: name,
+                            message: message.clone(),
+                        };
+                        (done, Err(err))
+                    })
+                    .collect();
+                handle::complete_all(batch);
             }
         }
     }
