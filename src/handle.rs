@@ -1,12 +1,12 @@
 //! Handles: the caller's side of a submitted collective.
 
-use rustc_hash::FxHashSet;
 use std::fmt;
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
 use std::task::{Context, Poll, Waker};
 
+use crate::engine::queue::Queue;
 use crate::error::{Error, Result};
 use crate::ops::AlltoallOutput;
 use crate::tensor::Tensor;
@@ -48,16 +48,14 @@ impl Slot {
 /// names of its request.
 pub(crate) type Names = smallvec::SmallVec<[crate::engine::request::Key; 1]>;
 
-/// Names that are pending on this rank; a name is released right before its handle
-/// completes, so that a caller may reuse it as soon as `wait` returns.
-pub(crate) type PendingNames = Arc<Mutex<FxHashSet<crate::engine::request::Key>>>;
-
 /// The engine's side of a handle. Completing it (or dropping it, which completes it
-/// with an "engine stopped" error) wakes the waiter.
+/// with an "engine stopped" error) wakes the waiter. Its names are released from the
+/// queue's pending set right before the handle completes, so that a caller may reuse
+/// a name as soon as `wait` returns.
 pub(crate) struct Completer {
     slot: Arc<Slot>,
     names: Names,
-    pending: PendingNames,
+    queue: Arc<Queue>,
     /// Dropped without completing (the engine stopped): the op and rank for the
     /// "engine stopped" error, built only then.
     on_drop: Option<(&'static str, usize)>,
@@ -72,6 +70,18 @@ impl fmt::Debug for Completer {
 }
 
 impl Completer {
+    /// The names this handle holds in the pending set, its key first.
+    pub(crate) fn names(&self) -> &[crate::engine::request::Key] {
+        &self.names
+    }
+
+    /// Forgets the handle without completing it or releasing its names: for a request
+    /// the queue refused (its names were never claimed).
+    pub(crate) fn disarm(mut self) {
+        self.on_drop = None;
+        self.names.clear();
+    }
+
     /// Completes the handle with `result`.
     pub(crate) fn complete(mut self, result: Result<Output>) {
         self.release_names();
@@ -82,8 +92,9 @@ impl Completer {
 
     /// Takes this handle's names out of the pending set.
     fn release_names(&mut self) {
-        let mut set = self.pending.lock().unwrap_or_else(PoisonError::into_inner);
-        release(&mut self.names, &mut set);
+        if !self.names.is_empty() {
+            self.queue.release([&mut self.names]);
+        }
     }
 
     /// Puts `result` in the slot (the first result wins) and wakes an async waiter.
@@ -103,12 +114,6 @@ impl Completer {
     }
 }
 
-fn release(names: &mut Names, pending: &mut FxHashSet<crate::engine::request::Key>) {
-    for n in names.drain(..) {
-        pending.remove(&*n);
-    }
-}
-
 /// Completes a batch of handles (a fused collective's): the names of all of them are
 /// released under one lock of the pending set, and blocked threads are signalled only
 /// once every result is in place. A thread waiting on the batch's first handle then
@@ -116,20 +121,18 @@ fn release(names: &mut Names, pending: &mut FxHashSet<crate::engine::request::Ke
 /// the engine for a core) once per handle.
 pub(crate) fn complete_all(batch: Vec<(Completer, Result<Output>)>) {
     let mut batch = batch;
-    if let Some(pending) = batch.first().map(|(c, _)| c.pending.clone()) {
-        let mut set = pending.lock().unwrap_or_else(PoisonError::into_inner);
-        for (c, _) in &mut batch {
-            if Arc::ptr_eq(&c.pending, &pending) {
-                release(&mut c.names, &mut set);
-            }
-        }
+    if let Some(queue) = batch.first().map(|(c, _)| c.queue.clone()) {
+        queue.release(
+            batch
+                .iter_mut()
+                .filter(|(c, _)| Arc::ptr_eq(&c.queue, &queue))
+                .map(|(c, _)| &mut c.names),
+        );
     }
     let mut wake = Vec::new();
     for (mut c, result) in batch {
-        if !c.names.is_empty() {
-            // Another Kolo's handle (not the case within one engine).
-            c.release_names();
-        }
+        // Another Kolo's handle (never within one engine): released on its own.
+        c.release_names();
         wake.extend(c.store(result));
     }
     for slot in wake {
@@ -167,6 +170,8 @@ impl Drop for Completer {
 /// rank's part, so it runs to completion and the result is discarded.
 pub struct Handle<T> {
     slot: Arc<Slot>,
+    /// Told when this handle's thread is about to block (see `Queue::flush`).
+    queue: Arc<Queue>,
     convert: fn(Output) -> Result<T>,
 }
 
@@ -191,6 +196,12 @@ impl<T> Handle<T> {
     /// the engine stopping, …
     pub fn wait(self) -> Result<T> {
         let mut state = self.slot.lock();
+        if !state.done {
+            // Not while holding the slot: the engine takes the queue's lock first.
+            drop(state);
+            self.queue.flush();
+            state = self.slot.lock();
+        }
         while !state.done {
             state.waiting = true;
             state = self
@@ -223,6 +234,8 @@ impl<T> Future for Handle<T> {
             Poll::Ready(self.take(result))
         } else {
             state.waker = Some(cx.waker().clone());
+            drop(state);
+            self.queue.flush();
             Poll::Pending
         }
     }
@@ -232,7 +245,7 @@ impl<T> Future for Handle<T> {
 /// the engine drops the completer without completing it.
 pub(crate) fn pair<T>(
     names: Names,
-    pending: PendingNames,
+    queue: Arc<Queue>,
     on_drop: (&'static str, usize),
     convert: fn(Output) -> Result<T>,
 ) -> (Handle<T>, Completer) {
@@ -240,12 +253,13 @@ pub(crate) fn pair<T>(
     (
         Handle {
             slot: slot.clone(),
+            queue: queue.clone(),
             convert,
         },
         Completer {
             slot,
             names,
-            pending,
+            queue,
             on_drop: Some(on_drop),
         },
     )
@@ -296,8 +310,8 @@ mod tests {
 
     #[test]
     fn completes_and_releases_names() {
-        let pending: PendingNames = Arc::default();
-        pending.lock().unwrap().insert("a".into());
+        let pending: Arc<Queue> = Arc::default();
+        pending.claim(&["a"]);
         let (h, c) = pair(
             smallvec::smallvec!["a".into()],
             pending.clone(),
@@ -308,7 +322,7 @@ mod tests {
         let t = std::thread::spawn(move || c.complete(Ok(Output::Rank(3))));
         assert_eq!(h.wait().unwrap(), 3);
         t.join().unwrap();
-        assert!(pending.lock().unwrap().is_empty());
+        assert!(!pending.is_pending("a"));
     }
 
     #[test]
@@ -329,12 +343,9 @@ mod tests {
 
     #[test]
     fn a_batch_releases_every_name_and_wakes_its_waiter_once_all_are_in() {
-        let pending: PendingNames = Arc::default();
+        let pending: Arc<Queue> = Arc::default();
         let names = ["a", "b", "c"];
-        pending
-            .lock()
-            .unwrap()
-            .extend(names.iter().map(|&n| n.into()));
+        pending.claim(&names);
         let (handles, completers): (Vec<_>, Vec<_>) = names
             .iter()
             .map(|&n| {
@@ -362,6 +373,6 @@ mod tests {
         assert_eq!(waiter.join().unwrap(), 0);
         let rest: Vec<usize> = handles.map(|h| h.wait().unwrap()).collect();
         assert_eq!(rest, [1, 2]);
-        assert!(pending.lock().unwrap().is_empty());
+        assert!(names.iter().all(|n| !pending.is_pending(n)));
     }
 }

@@ -2,7 +2,7 @@
 
 use std::collections::HashSet;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::mpsc::{self, Sender};
+use std::sync::mpsc;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::thread::JoinHandle;
 
@@ -11,9 +11,10 @@ use serde::Serialize;
 
 use crate::config::Config;
 use crate::engine::autotune::AutotuneState;
+use crate::engine::queue::{Queue, Refused};
 use crate::engine::request::{self, Command, Named, OpKind, Request, Submission};
 use crate::error::{Error, Result};
-use crate::handle::{self, Handle, Output, PendingNames};
+use crate::handle::{self, Handle, Output};
 use crate::ops::{
     AllgatherBuilder, AllreduceBuilder, AlltoallBuilder, BroadcastBuilder, GroupedAllreduceBuilder,
     ReducescatterBuilder,
@@ -158,23 +159,15 @@ impl std::fmt::Debug for Kolo {
 
 struct Inner {
     topology: Topology,
-    tx: Mutex<Option<Sender<Command>>>,
+    /// Commands to the engine, and the names pending on this rank.
+    queue: Arc<Queue>,
     engine: Mutex<Option<JoinHandle<()>>>,
-    pending: PendingNames,
     autotune: Arc<Mutex<AutotuneState>>,
 }
 
 impl Inner {
     fn shutdown(&self) -> Result<()> {
-        // Dropping the sender after the Shutdown command also tells the engine to stop.
-        if let Some(tx) = self
-            .tx
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .take()
-        {
-            let _ = tx.send(Command::Shutdown);
-        }
+        self.queue.close();
         let engine = self
             .engine
             .lock()
@@ -209,13 +202,14 @@ pub(crate) fn start(config: Config) -> Result<Kolo> {
                 .into(),
         ));
     }
-    let (tx, rx) = mpsc::channel();
+    let queue = Arc::new(Queue::default());
+    let engine_queue = queue.clone();
     let (started_tx, started_rx) = mpsc::sync_channel(1);
     let autotune = Arc::new(Mutex::new(AutotuneState::default()));
     let engine_autotune = autotune.clone();
     let engine = std::thread::Builder::new()
         .name("kolo-engine".into())
-        .spawn(move || crate::engine::run(config, rx, started_tx, engine_autotune))
+        .spawn(move || crate::engine::run(config, engine_queue, started_tx, engine_autotune))
         .map_err(|e| Error::Init(format!("cannot start the engine thread: {e}")))?;
     let topology = match started_rx.recv() {
         Ok(Ok(t)) => t,
@@ -236,9 +230,8 @@ pub(crate) fn start(config: Config) -> Result<Kolo> {
     Ok(Kolo {
         inner: Arc::new(Inner {
             topology,
-            tx: Mutex::new(Some(tx)),
+            queue,
             engine: Mutex::new(Some(engine)),
-            pending: Arc::default(),
             autotune,
         }),
     })
@@ -530,11 +523,8 @@ impl Kolo {
             reason: "kolo has been shut down on this rank".into(),
             tensors: Vec::new(),
         };
-        {
-            let tx = self.inner.tx.lock().unwrap_or_else(PoisonError::into_inner);
-            let tx = tx.as_ref().ok_or_else(stopped)?;
-            tx.send(Command::Timeline { path, reply })
-                .map_err(|_| stopped())?;
+        if !self.inner.queue.push(Command::Timeline { path, reply }) {
+            return Err(stopped());
         }
         answer.recv().map_err(|_| stopped())?
     }
@@ -660,52 +650,42 @@ impl Kolo {
                 names.push(n.clone());
             }
         }
-        {
-            let mut pending = self
-                .inner
-                .pending
-                .lock()
-                .unwrap_or_else(PoisonError::into_inner);
-            if let Some(dup) = names.iter().find(|n| pending.contains(*n)) {
-                return Err(Error::DuplicateName {
-                    op,
-                    name: dup.to_string(),
-                    rank,
-                });
-            }
-            pending.extend(names.iter().cloned());
-        }
         let on_drop = (op, rank);
         let (meta, tensors) = s.into_parts();
-        let (handle, done) = handle::pair(names, self.inner.pending.clone(), on_drop, convert);
+        let (handle, done) = handle::pair(names, self.inner.queue.clone(), on_drop, convert);
         let request = Request {
             meta,
             tensors,
             done,
             submitted: std::time::Instant::now(),
         };
-        let tx = self.inner.tx.lock().unwrap_or_else(PoisonError::into_inner);
-        let sent = match tx.as_ref() {
-            Some(tx) => tx.send(Command::Submit(request)).map_err(|e| e.0),
-            None => Err(Command::Submit(request)),
-        };
-        drop(tx);
-        if let Err(Command::Submit(request)) = sent {
-            let Request {
-                tensors,
-                done,
-                meta,
-                ..
-            } = request;
-            // Completing releases the names; the caller gets the tensors back.
-            done.complete(Ok(Output::Unit));
-            return Err(Error::EngineStopped {
-                op,
-                name: meta.key.to_string(),
-                rank,
-                reason: "kolo has been shut down on this rank".into(),
-                tensors: tensors.into_vec(),
-            });
+        match self.inner.queue.submit(request) {
+            Ok(()) => {}
+            Err(Refused::Duplicate(name, request)) => {
+                request.done.disarm();
+                return Err(Error::DuplicateName {
+                    op,
+                    name: name.to_string(),
+                    rank,
+                });
+            }
+            Err(Refused::Closed(request)) => {
+                let Request {
+                    tensors,
+                    done,
+                    meta,
+                    ..
+                } = *request;
+                done.disarm();
+                // The caller gets the tensors back.
+                return Err(Error::EngineStopped {
+                    op,
+                    name: meta.key.to_string(),
+                    rank,
+                    reason: "kolo has been shut down on this rank".into(),
+                    tensors: tensors.into_vec(),
+                });
+            }
         }
         Ok(handle)
     }

@@ -11,13 +11,14 @@ pub(crate) mod fusion;
 #[cfg(feature = "nccl")]
 mod gpu;
 pub(crate) mod negotiate;
+pub(crate) mod queue;
 pub(crate) mod request;
 mod respond;
 pub(crate) mod stall;
 pub(crate) mod timeline;
 
 use rustc_hash::FxHashMap;
-use std::sync::mpsc::{Receiver, RecvTimeoutError, SyncSender, TryRecvError};
+use std::sync::mpsc::SyncSender;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
@@ -29,6 +30,7 @@ use autotune::{AutotuneChange, AutotuneState, Settings, Tuner};
 use cache::ResponseCache;
 use fusion::{FusionBuffer, Step};
 use negotiate::{Negotiator, Outcome, Response};
+use queue::Queue;
 use request::{Command, CycleMsg, Key, Request, RequestMeta};
 use stall::StallInspector;
 use timeline::Timeline;
@@ -51,7 +53,7 @@ const GPU_SPIN: Duration = Duration::from_micros(200);
 /// MPI by dropping the transport.
 pub(crate) fn run(
     config: Config,
-    rx: Receiver<Command>,
+    queue: Arc<Queue>,
     started: SyncSender<Result<Topology>>,
     autotune: Arc<Mutex<AutotuneState>>,
 ) {
@@ -98,7 +100,9 @@ pub(crate) fn run(
         negotiator: Negotiator::new(topology.size),
         stall: StallInspector::new(&config, topology.rank),
         inbox: Inbox {
-            rx,
+            queue,
+            taken: Vec::new(),
+            new_since: None,
             pending: FxHashMap::default(),
             outgoing: Vec::new(),
             announced: FxHashMap::default(),
@@ -193,7 +197,11 @@ fn allreduce_bytes(r: &Response) -> u64 {
 
 /// This rank's queue: requests accepted from framework threads and not yet finished.
 struct Inbox {
-    rx: Receiver<Command>,
+    queue: Arc<Queue>,
+    /// The commands last taken from the queue (a buffer swapped with the queue's).
+    taken: Vec<Command>,
+    /// When the oldest request not yet in a cycle was submitted.
+    new_since: Option<Instant>,
     /// Requests by negotiation key, waiting to be negotiated or run.
     pending: FxHashMap<Key, Request>,
     /// Keys of the requests to announce in full in the next cycle (their requests are
@@ -216,6 +224,7 @@ impl Inbox {
                     req.done.complete(Err(err));
                     return;
                 }
+                self.new_since.get_or_insert(req.submitted);
                 self.outgoing.push(req.meta.key.clone());
                 self.pending.insert(req.meta.key.clone(), req);
             }
@@ -226,29 +235,32 @@ impl Inbox {
 
     /// Takes every command already queued, without blocking.
     fn drain(&mut self) {
-        loop {
-            match self.rx.try_recv() {
-                Ok(cmd) => self.accept(cmd),
-                Err(TryRecvError::Empty) => return,
-                // Every Kolo handle is gone: shut down.
-                Err(TryRecvError::Disconnected) => {
-                    self.shutting_down = true;
-                    return;
-                }
-            }
-        }
+        self.take(Some(Duration::ZERO));
     }
 
-    /// Waits up to `timeout` for one command, then drains the rest.
+    /// Waits up to `timeout` for a command, then takes every queued one.
     fn wait_for_work(&mut self, timeout: Duration) {
-        match self.rx.recv_timeout(timeout) {
-            Ok(cmd) => {
-                self.accept(cmd);
-                self.drain();
-            }
-            Err(RecvTimeoutError::Timeout) => {}
-            Err(RecvTimeoutError::Disconnected) => self.shutting_down = true,
+        self.take(Some(timeout));
+    }
+
+    /// Waits for more requests until `deadline` or a flush, then takes them all.
+    fn batch(&mut self, deadline: Instant) {
+        let mut taken = std::mem::take(&mut self.taken);
+        self.queue.take_batching(&mut taken, deadline);
+        for cmd in taken.drain(..) {
+            self.accept(cmd);
         }
+        self.taken = taken;
+        self.new_since = None;
+    }
+
+    fn take(&mut self, timeout: Option<Duration>) {
+        let mut taken = std::mem::take(&mut self.taken);
+        self.queue.take(&mut taken, timeout);
+        for cmd in taken.drain(..) {
+            self.accept(cmd);
+        }
+        self.taken = taken;
     }
 
     /// Takes the request announced by cache `slot` (if any) back into the next cycle's
@@ -365,22 +377,29 @@ impl Engine {
     }
 
     /// Collects local work for the next cycle: blocks while idle (up to a heartbeat),
-    /// and while only waiting for other ranks paces cycles by the cycle time.
+    /// and while only waiting for other ranks paces cycles by the cycle time. With new
+    /// requests it waits for more, up to the cycle time after the first of them was
+    /// submitted, unless a thread blocks on a result (then it goes at once): a burst
+    /// of submits becomes one cycle instead of a cycle per few requests, each of them
+    /// competing with the submitting thread for a core.
     fn gather(&mut self) {
         self.inbox.drain();
         self.serve_timeline_requests();
-        if self.inbox.shutting_down || !self.inbox.outgoing.is_empty() {
-            return;
+        if !self.inbox.shutting_down && self.inbox.outgoing.is_empty() {
+            #[cfg(feature = "nccl")]
+            self.wait_for_gpu();
+            if !self.inbox.shutting_down && self.inbox.outgoing.is_empty() {
+                if !self.inbox.has_work() {
+                    self.inbox.wait_for_work(HEARTBEAT);
+                } else if !self.last_cycle_had_news {
+                    self.inbox.wait_for_work(self.config.cycle_time);
+                }
+            }
         }
-        #[cfg(feature = "nccl")]
-        self.wait_for_gpu();
-        if self.inbox.shutting_down || !self.inbox.outgoing.is_empty() {
-            return;
-        }
-        if !self.inbox.has_work() {
-            self.inbox.wait_for_work(HEARTBEAT);
-        } else if !self.last_cycle_had_news {
-            self.inbox.wait_for_work(self.config.cycle_time);
+        if let Some(first) = self.inbox.new_since.take() {
+            if !self.inbox.shutting_down && !self.inbox.outgoing.is_empty() {
+                self.inbox.batch(first + self.config.cycle_time);
+            }
         }
     }
 
@@ -708,35 +727,35 @@ impl Engine {
             left,
             "rank {left} has shut down; collectives on this rank will fail"
         );
-        while let Ok(cmd) = self.inbox.rx.recv() {
-            match cmd {
-                Command::Submit(req) => {
-                    let err = Error::RankLeft {
-                        op: req.meta.kind.name(),
-                        name: req.meta.key.to_string(),
-                        rank: left,
-                    };
-                    req.done.complete(Err(err));
-                }
-                Command::Shutdown => return,
-                Command::Timeline { reply, .. } => {
-                    let _ = reply.send(Ok(()));
-                }
-            }
-        }
+        self.serve_failing(|meta| Error::RankLeft {
+            op: meta.kind.name(),
+            name: meta.key.to_string(),
+            rank: left,
+        });
     }
 
     fn serve_stopped(&mut self, reason: &str) {
         self.serve_timeline_requests();
-        while let Ok(cmd) = self.inbox.rx.recv() {
-            match cmd {
-                Command::Submit(req) => {
-                    let err = stopped(&req.meta, self.inbox.rank, reason);
-                    req.done.complete(Err(err));
-                }
-                Command::Shutdown => return,
-                Command::Timeline { reply, .. } => {
-                    let _ = reply.send(Ok(()));
+        let rank = self.inbox.rank;
+        self.serve_failing(|meta| stopped(meta, rank, reason));
+    }
+
+    /// Once no collective can run any more: fails every submit at once with `fail`'s
+    /// error until this rank shuts down.
+    fn serve_failing(&mut self, fail: impl Fn(&RequestMeta) -> Error) {
+        let mut taken = Vec::new();
+        loop {
+            self.inbox.queue.take(&mut taken, None);
+            for cmd in taken.drain(..) {
+                match cmd {
+                    Command::Submit(req) => {
+                        let err = fail(&req.meta);
+                        req.done.complete(Err(err));
+                    }
+                    Command::Shutdown => return,
+                    Command::Timeline { reply, .. } => {
+                        let _ = reply.send(Ok(()));
+                    }
                 }
             }
         }
