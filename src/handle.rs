@@ -170,8 +170,6 @@ impl Drop for Completer {
 /// rank's part, so it runs to completion and the result is discarded.
 pub struct Handle<T> {
     slot: Arc<Slot>,
-    /// Told when this handle's thread is about to block (see `Queue::flush`).
-    queue: Arc<Queue>,
     convert: fn(Output) -> Result<T>,
 }
 
@@ -196,12 +194,6 @@ impl<T> Handle<T> {
     /// the engine stopping, …
     pub fn wait(self) -> Result<T> {
         let mut state = self.slot.lock();
-        if !state.done {
-            // Not while holding the slot: the engine takes the queue's lock first.
-            drop(state);
-            self.queue.flush();
-            state = self.slot.lock();
-        }
         while !state.done {
             state.waiting = true;
             state = self
@@ -234,8 +226,6 @@ impl<T> Future for Handle<T> {
             Poll::Ready(self.take(result))
         } else {
             state.waker = Some(cx.waker().clone());
-            drop(state);
-            self.queue.flush();
             Poll::Pending
         }
     }
@@ -253,7 +243,6 @@ pub(crate) fn pair<T>(
     (
         Handle {
             slot: slot.clone(),
-            queue: queue.clone(),
             convert,
         },
         Completer {

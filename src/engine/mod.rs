@@ -102,7 +102,6 @@ pub(crate) fn run(
         inbox: Inbox {
             queue,
             taken: Vec::new(),
-            new_since: None,
             pending: FxHashMap::default(),
             outgoing: Vec::new(),
             announced: FxHashMap::default(),
@@ -200,8 +199,6 @@ struct Inbox {
     queue: Arc<Queue>,
     /// The commands last taken from the queue (a buffer swapped with the queue's).
     taken: Vec<Command>,
-    /// When the oldest request not yet in a cycle was submitted.
-    new_since: Option<Instant>,
     /// Requests by negotiation key, waiting to be negotiated or run.
     pending: FxHashMap<Key, Request>,
     /// Keys of the requests to announce in full in the next cycle (their requests are
@@ -224,7 +221,6 @@ impl Inbox {
                     req.done.complete(Err(err));
                     return;
                 }
-                self.new_since.get_or_insert(req.submitted);
                 self.outgoing.push(req.meta.key.clone());
                 self.pending.insert(req.meta.key.clone(), req);
             }
@@ -241,17 +237,6 @@ impl Inbox {
     /// Waits up to `timeout` for a command, then takes every queued one.
     fn wait_for_work(&mut self, timeout: Duration) {
         self.take(Some(timeout));
-    }
-
-    /// Waits for more requests until `deadline` or a flush, then takes them all.
-    fn batch(&mut self, deadline: Instant) {
-        let mut taken = std::mem::take(&mut self.taken);
-        self.queue.take_batching(&mut taken, deadline);
-        for cmd in taken.drain(..) {
-            self.accept(cmd);
-        }
-        self.taken = taken;
-        self.new_since = None;
     }
 
     fn take(&mut self, timeout: Option<Duration>) {
@@ -377,29 +362,22 @@ impl Engine {
     }
 
     /// Collects local work for the next cycle: blocks while idle (up to a heartbeat),
-    /// and while only waiting for other ranks paces cycles by the cycle time. With new
-    /// requests it waits for more, up to the cycle time after the first of them was
-    /// submitted, unless a thread blocks on a result (then it goes at once): a burst
-    /// of submits becomes one cycle instead of a cycle per few requests, each of them
-    /// competing with the submitting thread for a core.
+    /// and while only waiting for other ranks paces cycles by the cycle time.
     fn gather(&mut self) {
         self.inbox.drain();
         self.serve_timeline_requests();
-        if !self.inbox.shutting_down && self.inbox.outgoing.is_empty() {
-            #[cfg(feature = "nccl")]
-            self.wait_for_gpu();
-            if !self.inbox.shutting_down && self.inbox.outgoing.is_empty() {
-                if !self.inbox.has_work() {
-                    self.inbox.wait_for_work(HEARTBEAT);
-                } else if !self.last_cycle_had_news {
-                    self.inbox.wait_for_work(self.config.cycle_time);
-                }
-            }
+        if self.inbox.shutting_down || !self.inbox.outgoing.is_empty() {
+            return;
         }
-        if let Some(first) = self.inbox.new_since.take() {
-            if !self.inbox.shutting_down && !self.inbox.outgoing.is_empty() {
-                self.inbox.batch(first + self.config.cycle_time);
-            }
+        #[cfg(feature = "nccl")]
+        self.wait_for_gpu();
+        if self.inbox.shutting_down || !self.inbox.outgoing.is_empty() {
+            return;
+        }
+        if !self.inbox.has_work() {
+            self.inbox.wait_for_work(HEARTBEAT);
+        } else if !self.last_cycle_had_news {
+            self.inbox.wait_for_work(self.config.cycle_time);
         }
     }
 

@@ -4,17 +4,12 @@
 //! One mutex guards both: a submit checks its names for duplicates, claims them and
 //! queues its request under one lock, and the engine takes every queued command at
 //! once by swapping buffers, so that a steady stream of submits allocates nothing
-//! here and costs one uncontended lock each.
-//!
-//! The engine sleeps on the condvar in two ways. Idle (nothing to do), any command
-//! wakes it. Batching (it has new requests and waits up to the cycle time for more,
-//! so that a burst of submits becomes one cycle), only a *flush* wakes it: a thread
-//! that blocks on a handle (or polls a pending future) says that it submits nothing
-//! more for now, so there is no point in waiting longer.
+//! here and costs one lock each. The engine sleeps on the condvar only when it has nothing to do; a command
+//! signals it only then.
 
 use rustc_hash::FxHashSet;
 use std::sync::{Condvar, Mutex, MutexGuard, PoisonError};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use super::request::{Command, Key, Request};
 use crate::handle::Names;
@@ -28,26 +23,13 @@ pub(crate) enum Refused {
     Closed(Box<Request>),
 }
 
-#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
-enum Sleep {
-    /// Not sleeping: nobody needs to signal.
-    #[default]
-    Awake,
-    /// Waiting for any command.
-    Idle,
-    /// Waiting for a flush (or its deadline).
-    Batching,
-}
-
 #[derive(Debug, Default)]
 struct State {
     commands: Vec<Command>,
     /// Names of submitted ops whose handles have not completed yet.
     names: FxHashSet<Key>,
-    /// How the engine is sleeping, if it is.
-    engine: Sleep,
-    /// A thread waits for a result: the engine should not wait to batch more.
-    flush: bool,
+    /// The engine is blocked waiting for a command.
+    engine_waiting: bool,
     /// Shutdown was requested: no command is taken any more.
     closed: bool,
 }
@@ -65,8 +47,8 @@ impl Queue {
         self.state.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
-    /// Claims `names` and queues `request`, unless a name is pending already or the
-    /// queue is closed.
+    /// Claims the request's names and queues it, unless a name is pending already or
+    /// the queue is closed.
     pub(crate) fn submit(&self, request: Request) -> Result<(), Refused> {
         let mut state = self.lock();
         if state.closed {
@@ -100,55 +82,16 @@ impl Queue {
         if !state.closed {
             state.closed = true;
             state.commands.push(Command::Shutdown);
-            // Also out of a batching wait: nothing more is coming.
-            let sleeping = state.engine != Sleep::Awake;
-            drop(state);
-            if sleeping {
-                self.arrived.notify_one();
-            }
+            self.signal(state);
         }
     }
 
     fn signal(&self, state: MutexGuard<'_, State>) {
-        let idle = state.engine == Sleep::Idle;
+        let waiting = state.engine_waiting;
         drop(state);
-        if idle {
+        if waiting {
             self.arrived.notify_one();
         }
-    }
-
-    /// A thread is about to block on a result: the engine should run what it has
-    /// instead of waiting for more.
-    pub(crate) fn flush(&self) {
-        let mut state = self.lock();
-        state.flush = true;
-        let batching = state.engine == Sleep::Batching;
-        drop(state);
-        if batching {
-            self.arrived.notify_one();
-        }
-    }
-
-    /// The engine's side: with new requests in hand, waits until a thread flushes,
-    /// shutdown is requested or `deadline` passes, then takes every queued command
-    /// into `into` (which should be empty). Clears the flush.
-    pub(crate) fn take_batching(&self, into: &mut Vec<Command>, deadline: Instant) {
-        let mut state = self.lock();
-        loop {
-            let now = Instant::now();
-            if state.flush || state.closed || now >= deadline {
-                break;
-            }
-            state.engine = Sleep::Batching;
-            state = self
-                .arrived
-                .wait_timeout(state, deadline - now)
-                .unwrap_or_else(PoisonError::into_inner)
-                .0;
-            state.engine = Sleep::Awake;
-        }
-        state.flush = false;
-        std::mem::swap(&mut state.commands, into);
     }
 
     /// The engine's side: moves every queued command into `into` (which should be
@@ -160,21 +103,21 @@ impl Queue {
             match timeout {
                 Some(t) if t.is_zero() => {}
                 Some(t) => {
-                    state.engine = Sleep::Idle;
+                    state.engine_waiting = true;
                     state = self
                         .arrived
                         .wait_timeout_while(state, t, |s| s.commands.is_empty())
                         .unwrap_or_else(PoisonError::into_inner)
                         .0;
-                    state.engine = Sleep::Awake;
+                    state.engine_waiting = false;
                 }
                 None => {
-                    state.engine = Sleep::Idle;
+                    state.engine_waiting = true;
                     state = self
                         .arrived
                         .wait_while(state, |s| s.commands.is_empty())
                         .unwrap_or_else(PoisonError::into_inner);
-                    state.engine = Sleep::Awake;
+                    state.engine_waiting = false;
                 }
             }
         }
@@ -203,5 +146,87 @@ impl Queue {
     #[cfg(test)]
     pub(crate) fn is_pending(&self, name: &str) -> bool {
         self.lock().names.contains(name)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::engine::request::{OpKind, RequestMeta};
+    use crate::handle::{self, Handle};
+    use crate::ops::ReduceOp;
+    use crate::tensor::DType;
+    use std::sync::Arc;
+
+    fn request(queue: &Arc<Queue>, name: &str) -> (Request, Handle<usize>) {
+        let meta = RequestMeta::for_test(name, OpKind::Allreduce, DType::F32, &[1], ReduceOp::Sum);
+        let names = smallvec::smallvec![meta.key.clone()];
+        let (h, done) = handle::pair(names, queue.clone(), ("allreduce", 0), handle::to_rank);
+        let req = Request {
+            meta,
+            tensors: Default::default(),
+            done,
+            submitted: std::time::Instant::now(),
+        };
+        (req, h)
+    }
+
+    #[test]
+    fn claims_names_refuses_duplicates_and_hands_everything_over_at_once() {
+        let q = Arc::new(Queue::default());
+        let (a, ha) = request(&q, "a");
+        q.submit(a).unwrap();
+        let (again, _h) = request(&q, "a");
+        match q.submit(again) {
+            Err(Refused::Duplicate(name, req)) => {
+                assert_eq!(&*name, "a");
+                req.done.disarm();
+            }
+            other => panic!("expected a duplicate, got {other:?}"),
+        }
+        // The refused request released nothing: "a" is still pending.
+        assert!(q.is_pending("a"));
+        let (b, hb) = request(&q, "b");
+        q.submit(b).unwrap();
+        let mut taken = Vec::new();
+        q.take(&mut taken, Some(Duration::ZERO));
+        assert_eq!(taken.len(), 2);
+        let mut completers = taken.into_iter().map(|c| match c {
+            Command::Submit(r) => r.done,
+            _ => panic!("expected submits"),
+        });
+        completers
+            .next()
+            .unwrap()
+            .complete(Ok(handle::Output::Rank(1)));
+        assert!(!q.is_pending("a") && q.is_pending("b"));
+        assert_eq!(ha.wait().unwrap(), 1);
+        completers
+            .next()
+            .unwrap()
+            .complete(Ok(handle::Output::Rank(2)));
+        assert_eq!(hb.wait().unwrap(), 2);
+    }
+
+    #[test]
+    fn closed_queue_refuses_and_wakes_the_engine() {
+        let q = Arc::new(Queue::default());
+        let engine = {
+            let q = q.clone();
+            std::thread::spawn(move || {
+                let mut taken = Vec::new();
+                q.take(&mut taken, None);
+                taken.len()
+            })
+        };
+        q.close();
+        assert_eq!(engine.join().unwrap(), 1);
+        let (r, _h) = request(&q, "late");
+        match q.submit(r) {
+            Err(Refused::Closed(req)) => req.done.disarm(),
+            other => panic!("expected closed, got {other:?}"),
+        }
+        assert!(!q.is_pending("late"));
+        assert!(!q.push(Command::Shutdown));
     }
 }

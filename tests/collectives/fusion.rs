@@ -4,7 +4,6 @@
 
 use anyhow::{ensure, Result};
 use kolo::{DType, Kolo, ReduceOp, Tensor};
-use std::time::{Duration, Instant};
 
 use crate::util::*;
 
@@ -216,56 +215,5 @@ pub(crate) fn alltoall_repeated(k: &Kolo) -> Result<()> {
             )?;
         }
     }
-    Ok(())
-}
-
-/// A burst of async submits followed by waits: run with a 10 s cycle time, the engine
-/// waits for more work after the first submit, and must start the cycle as soon as
-/// this thread blocks on a result rather than wait the cycle time out; shutting down
-/// while it waits for more must not wait it out either. The variant also requires
-/// the debug log's "fused allreduce tensors=200": the whole burst in one collective.
-pub(crate) fn burst(k: &Kolo) -> Result<()> {
-    let size = k.size() as f32;
-    let start = Instant::now();
-    let handles = (0..200)
-        .map(|i| {
-            let t = Tensor::from_vec(vec![i as f32; 16], &[16])?;
-            Ok(k.allreduce(format!("burst.{i}"), t)
-                .op(ReduceOp::Sum)
-                .submit()?)
-        })
-        .collect::<Result<Vec<_>>>()?;
-    for (i, h) in handles.into_iter().enumerate() {
-        let out = h.wait()?;
-        ensure!(
-            out.as_slice::<f32>()? == [i as f32 * size; 16],
-            "burst.{i}: wrong sum {:?}",
-            out.as_slice::<f32>()?
-        );
-    }
-    let single = Tensor::from_vec(vec![1.0f32], &[1])?;
-    let out = k
-        .allreduce("burst.single", single)
-        .op(ReduceOp::Sum)
-        .wait()?;
-    ensure!(out.as_slice::<f32>()? == [size], "burst.single: wrong sum");
-    let elapsed = start.elapsed();
-    ensure!(
-        elapsed < Duration::from_secs(5),
-        "a burst and one blocking allreduce took {elapsed:?}: the engine must start a cycle when a thread blocks on a result, not wait out the cycle time"
-    );
-    // Submitted, never waited for: the engine is waiting for more work when told to
-    // shut down.
-    let tail = Tensor::from_vec(vec![1.0f32], &[1])?;
-    drop(k.allreduce("burst.tail", tail).submit()?);
-    // Long enough for the engine to be waiting for more when shutdown comes.
-    std::thread::sleep(Duration::from_millis(100));
-    let start = Instant::now();
-    k.shutdown()?;
-    let elapsed = start.elapsed();
-    ensure!(
-        elapsed < Duration::from_secs(5),
-        "shutdown took {elapsed:?}: it must not wait out the cycle time"
-    );
     Ok(())
 }

@@ -58,7 +58,6 @@ const VARIANT_ONLY: &[(&str, Case)] = &[
     ("timeline", timeline::trace),
     ("autotune_grid_point", autotune::grid_point),
     ("autotune_tune", autotune::tune),
-    ("burst", fusion::burst),
 ];
 
 /// The autotuner's test settings: only the fusion threshold is tuned (cycle time and
@@ -200,15 +199,6 @@ const VARIANTS: &[Variant] = &[
         &[2],
         &[("KOLO_LOG_LEVEL", "debug")],
         Some("fused allgather tensors="),
-    ),
-    // The engine waits up to the cycle time for more work after a submit; a thread
-    // blocking on a result ends the wait.
-    (
-        "burst_is_one_cycle",
-        "burst",
-        &[2, 3],
-        &[("KOLO_CYCLE_TIME", "10000"), ("KOLO_LOG_LEVEL", "debug")],
-        Some("fused allreduce tensors=200"),
     ),
     (
         "cache_off",
