@@ -57,6 +57,8 @@ pub(crate) fn run(
     started: SyncSender<Result<Topology>>,
     autotune: Arc<Mutex<AutotuneState>>,
 ) {
+    // Declared first, dropped last: after the engine's own pending requests.
+    let _abandon = Abandon(queue.clone());
     let mut transport = match MpiTransport::init() {
         Ok(t) => t,
         Err(e) => {
@@ -142,6 +144,16 @@ pub(crate) fn run(
     }
     engine.serve();
     tracing::debug!(rank = topology.rank, "engine stopped; finalising MPI");
+}
+
+/// Closes the queue when the engine thread ends, also by a panic: later submits then
+/// fail at once and queued ones fail their handles, rather than wait forever.
+struct Abandon(Arc<Queue>);
+
+impl Drop for Abandon {
+    fn drop(&mut self) {
+        self.0.abandon();
+    }
 }
 
 /// Settings every rank must share, because every rank plans the same fusion batches

@@ -86,6 +86,19 @@ impl Queue {
         }
     }
 
+    /// When the engine thread ends, however it ends: refuses everything from now on
+    /// and drops what is still queued, which fails those handles ("engine stopped")
+    /// instead of leaving their threads waiting.
+    pub(crate) fn abandon(&self) {
+        let left = {
+            let mut state = self.lock();
+            state.closed = true;
+            std::mem::take(&mut state.commands)
+        };
+        // Dropped outside the lock: a dropped handle releases its names through it.
+        drop(left);
+    }
+
     fn signal(&self, state: MutexGuard<'_, State>) {
         let waiting = state.engine_waiting;
         drop(state);
@@ -228,5 +241,18 @@ mod tests {
         }
         assert!(!q.is_pending("late"));
         assert!(!q.push(Command::Shutdown));
+    }
+
+    #[test]
+    fn abandoned_queue_fails_what_it_still_holds() {
+        let q = Arc::new(Queue::default());
+        let (r, h) = request(&q, "queued");
+        q.submit(r).unwrap();
+        q.abandon();
+        let err = h.wait().unwrap_err().to_string();
+        assert!(err.contains("engine stopped"), "{err}");
+        assert!(!q.is_pending("queued"));
+        let (r, _h) = request(&q, "late");
+        assert!(matches!(q.submit(r), Err(Refused::Closed(_))));
     }
 }
