@@ -29,6 +29,11 @@ struct State {
     /// A thread is blocked in `wait`: only then is the condvar signalled (a futex
     /// wake is a system call, and most handles are complete before anyone waits).
     waiting: bool,
+    /// The op's names, kept from completion until the handle goes, so that their
+    /// memory (allocated by the submitting thread) is freed on that thread: freeing
+    /// on the engine thread made every allocation of the next step take glibc's slow,
+    /// locked path.
+    names: Names,
 }
 
 #[derive(Default)]
@@ -55,6 +60,8 @@ pub(crate) type Names = smallvec::SmallVec<[crate::engine::request::Key; 1]>;
 pub(crate) struct Completer {
     slot: Arc<Slot>,
     names: Names,
+    /// The names were taken out of the pending set (or never went in).
+    released: bool,
     queue: Arc<Queue>,
     /// Dropped without completing (the engine stopped): the op and rank for the
     /// "engine stopped" error, built only then.
@@ -79,7 +86,7 @@ impl Completer {
     /// the queue refused (its names were never claimed).
     pub(crate) fn disarm(mut self) {
         self.on_drop = None;
-        self.names.clear();
+        self.released = true;
     }
 
     /// Completes the handle with `result`.
@@ -92,8 +99,9 @@ impl Completer {
 
     /// Takes this handle's names out of the pending set.
     fn release_names(&mut self) {
-        if !self.names.is_empty() {
-            self.queue.release([&mut self.names]);
+        if !self.released {
+            self.queue.release([&self.names]);
+            self.released = true;
         }
     }
 
@@ -107,6 +115,7 @@ impl Completer {
         }
         state.result = Some(result);
         state.done = true;
+        state.names = std::mem::take(&mut self.names);
         if let Some(w) = state.waker.take() {
             w.wake();
         }
@@ -122,12 +131,13 @@ impl Completer {
 pub(crate) fn complete_all(batch: Vec<(Completer, Result<Output>)>) {
     let mut batch = batch;
     if let Some(queue) = batch.first().map(|(c, _)| c.queue.clone()) {
-        queue.release(
-            batch
-                .iter_mut()
-                .filter(|(c, _)| Arc::ptr_eq(&c.queue, &queue))
-                .map(|(c, _)| &mut c.names),
-        );
+        let mine = |c: &Completer| !c.released && Arc::ptr_eq(&c.queue, &queue);
+        queue.release(batch.iter().filter(|(c, _)| mine(c)).map(|(c, _)| &c.names));
+        for (c, _) in &mut batch {
+            if mine(c) {
+                c.released = true;
+            }
+        }
     }
     let mut wake = Vec::new();
     for (mut c, result) in batch {
@@ -248,6 +258,7 @@ pub(crate) fn pair<T>(
         Completer {
             slot,
             names,
+            released: false,
             queue,
             on_drop: Some(on_drop),
         },

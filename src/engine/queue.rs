@@ -138,11 +138,11 @@ impl Queue {
     }
 
     /// Releases names of completed ops, under one lock for all of them.
-    pub(crate) fn release<'a>(&self, names: impl IntoIterator<Item = &'a mut Names>) {
+    pub(crate) fn release<'a>(&self, names: impl IntoIterator<Item = &'a Names>) {
         let mut state = self.lock();
         for list in names {
-            for n in list.drain(..) {
-                state.names.remove(&*n);
+            for n in list {
+                state.names.remove(&**n);
             }
         }
     }
