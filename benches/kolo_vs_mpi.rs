@@ -6,10 +6,11 @@
 //! table of medians with kolo/raw ratios and writes the same to
 //! `target/kolo-bench-np<N>.json`. `scripts/run-bench.sh` sets OpenMPI up first.
 //!
-//! The raw side calls MPI directly on MPI_COMM_WORLD (kolo uses its own duplicate of
-//! it), in place where the scenario says so. Inputs are prepared outside the timed
-//! region on both sides: what is timed is submission, negotiation, fusion and the
-//! collectives.
+//! Each repetition runs kolo and every raw baseline once in turn (interleaved), so that
+//! both see the same machine load. The raw side calls MPI directly on MPI_COMM_WORLD
+//! (kolo uses its own duplicate of it), in place where the scenario says so. Inputs are
+//! prepared outside the timed region on both sides: what is timed is submission,
+//! negotiation, fusion and the collectives.
 
 use std::ffi::c_void;
 use std::time::{Duration, Instant};
@@ -93,41 +94,38 @@ fn percentile(v: &mut [f64], p: f64) -> f64 {
     v[((v.len() as f64 - 1.0) * p).round() as usize]
 }
 
-/// Times `f` `reps` times (after `warmup` untimed runs), every rank starting together.
-fn time(reps: usize, warmup: usize, mut f: impl FnMut()) -> Vec<f64> {
-    for _ in 0..warmup {
-        f();
-    }
-    (0..reps)
-        .map(|_| {
-            raw_barrier();
-            let t = Instant::now();
-            f();
-            t.elapsed().as_secs_f64()
-        })
-        .collect()
+/// One way of running a scenario (kolo, or a raw MPI baseline): an untimed setup
+/// that prepares the data the run consumes, so that neither side is charged for
+/// copying its inputs, then the timed run, every rank starting together.
+type Way<'a> = Box<dyn FnMut() -> f64 + 'a>;
+
+fn way<'a, T>(mut setup: impl FnMut() -> T + 'a, mut run: impl FnMut(T) + 'a) -> Way<'a> {
+    Box::new(move || {
+        let input = setup();
+        raw_barrier();
+        let t = Instant::now();
+        run(input);
+        t.elapsed().as_secs_f64()
+    })
 }
 
-/// Like [`time`], but `setup` (untimed) prepares the data each run consumes, so that
-/// neither side is charged for copying its inputs.
-fn time_with<T>(
-    reps: usize,
-    warmup: usize,
-    mut setup: impl FnMut() -> T,
-    mut f: impl FnMut(T),
-) -> Vec<f64> {
-    for _ in 0..warmup {
-        f(setup());
+/// Runs every way `warmup` times untimed, then `reps` rounds in which each way runs
+/// once in turn, and returns each way's times. Alternating kolo with raw MPI, rather
+/// than timing one in a block and then the other, exposes both to the same machine
+/// load: on this shared machine the load drifts within seconds.
+fn interleaved(reps: usize, warmup: usize, mut ways: Vec<Way<'_>>) -> Vec<Vec<f64>> {
+    for w in &mut ways {
+        for _ in 0..warmup {
+            w();
+        }
     }
-    (0..reps)
-        .map(|_| {
-            let input = setup();
-            raw_barrier();
-            let t = Instant::now();
-            f(input);
-            t.elapsed().as_secs_f64()
-        })
-        .collect()
+    let mut times = vec![Vec::with_capacity(reps); ways.len()];
+    for _ in 0..reps {
+        for (w, t) in ways.iter_mut().zip(&mut times) {
+            t.push(w());
+        }
+    }
+    times
 }
 
 fn cpu_seconds() -> f64 {
@@ -152,21 +150,27 @@ fn bench(k: &Kolo, quick: bool, only: Option<u32>) -> anyhow::Result<Vec<Row>> {
         .unwrap_or(if quick { 5 } else { 15 });
     let run = |n: u32| only.is_none_or(|o| o == n);
     let mut rows = Vec::new();
-    let mut scratch = Vec::new();
 
     // 1. Latency of one 4-byte allreduce.
     if run(1) {
         let n_lat = if quick { 200 } else { 2000 };
-        let mut kolo_lat = time(n_lat, 50, || {
-            let t = Tensor::from_vec(vec![1.0f32], &[1]).expect("tensor");
-            k.allreduce("lat", t)
-                .op(ReduceOp::Sum)
-                .wait()
-                .expect("allreduce");
-        });
-        let mut raw_lat = time(n_lat, 50, || {
-            raw_allreduce(&mut [1.0f32], true, &mut scratch)
-        });
+        let kolo_way = way(
+            || Tensor::from_vec(vec![1.0f32], &[1]).expect("tensor"),
+            |t| {
+                k.allreduce("lat", t)
+                    .op(ReduceOp::Sum)
+                    .wait()
+                    .expect("allreduce");
+            },
+        );
+        let raw_way = way(
+            || [1.0f32],
+            |mut x| raw_allreduce(&mut x, true, &mut Vec::new()),
+        );
+        let [mut kolo_lat, mut raw_lat]: [Vec<f64>; 2] =
+            interleaved(n_lat, 50, vec![kolo_way, raw_way])
+                .try_into()
+                .expect("two ways");
         for (p, label) in [(0.5, "p50"), (0.99, "p99")] {
             rows.push(Row {
                 scenario: format!("1. 4-byte allreduce latency {label}"),
@@ -186,7 +190,7 @@ fn bench(k: &Kolo, quick: bool, only: Option<u32>) -> anyhow::Result<Vec<Row>> {
                 .map(|d| Tensor::from_vec(d.clone(), &[d.len()]).expect("tensor"))
                 .collect::<Vec<_>>()
         };
-        let mut kolo_many = time_with(reps, 2, tensors, |ts| {
+        let kolo_way = way(tensors, |ts| {
             let hs: Vec<_> = ts
                 .into_iter()
                 .enumerate()
@@ -199,9 +203,7 @@ fn bench(k: &Kolo, quick: bool, only: Option<u32>) -> anyhow::Result<Vec<Row>> {
                 .collect();
             hs.into_iter().for_each(|h| drop(h.wait().expect("wait")));
         });
-        let mut raw_many = time_with(
-            reps,
-            2,
+        let raw_way = way(
             || data.clone(),
             |mut d| {
                 for d in &mut d {
@@ -209,6 +211,10 @@ fn bench(k: &Kolo, quick: bool, only: Option<u32>) -> anyhow::Result<Vec<Row>> {
                 }
             },
         );
+        let [mut kolo_many, mut raw_many]: [Vec<f64>; 2] =
+            interleaved(reps, 2, vec![kolo_way, raw_way])
+                .try_into()
+                .expect("two ways");
         rows.push(Row {
             scenario: "2. 1000 x 256 f32, async".into(),
             kolo: median(&mut kolo_many),
@@ -227,7 +233,7 @@ fn bench(k: &Kolo, quick: bool, only: Option<u32>) -> anyhow::Result<Vec<Row>> {
                 .map(|g| Tensor::from_vec(g.clone(), &[g.len()]).expect("tensor"))
                 .collect::<Vec<_>>()
         };
-        let mut kolo_rn = time_with(reps, 2, tensors, |ts| {
+        let kolo_way = way(tensors, |ts| {
             let hs: Vec<_> = ts
                 .into_iter()
                 .enumerate()
@@ -243,22 +249,28 @@ fn bench(k: &Kolo, quick: bool, only: Option<u32>) -> anyhow::Result<Vec<Row>> {
         });
         let per_tensor = |in_place: bool| {
             let mut scratch = Vec::new();
-            time_with(
-                reps,
-                2,
+            way(
                 || grads.clone(),
-                |mut gs| {
+                move |mut gs: Vec<Vec<f32>>| {
                     for g in gs.iter_mut().rev() {
                         raw_allreduce(g, in_place, &mut scratch);
                     }
                 },
             )
         };
-        let mut raw_in = per_tensor(true);
-        let mut raw_out = per_tensor(false);
         let total: usize = sizes.iter().sum();
         let mut packed = vec![0.5f32; total];
-        let mut raw_packed = time(reps, 2, || raw_allreduce(&mut packed, true, &mut scratch));
+        let packed_way = way(
+            || (),
+            |()| raw_allreduce(&mut packed, true, &mut Vec::new()),
+        );
+        let [mut kolo_rn, mut raw_in, mut raw_out, mut raw_packed]: [Vec<f64>; 4] = interleaved(
+            reps,
+            2,
+            vec![kolo_way, per_tensor(true), per_tensor(false), packed_way],
+        )
+        .try_into()
+        .expect("four ways");
         let kolo_rn = median(&mut kolo_rn);
         for (label, raw) in [
             ("per-tensor loop in place", median(&mut raw_in)),
@@ -281,9 +293,7 @@ fn bench(k: &Kolo, quick: bool, only: Option<u32>) -> anyhow::Result<Vec<Row>> {
     // 4. One 64 MiB tensor.
     if run(4) {
         let big = vec![0.25f32; 16 << 20];
-        let mut kolo_big = time_with(
-            reps,
-            1,
+        let kolo_way = way(
             || Tensor::from_vec(big.clone(), &[big.len()]).expect("tensor"),
             |t| {
                 k.allreduce("big", t)
@@ -292,23 +302,27 @@ fn bench(k: &Kolo, quick: bool, only: Option<u32>) -> anyhow::Result<Vec<Row>> {
                     .expect("allreduce");
             },
         );
-        let kolo_big = median(&mut kolo_big);
-        for in_place in [true, false] {
-            let mut raw = time_with(
-                reps,
-                1,
+        let raw_way = |in_place: bool| {
+            let mut scratch = Vec::new();
+            way(
                 || big.clone(),
-                |mut b| raw_allreduce(&mut b, in_place, &mut scratch),
-            );
+                move |mut b: Vec<f32>| raw_allreduce(&mut b, in_place, &mut scratch),
+            )
+        };
+        let [mut kolo_big, mut raw_in, mut raw_out]: [Vec<f64>; 3] =
+            interleaved(reps, 1, vec![kolo_way, raw_way(true), raw_way(false)])
+                .try_into()
+                .expect("three ways");
+        let kolo_big = median(&mut kolo_big);
+        for (raw, label) in [
+            (&mut raw_in, "MPI_Allreduce in place"),
+            (&mut raw_out, "MPI_Allreduce out of place"),
+        ] {
             rows.push(Row {
                 scenario: "4. one 64 MiB f32 tensor".into(),
                 kolo: kolo_big,
-                raw: median(&mut raw),
-                raw_label: if in_place {
-                    "MPI_Allreduce in place"
-                } else {
-                    "MPI_Allreduce out of place"
-                },
+                raw: median(raw),
+                raw_label: label,
             });
         }
     }
@@ -323,7 +337,7 @@ fn bench(k: &Kolo, quick: bool, only: Option<u32>) -> anyhow::Result<Vec<Row>> {
                 .map(|d| Tensor::from_vec(d.clone(), &[1, d.len()]).expect("tensor"))
                 .collect::<Vec<_>>()
         };
-        let mut kolo_ag = time_with(reps, 2, tensors, |ts| {
+        let kolo_way = way(tensors, |ts| {
             let hs: Vec<_> = ts
                 .into_iter()
                 .enumerate()
@@ -332,11 +346,18 @@ fn bench(k: &Kolo, quick: bool, only: Option<u32>) -> anyhow::Result<Vec<Row>> {
             hs.into_iter().for_each(|h| drop(h.wait().expect("wait")));
         });
         let mut out = vec![0f32; 64 * size];
-        let mut raw_ag = time(reps, 2, || {
-            for d in &data {
-                raw_allgather(d, &mut out);
-            }
-        });
+        let raw_way = way(
+            || (),
+            |()| {
+                for d in &data {
+                    raw_allgather(d, &mut out);
+                }
+            },
+        );
+        let [mut kolo_ag, mut raw_ag]: [Vec<f64>; 2] =
+            interleaved(reps, 2, vec![kolo_way, raw_way])
+                .try_into()
+                .expect("two ways");
         rows.push(Row {
             scenario: "6. 1000 x 64 f32 allgather, async".into(),
             kolo: median(&mut kolo_ag),
