@@ -736,6 +736,10 @@ impl Engine {
         let mut taken = Vec::new();
         loop {
             self.inbox.queue.take(&mut taken, None);
+            if taken.is_empty() && self.inbox.queue.is_closed() {
+                // The shutdown command was taken in before the engine stopped.
+                return;
+            }
             for cmd in taken.drain(..) {
                 match cmd {
                     Command::Submit(req) => {

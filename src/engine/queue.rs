@@ -109,7 +109,8 @@ impl Queue {
 
     /// The engine's side: moves every queued command into `into` (which should be
     /// empty; its buffer is swapped in, so no allocation happens in steady state).
-    /// When none is queued, waits up to `timeout` (`None`: until one arrives).
+    /// When none is queued, waits up to `timeout` (`None`: until one arrives or the
+    /// queue is closed).
     pub(crate) fn take(&self, into: &mut Vec<Command>, timeout: Option<Duration>) {
         let mut state = self.lock();
         if state.commands.is_empty() {
@@ -128,13 +129,18 @@ impl Queue {
                     state.engine_waiting = true;
                     state = self
                         .arrived
-                        .wait_while(state, |s| s.commands.is_empty())
+                        .wait_while(state, |s| s.commands.is_empty() && !s.closed)
                         .unwrap_or_else(PoisonError::into_inner);
                     state.engine_waiting = false;
                 }
             }
         }
         std::mem::swap(&mut state.commands, into);
+    }
+
+    /// Whether shutdown was requested (or the engine ended).
+    pub(crate) fn is_closed(&self) -> bool {
+        self.lock().closed
     }
 
     /// Releases names of completed ops, under one lock for all of them.
@@ -241,6 +247,19 @@ mod tests {
         }
         assert!(!q.is_pending("late"));
         assert!(!q.push(Command::Shutdown));
+    }
+
+    #[test]
+    fn waiting_for_a_command_ends_once_closed_even_with_none_left() {
+        let q = Arc::new(Queue::default());
+        q.close();
+        let mut taken = Vec::new();
+        // The engine took the shutdown command earlier, then waits again.
+        q.take(&mut taken, None);
+        assert_eq!(taken.len(), 1);
+        taken.clear();
+        q.take(&mut taken, None);
+        assert!(taken.is_empty() && q.is_closed());
     }
 
     #[test]
