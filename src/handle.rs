@@ -30,9 +30,8 @@ struct State {
     /// wake is a system call, and most handles are complete before anyone waits).
     waiting: bool,
     /// The op's names, kept from completion until the handle goes, so that their
-    /// memory (allocated by the submitting thread) is freed on that thread: freeing
-    /// on the engine thread made every allocation of the next step take glibc's slow,
-    /// locked path.
+    /// memory (allocated by the submitting thread) is freed on that thread rather than
+    /// through the allocator's slower path for memory another thread allocated.
     names: Names,
 }
 
