@@ -7,12 +7,13 @@ use half::{bf16, f16};
 
 use super::fusion::FusionBuffer;
 use super::negotiate::Ready;
-use super::request::{OpKind, RequestMeta, TensorMeta, Tensors};
+use super::request::{OpKind, RequestMeta, Shape, TensorMeta, Tensors};
 use crate::error::{Error, Result};
 use crate::handle::Output;
 use crate::ops::{AlltoallOutput, ReduceOp};
 use crate::tensor::{with_storage, DType, Storage, Tensor};
 use crate::transport::Transport;
+use smallvec::SmallVec;
 
 /// Runs `ready` with this rank's tensors (`None` on a joined rank, which contributes
 /// zeros of the agreed shape).
@@ -129,18 +130,23 @@ fn row_len(shape: &[usize]) -> usize {
     shape.iter().skip(1).product()
 }
 
+/// Element counts per rank, inline for up to 8 ranks.
+pub(super) type PerRank = SmallVec<[usize; 8]>;
+
 /// An allgather's element count per rank and output shape (dim 0 may differ per
-/// rank; a joined rank contributes nothing).
-pub(super) fn allgather_layout(ready: &Ready, shape: &[usize]) -> (Vec<usize>, Vec<usize>) {
-    let dims0: Vec<usize> = ready
-        .metas
-        .iter()
-        .map(|m| m.as_ref().map_or(0, |m| m.tensors[0].shape[0]))
-        .collect();
+/// rank; a joined rank contributes nothing). Inline: a fused batch computes one per
+/// tensor.
+pub(super) fn allgather_layout(ready: &Ready, shape: &[usize]) -> (PerRank, Shape) {
     let row = row_len(shape);
-    let counts = dims0.iter().map(|d| d * row).collect();
-    let mut out = shape.to_vec();
-    out[0] = dims0.iter().sum();
+    let mut counts = PerRank::with_capacity(ready.metas.len());
+    let mut rows = 0;
+    for m in ready.metas.iter() {
+        let d0 = m.as_ref().map_or(0, |m| m.tensors[0].shape[0]);
+        counts.push(d0 * row);
+        rows += d0;
+    }
+    let mut out = Shape::from_slice(shape);
+    out[0] = rows;
     (counts, out)
 }
 
