@@ -90,6 +90,11 @@ impl Completer {
 
     /// Completes the handle with `result`.
     pub(crate) fn complete(mut self, result: Result<Output>) {
+        self.finish(result);
+    }
+
+    /// Releases the names, stores `result` and wakes whoever waits.
+    fn finish(&mut self, result: Result<Output>) {
         self.release_names();
         if let Some(slot) = self.store(result) {
             slot.ready.notify_all();
@@ -164,10 +169,7 @@ impl Drop for Completer {
                 reason: "the engine stopped before this op completed".into(),
                 tensors: Vec::new(),
             };
-            self.release_names();
-            if let Some(slot) = self.store(Err(err)) {
-                slot.ready.notify_all();
-            }
+            self.finish(Err(err));
         }
     }
 }

@@ -736,8 +736,9 @@ impl Engine {
         let mut taken = Vec::new();
         loop {
             self.inbox.queue.take(&mut taken, None);
-            if taken.is_empty() && self.inbox.queue.is_closed() {
-                // The shutdown command was taken in before the engine stopped.
+            if taken.is_empty() {
+                // Closed, and the shutdown command was taken in before the engine
+                // stopped (an untimed `take` returns empty only once closed).
                 return;
             }
             for cmd in taken.drain(..) {

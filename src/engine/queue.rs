@@ -4,8 +4,8 @@
 //! One mutex guards both: a submit checks its names for duplicates, claims them and
 //! queues its request under one lock, and the engine takes every queued command at
 //! once by swapping buffers, so that a steady stream of submits allocates nothing
-//! here and costs one lock each. The engine sleeps on the condvar only when it has nothing to do; a command
-//! signals it only then.
+//! here and costs one lock each. The engine sleeps on the condvar only when it has
+//! nothing to do; a command signals it only then.
 
 use rustc_hash::FxHashSet;
 use std::sync::{Condvar, Mutex, MutexGuard, PoisonError};
@@ -113,32 +113,28 @@ impl Queue {
     /// queue is closed).
     pub(crate) fn take(&self, into: &mut Vec<Command>, timeout: Option<Duration>) {
         let mut state = self.lock();
-        if state.commands.is_empty() {
-            match timeout {
-                Some(t) if t.is_zero() => {}
+        let idle = |s: &mut State| s.commands.is_empty() && !s.closed;
+        if idle(&mut state) && timeout != Some(Duration::ZERO) {
+            state.engine_waiting = true;
+            state = match timeout {
                 Some(t) => {
-                    state.engine_waiting = true;
-                    state = self
-                        .arrived
-                        .wait_timeout_while(state, t, |s| s.commands.is_empty())
+                    self.arrived
+                        .wait_timeout_while(state, t, idle)
                         .unwrap_or_else(PoisonError::into_inner)
-                        .0;
-                    state.engine_waiting = false;
+                        .0
                 }
-                None => {
-                    state.engine_waiting = true;
-                    state = self
-                        .arrived
-                        .wait_while(state, |s| s.commands.is_empty() && !s.closed)
-                        .unwrap_or_else(PoisonError::into_inner);
-                    state.engine_waiting = false;
-                }
-            }
+                None => self
+                    .arrived
+                    .wait_while(state, idle)
+                    .unwrap_or_else(PoisonError::into_inner),
+            };
+            state.engine_waiting = false;
         }
         std::mem::swap(&mut state.commands, into);
     }
 
-    /// Whether shutdown was requested (or the engine ended).
+    /// Whether shutdown was requested (or the engine ended) (for tests).
+    #[cfg(test)]
     pub(crate) fn is_closed(&self) -> bool {
         self.lock().closed
     }

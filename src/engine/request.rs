@@ -218,7 +218,7 @@ pub(crate) struct Request {
 /// Messages from framework threads to the engine.
 ///
 /// A request is not boxed: a box would cost every submit an allocation, freed on
-/// the engine thread; the queue stores commands in blocks, so their size costs little.
+/// the engine thread; the queue reuses its buffer, so their size costs no allocation.
 #[derive(Debug)]
 #[allow(clippy::large_enum_variant)]
 pub(crate) enum Command {
