@@ -211,14 +211,33 @@ fn bench(k: &Kolo, quick: bool, only: Option<u32>) -> anyhow::Result<Vec<Row>> {
                 }
             },
         );
-        let [mut kolo_many, mut raw_many]: [Vec<f64>; 2] =
-            interleaved(reps, 2, vec![kolo_way, raw_way])
+        // The same tensors as one grouped allreduce: one submit, one handle, one
+        // negotiation entry; how far batching the submits alone gets. Names are made
+        // in the timed region, as in the per-tensor way.
+        let group_way = way(tensors, |ts| {
+            let named = ts
+                .into_iter()
+                .enumerate()
+                .map(|(i, t)| (format!("many.{i}"), t))
+                .collect();
+            let outs = k.grouped_allreduce(named).op(ReduceOp::Sum).wait();
+            drop(outs.expect("grouped allreduce"));
+        });
+        let [mut kolo_many, mut raw_many, mut grouped]: [Vec<f64>; 3] =
+            interleaved(reps, 2, vec![kolo_way, raw_way, group_way])
                 .try_into()
-                .expect("two ways");
+                .expect("three ways");
+        let raw = median(&mut raw_many);
         rows.push(Row {
             scenario: "2. 1000 x 256 f32, async".into(),
             kolo: median(&mut kolo_many),
-            raw: median(&mut raw_many),
+            raw,
+            raw_label: "per-tensor loop in place",
+        });
+        rows.push(Row {
+            scenario: "2b. the same as one grouped_allreduce".into(),
+            kolo: median(&mut grouped),
+            raw,
             raw_label: "per-tensor loop in place",
         });
     }

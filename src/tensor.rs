@@ -415,10 +415,6 @@ impl Tensor {
             cuda: None,
         }
     }
-
-    pub(crate) fn into_storage(self) -> Storage {
-        self.data
-    }
 }
 
 /// CUDA tensors (feature `nccl`).

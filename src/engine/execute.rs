@@ -11,13 +11,18 @@ use super::request::{OpKind, RequestMeta, Shape, TensorMeta, Tensors};
 use crate::error::{Error, Result};
 use crate::handle::Output;
 use crate::ops::{AlltoallOutput, ReduceOp};
-use crate::tensor::{with_storage, DType, Storage, Tensor};
+use crate::tensor::{DType, Tensor};
 use crate::transport::Transport;
 use smallvec::SmallVec;
 
 /// Runs `ready` with this rank's tensors (`None` on a joined rank, which contributes
 /// zeros of the agreed shape).
-pub(crate) fn run(t: &mut dyn Transport, ready: &Ready, local: Option<Tensors>) -> Result<Output> {
+pub(crate) fn run(
+    t: &mut dyn Transport,
+    ready: &Ready,
+    local: Option<Tensors>,
+    buffer: &mut FusionBuffer,
+) -> Result<Output> {
     let first = ready.first();
     let mut inputs = local_or_zeros(ready, local, |m| Ok(Tensor::zeros(m.dtype, &m.shape)))?;
     let size = t.topology().size;
@@ -28,7 +33,9 @@ pub(crate) fn run(t: &mut dyn Transport, ready: &Ready, local: Option<Tensors>) 
             allreduce(t, &mut tensor, first, size)?;
             Ok(Output::Tensor(tensor))
         }
-        OpKind::GroupedAllreduce => Ok(Output::Tensors(grouped_allreduce(t, inputs, first, size)?)),
+        OpKind::GroupedAllreduce => Ok(Output::Tensors(grouped_allreduce(
+            t, inputs, first, size, buffer,
+        )?)),
         OpKind::Allgather => Ok(Output::Tensor(allgather(t, &take(&mut inputs)?, ready)?)),
         OpKind::Broadcast => {
             let mut tensor = take(&mut inputs)?;
@@ -95,35 +102,51 @@ fn allreduce(
     Ok(())
 }
 
-/// Reduces a group's tensors of the same dtype together in one buffer.
+/// Reduces a group's tensors of the same dtype together: packed into the persistent
+/// fusion buffer, reduced once, and copied back into the caller's own tensors, which
+/// are handed back (a lone tensor of its dtype is reduced in place, without a copy).
 fn grouped_allreduce(
     t: &mut dyn Transport,
     inputs: Tensors,
     meta: &RequestMeta,
     size: usize,
+    buffer: &mut FusionBuffer,
 ) -> Result<Vec<Tensor>> {
-    let mut outputs: Vec<Option<Tensor>> = inputs.iter().map(|_| None).collect();
-    let mut by_dtype: Vec<(DType, Vec<usize>)> = Vec::new();
-    for (i, x) in inputs.iter().enumerate() {
-        match by_dtype.iter_mut().find(|(d, _)| *d == x.dtype()) {
-            Some((_, idx)) => idx.push(i),
-            None => by_dtype.push((x.dtype(), vec![i])),
+    let mut tensors = inputs.into_vec();
+    let mut dtypes: SmallVec<[DType; 2]> = SmallVec::new();
+    for x in &tensors {
+        if !dtypes.contains(&x.dtype()) {
+            dtypes.push(x.dtype());
         }
     }
-    let mut inputs: Vec<Option<Tensor>> = inputs.into_iter().map(Some).collect();
-    for (_, idx) in by_dtype {
-        let members: Vec<Tensor> = idx.iter().filter_map(|&i| inputs[i].take()).collect();
-        let shapes: Vec<Vec<usize>> = members.iter().map(|m| m.shape().to_vec()).collect();
-        let mut fused = concat(members)?;
-        allreduce(t, &mut fused, meta, size)?;
-        for (&i, part) in idx.iter().zip(split(fused, &shapes)?) {
-            outputs[i] = Some(part);
+    for dtype in dtypes {
+        let same = |x: &&mut Tensor| x.dtype() == dtype;
+        let mut members: Vec<&mut Tensor> = tensors.iter_mut().filter(same).collect();
+        if let [only] = members.as_mut_slice() {
+            allreduce(t, only, meta, size)?;
+            continue;
+        }
+        let total: usize = members.iter().map(|x| x.num_bytes()).sum();
+        if total == 0 {
+            continue;
+        }
+        let buf = buffer.bytes_mut(total);
+        let mut at = 0;
+        for x in &members {
+            buf[at..at + x.num_bytes()].copy_from_slice(x.host_bytes());
+            at += x.num_bytes();
+        }
+        scale_bytes(buf, dtype, meta.prescale);
+        t.allreduce(buf, dtype, meta.op)?;
+        scale_bytes(buf, dtype, post_factor(meta, size));
+        let mut at = 0;
+        for x in &mut members {
+            let n = x.num_bytes();
+            x.host_bytes_mut().copy_from_slice(&buf[at..at + n]);
+            at += n;
         }
     }
-    outputs
-        .into_iter()
-        .map(|o| o.ok_or_else(|| Error::Internal("grouped allreduce lost a member".into())))
-        .collect()
+    Ok(tensors)
 }
 
 fn row_len(shape: &[usize]) -> usize {
@@ -456,47 +479,6 @@ fn reducescatter(
     Ok(out)
 }
 
-/// Flattens same-dtype tensors into one 1-d tensor.
-fn concat(members: Vec<Tensor>) -> Result<Tensor> {
-    let mut iter = members.into_iter();
-    let Some(first) = iter.next() else {
-        return Err(Error::Internal("empty group".into()));
-    };
-    let mut acc = first.into_storage();
-    for m in iter {
-        let dtype = m.dtype();
-        let next = m.into_storage();
-        macro_rules! push {
-            ($($v:ident),*) => {
-                match (&mut acc, next) {
-                    $((Storage::$v(a), Storage::$v(b)) => a.extend_from_slice(&b),)*
-                    _ => return Err(Error::Internal(format!("group member of dtype {dtype} fused with another dtype"))),
-                }
-            };
-        }
-        push!(U8, I8, I32, I64, F16, BF16, F32, F64);
-    }
-    let len = with_storage!(&acc, v => v.len());
-    Ok(Tensor::from_parts(acc, vec![len]))
-}
-
-/// Cuts a 1-d tensor back into tensors of `shapes`.
-fn split(fused: Tensor, shapes: &[Vec<usize>]) -> Result<Vec<Tensor>> {
-    let storage = fused.into_storage();
-    let mut out = Vec::with_capacity(shapes.len());
-    let mut at = 0;
-    for shape in shapes {
-        let n: usize = shape.iter().product();
-        let part = with_storage!(&storage, v => {
-            let piece = v.get(at..at + n).ok_or_else(|| Error::Internal("fused buffer too short".into()))?;
-            Tensor::from_vec(piece.to_vec(), shape)?
-        });
-        out.push(part);
-        at += n;
-    }
-    Ok(out)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -513,15 +495,5 @@ mod tests {
         let rows: Vec<usize> = (0..3).map(|r| scatter_rows(7, 3, r)).collect();
         assert_eq!(rows, [3, 2, 2]);
         assert_eq!(rows.iter().sum::<usize>(), 7);
-    }
-
-    #[test]
-    fn concat_and_split_round_trip() {
-        let a = Tensor::from_vec(vec![1.0f32, 2.0], &[2]).unwrap();
-        let b = Tensor::from_vec(vec![3.0f32, 4.0, 5.0, 6.0], &[2, 2]).unwrap();
-        let fused = concat(vec![a.clone(), b.clone()]).unwrap();
-        assert_eq!(fused.shape(), &[6]);
-        let parts = split(fused, &[vec![2], vec![2, 2]]).unwrap();
-        assert_eq!(parts, vec![a, b]);
     }
 }

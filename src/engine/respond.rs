@@ -89,7 +89,14 @@ impl Engine {
                     return;
                 }
                 self.simulate_collective_cost();
-                let result = span.in_scope(|| execute::run(&mut self.transport, &ready, tensors));
+                let result = span.in_scope(|| {
+                    execute::run(
+                        &mut self.transport,
+                        &ready,
+                        tensors,
+                        &mut self.fusion_buffer,
+                    )
+                });
                 self.trace_op(ready.first(), started);
                 if let Some(done) = done {
                     done.complete(result);

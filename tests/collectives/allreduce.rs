@@ -273,8 +273,9 @@ pub(crate) fn errors(k: &Kolo) -> Result<()> {
     Ok(())
 }
 
-/// Grouped allreduce: mixed dtypes and shapes come back in order and correct; a
-/// member shape mismatch fails the whole group on every rank.
+/// Grouped allreduce: mixed dtypes and shapes come back in order and correct, also
+/// averaged with scale factors; a member shape mismatch fails the whole group on
+/// every rank.
 pub(crate) fn grouped(k: &Kolo) -> Result<()> {
     let (rank, size) = (k.rank(), k.size());
     let group = vec![
@@ -304,6 +305,40 @@ pub(crate) fn grouped(k: &Kolo) -> Result<()> {
         out[2].as_slice::<f32>()? == vec![2.0 * size as f32; 5].as_slice(),
         "g.c"
     );
+    // Average with scale factors; two dtypes with several members each, so the
+    // fused buffer is packed, reduced and unpacked twice in one op.
+    let r = rank as f32 + 1.0;
+    let group = vec![
+        ("s.a".to_string(), Tensor::from_vec(vec![r; 3], &[3])?),
+        (
+            "s.b".to_string(),
+            Tensor::from_vec(vec![2 * (rank as i32 + 1); 2], &[2])?,
+        ),
+        (
+            "s.c".to_string(),
+            Tensor::from_vec(vec![1.0f32; 300], &[3, 100])?,
+        ),
+        ("s.d".to_string(), Tensor::from_vec(vec![4i32; 5], &[5])?),
+    ];
+    let out = k
+        .grouped_allreduce(group)
+        .prescale(2.0)
+        .postscale(0.5)
+        .wait()?;
+    let mean = (size + 1) as f32 / 2.0;
+    ensure!(out[0].as_slice::<f32>()? == [mean; 3], "s.a {:?}", out[0]);
+    let want_b = vec![size as i32 + 1; 2];
+    ensure!(
+        out[1].as_slice::<i32>()? == want_b.as_slice(),
+        "s.b {:?}",
+        out[1]
+    );
+    ensure!(
+        out[2].shape() == [3, 100] && out[2].as_slice::<f32>()?.iter().all(|&x| x == 1.0),
+        "s.c {:?}",
+        out[2].shape()
+    );
+    ensure!(out[3].as_slice::<i32>()? == [4; 5], "s.d {:?}", out[3]);
     if size > 1 {
         let group = vec![
             ("h.a".to_string(), Tensor::zeros(DType::F32, &[3])),
