@@ -78,8 +78,9 @@ pub(crate) fn shape_change(k: &Kolo) -> Result<()> {
 /// boundaries): exact for integers, equal on every rank for floats.
 pub(crate) fn large_sums(k: &Kolo) -> Result<()> {
     let (rank, size) = (k.rank(), k.size());
-    // 2 MiB and up go through the ring; odd lengths exercise uneven chunks.
-    for n in [(2 << 20) / 4, (3 << 20) / 4 + 7, (8 << 20) / 8 + size + 1] {
+    // 32 MiB and up go through the ring; odd lengths exercise uneven chunks.
+    for bytes in [32 << 20, (32 << 20) + 8 * (size + 1) + 4] {
+        let n = bytes / 4;
         let v: Vec<i32> = (0..n)
             .map(|i| (i % 1000) as i32 * (rank as i32 + 1))
             .collect();
@@ -95,6 +96,8 @@ pub(crate) fn large_sums(k: &Kolo) -> Result<()> {
                 .all(|(i, &x)| x == (i % 1000) as i32 * tri),
             "i32 sum of {n} elements is wrong"
         );
+        drop(out);
+        let n = bytes / 8;
         let v: Vec<f64> = (0..n)
             .map(|i| (i as f64).sin() * (rank + 1) as f64)
             .collect();
@@ -116,6 +119,8 @@ pub(crate) fn large_sums(k: &Kolo) -> Result<()> {
             all.iter().all(|b| b == &all[0]),
             "ranks hold different f64 sums"
         );
+        drop(out);
+        let n = bytes / 2;
         let v = vec![kolo::half::f16::from_f32(0.5); n];
         let out = k
             .allreduce(format!("large.f16.{n}"), Tensor::from_vec(v, &[n])?)
