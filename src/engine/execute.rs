@@ -131,22 +131,33 @@ fn grouped_allreduce(
             continue;
         }
         let buf = buffer.bytes_mut(total);
-        let mut at = 0;
-        for x in &members {
-            buf[at..at + x.num_bytes()].copy_from_slice(x.host_bytes());
-            at += x.num_bytes();
-        }
+        pack(buf, members.iter().map(|x| &**x));
         scale_bytes(buf, dtype, meta.prescale);
         t.allreduce(buf, dtype, meta.op)?;
         scale_bytes(buf, dtype, post_factor(meta, size));
-        let mut at = 0;
-        for x in &mut members {
-            let n = x.num_bytes();
-            x.host_bytes_mut().copy_from_slice(&buf[at..at + n]);
-            at += n;
-        }
+        unpack(buf, members.iter_mut().map(|x| &mut **x));
     }
     Ok(tensors)
+}
+
+/// Copies `tensors` one after another into the front of `buf`.
+fn pack<'a>(buf: &mut [u8], tensors: impl IntoIterator<Item = &'a Tensor>) {
+    let mut at = 0;
+    for x in tensors {
+        let n = x.num_bytes();
+        buf[at..at + n].copy_from_slice(x.host_bytes());
+        at += n;
+    }
+}
+
+/// Copies the front of `buf` back into `tensors`, in the order `pack` wrote them.
+fn unpack<'a>(buf: &[u8], tensors: impl IntoIterator<Item = &'a mut Tensor>) {
+    let mut at = 0;
+    for x in tensors {
+        let n = x.num_bytes();
+        x.host_bytes_mut().copy_from_slice(&buf[at..at + n]);
+        at += n;
+    }
 }
 
 fn row_len(shape: &[usize]) -> usize {
@@ -262,22 +273,13 @@ pub(crate) fn run_fused(
     let (mut tensors, local) = fused_inputs(members, |m| Ok(Tensor::zeros(m.dtype, &m.shape)))?;
     let total: usize = tensors.iter().map(Tensor::num_bytes).sum();
     let buf = buffer.bytes_mut(total);
-    let mut at = 0;
-    for x in &tensors {
-        buf[at..at + x.num_bytes()].copy_from_slice(x.host_bytes());
-        at += x.num_bytes();
-    }
+    pack(buf, &tensors);
     scale_bytes(buf, dtype, meta.prescale);
     let copied_in = Instant::now();
     t.allreduce(buf, dtype, meta.op)?;
     scale_bytes(buf, dtype, post_factor(&meta, size));
     let reduced = Instant::now();
-    let mut at = 0;
-    for x in &mut tensors {
-        let n = x.num_bytes();
-        x.host_bytes_mut().copy_from_slice(&buf[at..at + n]);
-        at += n;
-    }
+    unpack(buf, &mut tensors);
     let outputs = tensors
         .into_iter()
         .zip(local)
@@ -341,12 +343,7 @@ pub(crate) fn run_fused_allgather(
     let recv_len: usize = per_rank.iter().sum();
     let buf = buffer.bytes_mut((send_len + recv_len) * w);
     let (send, recv) = buf.split_at_mut(send_len * w);
-    let mut at = 0;
-    for x in &inputs {
-        let n = x.num_bytes();
-        send[at..at + n].copy_from_slice(x.host_bytes());
-        at += n;
-    }
+    pack(send, &inputs);
     let copied_in = Instant::now();
     t.allgatherv(send, recv, &per_rank, dtype)?;
     let reduced = Instant::now();
