@@ -313,7 +313,7 @@ impl Drop for MpiTransport {
 /// Measured on one node (Open MPI 4.1.4, 2 cores), ten in-place f32 sums per size,
 /// both ways in the same run, ring time / MPI_Allreduce time: np 2: 1.01–1.08 at
 /// 1 MiB, 0.98–1.06 from 2.25 to 28 MiB, 0.58–0.59 at 32 MiB; np 4: 0.91–0.98 at
-/// 1 MiB, 1.00–1.23 from 2.25 to 20 MiB, 1.00–1.06 at 24–28 MiB, 0.53–0.55 at 32 MiB.
+/// 1 MiB, 0.94–1.25 from 2.25 to 20 MiB, 1.00–1.06 at 24–28 MiB, 0.53–0.55 at 32 MiB.
 /// Open MPI's own algorithm slows down between 28 and 32 MiB here; below that the ring
 /// gains nothing.
 const RING_MIN_BYTES: usize = 32 << 20;
