@@ -132,8 +132,7 @@ impl Completer {
 /// once every result is in place. A thread waiting on the batch's first handle then
 /// wakes once and finds the rest complete, instead of being woken (and competing with
 /// the engine for a core) once per handle.
-pub(crate) fn complete_all(batch: Vec<(Completer, Result<Output>)>) {
-    let mut batch = batch;
+pub(crate) fn complete_all(mut batch: Vec<(Completer, Result<Output>)>) {
     if let Some(queue) = batch.first().map(|(c, _)| c.queue.clone()) {
         let mine = |c: &Completer| !c.released && Arc::ptr_eq(&c.queue, &queue);
         queue.release(batch.iter().filter(|(c, _)| mine(c)).map(|(c, _)| &c.names));

@@ -96,9 +96,20 @@ fn allreduce(
         return Ok(());
     }
     let dtype = tensor.dtype();
-    scale_bytes(tensor.host_bytes_mut(), dtype, meta.prescale);
-    t.allreduce(tensor.host_bytes_mut(), dtype, meta.op)?;
-    scale_bytes(tensor.host_bytes_mut(), dtype, post_factor(meta, size));
+    reduce_bytes(t, tensor.host_bytes_mut(), dtype, meta, size)
+}
+
+/// Prescales `bytes`, reduces them in place over all ranks and postscales the result.
+fn reduce_bytes(
+    t: &mut dyn Transport,
+    bytes: &mut [u8],
+    dtype: DType,
+    meta: &RequestMeta,
+    size: usize,
+) -> Result<()> {
+    scale_bytes(bytes, dtype, meta.prescale);
+    t.allreduce(bytes, dtype, meta.op)?;
+    scale_bytes(bytes, dtype, post_factor(meta, size));
     Ok(())
 }
 
@@ -132,9 +143,7 @@ fn grouped_allreduce(
         }
         let buf = buffer.bytes_mut(total);
         pack(buf, members.iter().map(|x| &**x));
-        scale_bytes(buf, dtype, meta.prescale);
-        t.allreduce(buf, dtype, meta.op)?;
-        scale_bytes(buf, dtype, post_factor(meta, size));
+        reduce_bytes(t, buf, dtype, meta, size)?;
         unpack(buf, members.iter_mut().map(|x| &mut **x));
     }
     Ok(tensors)
