@@ -5,7 +5,7 @@ use std::time::Instant;
 
 use half::{bf16, f16};
 
-use super::fusion::FusionBuffer;
+use super::fusion::{FusionBuffer, MAX_FUSED_TENSOR_BYTES};
 use super::negotiate::Ready;
 use super::request::{OpKind, RequestMeta, Shape, TensorMeta, Tensors};
 use crate::error::{Error, Result};
@@ -113,9 +113,12 @@ fn reduce_bytes(
     Ok(())
 }
 
-/// Reduces a group's tensors of the same dtype together: packed into the persistent
-/// fusion buffer, reduced once, and copied back into the caller's own tensors, which
-/// are handed back (a lone tensor of its dtype is reduced in place, without a copy).
+/// Reduces a group's tensors of the same dtype together: the small ones are packed
+/// into the persistent fusion buffer, reduced once, and copied back into the caller's
+/// own tensors, which are handed back. A tensor above the fusion limit, or the only
+/// small one of its dtype, is reduced in place without a copy, for the reason given at
+/// [`MAX_FUSED_TENSOR_BYTES`]: a bandwidth-bound tensor loses more to the copies
+/// than it saves in latency (a Burn model's weight gradients go through here).
 fn grouped_allreduce(
     t: &mut dyn Transport,
     inputs: Tensors,
@@ -131,8 +134,14 @@ fn grouped_allreduce(
         }
     }
     for dtype in dtypes {
-        let same = |x: &&mut Tensor| x.dtype() == dtype;
-        let mut members: Vec<&mut Tensor> = tensors.iter_mut().filter(same).collect();
+        let mut members: Vec<&mut Tensor> = Vec::new();
+        for x in tensors.iter_mut().filter(|x| x.dtype() == dtype) {
+            if x.num_bytes() > MAX_FUSED_TENSOR_BYTES {
+                allreduce(t, x, meta, size)?;
+            } else {
+                members.push(x);
+            }
+        }
         if let [only] = members.as_mut_slice() {
             allreduce(t, only, meta, size)?;
             continue;

@@ -306,7 +306,8 @@ pub(crate) fn grouped(k: &Kolo) -> Result<()> {
         "g.c"
     );
     // Average with scale factors; two dtypes with several members each, so the
-    // fused buffer is packed, reduced and unpacked twice in one op.
+    // fused buffer is packed, reduced and unpacked twice in one op, and one member
+    // too large to pack.
     let r = rank as f32 + 1.0;
     let group = vec![
         ("s.a".to_string(), Tensor::from_vec(vec![r; 3], &[3])?),
@@ -319,6 +320,11 @@ pub(crate) fn grouped(k: &Kolo) -> Result<()> {
             Tensor::from_vec(vec![1.0f32; 300], &[3, 100])?,
         ),
         ("s.d".to_string(), Tensor::from_vec(vec![4i32; 5], &[5])?),
+        // Above the fusion limit: reduced in place beside the packed small ones.
+        (
+            "s.e".to_string(),
+            Tensor::from_vec(vec![r; 20_000], &[200, 100])?,
+        ),
     ];
     let out = k
         .grouped_allreduce(group)
@@ -339,6 +345,11 @@ pub(crate) fn grouped(k: &Kolo) -> Result<()> {
         out[2].shape()
     );
     ensure!(out[3].as_slice::<i32>()? == [4; 5], "s.d {:?}", out[3]);
+    ensure!(
+        out[4].shape() == [200, 100] && out[4].as_slice::<f32>()?.iter().all(|&x| x == mean),
+        "s.e {:?}",
+        out[4].shape()
+    );
     if size > 1 {
         let group = vec![
             ("h.a".to_string(), Tensor::zeros(DType::F32, &[3])),

@@ -19,6 +19,26 @@ pub enum Error {
         message: String,
     },
 
+    /// The ranks' models differ: another parameter, shape or dtype at the same place.
+    #[error("the ranks' models differ at parameter #{index} ({parameter:?}): {ranks}")]
+    ModelMismatch {
+        /// The position of the first differing parameter in module order.
+        index: usize,
+        /// Its path in the module (e.g. `fc1.weight`).
+        parameter: String,
+        /// What each rank has there.
+        ranks: String,
+    },
+
+    /// An argument kolo-burn cannot work with.
+    #[error("{what}: {message}")]
+    InvalidArgument {
+        /// The function or setting.
+        what: &'static str,
+        /// What is wrong and what to do instead.
+        message: String,
+    },
+
     /// A tensor's data could not be read.
     #[error("reading gradient {name:?}: {message}")]
     Data {

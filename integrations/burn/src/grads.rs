@@ -1,53 +1,74 @@
-//! The fused path: every gradient of a step reduced in a few large collectives.
+//! The bucketed path: every gradient of a step reduced in a few grouped collectives,
+//! in the gradients' own memory.
 
-use burn::module::{Module, ModuleVisitor, Param, ParamId};
+use std::sync::{Arc, Mutex, PoisonError};
+
+use burn::module::{Module, ModuleVisitor, Param};
 use burn::optim::GradientsParams;
-use burn::tensor::{Device, Tensor, TensorData};
+use burn::tensor::{Device, Tensor};
 use kolo::{Kolo, ReduceOp};
 
+use crate::convert::{self, Copied};
 use crate::error::{Error, Result};
+use crate::layout::Layout;
 
-/// Where one parameter's gradient sits in the fused buffer.
-struct Slot {
-    id: ParamId,
-    name: String,
-    dims: Vec<usize>,
-    offset: usize,
-    len: usize,
-    device: Device,
-    dtype: burn::tensor::DType,
-}
-
-/// Reduces all gradients of a step across ranks in a few fused allreduces, then hands
-/// them back in a [`GradientsParams`] for Burn's optimizer.
+/// Reduces all gradients of a step across ranks, then hands them back in a
+/// [`GradientsParams`] for Burn's optimizer.
 ///
-/// Gradients are visited in module order (the same on every rank), flattened to f32
-/// into one buffer, and reduced in chunks of at most `chunk_bytes` that are all in
-/// flight at once. A parameter without a gradient on this rank contributes zeros, so
-/// ranks whose graph skipped a parameter still take part.
+/// The first call learns the model's gradient layout (parameters in module order,
+/// shapes, dtypes) and checks that every rank has the same one; later calls reuse it
+/// and only check that the model has not changed. Gradients are grouped into buckets of
+/// at most [`chunk_bytes`](Self::chunk_bytes) in the order backward produces them
+/// (last layer first), each bucket one `grouped_allreduce` under stable names, all
+/// buckets in flight at once, so kolo's response cache serves every step after the
+/// first.
+///
+/// **Copies.** On Burn's CPU backend a gradient's buffer is handed to kolo as it is,
+/// reduced in place and becomes the new gradient tensor: no copy and no allocation the
+/// size of the model per step. Small gradients (≤ 64 KiB) of a bucket are packed into
+/// kolo's persistent fusion buffer and copied back; a buffer Burn cannot give up is
+/// copied once on the way in ([`copied_bytes`](Self::copied_bytes) counts those).
+/// f16 and bf16 gradients travel as 2-byte values, f64 as f64.
+///
+/// A parameter without a gradient on this rank contributes zeros, so ranks whose graph
+/// skipped a parameter still take part.
 ///
 /// Use it between `backward` and `ModuleOptimizer::step` in a hand-written loop, or
-/// from an overridden `TrainStep::optimize` in burn-train's Learner. Prefer it to the
-/// per-tensor [`DistributedOptimizer`](crate::DistributedOptimizer), which issues one
-/// collective per parameter.
+/// from an overridden `TrainStep::optimize` in burn-train's Learner. Clones share the
+/// learned layout: use one reducer (or its clones) per model.
+///
+/// # Shutdown
+/// Each reducer holds a [`Kolo`] clone, which keeps kolo's engine running until the
+/// last clone is dropped or `shutdown` is called.
 #[derive(Debug, Clone)]
 pub struct GradientReducer {
     kolo: Kolo,
     op: ReduceOp,
-    chunk_bytes: usize,
+    bucket_bytes: usize,
     prefix: String,
     passes: usize,
+    shared: Arc<Shared>,
 }
 
+#[derive(Debug, Default)]
+struct Shared {
+    layout: Mutex<Option<Arc<Layout>>>,
+    copied: Copied,
+}
+
+/// The default bucket size, as PyTorch DDP's `bucket_cap_mb`.
+const DEFAULT_BUCKET_BYTES: usize = 25 << 20;
+
 impl GradientReducer {
-    /// Averages gradients across all ranks in chunks of 64 MiB.
+    /// Averages gradients across all ranks in buckets of 25 MiB.
     pub fn new(kolo: &Kolo) -> Self {
         GradientReducer {
             kolo: kolo.clone(),
             op: ReduceOp::Average,
-            chunk_bytes: 64 << 20,
+            bucket_bytes: DEFAULT_BUCKET_BYTES,
             prefix: "kolo_burn.grads".into(),
             passes: 1,
+            shared: Arc::default(),
         }
     }
 
@@ -61,158 +82,204 @@ impl GradientReducer {
     /// backward passes (accumulated locally, e.g. with Burn's `GradientsAccumulator`):
     /// they are divided by `passes`, so that with a mean loss `n` passes over batches
     /// of `b` equal one pass over `n·b` — one reduction per `n` passes.
+    ///
+    /// Horovod's PyTorch `DistributedOptimizer` does not divide: its gradients after
+    /// `backward_passes_per_step` passes are the sum of the passes. For that behaviour
+    /// leave this at 1 and hand `reduce` the accumulated sum.
     pub fn backward_passes_per_step(mut self, passes: usize) -> Self {
         self.passes = passes.max(1);
         self
     }
 
-    /// Largest collective in bytes (at least 4).
+    /// Largest bucket in bytes (default 25 MiB, as PyTorch DDP). A gradient larger than
+    /// this is a bucket of its own. A size of 0 makes [`reduce`](Self::reduce) fail.
     pub fn chunk_bytes(mut self, bytes: usize) -> Self {
-        self.chunk_bytes = bytes.max(4);
+        self.bucket_bytes = bytes;
         self
     }
 
-    /// Names the collectives `<prefix>.<chunk>`: give two reducers that run
+    /// Names the collectives `<prefix>.<parameter path>`: give two reducers that run
     /// concurrently different prefixes.
     pub fn prefix(mut self, prefix: impl Into<String>) -> Self {
         self.prefix = prefix.into();
         self
     }
 
+    /// Bytes of gradient data this reducer (and its clones) had to copy because Burn
+    /// could not hand a buffer over; 0 on Burn's CPU backend for uniquely owned
+    /// gradients. For diagnostics and tests.
+    pub fn copied_bytes(&self) -> u64 {
+        self.shared.copied.get()
+    }
+
     /// Takes every gradient of `module` out of `grads`, reduces them across ranks and
     /// returns them registered under the same parameter ids.
     ///
     /// # Errors
-    /// A gradient that cannot be read, or a failed collective (e.g. the ranks' models
-    /// differ in size, reported as a shape mismatch naming the ranks).
+    /// - [`Error::InvalidArgument`]: a bucket size of 0, or a module with no float
+    ///   parameters;
+    /// - [`Error::ModelMismatch`] on every rank when the ranks' models differ (checked
+    ///   when the layout is learned), naming the parameter and what each rank has;
+    /// - [`Error::Data`]: a gradient of a non-float dtype;
+    /// - [`Error::Kolo`]: a failed collective (a rank that left, …).
     pub fn reduce<M: Module>(
         &self,
         module: &M,
         mut grads: GradientsParams,
     ) -> Result<GradientsParams> {
-        let mut collect = Collect {
+        let layout = self.layout(module)?;
+        let mut take = Take {
             grads: &mut grads,
-            path: Vec::new(),
-            slots: Vec::new(),
-            buffer: Vec::new(),
+            layout: &layout,
+            copied: &self.shared.copied,
+            tensors: Vec::with_capacity(layout.slots.len()),
+            devices: Vec::with_capacity(layout.slots.len()),
             error: None,
         };
-        module.visit(&mut collect);
-        if let Some(e) = collect.error {
+        module.visit(&mut take);
+        let Take {
+            tensors,
+            devices,
+            error,
+            ..
+        } = take;
+        if let Some(e) = error {
             return Err(e);
         }
-        let Collect { slots, buffer, .. } = collect;
-        let reduced = self.allreduce(buffer)?;
+        let reduced = self.allreduce(&layout, tensors)?;
         let mut out = GradientsParams::new();
-        let mut register = Register {
-            slots: &slots,
+        let mut give = Give {
+            layout: &layout,
+            reduced,
+            devices: &devices,
             next: 0,
-            reduced: &reduced,
             out: &mut out,
+            error: None,
         };
-        module.visit(&mut register);
-        Ok(out)
+        module.visit(&mut give);
+        match give.error {
+            Some(e) => Err(e),
+            None => Ok(out),
+        }
     }
 
-    fn allreduce(&self, buffer: Vec<f32>) -> Result<Vec<f32>> {
-        let chunk = (self.chunk_bytes / 4).max(1);
-        let mut handles = Vec::new();
-        for (i, part) in buffer.chunks(chunk).enumerate() {
-            let t = kolo::Tensor::from_vec(part.to_vec(), &[part.len()])?;
-            handles.push(
-                self.kolo
-                    .allreduce(format!("{}.{i}", self.prefix), t)
-                    .op(self.op)
-                    .prescale(1.0 / self.passes as f64)
-                    .submit()?,
-            );
+    /// The layout of `module`, learned (and agreed by all ranks) on first use or when
+    /// the module or the bucket size changed.
+    fn layout<M: Module>(&self, module: &M) -> Result<Arc<Layout>> {
+        if self.bucket_bytes == 0 {
+            return Err(Error::InvalidArgument {
+                what: "GradientReducer::chunk_bytes",
+                message: "a bucket size of 0 bytes holds no gradient; use at least the largest \
+                          gradient's size, or leave the default (25 MiB)"
+                    .into(),
+            });
         }
-        let mut out = Vec::with_capacity(buffer.len());
-        for h in handles {
-            out.extend_from_slice(h.wait()?.as_slice::<f32>()?);
+        let mut slot = self
+            .shared
+            .layout
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        if let Some(l) = slot.as_ref().filter(|l| l.fits(module, self.bucket_bytes)) {
+            return Ok(Arc::clone(l));
         }
-        Ok(out)
+        let layout = Layout::learn(module, &self.prefix, self.bucket_bytes)?;
+        layout.agree(&self.kolo, &format!("{}.layout", self.prefix))?;
+        let layout = Arc::new(layout);
+        *slot = Some(Arc::clone(&layout));
+        Ok(layout)
+    }
+
+    /// Submits every bucket, then waits for all of them; the results by slot.
+    fn allreduce(
+        &self,
+        layout: &Layout,
+        mut tensors: Vec<Option<kolo::Tensor>>,
+    ) -> Result<Vec<Option<kolo::Tensor>>> {
+        let prescale = 1.0 / self.passes as f64;
+        let mut handles = Vec::with_capacity(layout.buckets.len());
+        for bucket in &layout.buckets {
+            let members = bucket
+                .iter()
+                .filter_map(|&i| Some((layout.names[i].clone(), tensors[i].take()?)))
+                .collect();
+            let h = self
+                .kolo
+                .grouped_allreduce(members)
+                .op(self.op)
+                .prescale(prescale)
+                .submit()?;
+            handles.push(h);
+        }
+        for (bucket, h) in layout.buckets.iter().zip(handles) {
+            for (&i, t) in bucket.iter().zip(h.wait()?) {
+                tensors[i] = Some(t);
+            }
+        }
+        Ok(tensors)
     }
 }
 
-struct Collect<'a> {
+/// Takes each parameter's gradient (or zeros) as a kolo tensor, by slot.
+struct Take<'a> {
     grads: &'a mut GradientsParams,
-    path: Vec<String>,
-    slots: Vec<Slot>,
-    buffer: Vec<f32>,
+    layout: &'a Layout,
+    copied: &'a Copied,
+    tensors: Vec<Option<kolo::Tensor>>,
+    devices: Vec<Device>,
     error: Option<Error>,
 }
 
-impl ModuleVisitor for Collect<'_> {
-    fn enter_module(&mut self, name: &str, _container_type: &str) {
-        self.path.push(name.to_string());
-    }
-
-    fn exit_module(&mut self, _name: &str, _container_type: &str) {
-        self.path.pop();
-    }
-
+impl ModuleVisitor for Take<'_> {
     fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
-        if self.error.is_some() {
+        let Some(slot) = self.layout.slots.get(self.tensors.len()) else {
             return;
-        }
-        let name = self.path.join(".");
-        let (values, dims, device, dtype) = match self.grads.remove::<D>(param.id) {
+        };
+        let taken = match self.grads.remove::<D>(param.id) {
             Some(g) => {
-                let device = g.device();
-                let dims = g.dims().to_vec();
-                let data = g.into_data();
-                let dtype = data.dtype();
-                match data.convert::<f32>().try_to_vec::<f32>() {
-                    Ok(v) => (v, dims, device, dtype),
-                    Err(e) => {
-                        self.error = Some(Error::Data {
-                            name,
-                            message: format!("{e:?}"),
-                        });
-                        return;
-                    }
-                }
+                self.devices.push(g.device());
+                convert::to_kolo(&slot.path, g, self.copied)
             }
             None => {
-                let p = param.val();
-                let dims = p.dims().to_vec();
-                let n = dims.iter().product();
-                (vec![0.0; n], dims, p.device().inner(), p.dtype())
+                self.devices.push(param.val().device().inner());
+                convert::zeros(&slot.path, slot.dtype, &slot.dims)
             }
         };
-        self.slots.push(Slot {
-            id: param.id,
-            name,
-            dims,
-            offset: self.buffer.len(),
-            len: values.len(),
-            device,
-            dtype,
-        });
-        self.buffer.extend_from_slice(&values);
+        match taken {
+            Ok(t) => self.tensors.push(Some(t)),
+            Err(e) => {
+                self.tensors.push(None);
+                self.error.get_or_insert(e);
+            }
+        }
     }
 }
 
-struct Register<'a> {
-    slots: &'a [Slot],
+/// Registers each reduced gradient under its parameter's id.
+struct Give<'a> {
+    layout: &'a Layout,
+    reduced: Vec<Option<kolo::Tensor>>,
+    devices: &'a [Device],
     next: usize,
-    reduced: &'a [f32],
     out: &'a mut GradientsParams,
+    error: Option<Error>,
 }
 
-impl ModuleVisitor for Register<'_> {
+impl ModuleVisitor for Give<'_> {
     fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
-        let Some(slot) = self.slots.get(self.next) else {
-            return;
-        };
+        let i = self.next;
         self.next += 1;
-        debug_assert_eq!(slot.id, param.id, "{}", slot.name);
-        let Some(values) = self.reduced.get(slot.offset..slot.offset + slot.len) else {
+        let (Some(slot), Some(t), Some(device)) = (
+            self.layout.slots.get(i),
+            self.reduced.get_mut(i).and_then(Option::take),
+            self.devices.get(i),
+        ) else {
             return;
         };
-        let data = TensorData::new(values.to_vec(), slot.dims.clone()).convert_dtype(slot.dtype);
-        self.out
-            .register(slot.id, Tensor::<D>::from_data(data, &slot.device));
+        match convert::to_burn::<D>(&slot.path, t, slot.dtype, device) {
+            Ok(g) => self.out.register(param.id, g),
+            Err(e) => {
+                self.error.get_or_insert(e);
+            }
+        }
     }
 }

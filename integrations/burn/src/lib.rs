@@ -31,8 +31,10 @@
 
 mod broadcast;
 mod checkpoint;
+mod convert;
 mod error;
 mod grads;
+mod layout;
 mod metrics;
 mod optim;
 mod sampler;
@@ -42,5 +44,5 @@ pub use checkpoint::{checkpoint_path, load_checkpoint, save_checkpoint, Restored
 pub use error::{Error, Result};
 pub use grads::GradientReducer;
 pub use metrics::average_metrics;
-pub use optim::DistributedOptimizer;
+pub use optim::{DistributedOptimizer, DistributedState};
 pub use sampler::DistributedSampler;

@@ -1,34 +1,95 @@
 //! The per-tensor path: a Burn `Optimizer` that reduces each gradient across ranks
 //! before the wrapped optimizer's step.
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::fmt;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
-use burn::optim::{LearningRate, Optimizer};
+use burn::grad_clipping::{GradientClipping, GradientClippingConfig};
+use burn::optim::{join_path, LearningRate, Optimizer, RecordState, StateSink, StateSource};
 use burn::tensor::{Device, Tensor, TensorData};
 use kolo::{Kolo, ReduceOp};
+
+use crate::convert::{self, Copied};
 
 /// Wraps any Burn [`Optimizer`] so that it goes wherever one goes
 /// (`ModuleOptimizer::from`, burn-train's `Learner`) and averages each gradient across
 /// ranks just before stepping that parameter.
 ///
-/// Burn calls the optimizer once per parameter, in module order, without naming the
-/// parameter; the wrapper names each collective by its position in that sequence, so
-/// every rank must step the same parameters in the same order (a parameter without a
-/// gradient on one rank is skipped there by Burn and the ranks fall out of step: use
-/// [`GradientReducer`](crate::GradientReducer) for models with unused parameters).
-/// It costs one blocking collective per parameter; the fused `GradientReducer` is
-/// faster and is what the examples use.
+/// **Names.** Burn calls the optimizer once per parameter, in module order, without
+/// naming the parameter. The wrapper numbers each parameter by its position the first
+/// time it is stepped and keeps that number in the parameter's optimizer state
+/// ([`DistributedState`]), so every later step reduces it under the same name
+/// (`kolo_burn.param.<position>`) and kolo's response cache serves it. Every rank must
+/// step the same parameters in the same order: Burn skips a parameter that has no
+/// gradient, so a parameter unused on one rank puts the ranks out of step (a shape
+/// mismatch error, or for equal shapes wrong sums). Use
+/// [`GradientReducer`](crate::GradientReducer) for models with unused parameters; it
+/// also reduces a whole step in a few collectives instead of one blocking collective
+/// per parameter.
+///
+/// **Copies.** As [`GradientReducer`](crate::GradientReducer): the gradient's buffer is
+/// reduced in place and becomes the gradient handed to the wrapped optimizer; f16 and
+/// bf16 travel as 2-byte values.
+///
+/// **Gradient clipping.** `ModuleOptimizer::from` does not carry a config's gradient
+/// clipping over (only `SgdConfig::init()` and its siblings apply it, on the local
+/// gradient). Set it here with [`grad_clipping`](Self::grad_clipping): the *averaged*
+/// gradient is clipped, as one process training on the global batch would.
 ///
 /// # Panics
-/// Burn's `Optimizer::step` cannot return an error, so a failed collective (a rank
-/// left, models that differ between ranks) panics with kolo's message.
-#[derive(Clone, Debug)]
+/// Burn's `Optimizer::step` cannot return an error. A failed collective (a rank left,
+/// models that differ between ranks) panics with a message naming the rank, the
+/// parameter's position and kolo's error; kolo's panic hook then ends the job on every
+/// rank within seconds (`MPI_Abort`) instead of letting the others hang.
+#[derive(Clone)]
 pub struct DistributedOptimizer<O> {
     inner: O,
     kolo: Kolo,
     op: ReduceOp,
-    counter: Arc<AtomicU64>,
+    clipping: Option<GradientClipping>,
+    /// The next position to hand out (shared by clones, which `ModuleOptimizer` keeps).
+    positions: Arc<AtomicUsize>,
+    copied: Arc<Copied>,
+}
+
+impl<O: fmt::Debug> fmt::Debug for DistributedOptimizer<O> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("DistributedOptimizer")
+            .field("inner", &self.inner)
+            .field("op", &self.op)
+            .field("clipping", &self.clipping.is_some())
+            .field("positions", &self.positions.load(Ordering::Relaxed))
+            .finish_non_exhaustive()
+    }
+}
+
+/// The wrapped optimizer's state of one parameter, and the parameter's position (its
+/// collective's name). Saved and restored with the optimizer record, so a resumed run
+/// keeps its names.
+#[derive(Clone, Debug)]
+pub struct DistributedState<S> {
+    position: usize,
+    inner: Option<S>,
+}
+
+impl<S: RecordState> RecordState for DistributedState<S> {
+    fn state_flatten(&self, prefix: &str, out: &mut StateSink) {
+        // Burn's scalar leaves use a type of a crate Burn does not re-export; a
+        // one-element tensor carries the position instead.
+        let position = TensorData::new(vec![self.position as i64], [1]);
+        out.push_tensor(prefix, "kolo_position", position);
+        if let Some(inner) = &self.inner {
+            inner.state_flatten(&join_path(prefix, "inner"), out);
+        }
+    }
+
+    fn state_unflatten(prefix: &str, src: &mut StateSource, device: &Device) -> Option<Self> {
+        let position = src.take_tensor(prefix, "kolo_position")?;
+        let position = usize::try_from(*position.as_slice::<i64>().ok()?.first()?).ok()?;
+        let inner = S::state_unflatten(&join_path(prefix, "inner"), src, device);
+        Some(DistributedState { position, inner })
+    }
 }
 
 impl<O: Optimizer> DistributedOptimizer<O> {
@@ -38,7 +99,9 @@ impl<O: Optimizer> DistributedOptimizer<O> {
             inner,
             kolo: kolo.clone(),
             op: ReduceOp::Average,
-            counter: Arc::new(AtomicU64::new(0)),
+            clipping: None,
+            positions: Arc::default(),
+            copied: Arc::default(),
         }
     }
 
@@ -48,33 +111,29 @@ impl<O: Optimizer> DistributedOptimizer<O> {
         self
     }
 
-    fn reduce<const D: usize>(&self, grad: Tensor<D>) -> kolo::Result<Tensor<D>> {
-        let n = self.counter.fetch_add(1, Ordering::SeqCst);
+    /// Clips each reduced gradient before the wrapped optimizer's step (e.g.
+    /// `GradientClippingConfig::Norm(1.0)`; Burn's norm clipping is per parameter).
+    pub fn grad_clipping(mut self, config: GradientClippingConfig) -> Self {
+        self.clipping = Some(config.init());
+        self
+    }
+
+    fn reduce<const D: usize>(&self, position: usize, grad: Tensor<D>) -> crate::Result<Tensor<D>> {
+        let name = format!("kolo_burn.param.{position}");
         let device = grad.device();
-        let dims = grad.dims();
-        let data = grad.into_data();
-        let dtype = data.dtype();
-        let values: Vec<f32> = data.convert::<f32>().try_to_vec::<f32>().map_err(|e| {
-            kolo::Error::InvalidArgument {
-                op: "allreduce",
-                name: format!("kolo_burn.param.{n}"),
-                message: format!("gradient cannot be read as f32: {e:?}"),
-            }
-        })?;
-        let len = values.len();
-        let t = kolo::Tensor::from_vec(values, &[len])?;
-        let reduced = self
-            .kolo
-            .allreduce(format!("kolo_burn.param.{n}"), t)
-            .op(self.op)
-            .wait()?;
-        let data = TensorData::new(reduced.into_vec::<f32>()?, dims).convert_dtype(dtype);
-        Ok(Tensor::from_data(data, &device))
+        let dtype = grad.dtype();
+        let t = convert::to_kolo(&name, grad, &self.copied)?;
+        let reduced = self.kolo.allreduce(name.clone(), t).op(self.op).wait()?;
+        let grad = convert::to_burn(&name, reduced, dtype, &device)?;
+        Ok(match &self.clipping {
+            Some(c) => c.clip_gradient(grad),
+            None => grad,
+        })
     }
 }
 
 impl<O: Optimizer> Optimizer for DistributedOptimizer<O> {
-    type State<const D: usize> = O::State<D>;
+    type State<const D: usize> = DistributedState<O::State<D>>;
 
     fn step<const D: usize>(
         &self,
@@ -83,17 +142,27 @@ impl<O: Optimizer> Optimizer for DistributedOptimizer<O> {
         grad: Tensor<D>,
         state: Option<Self::State<D>>,
     ) -> (Tensor<D>, Option<Self::State<D>>) {
-        let grad = match self.reduce(grad) {
+        let (position, inner_state) = match state {
+            Some(s) => (s.position, s.inner),
+            None => (self.positions.fetch_add(1, Ordering::Relaxed), None),
+        };
+        let dims = grad.dims();
+        let grad = match self.reduce(position, grad) {
             Ok(g) => g,
             Err(e) => panic!(
-                "kolo-burn: reducing a gradient on rank {} failed: {e}",
+                "kolo-burn: DistributedOptimizer could not reduce the gradient of parameter \
+                 #{position} (shape {dims:?}) on rank {}: {e}",
                 self.kolo.rank()
             ),
         };
-        self.inner.step(lr, tensor, grad, state)
+        let (tensor, inner) = self.inner.step(lr, tensor, grad, inner_state);
+        (tensor, Some(DistributedState { position, inner }))
     }
 
     fn to_device<const D: usize>(state: Self::State<D>, device: &Device) -> Self::State<D> {
-        O::to_device(state, device)
+        DistributedState {
+            position: state.position,
+            inner: state.inner.map(|s| O::to_device(s, device)),
+        }
     }
 }

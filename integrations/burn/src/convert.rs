@@ -1,0 +1,113 @@
+//! Gradients between Burn tensors and kolo tensors, without copying where Burn's
+//! buffer allows it.
+//!
+//! Burn's CPU backend hands a uniquely owned gradient out of `into_data` without a
+//! copy, and its allocation is a plain `Vec` of the element type, which becomes the
+//! kolo tensor as it is: kolo reduces it in place and the same memory becomes the new
+//! gradient tensor. Only a buffer Burn cannot give up (shared, or allocated with a
+//! larger alignment) is copied once on the way in.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use burn::tensor::{DType, Device, Tensor, TensorData};
+use half::{bf16, f16};
+
+use crate::error::{Error, Result};
+
+/// Bytes the conversions had to copy (diagnostics: [`crate::GradientReducer::copied_bytes`]).
+#[derive(Debug, Default)]
+pub(crate) struct Copied(AtomicU64);
+
+impl Copied {
+    fn add(&self, bytes: usize) {
+        self.0.fetch_add(bytes as u64, Ordering::Relaxed);
+    }
+
+    pub(crate) fn get(&self) -> u64 {
+        self.0.load(Ordering::Relaxed)
+    }
+}
+
+/// The element types a gradient may have (f32, f64, f16, bf16): each travels as
+/// itself, so f16 and bf16 take 2 bytes on the wire and f64 stays f64.
+fn unsupported(name: &str, dtype: DType) -> Error {
+    Error::Data {
+        name: name.to_string(),
+        message: format!("gradients of dtype {dtype:?} cannot be reduced (float dtypes only)"),
+    }
+}
+
+/// The values of `data` as a `Vec<E>`: Burn's own allocation when it can be handed
+/// over, else one copy.
+fn take_vec<E>(data: TensorData, copied: &Copied) -> Vec<E>
+where
+    E: bytemuck::Pod + bytemuck::CheckedBitPattern,
+{
+    match data.into_bytes().try_into_vec::<E>() {
+        Ok(v) => v,
+        Err(bytes) => {
+            copied.add(bytes.len());
+            bytemuck::pod_collect_to_vec(&bytes)
+        }
+    }
+}
+
+/// `grad` as a kolo tensor of the same shape and element type.
+pub(crate) fn to_kolo<const D: usize>(
+    name: &str,
+    grad: Tensor<D>,
+    copied: &Copied,
+) -> Result<kolo::Tensor> {
+    let dims = grad.dims();
+    let data = grad.into_data();
+    let t = match data.dtype() {
+        DType::F32 => kolo::Tensor::from_vec(take_vec::<f32>(data, copied), &dims),
+        // Burn's flexible f32 is stored as f32 on the host.
+        DType::Flex32 => kolo::Tensor::from_vec(take_vec::<f32>(data, copied), &dims),
+        DType::F64 => kolo::Tensor::from_vec(take_vec::<f64>(data, copied), &dims),
+        DType::F16 => kolo::Tensor::from_vec(take_vec::<f16>(data, copied), &dims),
+        DType::BF16 => kolo::Tensor::from_vec(take_vec::<bf16>(data, copied), &dims),
+        other => return Err(unsupported(name, other)),
+    };
+    Ok(t?)
+}
+
+/// Zeros standing in for a gradient this rank does not have.
+pub(crate) fn zeros(name: &str, dtype: DType, dims: &[usize]) -> Result<kolo::Tensor> {
+    let kind = match dtype {
+        DType::F32 | DType::Flex32 => kolo::DType::F32,
+        DType::F64 => kolo::DType::F64,
+        DType::F16 => kolo::DType::F16,
+        DType::BF16 => kolo::DType::BF16,
+        other => return Err(unsupported(name, other)),
+    };
+    Ok(kolo::Tensor::zeros(kind, dims))
+}
+
+/// A reduced kolo tensor as a Burn tensor of `dtype` on `device`, reusing its memory.
+pub(crate) fn to_burn<const D: usize>(
+    name: &str,
+    t: kolo::Tensor,
+    dtype: DType,
+    device: &Device,
+) -> Result<Tensor<D>> {
+    let shape = t.shape().to_vec();
+    let data = match t.dtype() {
+        kolo::DType::F32 => TensorData::new(t.into_vec::<f32>()?, shape),
+        kolo::DType::F64 => TensorData::new(t.into_vec::<f64>()?, shape),
+        kolo::DType::F16 => TensorData::new(t.into_vec::<f16>()?, shape),
+        kolo::DType::BF16 => TensorData::new(t.into_vec::<bf16>()?, shape),
+        other => {
+            return Err(Error::Data {
+                name: name.to_string(),
+                message: format!("a reduced gradient came back as {other}"),
+            })
+        }
+    };
+    let data = if data.dtype() == dtype {
+        data
+    } else {
+        data.convert_dtype(dtype)
+    };
+    Ok(Tensor::from_data(data, device))
+}

@@ -1,0 +1,182 @@
+//! A model's gradient layout, learned once: its parameters in module order with their
+//! shapes and dtypes, the collective name of each, and the buckets they are reduced in.
+
+use burn::module::{Module, ModuleVisitor, Param, ParamId};
+use burn::tensor::{DType, Tensor};
+use kolo::Kolo;
+
+use crate::error::{Error, Result};
+
+/// One float parameter of the model.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) struct Slot {
+    pub(crate) id: ParamId,
+    /// The module path, e.g. `fc1.weight`.
+    pub(crate) path: String,
+    pub(crate) dims: Vec<usize>,
+    pub(crate) dtype: DType,
+}
+
+impl Slot {
+    fn bytes(&self) -> usize {
+        self.dims.iter().product::<usize>() * self.dtype.size()
+    }
+}
+
+/// Parameters in module order and the buckets that reduce them.
+#[derive(Debug)]
+pub(crate) struct Layout {
+    pub(crate) slots: Vec<Slot>,
+    /// The collective name of each slot: `<prefix>.<path>`, the same on every rank and
+    /// every step, so kolo's response cache serves every step after the first.
+    pub(crate) names: Vec<String>,
+    /// Slot indices per bucket, in the order backward produces gradients (reverse
+    /// module order), each bucket at most `bucket_bytes` unless one gradient is larger.
+    pub(crate) buckets: Vec<Vec<usize>>,
+    bucket_bytes: usize,
+}
+
+impl Layout {
+    /// The layout of `module`'s float parameters.
+    ///
+    /// # Errors
+    /// A module without float parameters.
+    pub(crate) fn learn<M: Module>(
+        module: &M,
+        prefix: &str,
+        bucket_bytes: usize,
+    ) -> Result<Layout> {
+        let mut visit = Learn {
+            path: Vec::new(),
+            slots: Vec::new(),
+        };
+        module.visit(&mut visit);
+        let slots = visit.slots;
+        if slots.is_empty() {
+            return Err(Error::InvalidArgument {
+                what: "GradientReducer::reduce",
+                message: "the module has no float parameters, so there is no gradient to reduce"
+                    .into(),
+            });
+        }
+        let names = slots
+            .iter()
+            .map(|s| format!("{prefix}.{}", s.path))
+            .collect();
+        let mut buckets: Vec<Vec<usize>> = Vec::new();
+        let mut filled = 0;
+        for (i, slot) in slots.iter().enumerate().rev() {
+            match buckets.last_mut() {
+                Some(b) if filled + slot.bytes() <= bucket_bytes => b.push(i),
+                _ => {
+                    buckets.push(vec![i]);
+                    filled = 0;
+                }
+            }
+            filled += slot.bytes();
+        }
+        Ok(Layout {
+            slots,
+            names,
+            buckets,
+            bucket_bytes,
+        })
+    }
+
+    /// Whether `module` still has exactly these parameters and this layout fits
+    /// `bucket_bytes` (cheap: no names are built).
+    pub(crate) fn fits<M: Module>(&self, module: &M, bucket_bytes: usize) -> bool {
+        let mut visit = Check {
+            slots: &self.slots,
+            next: 0,
+            same: true,
+        };
+        module.visit(&mut visit);
+        visit.same && visit.next == self.slots.len() && bucket_bytes == self.bucket_bytes
+    }
+
+    /// Checks that every rank has the same parameters, in the same order, with the same
+    /// shapes and dtypes (one allgather, when the layout is learned).
+    ///
+    /// # Errors
+    /// [`Error::ModelMismatch`] on every rank, naming the first parameter that differs
+    /// and what each rank has there.
+    pub(crate) fn agree(&self, kolo: &Kolo, name: &str) -> Result<()> {
+        let mine: Vec<(String, Vec<usize>, String)> = self
+            .slots
+            .iter()
+            .map(|s| (s.path.clone(), s.dims.clone(), format!("{:?}", s.dtype)))
+            .collect();
+        let all = kolo.allgather_object(name, mine)?;
+        let longest = all.iter().map(Vec::len).max().unwrap_or(0);
+        for i in 0..longest {
+            let first = all[0].get(i);
+            if all.iter().all(|r| r.get(i) == first) {
+                continue;
+            }
+            let parameter = all
+                .iter()
+                .find_map(|r| r.get(i))
+                .map_or_else(String::new, |p| p.0.clone());
+            let ranks = all
+                .iter()
+                .enumerate()
+                .map(|(rank, r)| match r.get(i) {
+                    Some((path, dims, dtype)) => {
+                        format!("rank {rank} has {path:?} {dims:?} {dtype}")
+                    }
+                    None => format!("rank {rank} has no parameter #{i}"),
+                })
+                .collect::<Vec<_>>()
+                .join(", ");
+            return Err(Error::ModelMismatch {
+                index: i,
+                parameter,
+                ranks,
+            });
+        }
+        Ok(())
+    }
+}
+
+struct Learn {
+    path: Vec<String>,
+    slots: Vec<Slot>,
+}
+
+impl ModuleVisitor for Learn {
+    fn enter_module(&mut self, name: &str, _container_type: &str) {
+        self.path.push(name.to_string());
+    }
+
+    fn exit_module(&mut self, _name: &str, _container_type: &str) {
+        self.path.pop();
+    }
+
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+        let t = param.val();
+        self.slots.push(Slot {
+            id: param.id,
+            path: self.path.join("."),
+            dims: t.dims().to_vec(),
+            dtype: t.dtype(),
+        });
+    }
+}
+
+struct Check<'a> {
+    slots: &'a [Slot],
+    next: usize,
+    same: bool,
+}
+
+impl ModuleVisitor for Check<'_> {
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+        let same = self.slots.get(self.next).is_some_and(|s| {
+            let t = param.val();
+            s.id == param.id && s.dims == t.dims() && s.dtype == t.dtype()
+        });
+        self.same &= same;
+        self.next += 1;
+    }
+}
