@@ -64,7 +64,7 @@ pub use optimizer::{
     GradientStep, Gradients,
 };
 pub use runtime::{build_info, cuda_device_count, init, nccl_library_present, BuildInfo, Kolo};
-pub use tensor::{DType, Device, Element, Tensor};
+pub use tensor::{DType, Device, Element, HostBuffer, Tensor};
 
 /// The CUDA bindings kolo was built with (feature `nccl`), for `Tensor::from_cuda`.
 #[cfg(feature = "nccl")]

@@ -222,6 +222,21 @@ impl Storage {
         }
     }
 
+    /// A typed copy of `bytes` (native endian; any alignment).
+    fn from_bytes(dtype: DType, bytes: &[u8]) -> Storage {
+        use bytemuck::pod_collect_to_vec as copy;
+        match dtype {
+            DType::U8 => Storage::U8(bytes.to_vec()),
+            DType::I8 => Storage::I8(copy(bytes)),
+            DType::I32 => Storage::I32(copy(bytes)),
+            DType::I64 => Storage::I64(copy(bytes)),
+            DType::F16 => Storage::F16(copy(bytes)),
+            DType::BF16 => Storage::BF16(copy(bytes)),
+            DType::F32 => Storage::F32(copy(bytes)),
+            DType::F64 => Storage::F64(copy(bytes)),
+        }
+    }
+
     fn zeros(dtype: DType, len: usize) -> Storage {
         match dtype {
             DType::U8 => Storage::U8(vec![0; len]),
@@ -252,13 +267,56 @@ impl Storage {
 /// assert_eq!(v, [1.0, 2.0, 3.0, 4.0]);
 /// # Ok::<(), kolo::Error>(())
 /// ```
-#[derive(Clone, PartialEq)]
 pub struct Tensor {
-    /// The host data; for a CUDA tensor an empty vector of the right dtype.
+    /// The host data; for a CUDA tensor or one in a [`HostBuffer`] an empty vector of
+    /// the right dtype.
     data: Storage,
     shape: Vec<usize>,
+    /// Host memory owned by someone else (another framework's tensor buffer).
+    external: Option<Box<dyn HostBuffer>>,
     #[cfg(feature = "nccl")]
     cuda: Option<crate::device::CudaData>,
+}
+
+/// Host memory that a [`Tensor`] can borrow for the length of a collective, so that
+/// kolo reduces another framework's tensor buffer in place, with no copy and no
+/// allocation ([`Tensor::from_host_buffer`], [`Tensor::into_host_buffer`]).
+///
+/// Both methods must return the same memory, of the same length, on every call.
+pub trait HostBuffer: std::any::Any + Send + Sync {
+    /// The bytes, native endian.
+    fn bytes(&self) -> &[u8];
+    /// The bytes, mutably: collectives write their results here.
+    fn bytes_mut(&mut self) -> &mut [u8];
+}
+
+impl Clone for Tensor {
+    /// Copies the data; a tensor in a [`HostBuffer`] is copied into a `Vec`.
+    fn clone(&self) -> Self {
+        let data = match &self.external {
+            Some(_) => Storage::from_bytes(self.dtype(), self.host_bytes()),
+            None => self.data.clone(),
+        };
+        Tensor {
+            data,
+            shape: self.shape.clone(),
+            external: None,
+            #[cfg(feature = "nccl")]
+            cuda: self.cuda.clone(),
+        }
+    }
+}
+
+impl PartialEq for Tensor {
+    fn eq(&self, other: &Self) -> bool {
+        #[cfg(feature = "nccl")]
+        if self.cuda != other.cuda {
+            return false;
+        }
+        self.dtype() == other.dtype()
+            && self.shape == other.shape
+            && self.host_bytes() == other.host_bytes()
+    }
 }
 
 impl fmt::Debug for Tensor {
@@ -267,6 +325,7 @@ impl fmt::Debug for Tensor {
             .field("dtype", &self.dtype())
             .field("shape", &self.shape)
             .field("device", &self.device())
+            .field("host_buffer", &self.external.is_some())
             .finish_non_exhaustive()
     }
 }
@@ -297,16 +356,83 @@ impl Tensor {
         )
     }
 
-    /// Gives back the elements without copying.
+    /// Gives back the elements without copying (a tensor made with
+    /// [`from_host_buffer`](Self::from_host_buffer) is copied into a new `Vec`).
     ///
     /// # Errors
     /// [`Error::DTypeMismatch`] when `T` is not the tensor's element type.
     pub fn into_vec<T: Element>(self) -> Result<Vec<T>> {
         self.require_cpu("Tensor::into_vec")?;
-        T::from_storage(self.data).map_err(|s| Error::DTypeMismatch {
+        let t = self.into_owned();
+        T::from_storage(t.data).map_err(|s| Error::DTypeMismatch {
             expected: T::DTYPE,
             actual: s.dtype(),
         })
+    }
+
+    /// Wraps host memory owned by something else (e.g. another framework's tensor
+    /// buffer) with `dtype` and `shape`, without copying: collectives read and write it
+    /// in place. Get it back with [`into_host_buffer`](Self::into_host_buffer).
+    ///
+    /// # Errors
+    /// [`Error::ShapeMismatch`] when the buffer does not hold exactly the elements of
+    /// `shape`; [`Error::InvalidArgument`] when it is not aligned for `dtype`.
+    pub fn from_host_buffer<B: HostBuffer>(
+        buffer: B,
+        dtype: DType,
+        shape: &[usize],
+    ) -> Result<Tensor> {
+        let expected: usize = shape.iter().product();
+        let bytes = buffer.bytes();
+        if bytes.len() != expected * dtype.size_of() {
+            return Err(Error::ShapeMismatch {
+                shape: shape.to_vec(),
+                expected,
+                actual: bytes.len() / dtype.size_of(),
+            });
+        }
+        if bytes.as_ptr() as usize % dtype.size_of() != 0 {
+            return Err(Error::InvalidArgument {
+                op: "Tensor::from_host_buffer",
+                name: String::new(),
+                message: format!("the buffer is not aligned for {dtype} elements"),
+            });
+        }
+        let mut t = Tensor::from_parts(Storage::zeros(dtype, 0), shape.to_vec());
+        t.external = Some(Box::new(buffer));
+        Ok(t)
+    }
+
+    /// Gives back the buffer a tensor was made from with
+    /// [`from_host_buffer`](Self::from_host_buffer), holding the collective's result.
+    ///
+    /// # Errors
+    /// The tensor itself when it does not hold a `B`.
+    pub fn into_host_buffer<B: HostBuffer>(self) -> std::result::Result<B, Tensor> {
+        let holds_b = self
+            .external
+            .as_deref()
+            .is_some_and(|b| (b as &dyn std::any::Any).is::<B>());
+        if !holds_b {
+            return Err(self);
+        }
+        match self
+            .external
+            .map(|b| (b as Box<dyn std::any::Any>).downcast::<B>())
+        {
+            Some(Ok(b)) => Ok(*b),
+            // `holds_b` checked the type above.
+            _ => unreachable!("the host buffer's type was checked"),
+        }
+    }
+
+    /// The same tensor with its data in a `Vec` (copied out of a [`HostBuffer`]).
+    fn into_owned(self) -> Tensor {
+        if self.external.is_none() {
+            return self;
+        }
+        let data = Storage::from_bytes(self.dtype(), self.host_bytes());
+        Tensor::from_parts(data, self.shape)
     }
 
     /// Borrows the elements.
@@ -315,6 +441,16 @@ impl Tensor {
     /// [`Error::DTypeMismatch`] when `T` is not the tensor's element type.
     pub fn as_slice<T: Element>(&self) -> Result<&[T]> {
         self.require_cpu("Tensor::as_slice")?;
+        if let Some(b) = &self.external {
+            return match self.dtype() == T::DTYPE {
+                // Alignment and length were checked in `from_host_buffer`.
+                true => Ok(bytemuck::cast_slice(b.bytes())),
+                false => Err(Error::DTypeMismatch {
+                    expected: T::DTYPE,
+                    actual: self.dtype(),
+                }),
+            };
+        }
         T::slice(&self.data).ok_or(Error::DTypeMismatch {
             expected: T::DTYPE,
             actual: self.dtype(),
@@ -328,6 +464,15 @@ impl Tensor {
     pub fn as_mut_slice<T: Element>(&mut self) -> Result<&mut [T]> {
         self.require_cpu("Tensor::as_mut_slice")?;
         let actual = self.dtype();
+        if let Some(b) = &mut self.external {
+            return match actual == T::DTYPE {
+                true => Ok(bytemuck::cast_slice_mut(b.bytes_mut())),
+                false => Err(Error::DTypeMismatch {
+                    expected: T::DTYPE,
+                    actual,
+                }),
+            };
+        }
         T::slice_mut(&mut self.data).ok_or(Error::DTypeMismatch {
             expected: T::DTYPE,
             actual,
@@ -399,18 +544,25 @@ impl Tensor {
 
     /// The host bytes (empty for a CUDA tensor; the engine routes those elsewhere).
     pub(crate) fn host_bytes(&self) -> &[u8] {
-        with_storage!(&self.data, v => bytemuck::cast_slice(v))
+        match &self.external {
+            Some(b) => b.bytes(),
+            None => with_storage!(&self.data, v => bytemuck::cast_slice(v)),
+        }
     }
 
     /// The host bytes, mutably (empty for a CUDA tensor).
     pub(crate) fn host_bytes_mut(&mut self) -> &mut [u8] {
-        with_storage!(&mut self.data, v => bytemuck::cast_slice_mut(v))
+        match &mut self.external {
+            Some(b) => b.bytes_mut(),
+            None => with_storage!(&mut self.data, v => bytemuck::cast_slice_mut(v)),
+        }
     }
 
     pub(crate) fn from_parts(data: Storage, shape: Vec<usize>) -> Tensor {
         Tensor {
             data,
             shape,
+            external: None,
             #[cfg(feature = "nccl")]
             cuda: None,
         }
@@ -452,6 +604,7 @@ impl Tensor {
         Tensor {
             data: Storage::zeros(dtype, 0),
             shape,
+            external: None,
             cuda: Some(data),
         }
     }
@@ -489,7 +642,7 @@ impl Tensor {
         if self.device() == Device::Cuda(ordinal) {
             return Ok(self);
         }
-        let host = self.to_cpu()?;
+        let host = self.to_cpu()?.into_owned();
         let data = crate::device::CudaData::upload(&host.data, ordinal)?;
         Ok(Tensor::from_cuda_parts(host.dtype(), data, host.shape))
     }
@@ -538,6 +691,47 @@ mod tests {
             err.to_string(),
             "shape [2, 3] needs 6 elements but 5 were given"
         );
+    }
+
+    /// A buffer owned elsewhere, as another framework's tensor memory would be.
+    struct Foreign(Vec<u64>);
+
+    impl HostBuffer for Foreign {
+        fn bytes(&self) -> &[u8] {
+            bytemuck::cast_slice(&self.0)
+        }
+        fn bytes_mut(&mut self) -> &mut [u8] {
+            bytemuck::cast_slice_mut(&mut self.0)
+        }
+    }
+
+    #[test]
+    fn host_buffer_is_used_in_place_and_given_back() {
+        // 4 f32 in 2 u64 words: another element type than the tensor's, 8-aligned.
+        let foreign = Foreign(vec![0; 2]);
+        let ptr = foreign.0.as_ptr() as usize;
+        let mut t = Tensor::from_host_buffer(foreign, DType::F32, &[2, 2]).unwrap();
+        t.as_mut_slice::<f32>()
+            .unwrap()
+            .copy_from_slice(&[1.0, 2.0, 3.0, 4.0]);
+        assert_eq!(t.as_slice::<f32>().unwrap(), [1.0, 2.0, 3.0, 4.0]);
+        assert_eq!(t.host_bytes_mut().as_ptr() as usize, ptr);
+        assert_eq!(t.clone().into_vec::<f32>().unwrap(), [1.0, 2.0, 3.0, 4.0]);
+        assert_eq!(t.clone(), t);
+        assert!(t.as_slice::<f64>().is_err());
+        let back: Foreign = t.into_host_buffer().unwrap();
+        assert_eq!(back.0.as_ptr() as usize, ptr);
+        assert_eq!(
+            bytemuck::cast_slice::<u64, f32>(&back.0),
+            [1.0, 2.0, 3.0, 4.0]
+        );
+        let err = Tensor::from_host_buffer(Foreign(vec![0; 3]), DType::F32, &[2, 2]).unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "shape [2, 2] needs 4 elements but 6 were given"
+        );
+        let owned = Tensor::from_vec(vec![1.0f32], &[1]).unwrap();
+        assert!(owned.into_host_buffer::<Foreign>().is_err());
     }
 
     #[test]

@@ -9,8 +9,9 @@
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use burn::tensor::{DType, Device, Tensor, TensorData};
+use burn::tensor::{Bytes, DType, Device, Tensor, TensorData};
 use half::{bf16, f16};
+use kolo::HostBuffer;
 
 use crate::error::{Error, Result};
 
@@ -37,54 +38,67 @@ fn unsupported(name: &str, dtype: DType) -> Error {
     }
 }
 
-/// The values of `data` as a `Vec<E>`: Burn's own allocation when it can be handed
-/// over, else one copy.
-fn take_vec<E>(data: TensorData, copied: &Copied) -> Vec<E>
-where
-    E: bytemuck::Pod + bytemuck::CheckedBitPattern,
-{
-    match data.into_bytes().try_into_vec::<E>() {
-        Ok(v) => v,
-        Err(bytes) => {
-            copied.add(bytes.len());
-            bytemuck::pod_collect_to_vec(&bytes)
-        }
+/// A Burn tensor's buffer lent to kolo: reduced in place, then the new gradient.
+struct BurnBytes(Bytes);
+
+impl HostBuffer for BurnBytes {
+    fn bytes(&self) -> &[u8] {
+        &self.0
+    }
+
+    fn bytes_mut(&mut self) -> &mut [u8] {
+        &mut self.0
     }
 }
 
-/// `grad` as a kolo tensor of the same shape and element type.
+/// kolo's element type for a float gradient.
+fn kolo_dtype(name: &str, dtype: DType) -> Result<kolo::DType> {
+    Ok(match dtype {
+        // Burn's flexible f32 is stored as f32 on the host.
+        DType::F32 | DType::Flex32 => kolo::DType::F32,
+        DType::F64 => kolo::DType::F64,
+        DType::F16 => kolo::DType::F16,
+        DType::BF16 => kolo::DType::BF16,
+        other => return Err(unsupported(name, other)),
+    })
+}
+
+/// `grad` as a kolo tensor of the same shape and element type, in `grad`'s own
+/// memory when Burn hands it over (a uniquely owned CPU tensor), else copied once.
 pub(crate) fn to_kolo<const D: usize>(
     name: &str,
     grad: Tensor<D>,
     copied: &Copied,
 ) -> Result<kolo::Tensor> {
     let dims = grad.dims();
-    let data = grad.into_data();
-    let t = match data.dtype() {
-        DType::F32 => kolo::Tensor::from_vec(take_vec::<f32>(data, copied), &dims),
-        // Burn's flexible f32 is stored as f32 on the host.
-        DType::Flex32 => kolo::Tensor::from_vec(take_vec::<f32>(data, copied), &dims),
-        DType::F64 => kolo::Tensor::from_vec(take_vec::<f64>(data, copied), &dims),
-        DType::F16 => kolo::Tensor::from_vec(take_vec::<f16>(data, copied), &dims),
-        DType::BF16 => kolo::Tensor::from_vec(take_vec::<bf16>(data, copied), &dims),
-        other => return Err(unsupported(name, other)),
+    let dtype = kolo_dtype(name, grad.dtype())?;
+    let (bytes, _, _) = grad.into_data().into_parts();
+    let exact = bytes.len() == dims.iter().product::<usize>() * dtype.size_of();
+    let aligned = bytes.as_ptr() as usize % dtype.size_of() == 0;
+    if exact && aligned {
+        return Ok(kolo::Tensor::from_host_buffer(
+            BurnBytes(bytes),
+            dtype,
+            &dims,
+        )?);
+    }
+    copied.add(bytes.len());
+    use bytemuck::pod_collect_to_vec as copy;
+    let t = match dtype {
+        kolo::DType::F64 => kolo::Tensor::from_vec(copy::<u8, f64>(&bytes), &dims),
+        kolo::DType::F16 => kolo::Tensor::from_vec(copy::<u8, f16>(&bytes), &dims),
+        kolo::DType::BF16 => kolo::Tensor::from_vec(copy::<u8, bf16>(&bytes), &dims),
+        _ => kolo::Tensor::from_vec(copy::<u8, f32>(&bytes), &dims),
     };
     Ok(t?)
 }
 
 /// Zeros standing in for a gradient this rank does not have.
 pub(crate) fn zeros(name: &str, dtype: DType, dims: &[usize]) -> Result<kolo::Tensor> {
-    let kind = match dtype {
-        DType::F32 | DType::Flex32 => kolo::DType::F32,
-        DType::F64 => kolo::DType::F64,
-        DType::F16 => kolo::DType::F16,
-        DType::BF16 => kolo::DType::BF16,
-        other => return Err(unsupported(name, other)),
-    };
-    Ok(kolo::Tensor::zeros(kind, dims))
+    Ok(kolo::Tensor::zeros(kolo_dtype(name, dtype)?, dims))
 }
 
-/// A reduced kolo tensor as a Burn tensor of `dtype` on `device`, reusing its memory.
+/// A reduced kolo tensor as a Burn tensor of `dtype` on `device`, in the same memory.
 pub(crate) fn to_burn<const D: usize>(
     name: &str,
     t: kolo::Tensor,
@@ -92,22 +106,27 @@ pub(crate) fn to_burn<const D: usize>(
     device: &Device,
 ) -> Result<Tensor<D>> {
     let shape = t.shape().to_vec();
-    let data = match t.dtype() {
-        kolo::DType::F32 => TensorData::new(t.into_vec::<f32>()?, shape),
-        kolo::DType::F64 => TensorData::new(t.into_vec::<f64>()?, shape),
-        kolo::DType::F16 => TensorData::new(t.into_vec::<f16>()?, shape),
-        kolo::DType::BF16 => TensorData::new(t.into_vec::<bf16>()?, shape),
-        other => {
-            return Err(Error::Data {
-                name: name.to_string(),
-                message: format!("a reduced gradient came back as {other}"),
-            })
+    let data = match t.into_host_buffer::<BurnBytes>() {
+        Ok(b) => TensorData::from_bytes(b.0, shape, dtype),
+        Err(t) => {
+            let data = match t.dtype() {
+                kolo::DType::F32 => TensorData::new(t.into_vec::<f32>()?, shape),
+                kolo::DType::F64 => TensorData::new(t.into_vec::<f64>()?, shape),
+                kolo::DType::F16 => TensorData::new(t.into_vec::<f16>()?, shape),
+                kolo::DType::BF16 => TensorData::new(t.into_vec::<bf16>()?, shape),
+                other => {
+                    return Err(Error::Data {
+                        name: name.to_string(),
+                        message: format!("a reduced gradient came back as {other}"),
+                    })
+                }
+            };
+            if data.dtype() == dtype {
+                data
+            } else {
+                data.convert_dtype(dtype)
+            }
         }
-    };
-    let data = if data.dtype() == dtype {
-        data
-    } else {
-        data.convert_dtype(dtype)
     };
     Ok(Tensor::from_data(data, device))
 }

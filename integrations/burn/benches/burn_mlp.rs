@@ -1,0 +1,224 @@
+//! kolo-burn against plain Burn: the issue's two MLPs (784-512-512-10, 0.67 M
+//! parameters; 784-2048-2048-2048-10, 10.0 M), a synthetic batch of 64 per rank, SGD
+//! with lr 0.01, one compute thread per rank (`RAYON_NUM_THREADS=1`).
+//!
+//! Each repetition launches, in turn: the plain Burn program (`examples/plain_mlp.rs`,
+//! one process, no kolo), then kolo's ranks under `mpirun -np 1` and `-np 2` for each
+//! path (`GradientReducer`, `DistributedOptimizer`). Alternating the launches lets load
+//! drifting on a shared machine hit both sides alike. Printed per model and path:
+//! steps/s (median and range), the share of the step spent reducing, and np2 per-rank
+//! steps/s ÷ plain Burn steps/s of the same repetition.
+//!
+//! ```sh
+//! ./scripts/run-burn-bench.sh            # KOLO_BENCH_REPS=N (default 5), --model small|big
+//! ```
+//! Without `--bench` (as `cargo test --all-targets` runs it) it makes one short smoke
+//! run of the small model.
+
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, ensure, Context, Result};
+use burn::optim::{ModuleOptimizer, SgdConfig};
+use burn::tensor::Device;
+use kolo_burn::{broadcast_parameters, DistributedOptimizer, GradientReducer};
+
+#[path = "common/mlp.rs"]
+mod mlp;
+
+#[path = "../../../tests/collectives/harness.rs"]
+#[allow(dead_code)]
+mod harness;
+
+const PATHS: [&str; 2] = ["reducer", "optimizer"];
+
+/// One rank's side: trains `model` along `path` and prints rank 0's result line (the
+/// slowest rank's steps/s).
+fn worker(model: &str, path: &str, warmup: usize, steps: usize) -> Result<()> {
+    let dims = mlp::dims(model).context("unknown model")?;
+    let kolo = kolo::init()?;
+    let device = Device::flex().autodiff();
+    let (x, y) = mlp::batch(kolo.rank(), dims[dims.len() - 1], &device);
+    let start = broadcast_parameters(&kolo, mlp::Mlp::new(dims, &device), 0)?;
+    let t = match path {
+        "reducer" => {
+            let reducer = GradientReducer::new(&kolo);
+            let mut optim = SgdConfig::new().init();
+            let mut failed = None;
+            let t = mlp::time_steps(start, warmup, steps, |m| {
+                let g = mlp::grads(&m, x.clone(), y.clone());
+                let at = Instant::now();
+                let g = reducer.reduce(&m, g).unwrap_or_else(|e| {
+                    failed.get_or_insert(e.to_string());
+                    burn::optim::GradientsParams::new()
+                });
+                let comm = at.elapsed();
+                (optim.step(mlp::LR, m, g), comm)
+            });
+            if let Some(e) = failed {
+                bail!("reduce failed: {e}");
+            }
+            ensure!(
+                reducer.copied_bytes() == 0,
+                "the reducer copied {} bytes",
+                reducer.copied_bytes()
+            );
+            t
+        }
+        "optimizer" => {
+            let mut optim: ModuleOptimizer =
+                DistributedOptimizer::new(&kolo, SgdConfig::new().build()).into();
+            // The reduction happens inside the optimizer's step: its share includes
+            // SGD's update.
+            mlp::time_steps(start, warmup, steps, |m| {
+                let g = mlp::grads(&m, x.clone(), y.clone());
+                let at = Instant::now();
+                let m = optim.step(mlp::LR, m, g);
+                (m, at.elapsed())
+            })
+        }
+        other => bail!("unknown path {other:?}"),
+    };
+    let all: Vec<(f64, f64)> = kolo.allgather_object(
+        "bench.result",
+        (t.steps_per_s, t.comm.as_secs_f64() / t.total.as_secs_f64()),
+    )?;
+    if kolo.rank() == 0 {
+        let slowest = all
+            .iter()
+            .copied()
+            .fold((f64::INFINITY, 0.0), |a, b| if b.0 < a.0 { b } else { a });
+        println!(
+            "RESULT steps_per_s={:.4} comm_share={:.4}",
+            slowest.0, slowest.1
+        );
+    }
+    kolo.shutdown()?;
+    Ok(())
+}
+
+/// Runs `cmd` and reads its result line: (steps/s, communication share).
+fn result_of(mut cmd: Command, what: &str) -> Result<(f64, f64)> {
+    cmd.env("RAYON_NUM_THREADS", "1");
+    let out = cmd.output().with_context(|| format!("starting {what}"))?;
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    ensure!(
+        out.status.success(),
+        "{what} failed ({}):\n{stdout}\n{}",
+        out.status,
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let line = stdout
+        .lines()
+        .find_map(|l| l.strip_prefix("RESULT "))
+        .with_context(|| format!("{what} printed no result:\n{stdout}"))?;
+    let field = |k: &str| -> Result<f64> {
+        line.split_whitespace()
+            .find_map(|f| f.strip_prefix(k)?.strip_prefix('='))
+            .with_context(|| format!("{what}: no {k} in {line:?}"))?
+            .parse()
+            .with_context(|| format!("{what}: {line:?}"))
+    };
+    Ok((field("steps_per_s")?, field("comm_share")?))
+}
+
+fn median_range(v: &[f64]) -> (f64, f64, f64) {
+    let mut s = v.to_vec();
+    s.sort_by(f64::total_cmp);
+    (s[s.len() / 2], s[0], s[s.len() - 1])
+}
+
+fn show(v: &[f64]) -> String {
+    let (m, lo, hi) = median_range(v);
+    format!("{m:8.2} [{lo:.2}-{hi:.2}]")
+}
+
+fn main() -> Result<()> {
+    let args: Vec<String> = std::env::args().collect();
+    let arg = |k: &str| {
+        args.iter()
+            .position(|a| a == k)
+            .and_then(|i| args.get(i + 1))
+            .cloned()
+    };
+    if let Some(model) = arg("--worker") {
+        let path = arg("--path").unwrap_or_else(|| "reducer".into());
+        let warmup = arg("--warmup").and_then(|v| v.parse().ok()).unwrap_or(3);
+        let steps = arg("--steps").and_then(|v| v.parse().ok()).unwrap_or(20);
+        return worker(&model, &path, warmup, steps);
+    }
+    let smoke = !args.iter().any(|a| a == "--bench");
+    let reps: usize = if smoke {
+        1
+    } else {
+        std::env::var("KOLO_BENCH_REPS")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(5)
+    };
+    let models: Vec<String> = match arg("--model") {
+        Some(m) => vec![m],
+        None if smoke => vec!["small".into()],
+        None => vec!["small".into(), "big".into()],
+    };
+    let exe = std::env::current_exe()?;
+    // target/release/deps/burn_mlp-… → target/release/examples/plain_mlp
+    let plain = exe
+        .parent()
+        .and_then(|d| d.parent())
+        .map(|d| d.join("examples").join("plain_mlp"))
+        .filter(|p| p.exists())
+        .context("target/release/examples/plain_mlp not built: run ./scripts/run-burn-bench.sh")?;
+    for model in &models {
+        // Enough steps for a few seconds per launch (0.13 s per big step here).
+        let (warmup, steps) = match (smoke, model.as_str()) {
+            (true, _) => (1, 3),
+            (false, "big") => (3, 20),
+            (false, _) => (20, 200),
+        };
+        let counts = [warmup.to_string(), steps.to_string()];
+        let mut plain_sps = Vec::new();
+        let mut kolo: Vec<[Vec<(f64, f64)>; 2]> = vec![Default::default(); PATHS.len()];
+        let started = Instant::now();
+        for rep in 0..reps {
+            let mut cmd = Command::new(&plain);
+            cmd.arg(model).args(&counts);
+            plain_sps.push(result_of(cmd, "plain Burn")?.0);
+            for (p, path) in PATHS.iter().enumerate() {
+                for (n, np) in ["1", "2"].into_iter().enumerate() {
+                    let mut cmd = Command::new("mpirun");
+                    cmd.args(["-np", np, "--bind-to", "none"]).arg(&exe);
+                    cmd.args(["--worker", model, "--path", path]);
+                    cmd.args(["--warmup", &counts[0], "--steps", &counts[1]]);
+                    harness::mpi_env(&mut cmd);
+                    let r = result_of(cmd, &format!("kolo {path} np{np} (rep {rep})"))?;
+                    kolo[p][n].push(r);
+                }
+            }
+        }
+        println!(
+            "\n{model} MLP {:?}, batch {} per rank, {reps} alternating launches ({:.0?})",
+            mlp::dims(model).unwrap_or(&[]),
+            mlp::BATCH,
+            Duration::from_secs(started.elapsed().as_secs())
+        );
+        println!(
+            "  plain Burn, 1 process        {} steps/s",
+            show(&plain_sps)
+        );
+        for (p, path) in PATHS.iter().enumerate() {
+            for (n, np) in ["np1", "np2"].into_iter().enumerate() {
+                let sps: Vec<f64> = kolo[p][n].iter().map(|r| r.0).collect();
+                let comm: Vec<f64> = kolo[p][n].iter().map(|r| 100.0 * r.1).collect();
+                let ratio: Vec<f64> = sps.iter().zip(&plain_sps).map(|(k, b)| k / b).collect();
+                println!(
+                    "  {path:<9} {np}  {} steps/s  comm {} %  per rank / plain {}",
+                    show(&sps),
+                    show(&comm),
+                    show(&ratio)
+                );
+            }
+        }
+    }
+    Ok(())
+}

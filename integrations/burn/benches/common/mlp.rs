@@ -1,0 +1,118 @@
+//! The MLP training loop both sides of the Burn benchmark run: the plain Burn program
+//! (`examples/plain_mlp.rs`, no kolo) and kolo's workers (`benches/burn_mlp.rs`).
+
+use std::time::{Duration, Instant};
+
+use burn::module::Module;
+use burn::nn::loss::CrossEntropyLossConfig;
+use burn::nn::{Linear, LinearConfig, Relu};
+use burn::optim::GradientsParams;
+use burn::tensor::{Device, Int, Tensor, TensorData};
+
+/// Samples per rank per step.
+pub(crate) const BATCH: usize = 64;
+/// SGD's learning rate.
+pub(crate) const LR: f64 = 0.01;
+
+/// An MLP with `dims` = [inputs, hidden…, classes].
+#[derive(Module, Debug)]
+pub(crate) struct Mlp {
+    layers: Vec<Linear>,
+    act: Relu,
+}
+
+impl Mlp {
+    pub(crate) fn new(dims: &[usize], device: &Device) -> Self {
+        Mlp {
+            layers: dims
+                .windows(2)
+                .map(|w| LinearConfig::new(w[0], w[1]).init(device))
+                .collect(),
+            act: Relu::new(),
+        }
+    }
+
+    pub(crate) fn forward(&self, mut x: Tensor<2>) -> Tensor<2> {
+        let last = self.layers.len() - 1;
+        for (i, l) in self.layers.iter().enumerate() {
+            x = l.forward(x);
+            if i < last {
+                x = self.act.forward(x);
+            }
+        }
+        x
+    }
+}
+
+/// The two models of the issue: 0.67 M and 10.0 M parameters.
+pub(crate) fn dims(model: &str) -> Option<&'static [usize]> {
+    match model {
+        "small" => Some(&[784, 512, 512, 10]),
+        "big" => Some(&[784, 2048, 2048, 2048, 10]),
+        _ => None,
+    }
+}
+
+/// A fixed synthetic batch (the same every step), different per `seed`.
+pub(crate) fn batch(seed: usize, classes: usize, device: &Device) -> (Tensor<2>, Tensor<1, Int>) {
+    let mut s = seed as u64 * 0x9E37_79B9_7F4A_7C15 + 1;
+    let mut next = || {
+        s ^= s << 13;
+        s ^= s >> 7;
+        s ^= s << 17;
+        s
+    };
+    let x: Vec<f32> = (0..BATCH * 784)
+        .map(|_| (next() % 1000) as f32 / 1000.0)
+        .collect();
+    let y: Vec<i64> = (0..BATCH)
+        .map(|_| (next() % classes as u64) as i64)
+        .collect();
+    (
+        Tensor::from_data(TensorData::new(x, [BATCH, 784]), device),
+        Tensor::from_data(TensorData::new(y, [BATCH]), device),
+    )
+}
+
+/// The gradients of one step on `(x, y)`.
+pub(crate) fn grads(model: &Mlp, x: Tensor<2>, y: Tensor<1, Int>) -> GradientsParams {
+    let device = x.device();
+    let loss = CrossEntropyLossConfig::new()
+        .init(&device)
+        .forward(model.forward(x), y);
+    GradientsParams::from_grads(loss.backward(), model)
+}
+
+/// Steps per second over `steps` timed steps after `warmup` untimed ones, and the
+/// time the steps spent in `comm`-marked work (reported by `step`).
+pub(crate) struct Timing {
+    pub(crate) steps_per_s: f64,
+    pub(crate) comm: Duration,
+    pub(crate) total: Duration,
+}
+
+/// Runs `warmup + steps` steps of `step`, which returns the model and the time it
+/// spent communicating.
+pub(crate) fn time_steps(
+    mut model: Mlp,
+    warmup: usize,
+    steps: usize,
+    mut step: impl FnMut(Mlp) -> (Mlp, Duration),
+) -> Timing {
+    for _ in 0..warmup {
+        model = step(model).0;
+    }
+    let start = Instant::now();
+    let mut comm = Duration::ZERO;
+    for _ in 0..steps {
+        let (m, c) = step(model);
+        model = m;
+        comm += c;
+    }
+    let total = start.elapsed();
+    Timing {
+        steps_per_s: steps as f64 / total.as_secs_f64(),
+        comm,
+        total,
+    }
+}

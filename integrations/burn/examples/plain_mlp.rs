@@ -1,0 +1,38 @@
+//! Plain single-process Burn training of the benchmark's MLP: no kolo, no MPI. The
+//! baseline of `benches/burn_mlp.rs`, which launches it alternately with kolo's ranks.
+//!
+//! ```sh
+//! RAYON_NUM_THREADS=1 target/release/examples/plain_mlp big 3 20
+//! ```
+
+#[path = "../benches/common/mlp.rs"]
+mod mlp;
+
+use std::time::Duration;
+
+use anyhow::Context;
+use burn::optim::SgdConfig;
+use burn::tensor::Device;
+
+fn main() -> anyhow::Result<()> {
+    let args: Vec<String> = std::env::args().collect();
+    let model = args.get(1).map_or("small", String::as_str);
+    let dims = mlp::dims(model).with_context(|| format!("unknown model {model:?}"))?;
+    let warmup = args.get(2).and_then(|v| v.parse().ok()).unwrap_or(3);
+    let steps = args.get(3).and_then(|v| v.parse().ok()).unwrap_or(20);
+    let device = Device::flex().autodiff();
+    let classes = dims[dims.len() - 1];
+    let (x, y) = mlp::batch(0, classes, &device);
+    let mut optim = SgdConfig::new().init();
+    let t = mlp::time_steps(mlp::Mlp::new(dims, &device), warmup, steps, |m| {
+        let g = mlp::grads(&m, x.clone(), y.clone());
+        (optim.step(mlp::LR, m, g), Duration::ZERO)
+    });
+    // The line the benchmark reads (kolo's workers print the same).
+    println!(
+        "RESULT steps_per_s={:.4} comm_share={:.4}",
+        t.steps_per_s,
+        t.comm.as_secs_f64() / t.total.as_secs_f64()
+    );
+    Ok(())
+}
