@@ -170,11 +170,11 @@ fn main() -> Result<()> {
         .filter(|p| p.exists())
         .context("target/release/examples/plain_mlp not built: run ./scripts/run-burn-bench.sh")?;
     for model in &models {
-        // Enough steps for a few seconds per launch (0.13 s per big step here).
+        // A few seconds per launch (0.1 s per big step, 5 ms per small one here).
         let (warmup, steps) = match (smoke, model.as_str()) {
             (true, _) => (1, 3),
             (false, "big") => (3, 20),
-            (false, _) => (20, 200),
+            (false, _) => (50, 1000),
         };
         let counts = [warmup.to_string(), steps.to_string()];
         let mut plain_sps = Vec::new();

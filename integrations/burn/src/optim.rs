@@ -166,3 +166,36 @@ impl<O: Optimizer> Optimizer for DistributedOptimizer<O> {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::collections::BTreeMap;
+
+    use burn::optim::{RecordState, StateSink, StateSource};
+    use burn::tensor::Device;
+
+    use super::DistributedState;
+
+    /// The position survives a save and load of the optimizer record, so a resumed run
+    /// reduces each parameter under the name it had.
+    #[test]
+    fn position_round_trips_through_the_record() {
+        let state = DistributedState {
+            position: 7,
+            inner: Some(()),
+        };
+        let mut sink = StateSink::default();
+        state.state_flatten("p", &mut sink);
+        let mut source = StateSource::new(BTreeMap::new());
+        for (name, data) in sink.tensors {
+            source.insert_tensor(name, data);
+        }
+        let back = DistributedState::<()>::state_unflatten("p", &mut source, &Device::flex());
+        let back = back.map(|s| (s.position, s.inner));
+        assert_eq!(back, Some((7, Some(()))));
+        let mut empty = StateSource::new(BTreeMap::new());
+        assert!(
+            DistributedState::<()>::state_unflatten("p", &mut empty, &Device::flex()).is_none()
+        );
+    }
+}

@@ -111,8 +111,8 @@ enum Path {
     PerTensor,
 }
 
-/// N ranks with per-rank batch b equal one process with batch N·b, after 5 steps,
-/// for SGD and Adam, on the fused and per-tensor paths.
+/// N ranks with per-rank batch b equal one process with batch N·b, after 20 steps,
+/// for SGD and Adam, on the fused and per-tensor paths; the fused path copies nothing.
 fn equivalence(k: &Kolo) -> Result<()> {
     let (rank, size) = (k.rank(), k.size());
     let device = Device::flex().autodiff();
@@ -133,7 +133,7 @@ fn equivalence(k: &Kolo) -> Result<()> {
             };
             let reducer = GradientReducer::new(k);
             let mut model = start;
-            for step in 0..5 {
+            for step in 0..20 {
                 let base = step * b * size;
                 let grads = grads_for(&model, base + rank * b..base + (rank + 1) * b, &device);
                 let grads = match path {
@@ -149,13 +149,18 @@ fn equivalence(k: &Kolo) -> Result<()> {
                 SgdConfig::new().init()
             };
             let mut reference = reference_start;
-            for step in 0..5 {
+            for step in 0..20 {
                 let base = step * b * size;
                 let grads = grads_for(&reference, base..base + b * size, &device);
                 reference = local.step(0.05, reference, grads);
             }
             let what = format!("{} {path:?}", if adam { "Adam" } else { "SGD" });
             assert_close(&what, &params(&model), &params(&reference), 1e-5)?;
+            ensure!(
+                reducer.copied_bytes() == 0,
+                "{what}: the reducer copied {} bytes of gradients",
+                reducer.copied_bytes()
+            );
             ensure!(
                 params(&model) != params(&broadcast_parameters(k, Small::new(&device), 0)?),
                 "{what}: training changed nothing"
@@ -485,6 +490,119 @@ fn learner(k: &Kolo) -> Result<()> {
     Ok(())
 }
 
+/// Ranks whose models differ fail on every rank, naming the parameter and what each
+/// rank has; a bucket size of 0 and a module without parameters are refused.
+fn bad_input(k: &Kolo) -> Result<()> {
+    let device = Device::flex().autodiff();
+    let reducer = GradientReducer::new(k);
+    let odd = Small {
+        fc1: LinearConfig::new(8, 16 + k.rank()).init(&device),
+        act: Relu::new(),
+        fc2: LinearConfig::new(16 + k.rank(), 4).init(&device),
+    };
+    let err = match reducer.reduce(&odd, GradientsParams::new()) {
+        Ok(_) => anyhow::bail!("models of different shapes were reduced"),
+        Err(e) => e.to_string(),
+    };
+    for want in [
+        "the ranks' models differ at parameter #0 (\"fc1.weight\")",
+        "rank 0 has \"fc1.weight\" [8, 16] F32",
+        "rank 1 has \"fc1.weight\" [8, 17] F32",
+    ] {
+        ensure!(err.contains(want), "{err:?} lacks {want:?}");
+    }
+    let zero = GradientReducer::new(k).chunk_bytes(0);
+    match zero.reduce(&Small::new(&device), GradientsParams::new()) {
+        Ok(_) => anyhow::bail!("a bucket size of 0 was accepted"),
+        Err(e) => ensure!(e.to_string().contains("a bucket size of 0 bytes"), "{e}"),
+    }
+    match reducer.reduce(&Relu::new(), GradientsParams::new()) {
+        Ok(_) => anyhow::bail!("a module without parameters was accepted"),
+        Err(e) => ensure!(e.to_string().contains("no float parameters"), "{e}"),
+    }
+    // The reducer still works after the errors, with buckets smaller than a gradient.
+    let model = broadcast_parameters(k, Small::new(&device), 0)?;
+    let small_buckets = GradientReducer::new(k)
+        .chunk_bytes(300)
+        .prefix("small_buckets");
+    let g = small_buckets.reduce(&model, grads_for(&model, 0..4, &device))?;
+    ensure!(g.len() == 4, "{} gradients came back", g.len());
+    Ok(())
+}
+
+/// A parameter with a gradient on rank 0 only: the others contribute zeros, nobody
+/// hangs, and every rank ends with the same parameters.
+fn unused_parameter(k: &Kolo) -> Result<()> {
+    #[derive(Module, Debug)]
+    struct Branchy {
+        trunk: Linear,
+        aux: Linear,
+    }
+    let device = Device::flex().autodiff();
+    let init = Branchy {
+        trunk: LinearConfig::new(8, 4).init(&device),
+        aux: LinearConfig::new(8, 4).init(&device),
+    };
+    let mut model = broadcast_parameters(k, init, 0)?;
+    let aux_before = model.aux.weight.val().into_data();
+    let reducer = GradientReducer::new(k);
+    let mut optim = SgdConfig::new().init();
+    for step in 0..3 {
+        let (x, y) = samples(10 * k.rank() + step..10 * k.rank() + step + 4, &device);
+        let mut out = model.trunk.forward(x.clone());
+        if k.rank() == 0 {
+            out = out + model.aux.forward(x);
+        }
+        let loss = CrossEntropyLossConfig::new().init(&device).forward(out, y);
+        let grads = GradientsParams::from_grads(loss.backward(), &model);
+        let grads = reducer.reduce(&model, grads)?;
+        model = optim.step(0.1, model, grads);
+    }
+    ensure!(
+        model.aux.weight.val().into_data() != aux_before,
+        "the parameter used on rank 0 only did not move"
+    );
+    let flat = |m: &Branchy| {
+        [m.trunk.weight.val(), m.aux.weight.val()]
+            .into_iter()
+            .flat_map(|t| {
+                t.into_data()
+                    .convert::<f32>()
+                    .to_vec::<f32>()
+                    .unwrap_or_default()
+            })
+            .map(f32::to_bits)
+            .collect::<Vec<u32>>()
+    };
+    let all: Vec<Vec<u32>> = k.allgather_object("unused.after", flat(&model))?;
+    ensure!(all.iter().all(|p| p == &all[0]), "ranks differ");
+    Ok(())
+}
+
+/// DistributedOptimizer with gradient clipping clips the averaged gradient: equal to
+/// one process on the global batch with the same clipping in its config.
+fn optimizer_clipping(k: &Kolo) -> Result<()> {
+    use burn::grad_clipping::GradientClippingConfig;
+    let (rank, size) = (k.rank(), k.size());
+    let device = Device::flex().autodiff();
+    let start = broadcast_parameters(k, Small::new(&device), 0)?;
+    let b = 4;
+    let clip = || GradientClippingConfig::Norm(0.05);
+    let mut optim: ModuleOptimizer = DistributedOptimizer::new(k, SgdConfig::new().build())
+        .grad_clipping(clip())
+        .into();
+    let mut reference_optim = SgdConfig::new().with_gradient_clipping(Some(clip())).init();
+    let (mut model, mut reference) = (start.clone(), start);
+    for step in 0..20 {
+        let base = step * b * size;
+        let grads = grads_for(&model, base + rank * b..base + (rank + 1) * b, &device);
+        model = optim.step(0.5, model, grads);
+        let grads = grads_for(&reference, base..base + b * size, &device);
+        reference = reference_optim.step(0.5, reference, grads);
+    }
+    assert_close("clipped", &params(&model), &params(&reference), 1e-5)
+}
+
 use harness::Case;
 
 const CASES: &[(&str, Case, &[usize])] = &[
@@ -495,6 +613,9 @@ const CASES: &[(&str, Case, &[usize])] = &[
     ("sampler", sampler, &[1, 3]),
     ("checkpoint_resume", checkpoint, &[2]),
     ("learner", learner, &[2, 3]),
+    ("bad_input", bad_input, &[2]),
+    ("unused_parameter", unused_parameter, &[2, 3]),
+    ("optimizer_clipping", optimizer_clipping, &[2]),
 ];
 
 fn main() {
