@@ -391,7 +391,7 @@ impl Tensor {
                 actual: bytes.len() / dtype.size_of(),
             });
         }
-        if bytes.as_ptr() as usize % dtype.size_of() != 0 {
+        if !(bytes.as_ptr() as usize).is_multiple_of(dtype.size_of()) {
             return Err(Error::InvalidArgument {
                 op: "Tensor::from_host_buffer",
                 name: String::new(),

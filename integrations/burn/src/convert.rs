@@ -74,7 +74,7 @@ pub(crate) fn to_kolo<const D: usize>(
     let dtype = kolo_dtype(name, grad.dtype())?;
     let (bytes, _, _) = grad.into_data().into_parts();
     let exact = bytes.len() == dims.iter().product::<usize>() * dtype.size_of();
-    let aligned = bytes.as_ptr() as usize % dtype.size_of() == 0;
+    let aligned = (bytes.as_ptr() as usize).is_multiple_of(dtype.size_of());
     if exact && aligned {
         return Ok(kolo::Tensor::from_host_buffer(
             BurnBytes(bytes),

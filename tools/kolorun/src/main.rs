@@ -72,6 +72,12 @@ struct Args {
     #[arg(long)]
     disable_stall_check: bool,
 
+    /// Compute threads per rank (`RAYON_NUM_THREADS`, which Burn's CPU backend and
+    /// other rayon users follow). Default: `RAYON_NUM_THREADS` if set, else this
+    /// machine's cores ÷ the ranks per node, at least 1.
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..))]
+    threads_per_rank: Option<u32>,
+
     /// kolo's log level.
     #[arg(long, value_name = "LEVEL", value_parser = ["trace", "debug", "info", "warn", "error", "off"])]
     log_level: Option<String>,
@@ -147,8 +153,33 @@ fn kolo_env(a: &Args) -> Vec<(String, String)> {
     env
 }
 
+/// Compute threads per rank: the flag, else the user's `RAYON_NUM_THREADS`, else
+/// `cores` (of this machine; nodes are assumed alike) ÷ the most ranks on one node.
+/// Without it every rank's rayon pool takes every core and the ranks fight over them.
+fn threads_per_rank(a: &Args, np: u32, cores: usize, user: Option<String>) -> String {
+    if let Some(n) = a.threads_per_rank {
+        return n.to_string();
+    }
+    if let Some(v) = user.filter(|v| !v.is_empty()) {
+        return v;
+    }
+    let per_node = match &a.hosts {
+        Some(h) => h
+            .split(',')
+            .map(|host| {
+                host.rsplit_once(':')
+                    .and_then(|(_, n)| n.parse().ok())
+                    .unwrap_or(1)
+            })
+            .max()
+            .unwrap_or(1),
+        None => np as usize,
+    };
+    (cores / per_node.max(1)).max(1).to_string()
+}
+
 /// The full mpirun argument list.
-fn mpirun_args(a: &Args, np: u32, root: bool) -> Vec<String> {
+fn mpirun_args(a: &Args, np: u32, root: bool, threads: &str) -> Vec<String> {
     let mut v = vec!["-np".to_string(), np.to_string()];
     if let Some(h) = &a.hosts {
         v.extend(["-H".into(), h.clone()]);
@@ -163,6 +194,7 @@ fn mpirun_args(a: &Args, np: u32, root: bool) -> Vec<String> {
     for (k, val) in kolo_env(a) {
         v.extend(["-x".into(), format!("{k}={val}")]);
     }
+    v.extend(["-x".into(), format!("RAYON_NUM_THREADS={threads}")]);
     v.extend(a.command.iter().cloned());
     v
 }
@@ -234,7 +266,9 @@ fn main() {
     }
     // SAFETY: geteuid has no preconditions.
     let root = unsafe { libc::geteuid() } == 0;
-    let argv = mpirun_args(&args, np, root);
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let threads = threads_per_rank(&args, np, cores, std::env::var("RAYON_NUM_THREADS").ok());
+    let argv = mpirun_args(&args, np, root, &threads);
     if args.dry_run {
         let line: Vec<String> = argv.iter().map(|a| shell_quote(a)).collect();
         println!("mpirun {}", line.join(" "));
@@ -283,7 +317,7 @@ mod tests {
             "3",
         ])
         .unwrap();
-        let argv = mpirun_args(&a, 4, true);
+        let argv = mpirun_args(&a, 4, true, "3");
         let line = argv.join(" ");
         assert!(
             line.starts_with(
@@ -299,7 +333,16 @@ mod tests {
         );
         assert!(line.contains("-x KOLO_LOG_LEVEL=debug"), "{line}");
         assert!(line.ends_with("./train --epochs 3"), "{line}");
-        assert!(!mpirun_args(&a, 4, false).contains(&"--allow-run-as-root".to_string()));
+        assert!(line.contains("-x RAYON_NUM_THREADS=3"), "{line}");
+        assert!(!mpirun_args(&a, 4, false, "1").contains(&"--allow-run-as-root".to_string()));
+        // Threads per rank: cores ÷ the most ranks on one node, the user's value, or the flag.
+        assert_eq!(threads_per_rank(&a, 4, 16, None), "8");
+        assert_eq!(threads_per_rank(&a, 4, 1, None), "1");
+        let local = parse(&["-np", "3", "x"]).unwrap();
+        assert_eq!(threads_per_rank(&local, 3, 16, None), "5");
+        assert_eq!(threads_per_rank(&local, 3, 16, Some("2".into())), "2");
+        let flag = parse(&["-np", "3", "--threads-per-rank", "4", "x"]).unwrap();
+        assert_eq!(threads_per_rank(&flag, 3, 16, Some("2".into())), "4");
     }
 
     #[test]
