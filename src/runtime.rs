@@ -297,8 +297,9 @@ impl Kolo {
         AllreduceBuilder::new(self, name.into(), tensor)
     }
 
-    /// Reduces several named tensors as one unit: negotiated together and reduced in
-    /// one buffer per dtype. Results come back in input order.
+    /// Reduces several named tensors as one unit: negotiated together; the small ones
+    /// (up to 64 KiB) reduced in one buffer per dtype, larger ones in place. Results
+    /// come back in input order, in the tensors that were given.
     pub fn grouped_allreduce(&self, tensors: Vec<(String, Tensor)>) -> GroupedAllreduceBuilder<'_> {
         GroupedAllreduceBuilder::new(self, tensors)
     }
