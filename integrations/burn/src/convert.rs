@@ -2,10 +2,11 @@
 //! buffer allows it.
 //!
 //! Burn's CPU backend hands a uniquely owned gradient out of `into_data` without a
-//! copy, and its allocation is a plain `Vec` of the element type, which becomes the
-//! kolo tensor as it is: kolo reduces it in place and the same memory becomes the new
-//! gradient tensor. Only a buffer Burn cannot give up (shared, or allocated with a
-//! larger alignment) is copied once on the way in.
+//! copy. Its bytes are lent to kolo as a [`HostBuffer`] (Burn allocates them 16-byte
+//! aligned, so a `Vec` of the element type could not take them over): kolo reduces
+//! them in place and the same bytes become the new gradient tensor. Only a buffer that
+//! is not exactly the tensor's size or not aligned for its dtype is copied, once, on
+//! the way in.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
