@@ -6,5 +6,4 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/setup.sh
-cargo build --release -p kolo-burn --example plain_mlp
 exec cargo bench -p kolo-burn --bench burn_mlp -- --bench "$@"

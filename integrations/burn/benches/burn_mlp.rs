@@ -2,7 +2,7 @@
 //! parameters; 784-2048-2048-2048-10, 10.0 M), a synthetic batch of 64 per rank, SGD
 //! with lr 0.01, one compute thread per rank (`RAYON_NUM_THREADS=1`).
 //!
-//! Each repetition launches, in turn: the plain Burn program (`examples/plain_mlp.rs`,
+//! Each repetition launches, in turn: the plain Burn program (`benches/baseline/plain_mlp.rs`,
 //! one process, no kolo), then kolo's ranks under `mpirun -np 1` and `-np 2` for each
 //! path (`GradientReducer`, `DistributedOptimizer`). Alternating the launches lets load
 //! drifting on a shared machine hit both sides alike. Printed per model and path:
@@ -162,13 +162,8 @@ fn main() -> Result<()> {
         None => vec!["small".into(), "big".into()],
     };
     let exe = std::env::current_exe()?;
-    // target/release/deps/burn_mlp-… → target/release/examples/plain_mlp
-    let plain = exe
-        .parent()
-        .and_then(|d| d.parent())
-        .map(|d| d.join("examples").join("plain_mlp"))
-        .filter(|p| p.exists())
-        .context("target/release/examples/plain_mlp not built: run ./scripts/run-burn-bench.sh")?;
+    // Cargo builds the package's binaries before its benchmarks and gives their paths.
+    let plain = std::path::PathBuf::from(env!("CARGO_BIN_EXE_kolo-burn-plain-mlp"));
     for model in &models {
         // A few seconds per launch (0.1 s per big step, 5 ms per small one here).
         let (warmup, steps) = match (smoke, model.as_str()) {

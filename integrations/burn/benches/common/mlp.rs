@@ -1,5 +1,5 @@
 //! The MLP training loop both sides of the Burn benchmark run: the plain Burn program
-//! (`examples/plain_mlp.rs`, no kolo) and kolo's workers (`benches/burn_mlp.rs`).
+//! (`benches/baseline/plain_mlp.rs`, no kolo) and kolo's workers (`benches/burn_mlp.rs`).
 
 use std::time::{Duration, Instant};
 

@@ -1,23 +1,25 @@
-//! Plain single-process Burn training of the benchmark's MLP: no kolo, no MPI. The
-//! baseline of `benches/burn_mlp.rs`, which launches it alternately with kolo's ranks.
+//! Plain single-process Burn training of the benchmark's MLP: no kolo, no MPI (the
+//! binary does not link either). The baseline of `benches/burn_mlp.rs`, which launches
+//! it alternately with kolo's ranks. It is a `[[bin]]` target rather than an example so
+//! that Cargo builds it whenever the benchmark is built, on a clean checkout too, and
+//! hands the benchmark its path (`CARGO_BIN_EXE_kolo-burn-plain-mlp`).
 //!
 //! ```sh
-//! RAYON_NUM_THREADS=1 target/release/examples/plain_mlp big 3 20
+//! RAYON_NUM_THREADS=1 target/release/kolo-burn-plain-mlp big 3 20
 //! ```
 
-#[path = "../benches/common/mlp.rs"]
+#[path = "../common/mlp.rs"]
 mod mlp;
 
 use std::time::Duration;
 
-use anyhow::Context;
 use burn::optim::SgdConfig;
 use burn::tensor::Device;
 
-fn main() -> anyhow::Result<()> {
+fn main() -> Result<(), String> {
     let args: Vec<String> = std::env::args().collect();
     let model = args.get(1).map_or("small", String::as_str);
-    let dims = mlp::dims(model).with_context(|| format!("unknown model {model:?}"))?;
+    let dims = mlp::dims(model).ok_or_else(|| format!("unknown model {model:?}: small or big"))?;
     let warmup = args.get(2).and_then(|v| v.parse().ok()).unwrap_or(3);
     let steps = args.get(3).and_then(|v| v.parse().ok()).unwrap_or(20);
     let device = Device::flex().autodiff();
