@@ -14,6 +14,9 @@
 //! - [`DistributedSampler`] shards a dataset per rank and epoch; [`average_metrics`]
 //!   averages loss and accuracy for logging; [`save_checkpoint`] / [`load_checkpoint`]
 //!   write crash-safe rank-0 checkpoints and resume every rank from them.
+//! - [`train`] (feature `train`, default): burn-train's `SupervisedTraining` across
+//!   ranks: rank 0 renders, logs and checkpoints; metrics averaged over ranks; data
+//!   sharded per rank.
 //!
 //! ```no_run
 //! # use burn::module::Module;
@@ -38,6 +41,8 @@ mod layout;
 mod metrics;
 mod optim;
 mod sampler;
+#[cfg(feature = "train")]
+pub mod train;
 
 pub use broadcast::{broadcast_optimizer_state, broadcast_parameters};
 pub use checkpoint::{checkpoint_path, load_checkpoint, save_checkpoint, Restored};

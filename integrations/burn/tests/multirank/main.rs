@@ -3,6 +3,7 @@
 
 #[path = "../../../../tests/collectives/harness.rs"]
 mod harness;
+mod supervised;
 
 use std::time::Duration;
 
@@ -568,7 +569,7 @@ fn unused_parameter(k: &Kolo) -> Result<()> {
             .flat_map(|t| {
                 t.into_data()
                     .convert::<f32>()
-                    .to_vec::<f32>()
+                    .try_to_vec::<f32>()
                     .unwrap_or_default()
             })
             .map(f32::to_bits)
@@ -616,6 +617,7 @@ const CASES: &[(&str, Case, &[usize])] = &[
     ("bad_input", bad_input, &[2]),
     ("unused_parameter", unused_parameter, &[2, 3]),
     ("optimizer_clipping", optimizer_clipping, &[2]),
+    ("supervised_training", supervised::supervised, &[2, 3]),
 ];
 
 fn main() {
