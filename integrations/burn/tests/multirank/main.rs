@@ -434,8 +434,10 @@ impl InferenceStep for Net {
 
 /// burn-train's Learner, two ways: the fused reducer through an overridden
 /// `TrainStep::optimize`, and the per-tensor DistributedOptimizer as the Learner's
-/// optimizer. Both equal the hand-written fused loop, and every rank ends identical.
+/// optimizer. After 20 steps both equal one process on the ranks' batches put
+/// together, and every rank ends identical.
 fn learner(k: &Kolo) -> Result<()> {
+    const STEPS: usize = 20;
     let device = Device::flex().autodiff();
     let start = broadcast_parameters(k, Small::new(&device), 0)?;
     let data = |step: usize| {
@@ -445,16 +447,17 @@ fn learner(k: &Kolo) -> Result<()> {
         )
     };
 
-    // The hand-written fused loop.
-    let reducer = GradientReducer::new(k);
+    // One process, no kolo, on the ranks' batches put together.
     let mut optim = AdamConfig::new().init();
     let mut hand = start.clone();
-    for step in 0..5 {
-        let (x, y) = data(step);
+    for step in 0..STEPS {
+        let (xs, ys): (Vec<_>, Vec<_>) = (0..k.size())
+            .map(|r| samples(100 * r + 5 * step..100 * r + 5 * step + 5, &device))
+            .unzip();
         let loss = CrossEntropyLossConfig::new()
             .init(&device)
-            .forward(hand.forward(x), y);
-        let grads = reducer.reduce(&hand, GradientsParams::from_grads(loss.backward(), &hand))?;
+            .forward(hand.forward(Tensor::cat(xs, 0)), Tensor::cat(ys, 0));
+        let grads = GradientsParams::from_grads(loss.backward(), &hand);
         hand = optim.step(0.01, hand, grads);
     }
 
@@ -477,7 +480,7 @@ fn learner(k: &Kolo) -> Result<()> {
     ];
     for (what, net, optim) in runs {
         let mut learner = Learner::new(net, optim, 0.01);
-        for step in 0..5 {
+        for step in 0..STEPS {
             learner.lr_step();
             let out = learner.train_step(data(step));
             learner.optimizer_step(out.grads);
@@ -532,32 +535,47 @@ fn bad_input(k: &Kolo) -> Result<()> {
 }
 
 /// A parameter with a gradient on rank 0 only: the others contribute zeros, nobody
-/// hangs, and every rank ends with the same parameters.
+/// hangs, every rank ends with the same parameters, and after 20 steps they equal one
+/// process minimising the mean of the ranks' losses (rank 0's with the branch).
 fn unused_parameter(k: &Kolo) -> Result<()> {
     #[derive(Module, Debug)]
     struct Branchy {
         trunk: Linear,
         aux: Linear,
     }
+    let (rank, size) = (k.rank(), k.size());
     let device = Device::flex().autodiff();
     let init = Branchy {
         trunk: LinearConfig::new(8, 4).init(&device),
         aux: LinearConfig::new(8, 4).init(&device),
     };
-    let mut model = broadcast_parameters(k, init, 0)?;
-    let aux_before = model.aux.weight.val().into_data();
+    let start = broadcast_parameters(k, init, 0)?;
+    // Rank r's loss at `step`: the trunk, plus the branch on rank 0 only.
+    let loss = |m: &Branchy, r: usize, step: usize| {
+        let (x, y) = samples(10 * r + step..10 * r + step + 4, &device);
+        let mut out = m.trunk.forward(x.clone());
+        if r == 0 {
+            out = out + m.aux.forward(x);
+        }
+        CrossEntropyLossConfig::new().init(&device).forward(out, y)
+    };
     let reducer = GradientReducer::new(k);
     let mut optim = SgdConfig::new().init();
-    for step in 0..3 {
-        let (x, y) = samples(10 * k.rank() + step..10 * k.rank() + step + 4, &device);
-        let mut out = model.trunk.forward(x.clone());
-        if k.rank() == 0 {
-            out = out + model.aux.forward(x);
-        }
-        let loss = CrossEntropyLossConfig::new().init(&device).forward(out, y);
-        let grads = GradientsParams::from_grads(loss.backward(), &model);
+    let mut local = SgdConfig::new().init();
+    let aux_before = start.aux.weight.val().into_data();
+    let (mut model, mut reference) = (start.clone(), start);
+    for step in 0..20 {
+        let grads = GradientsParams::from_grads(loss(&model, rank, step).backward(), &model);
         let grads = reducer.reduce(&model, grads)?;
         model = optim.step(0.1, model, grads);
+        let mean = (0..size)
+            .map(|r| loss(&reference, r, step))
+            .reduce(|a, b| a + b)
+            .map(|l| l / size as f32);
+        if let Some(mean) = mean {
+            let grads = GradientsParams::from_grads(mean.backward(), &reference);
+            reference = local.step(0.1, reference, grads);
+        }
     }
     ensure!(
         model.aux.weight.val().into_data() != aux_before,
@@ -577,7 +595,13 @@ fn unused_parameter(k: &Kolo) -> Result<()> {
     };
     let all: Vec<Vec<u32>> = k.allgather_object("unused.after", flat(&model))?;
     ensure!(all.iter().all(|p| p == &all[0]), "ranks differ");
-    Ok(())
+    let values = |m: &Branchy| flat(m).into_iter().map(f32::from_bits).collect::<Vec<_>>();
+    assert_close(
+        "unused on ranks > 0 vs one process",
+        &values(&model),
+        &values(&reference),
+        1e-5,
+    )
 }
 
 /// DistributedOptimizer with gradient clipping clips the averaged gradient: equal to
@@ -604,6 +628,94 @@ fn optimizer_clipping(k: &Kolo) -> Result<()> {
     assert_close("clipped", &params(&model), &params(&reference), 1e-5)
 }
 
+/// A half-precision model (the device's default float type set to f16 or bf16): its
+/// gradients are reduced as 2-byte values in place and stay half. After 20 SGD steps,
+/// np ranks differ from one process on the global batch by less than one unit of the
+/// precision (relative, over all weights: a 1e-5 bound is below one f16 unit for most
+/// weights and cannot hold in 16 bits), and at np=2 are bit-identical to one process
+/// that adds the ranks' batch-mean gradients in the same precision.
+fn half_precision(k: &Kolo, dtype: burn::tensor::FloatDType, mantissa_bits: i32) -> Result<()> {
+    use burn::tensor::DType;
+    let (rank, size) = (k.rank(), k.size());
+    let mut device = Device::flex();
+    device
+        .configure(dtype)
+        .map_err(|e| anyhow::anyhow!("configuring the flex device for {dtype:?}: {e:?}"))?;
+    let device = device.autodiff();
+    let want_dtype = DType::from(dtype);
+    let start = broadcast_parameters(k, Small::new(&device), 0)?;
+    ensure!(
+        start.fc1.weight.val().dtype() == want_dtype,
+        "the model is {:?}, not {want_dtype:?}",
+        start.fc1.weight.val().dtype()
+    );
+    let b = 6;
+    let reducer = GradientReducer::new(k);
+    let mut optim = SgdConfig::new().init();
+    let mut local = SgdConfig::new().init();
+    let mut local_sum = SgdConfig::new().init();
+    let (mut model, mut reference) = (start.clone(), start.clone());
+    let mut same_sum = start.clone();
+    for step in 0..20 {
+        let base = step * b * size;
+        let grads = grads_for(&model, base + rank * b..base + (rank + 1) * b, &device);
+        let grads = reducer.reduce(&model, grads)?;
+        model = optim.step(0.05, model, grads);
+        let whole = grads_for(&reference, base..base + b * size, &device);
+        reference = local.step(0.05, reference, whole);
+        // The same sums in one process: each rank's batch mean, added in half precision.
+        let mut acc = GradientsAccumulator::new();
+        for r in 0..size {
+            acc.accumulate(
+                &same_sum,
+                grads_for(&same_sum, base + r * b..base + (r + 1) * b, &device),
+            );
+        }
+        same_sum = local_sum.step(0.05 / size as f64, same_sum, acc.grads());
+    }
+    ensure!(
+        model.fc1.weight.val().dtype() == want_dtype,
+        "the trained model is {:?}, not {want_dtype:?}",
+        model.fc1.weight.val().dtype()
+    );
+    ensure!(
+        reducer.copied_bytes() == 0,
+        "the reducer copied {} bytes",
+        reducer.copied_bytes()
+    );
+    let (got, want, before) = (params(&model), params(&reference), params(&start));
+    ensure!(got != before, "training changed nothing");
+    // The whole-batch process rounds differently (one mean over N·b samples instead
+    // of N means added): the difference stays well below one unit of the precision.
+    let norm = |v: &[f32]| v.iter().map(|x| x * x).sum::<f32>().sqrt();
+    let diff: Vec<f32> = got.iter().zip(&want).map(|(a, b)| a - b).collect();
+    let (relative, eps) = (norm(&diff) / norm(&want), 2f32.powi(-mantissa_bits));
+    ensure!(
+        relative < eps,
+        "{dtype:?}: {relative:e} relative difference from one process on the global batch (one unit: {eps:e})"
+    );
+    // With 2 ranks (an exact halving) kolo's half-precision sum is the one Burn does.
+    let sums = params(&same_sum);
+    let differing = got
+        .iter()
+        .zip(&sums)
+        .filter(|(a, b)| a.to_bits() != b.to_bits())
+        .count();
+    ensure!(
+        size != 2 || differing == 0,
+        "{dtype:?}: {differing} parameters differ from one process adding the ranks' gradients"
+    );
+    Ok(())
+}
+
+fn half_f16(k: &Kolo) -> Result<()> {
+    half_precision(k, burn::tensor::FloatDType::F16, 10)
+}
+
+fn half_bf16(k: &Kolo) -> Result<()> {
+    half_precision(k, burn::tensor::FloatDType::BF16, 7)
+}
+
 use harness::Case;
 
 const CASES: &[(&str, Case, &[usize])] = &[
@@ -617,6 +729,8 @@ const CASES: &[(&str, Case, &[usize])] = &[
     ("bad_input", bad_input, &[2]),
     ("unused_parameter", unused_parameter, &[2, 3]),
     ("optimizer_clipping", optimizer_clipping, &[2]),
+    ("half_precision_f16", half_f16, &[2, 3]),
+    ("half_precision_bf16", half_bf16, &[2]),
     ("supervised_training", supervised::supervised, &[2, 3]),
 ];
 
