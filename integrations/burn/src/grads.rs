@@ -127,7 +127,7 @@ impl GradientReducer {
         module: &M,
         mut grads: GradientsParams,
     ) -> Result<GradientsParams> {
-        let layout = self.layout(module)?;
+        let layout = self.layout_of(module)?;
         let mut take = Take {
             grads: &mut grads,
             layout: &layout,
@@ -147,11 +147,23 @@ impl GradientReducer {
             return Err(e);
         }
         let reduced = self.allreduce(&layout, tensors)?;
+        self.give(&layout, module, reduced, &devices)
+    }
+
+    /// The reduced gradients, by slot, as Burn tensors registered under `module`'s
+    /// parameter ids.
+    pub(crate) fn give<M: Module>(
+        &self,
+        layout: &Layout,
+        module: &M,
+        reduced: Vec<Option<kolo::Tensor>>,
+        devices: &[Device],
+    ) -> Result<GradientsParams> {
         let mut out = GradientsParams::new();
         let mut give = Give {
-            layout: &layout,
+            layout,
             reduced,
-            devices: &devices,
+            devices,
             next: 0,
             out: &mut out,
             error: None,
@@ -163,9 +175,38 @@ impl GradientReducer {
         }
     }
 
+    /// The largest bucket, in bytes.
+    pub(crate) fn bucket_bytes(&self) -> usize {
+        self.bucket_bytes
+    }
+
+    /// The counter of copied gradient bytes.
+    pub(crate) fn copied(&self) -> &Copied {
+        &self.shared.copied
+    }
+
+    /// Submits bucket `b` of `layout`, taking its members out of `tensors`.
+    pub(crate) fn submit_bucket(
+        &self,
+        layout: &Layout,
+        b: usize,
+        tensors: &mut [Option<kolo::Tensor>],
+    ) -> Result<kolo::Handle<Vec<kolo::Tensor>>> {
+        let members = layout.buckets[b]
+            .iter()
+            .filter_map(|&i| Some((layout.names[i].clone(), tensors[i].take()?)))
+            .collect();
+        Ok(self
+            .kolo
+            .grouped_allreduce(members)
+            .op(self.op)
+            .prescale(1.0 / self.passes as f64)
+            .submit()?)
+    }
+
     /// The layout of `module`, learned (and agreed by all ranks) on first use or when
     /// the module or the bucket size changed.
-    fn layout<M: Module>(&self, module: &M) -> Result<Arc<Layout>> {
+    pub(crate) fn layout_of<M: Module>(&self, module: &M) -> Result<Arc<Layout>> {
         if self.bucket_bytes == 0 {
             return Err(Error::InvalidArgument {
                 what: "GradientReducer::chunk_bytes",
@@ -195,21 +236,9 @@ impl GradientReducer {
         layout: &Layout,
         mut tensors: Vec<Option<kolo::Tensor>>,
     ) -> Result<Vec<Option<kolo::Tensor>>> {
-        let prescale = 1.0 / self.passes as f64;
-        let mut handles = Vec::with_capacity(layout.buckets.len());
-        for bucket in &layout.buckets {
-            let members = bucket
-                .iter()
-                .filter_map(|&i| Some((layout.names[i].clone(), tensors[i].take()?)))
-                .collect();
-            let h = self
-                .kolo
-                .grouped_allreduce(members)
-                .op(self.op)
-                .prescale(prescale)
-                .submit()?;
-            handles.push(h);
-        }
+        let handles = (0..layout.buckets.len())
+            .map(|b| self.submit_bucket(layout, b, &mut tensors))
+            .collect::<Result<Vec<_>>>()?;
         for (bucket, h) in layout.buckets.iter().zip(handles) {
             for (&i, t) in bucket.iter().zip(h.wait()?) {
                 tensors[i] = Some(t);

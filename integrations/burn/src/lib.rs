@@ -40,6 +40,7 @@ mod grads;
 mod layout;
 mod metrics;
 mod optim;
+mod overlap;
 mod sampler;
 #[cfg(feature = "train")]
 pub mod train;
@@ -50,4 +51,5 @@ pub use error::{Error, Result};
 pub use grads::GradientReducer;
 pub use metrics::average_metrics;
 pub use optim::{DistributedOptimizer, DistributedState};
+pub use overlap::Overlap;
 pub use sampler::DistributedSampler;

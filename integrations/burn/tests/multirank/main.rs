@@ -716,6 +716,97 @@ fn half_bf16(k: &Kolo) -> Result<()> {
     half_precision(k, burn::tensor::FloatDType::BF16, 7)
 }
 
+/// The overlapped path (gradients reduced during backward, per bucket) gives the
+/// non-overlapped reducer's parameters bit for bit after 20 Adam steps, and one
+/// process's on the global batch to 1e-5; with every layer hooked every bucket is
+/// submitted during backward, with one layer hooked the rest are submitted in finish.
+fn overlap(k: &Kolo) -> Result<()> {
+    let (rank, size) = (k.rank(), k.size());
+    let device = Device::flex().autodiff();
+    let start = broadcast_parameters(k, Small::new(&device), 0)?;
+    let b = 6;
+    // One bucket per parameter (4), so the order of submission shows.
+    let reducer = GradientReducer::new(k).chunk_bytes(1).prefix("overlapped");
+    let plain = GradientReducer::new(k).chunk_bytes(1).prefix("plain");
+    for hook_both in [true, false] {
+        let (mut model, mut reference, mut single) = (start.clone(), start.clone(), start.clone());
+        let (mut o1, mut o2, mut o3) = (
+            AdamConfig::new().init(),
+            AdamConfig::new().init(),
+            AdamConfig::new().init(),
+        );
+        for step in 0..20 {
+            let base = step * b * size;
+            let (x, y) = samples(base + rank * b..base + (rank + 1) * b, &device);
+            let sync = reducer.overlap(&model)?;
+            let h = if hook_both {
+                sync.layer(&model.fc1, &x).forward(x)
+            } else {
+                model.fc1.forward(x)
+            };
+            let h = model.act.forward(h);
+            let out = sync.layer(&model.fc2, &h).forward(h);
+            let loss = CrossEntropyLossConfig::new().init(&device).forward(out, y);
+            let grads = GradientsParams::from_grads(loss.backward(), &model);
+            let early = sync.early_buckets();
+            let grads = sync.finish(&model, grads)?;
+            ensure!(
+                early == if hook_both { 4 } else { 2 },
+                "{early} buckets submitted during backward (hooked both layers: {hook_both})"
+            );
+            model = o1.step(0.05, model, grads);
+
+            let ids = base + rank * b..base + (rank + 1) * b;
+            let grads = plain.reduce(&reference, grads_for(&reference, ids, &device))?;
+            reference = o2.step(0.05, reference, grads);
+            let whole = grads_for(&single, base..base + b * size, &device);
+            single = o3.step(0.05, single, whole);
+        }
+        let what = if hook_both { "both layers" } else { "fc2 only" };
+        ensure!(
+            params(&model) == params(&reference),
+            "{what}: overlapped and plain reducer differ"
+        );
+        assert_close(what, &params(&model), &params(&single), 1e-5)?;
+    }
+    ensure!(
+        reducer.copied_bytes() == 0,
+        "the overlap path copied {} bytes",
+        reducer.copied_bytes()
+    );
+
+    // Accumulation: 2 micro-steps, the first without Overlap (no communication), the
+    // last overlapped on top of it, equal one SGD step on the doubled global batch.
+    let reducer = GradientReducer::new(k)
+        .chunk_bytes(1)
+        .prefix("accumulated")
+        .backward_passes_per_step(2);
+    let mut acc = GradientsAccumulator::new();
+    let at = |pass: usize| (pass * size + rank) * b..(pass * size + rank + 1) * b;
+    acc.accumulate(&start, grads_for(&start, at(0), &device));
+    let sync = reducer.overlap(&start)?.accumulated(acc.grads());
+    let (x, y) = samples(at(1), &device);
+    let h = start.act.forward(sync.layer(&start.fc1, &x).forward(x));
+    let out = sync.layer(&start.fc2, &h).forward(h);
+    let loss = CrossEntropyLossConfig::new().init(&device).forward(out, y);
+    let grads = GradientsParams::from_grads(loss.backward(), &start);
+    ensure!(
+        sync.early_buckets() == 4,
+        "accumulated: {} buckets submitted during backward",
+        sync.early_buckets()
+    );
+    let grads = sync.finish(&start, grads)?;
+    let model = SgdConfig::new().init().step(0.1, start.clone(), grads);
+    let whole = grads_for(&start, 0..2 * size * b, &device);
+    let reference = SgdConfig::new().init().step(0.1, start, whole);
+    assert_close(
+        "2 micro-steps, the last overlapped, vs doubled batch",
+        &params(&model),
+        &params(&reference),
+        1e-5,
+    )
+}
+
 use harness::Case;
 
 const CASES: &[(&str, Case, &[usize])] = &[
@@ -732,6 +823,7 @@ const CASES: &[(&str, Case, &[usize])] = &[
     ("half_precision_f16", half_f16, &[2, 3]),
     ("half_precision_bf16", half_bf16, &[2]),
     ("supervised_training", supervised::supervised, &[2, 3]),
+    ("overlap", overlap, &[1, 2, 3]),
 ];
 
 fn main() {
