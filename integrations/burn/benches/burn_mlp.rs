@@ -4,7 +4,7 @@
 //!
 //! Each repetition launches, in turn: the plain Burn program (`benches/baseline/plain_mlp.rs`,
 //! one process, no kolo), then kolo's ranks under `mpirun -np 1` and `-np 2` for each
-//! path (`GradientReducer`, `DistributedOptimizer`). Alternating the launches lets load
+//! path (`GradientReducer`, `GradientReducer::overlap`, `DistributedOptimizer`). Alternating the launches lets load
 //! drifting on a shared machine hit both sides alike. Printed per model and path:
 //! steps/s (median and range), the share of the step spent reducing, and np2 per-rank
 //! steps/s ÷ plain Burn steps/s of the same repetition.
@@ -19,7 +19,8 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, ensure, Context, Result};
-use burn::optim::{ModuleOptimizer, SgdConfig};
+use burn::nn::loss::CrossEntropyLossConfig;
+use burn::optim::{GradientsParams, ModuleOptimizer, SgdConfig};
 use burn::tensor::Device;
 use kolo_burn::{broadcast_parameters, DistributedOptimizer, GradientReducer};
 
@@ -30,7 +31,7 @@ mod mlp;
 #[allow(dead_code)]
 mod harness;
 
-const PATHS: [&str; 2] = ["reducer", "optimizer"];
+const PATHS: [&str; 3] = ["reducer", "overlapped", "optimizer"];
 
 /// One rank's side: trains `model` along `path` and prints rank 0's result line (the
 /// slowest rank's steps/s).
@@ -50,7 +51,7 @@ fn worker(model: &str, path: &str, warmup: usize, steps: usize) -> Result<()> {
                 let at = Instant::now();
                 let g = reducer.reduce(&m, g).unwrap_or_else(|e| {
                     failed.get_or_insert(e.to_string());
-                    burn::optim::GradientsParams::new()
+                    GradientsParams::new()
                 });
                 let comm = at.elapsed();
                 (optim.step(mlp::LR, m, g), comm)
@@ -63,6 +64,41 @@ fn worker(model: &str, path: &str, warmup: usize, steps: usize) -> Result<()> {
                 "the reducer copied {} bytes",
                 reducer.copied_bytes()
             );
+            t
+        }
+        "overlapped" => {
+            let reducer = GradientReducer::new(&kolo);
+            let mut optim = SgdConfig::new().init();
+            let mut failed = None;
+            // The share is the wait in `finish` after backward: what overlap left exposed.
+            let t = mlp::time_steps(start, warmup, steps, |m| {
+                let step = || -> kolo_burn::Result<(GradientsParams, Duration)> {
+                    let sync = reducer.overlap(&m)?;
+                    let last = m.layers.len() - 1;
+                    let mut h = x.clone();
+                    for (i, layer) in m.layers.iter().enumerate() {
+                        h = sync.layer(layer, &h).forward(h);
+                        if i < last {
+                            h = m.act.forward(h);
+                        }
+                    }
+                    let loss = CrossEntropyLossConfig::new()
+                        .init(&device)
+                        .forward(h, y.clone());
+                    let g = GradientsParams::from_grads(loss.backward(), &m);
+                    let at = Instant::now();
+                    let g = sync.finish(&m, g)?;
+                    Ok((g, at.elapsed()))
+                };
+                let (g, comm) = step().unwrap_or_else(|e| {
+                    failed.get_or_insert(e.to_string());
+                    (GradientsParams::new(), Duration::ZERO)
+                });
+                (optim.step(mlp::LR, m, g), comm)
+            });
+            if let Some(e) = failed {
+                bail!("overlapped step failed: {e}");
+            }
             t
         }
         "optimizer" => {
@@ -198,7 +234,7 @@ fn main() -> Result<()> {
             Duration::from_secs(started.elapsed().as_secs())
         );
         println!(
-            "  plain Burn, 1 process        {} steps/s",
+            "  plain Burn, 1 process         {} steps/s",
             show(&plain_sps)
         );
         for (p, path) in PATHS.iter().enumerate() {
@@ -207,7 +243,7 @@ fn main() -> Result<()> {
                 let comm: Vec<f64> = kolo[p][n].iter().map(|r| 100.0 * r.1).collect();
                 let ratio: Vec<f64> = sps.iter().zip(&plain_sps).map(|(k, b)| k / b).collect();
                 println!(
-                    "  {path:<9} {np}  {} steps/s  comm {} %  per rank / plain {}",
+                    "  {path:<10} {np}  {} steps/s  comm {} %  per rank / plain {}",
                     show(&sps),
                     show(&comm),
                     show(&ratio)

@@ -17,8 +17,8 @@ pub(crate) const LR: f64 = 0.01;
 /// An MLP with `dims` = [inputs, hidden…, classes].
 #[derive(Module, Debug)]
 pub(crate) struct Mlp {
-    layers: Vec<Linear>,
-    act: Relu,
+    pub(crate) layers: Vec<Linear>,
+    pub(crate) act: Relu,
 }
 
 impl Mlp {
