@@ -5,6 +5,10 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/setup.sh
 cargo fmt --all -- --check
+# Lints and docs are enforced, not advisory: any warning fails the run.
+cargo clippy --workspace --release --all-targets -- -D warnings
+cargo clippy -p kolo -p kolorun --release --features nccl --all-targets -- -D warnings
+RUSTDOCFLAGS="-D warnings" cargo doc --workspace --no-deps --release
 cargo test --workspace --release --all-targets
 cargo test --workspace --release --doc
 # The NCCL transport (feature "nccl") builds and runs without CUDA: its no-GPU tests

@@ -408,6 +408,8 @@ impl Tensor {
     ///
     /// # Errors
     /// The tensor itself when it does not hold a `B`.
+    // Handing the tensor back by value, as `Vec::try_into` does, is the point.
+    #[allow(clippy::result_large_err)]
     pub fn into_host_buffer<B: HostBuffer>(self) -> std::result::Result<B, Tensor> {
         let holds_b = self
             .external

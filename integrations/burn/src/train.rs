@@ -13,7 +13,7 @@
 //!   all ranks' samples. The metrics drive checkpoint selection and early stopping on
 //!   every rank, so they must agree: wrap every metric those read.
 //! - [`shard`] gives each rank an equal, disjoint share of a dataset, as
-//!   [`DistributedSampler`](crate::DistributedSampler) does, so every rank runs the
+//!   [`DistributedSampler`] does, so every rank runs the
 //!   same number of batches (each batch's collectives need every rank).
 //!
 //! Gradients are averaged in the optimizer step: either by a
