@@ -7,11 +7,12 @@ source scripts/setup.sh
 cargo fmt --all -- --check
 # Lints and docs are enforced, not advisory: any warning fails the run.
 cargo clippy --workspace --release --all-targets -- -D warnings
-cargo clippy -p kolo -p kolorun --release --features nccl --all-targets -- -D warnings
+cargo clippy -p kolo -p kolorun --release --features nccl,fault-injection --all-targets -- -D warnings
 RUSTDOCFLAGS="-D warnings" cargo doc --workspace --no-deps --release
 cargo test --workspace --release --all-targets
 cargo test --workspace --release --doc
 # The NCCL transport (feature "nccl") builds and runs without CUDA: its no-GPU tests
 # (missing-driver errors, id exchange, device checks) run here; the GPU cases are
 # ignored unless KOLO_TEST_GPU=1 (README, "GPUs").
-cargo test -p kolo -p kolorun --release --features nccl --all-targets
+# The same build runs the injected faults (feature fault-injection, test-only).
+cargo test -p kolo -p kolorun --release --features nccl,fault-injection --all-targets

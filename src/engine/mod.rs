@@ -131,6 +131,11 @@ pub(crate) fn run(
         cycles: 0,
         autotune,
         next_demotion_scan: Instant::now(),
+        #[cfg(feature = "fault-injection")]
+        fault_panic: std::env::var("KOLO_FAULT_ENGINE_PANIC_RANK")
+            .ok()
+            .and_then(|v| v.parse::<usize>().ok())
+            == Some(topology.rank),
     };
     if let Some(path) = engine
         .config
@@ -142,7 +147,19 @@ pub(crate) fn run(
             tracing::warn!(path = %path.display(), error = %e, "cannot write the timeline; continuing without it");
         }
     }
-    engine.serve();
+    // A panic on this thread must not unwind into MPI_Finalize (dropping the
+    // transport), which waits for the other ranks while they wait for this one in the
+    // cycle exchange: abort the job instead. The panic hook has already printed the
+    // rank, the thread and the message.
+    let served = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| engine.serve()));
+    if served.is_err() {
+        let line = format!(
+            "kolo: rank {}: the engine thread panicked; aborting the whole job\n",
+            topology.rank
+        );
+        let _ = std::io::Write::write_all(&mut std::io::stderr().lock(), line.as_bytes());
+        engine.transport.abort(1);
+    }
     tracing::debug!(rank = topology.rank, "engine stopped; finalising MPI");
 }
 
@@ -325,12 +342,19 @@ struct Engine {
     /// When `announce_cached` next looks for requests waiting long enough to be
     /// announced in full.
     next_demotion_scan: Instant,
+    /// Test-only: panic this engine thread after two cycles.
+    #[cfg(feature = "fault-injection")]
+    fault_panic: bool,
 }
 
 impl Engine {
     fn serve(&mut self) {
         loop {
             self.gather();
+            #[cfg(feature = "fault-injection")]
+            if self.fault_panic && self.cycles >= 2 {
+                panic!("injected fault on the engine thread (KOLO_FAULT_ENGINE_PANIC_RANK)");
+            }
             if abort_requested() {
                 // A panic somewhere in this process: end the whole job now rather than
                 // leave the other ranks waiting (see `runtime::install_panic_hook`).

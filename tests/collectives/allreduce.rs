@@ -211,6 +211,18 @@ pub(crate) fn errors(k: &Kolo) -> Result<()> {
             &[&want],
         )?;
 
+        // Every rank but 1 sends Sum.
+        let others = {
+            let ranks: Vec<String> = (0..size)
+                .filter(|&r| r != 1)
+                .map(|r| r.to_string())
+                .collect();
+            format!(
+                "{} {}",
+                if ranks.len() == 1 { "rank" } else { "ranks" },
+                ranks.join(", ")
+            )
+        };
         let op = if rank == 1 {
             ReduceOp::Max
         } else {
@@ -221,7 +233,10 @@ pub(crate) fn errors(k: &Kolo) -> Result<()> {
             k.allreduce("err.op", Tensor::zeros(DType::F32, &[5]))
                 .op(op)
                 .wait(),
-            &["reduce op mismatch: rank", "0", "sent Sum, rank 1 sent Max"],
+            &[&format!(
+                "reduce op mismatch: {} sent Sum, rank 1 sent Max",
+                others
+            )],
         )?;
 
         let pre = if rank == 1 { 0.5 } else { 1.0 };

@@ -22,6 +22,19 @@ pub(crate) fn panic_on_thread(k: &Kolo) -> Result<()> {
     Ok(())
 }
 
+/// The last rank's engine thread panics (injected, `KOLO_FAULT_ENGINE_PANIC_RANK` set
+/// by the harness) while the other ranks wait for it in a collective.
+#[cfg(feature = "fault-injection")]
+pub(crate) fn engine_panic(k: &Kolo) -> Result<()> {
+    if k.rank() == k.size() - 1 {
+        std::thread::sleep(Duration::from_secs(60));
+        return Ok(());
+    }
+    k.allreduce("never", Tensor::zeros(DType::F32, &[4]))
+        .wait()?;
+    Ok(())
+}
+
 /// The last rank panics on its main thread before a collective the others wait in.
 pub(crate) fn panic_before_collective(k: &Kolo) -> Result<()> {
     if k.rank() == k.size() - 1 {

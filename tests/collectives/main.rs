@@ -267,6 +267,18 @@ const FAULTS: &[(&str, Case, &[usize], &str)] = &[
     ),
 ];
 
+/// Faults injected inside kolo (feature `fault-injection`, run by the README's test
+/// command): the last rank's engine thread panics (`KOLO_FAULT_ENGINE_PANIC_RANK`).
+#[cfg(feature = "fault-injection")]
+const INJECTED_FAULTS: &[(&str, Case, &[usize], &str)] = &[(
+    "engine_panic",
+    faults::engine_panic,
+    &[2, 4],
+    "kolo: rank {last}: the engine thread panicked; aborting the whole job",
+)];
+#[cfg(not(feature = "fault-injection"))]
+const INJECTED_FAULTS: &[(&str, Case, &[usize], &str)] = &[];
+
 /// mpirun start-up (~1 s here) plus the 10 s the design allows a panic to take.
 const FAULT_DEADLINE: Duration = Duration::from_secs(11);
 
@@ -289,7 +301,10 @@ const NO_GPU_CASES: &[(&str, Case, &[usize])] = &[("no_gpu", gpu::no_gpu, &[1, 2
 const NO_GPU_CASES: &[(&str, Case, &[usize])] = &[];
 
 fn worker(case: &str) -> ! {
-    let faults = FAULTS.iter().map(|(n, f, _, _)| (*n, *f));
+    let faults = FAULTS
+        .iter()
+        .chain(INJECTED_FAULTS)
+        .map(|(n, f, _, _)| (*n, *f));
     let variant_only = VARIANT_ONLY.iter().copied();
     let gpu = GPU_CASES
         .iter()
@@ -362,11 +377,17 @@ fn main() {
             }));
         }
     }
-    for &(name, _, nps, expect) in FAULTS {
+    for &(name, _, nps, expect) in FAULTS.iter().chain(INJECTED_FAULTS) {
         for &np in nps {
             let expect = expect.replace("{last}", &(np - 1).to_string());
             trials.push(Trial::test(format!("fault_{name}/np{np}"), move || {
-                let run = harness::mpirun(name, np, Duration::from_secs(60), &[])
+                let last = (np - 1).to_string();
+                let env: Vec<(&str, &str)> = if name == "engine_panic" {
+                    vec![("KOLO_FAULT_ENGINE_PANIC_RANK", &last)]
+                } else {
+                    Vec::new()
+                };
+                let run = harness::mpirun(name, np, Duration::from_secs(60), &env)
                     .map_err(Failed::from)?;
                 let fail = |why: String| -> Result<(), Failed> {
                     Err(format!("{why}\n{}", run.output).into())
@@ -383,6 +404,7 @@ fn main() {
                 if !run.output.contains(&expect) {
                     return fail(format!("{name} at np={np}: output lacks {expect:?}"));
                 }
+                eprintln!("fault {name} at np={np}: the job ended in {:?}", run.elapsed);
                 Ok(())
             }));
         }
