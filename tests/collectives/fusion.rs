@@ -17,7 +17,7 @@ pub(crate) fn mixed_async(k: &Kolo) -> Result<()> {
             let (op, pre, post) = match i % 3 {
                 0 => (ReduceOp::Sum, 1.0, 1.0),
                 1 => (ReduceOp::Average, 1.0, 1.0),
-                _ => (ReduceOp::Sum, 0.5, 2.0),
+                _ => (ReduceOp::Sum, 0.5, 3.0),
             };
             // Sizes from 1 to ~3000 elements: some above a small threshold, most below.
             let n = 1 + (i * 53) % 3000;

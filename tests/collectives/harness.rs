@@ -44,7 +44,11 @@ pub(crate) fn run_worker(case: &str, cases: &[(&str, Case)]) -> ! {
     let result = f(&kolo);
     // Shut down before exiting so that mpirun sees a clean finish on this rank and
     // the other ranks get an error naming it rather than a hang.
-    let _ = kolo.shutdown();
+    let shutdown = kolo.shutdown();
+    let result = match (result, shutdown) {
+        (Ok(()), Err(e)) => Err(anyhow::anyhow!("shutdown failed: {e}")),
+        (result, _) => result,
+    };
     match result {
         Ok(()) => std::process::exit(0),
         Err(e) => {

@@ -404,7 +404,10 @@ fn main() {
                 if !run.output.contains(&expect) {
                     return fail(format!("{name} at np={np}: output lacks {expect:?}"));
                 }
-                eprintln!("fault {name} at np={np}: the job ended in {:?}", run.elapsed);
+                eprintln!(
+                    "fault {name} at np={np}: the job ended in {:?}",
+                    run.elapsed
+                );
                 Ok(())
             }));
         }

@@ -92,10 +92,9 @@ mod tests {
                 }
             }
             assert!(seen.iter().all(|&c| c >= 1), "not covered");
-            assert_eq!(
-                seen.iter().sum::<usize>() - len,
-                n * size - len,
-                "only padding repeats"
+            assert!(
+                seen.iter().filter(|&&c| c > 1).count() < size,
+                "at most size - 1 samples repeat (the padding)"
             );
         }
     }

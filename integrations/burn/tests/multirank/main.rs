@@ -53,7 +53,7 @@ fn params(m: &Small) -> Vec<f32> {
                 .into_data()
                 .convert::<f32>()
                 .try_to_vec::<f32>()
-                .unwrap_or_default();
+                .expect("a parameter converted to f32 reads as f32");
             self.0.extend(v);
         }
     }
@@ -88,6 +88,7 @@ fn grads_for(model: &Small, ids: std::ops::Range<usize>, device: &Device) -> Gra
 }
 
 fn assert_close(what: &str, a: &[f32], b: &[f32], tol: f32) -> Result<()> {
+    ensure!(!a.is_empty(), "{what}: no parameters to compare");
     ensure!(
         a.len() == b.len(),
         "{what}: {} vs {} parameters",
@@ -121,6 +122,7 @@ fn equivalence(k: &Kolo) -> Result<()> {
     for adam in [false, true] {
         for path in [Path::Fused, Path::PerTensor] {
             let start = broadcast_parameters(k, Small::new(&device), 0)?;
+            let before = params(&start);
             let reference_start = start.clone();
             let mut optim: ModuleOptimizer = match (adam, path) {
                 (false, Path::Fused) => SgdConfig::new().init(),
@@ -157,15 +159,14 @@ fn equivalence(k: &Kolo) -> Result<()> {
             }
             let what = format!("{} {path:?}", if adam { "Adam" } else { "SGD" });
             assert_close(&what, &params(&model), &params(&reference), 1e-5)?;
-            ensure!(
-                reducer.copied_bytes() == 0,
-                "{what}: the reducer copied {} bytes of gradients",
-                reducer.copied_bytes()
-            );
-            ensure!(
-                params(&model) != params(&broadcast_parameters(k, Small::new(&device), 0)?),
-                "{what}: training changed nothing"
-            );
+            if let Path::Fused = path {
+                ensure!(
+                    reducer.copied_bytes() == 0,
+                    "{what}: the reducer copied {} bytes of gradients",
+                    reducer.copied_bytes()
+                );
+            }
+            ensure!(params(&model) != before, "{what}: training changed nothing");
         }
     }
     Ok(())
@@ -270,10 +271,12 @@ fn sampler(k: &Kolo) -> Result<()> {
             seen.iter().all(|&c| c >= 1),
             "epoch {epoch}: not every sample is used"
         );
-        let repeats: usize = seen.iter().map(|&c| c - 1).sum();
+        // Equal shards of ceil(len / size): at most size - 1 padding repeats.
         ensure!(
-            repeats == all[0].len() * k.size() - len,
-            "epoch {epoch}: {repeats} repeats beyond padding"
+            all.iter().all(|s| s.len() == len.div_ceil(k.size())),
+            "epoch {epoch}: shard sizes {:?}, expected {} each",
+            all.iter().map(Vec::len).collect::<Vec<_>>(),
+            len.div_ceil(k.size())
         );
     }
     Ok(())
@@ -588,7 +591,7 @@ fn unused_parameter(k: &Kolo) -> Result<()> {
                 t.into_data()
                     .convert::<f32>()
                     .try_to_vec::<f32>()
-                    .unwrap_or_default()
+                    .expect("a parameter converted to f32 reads as f32")
             })
             .map(f32::to_bits)
             .collect::<Vec<u32>>()

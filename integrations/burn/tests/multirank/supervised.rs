@@ -223,7 +223,9 @@ pub(crate) fn supervised(k: &Kolo) -> Result<()> {
     }
 
     launch(k, &resumed_dir, &start, EPOCHS / 2, None)?;
-    let (resumed, _) = launch(k, &resumed_dir, &start, EPOCHS, Some(EPOCHS / 2))?;
+    // Resumed from other weights: only the checkpoint can bring back the straight run's.
+    let other = broadcast_parameters(k, Small::new(&device), 0)?;
+    let (resumed, _) = launch(k, &resumed_dir, &other, EPOCHS, Some(EPOCHS / 2))?;
     same_on_every_rank(k, "resumed weights", &resumed.params())?;
     super::assert_close(
         "resumed vs straight",
