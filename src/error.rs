@@ -34,6 +34,9 @@ pub enum Error {
         name: String,
         /// What is wrong.
         message: String,
+        /// The tensors of a refused submit, handed back ([`Error::into_tensors`]);
+        /// empty when the error is not about a submit.
+        tensors: Vec<Tensor>,
     },
 
     /// A second request with the same name was submitted on this rank while the first
@@ -46,6 +49,8 @@ pub enum Error {
         name: String,
         /// This rank.
         rank: usize,
+        /// The tensors of the refused submit, handed back ([`Error::into_tensors`]).
+        tensors: Vec<Tensor>,
     },
 
     /// The ranks disagree about a request (dtype, shape, op, root, …). Delivered to the
@@ -192,13 +197,27 @@ pub enum Error {
 }
 
 impl Error {
-    /// Takes back the tensors of a submit that failed because the engine had stopped,
-    /// so that nothing the caller handed over is lost. Empty for every other error.
+    /// Takes back the tensors of a refused submit — an invalid argument, a duplicate
+    /// name, an engine that had stopped — so that nothing the caller handed over is
+    /// lost (as crossbeam's `SendError<T>` does). Empty for every other error.
     pub fn into_tensors(self) -> Vec<Tensor> {
         match self {
-            Error::EngineStopped { tensors, .. } => tensors,
+            Error::EngineStopped { tensors, .. }
+            | Error::InvalidArgument { tensors, .. }
+            | Error::DuplicateName { tensors, .. } => tensors,
             _ => Vec::new(),
         }
+    }
+
+    /// Puts a refused submit's tensors into the error that refused it.
+    pub(crate) fn handing_back(mut self, back: Vec<Tensor>) -> Self {
+        if let Error::EngineStopped { tensors, .. }
+        | Error::InvalidArgument { tensors, .. }
+        | Error::DuplicateName { tensors, .. } = &mut self
+        {
+            *tensors = back;
+        }
+        self
     }
 }
 

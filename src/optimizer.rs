@@ -129,6 +129,7 @@ impl<O: GradientStep> DistributedOptimizerBuilder<O> {
             op: "DistributedOptimizer",
             name: name.to_string(),
             message,
+            tensors: Vec::new(),
         };
         if !matches!(self.op, ReduceOp::Average | ReduceOp::Sum) {
             return Err(invalid(
@@ -296,6 +297,7 @@ impl<O: GradientStep> DistributedOptimizer<O> {
             op: "submit_gradient",
             name: name.to_string(),
             message,
+            tensors: Vec::new(),
         };
         let param = self
             .params

@@ -547,6 +547,7 @@ impl Kolo {
                 self.size(),
                 self.size()
             ),
+            tensors: Vec::new(),
         }
     }
 
@@ -557,6 +558,7 @@ impl Kolo {
             op,
             name: s.key.to_string(),
             message,
+            tensors: Vec::new(),
         };
         if s.key.is_empty() || s.tensors.iter().any(|(n, _)| n.is_empty()) {
             return Err(invalid(
@@ -640,7 +642,10 @@ impl Kolo {
         s: Submission,
         convert: fn(Output) -> Result<T>,
     ) -> Result<Handle<T>> {
-        self.validate(&s)?;
+        if let Err(e) = self.validate(&s) {
+            let (_, tensors) = s.into_parts();
+            return Err(e.handing_back(tensors.into_vec()));
+        }
         let rank = self.rank();
         let op = s.kind.name();
         // The key first: an "engine stopped" error names it.
@@ -663,11 +668,13 @@ impl Kolo {
         match self.inner.queue.submit(request) {
             Ok(()) => {}
             Err(Refused::Duplicate(name, request)) => {
-                request.done.disarm();
+                let Request { tensors, done, .. } = *request;
+                done.disarm();
                 return Err(Error::DuplicateName {
                     op,
                     name: name.to_string(),
                     rank,
+                    tensors: tensors.into_vec(),
                 });
             }
             Err(Refused::Closed(request)) => {

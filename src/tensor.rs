@@ -396,6 +396,7 @@ impl Tensor {
                 op: "Tensor::from_host_buffer",
                 name: String::new(),
                 message: format!("the buffer is not aligned for {dtype} elements"),
+                tensors: Vec::new(),
             });
         }
         let mut t = Tensor::from_parts(Storage::zeros(dtype, 0), shape.to_vec());

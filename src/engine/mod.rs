@@ -446,6 +446,7 @@ impl Engine {
                     op: "start_timeline",
                     name: p.display().to_string(),
                     message: format!("cannot write the timeline: {e}"),
+                    tensors: Vec::new(),
                 }),
                 None => {
                     self.timeline.stop();

@@ -222,11 +222,54 @@ pub(crate) fn order_independence(k: &Kolo) -> Result<()> {
 /// Submit-time errors are immediate and local, and leave the engine working; after
 /// shutdown a submit hands the tensor back.
 pub(crate) fn submit_errors(k: &Kolo) -> Result<()> {
-    expect_err(
-        "empty name",
-        k.allreduce("", Tensor::zeros(DType::F32, &[1])).submit(),
-        &["names must not be empty"],
-    )?;
+    // A refused submit hands its tensors back inside the error.
+    let handed_back = |what: &str, e: kolo::Error, want: &[i32]| -> Result<()> {
+        let back = e.into_tensors();
+        ensure!(
+            back.len() == 1 && back[0].as_slice::<i32>()? == want,
+            "{what}: the tensor was not handed back ({} tensors)",
+            back.len()
+        );
+        Ok(())
+    };
+    match k
+        .allreduce("", Tensor::from_vec(vec![7i32, 8], &[2])?)
+        .submit()
+    {
+        Ok(_) => anyhow::bail!("empty name accepted"),
+        Err(e) => {
+            ensure!(e.to_string().contains("names must not be empty"), "{e}");
+            handed_back("empty name", e, &[7, 8])?;
+        }
+    }
+    // Rank 0's first "dup" stays pending until the others submit theirs, after the
+    // barrier: its second "dup" is refused meanwhile.
+    if k.rank() == 0 {
+        let first = k
+            .allreduce("dup", Tensor::from_vec(vec![1i32], &[1])?)
+            .submit()?;
+        if k.size() > 1 {
+            match k
+                .allreduce("dup", Tensor::from_vec(vec![9i32, 9, 9], &[3])?)
+                .submit()
+            {
+                Ok(_) => anyhow::bail!("a duplicate pending name was accepted"),
+                Err(e) => {
+                    ensure!(
+                        matches!(e, kolo::Error::DuplicateName { .. }),
+                        "duplicate name: {e}"
+                    );
+                    handed_back("duplicate name", e, &[9, 9, 9])?;
+                }
+            }
+        }
+        k.barrier()?;
+        first.wait()?;
+    } else {
+        k.barrier()?;
+        k.allreduce("dup", Tensor::from_vec(vec![1i32], &[1])?)
+            .wait()?;
+    }
     expect_err(
         "nan scale",
         k.allreduce("nan", Tensor::zeros(DType::F32, &[1]))
