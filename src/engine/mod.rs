@@ -441,19 +441,24 @@ impl Engine {
 
     fn serve_timeline_requests(&mut self) {
         for (path, reply) in std::mem::take(&mut self.inbox.timeline_requests) {
-            let result = match path {
-                Some(p) => self.timeline.start(&p).map_err(|e| Error::InvalidArgument {
-                    op: "start_timeline",
-                    name: p.display().to_string(),
-                    message: format!("cannot write the timeline: {e}"),
-                    tensors: Vec::new(),
-                }),
-                None => {
-                    self.timeline.stop();
-                    Ok(())
-                }
-            };
-            let _ = reply.send(result);
+            let _ = reply.send(self.timeline_request(path));
+        }
+    }
+
+    /// Starts (`Some(path)`) or stops the timeline: local to this rank, so it is
+    /// served even after collectives have stopped.
+    fn timeline_request(&mut self, path: Option<std::path::PathBuf>) -> Result<()> {
+        match path {
+            Some(p) => self.timeline.start(&p).map_err(|e| Error::InvalidArgument {
+                op: "start_timeline",
+                name: p.display().to_string(),
+                message: format!("cannot write the timeline: {e}"),
+                tensors: Vec::new(),
+            }),
+            None => {
+                self.timeline.stop();
+                Ok(())
+            }
         }
     }
 
@@ -773,8 +778,8 @@ impl Engine {
                         req.done.complete(Err(err));
                     }
                     Command::Shutdown => return,
-                    Command::Timeline { reply, .. } => {
-                        let _ = reply.send(Ok(()));
+                    Command::Timeline { path, reply } => {
+                        let _ = reply.send(self.timeline_request(path));
                     }
                 }
             }

@@ -333,5 +333,21 @@ pub(crate) fn rank_leaves(k: &Kolo) -> Result<()> {
         "took {:?} to notice",
         start.elapsed()
     );
+    // The timeline is local: it still starts, records the failing ops and stops.
+    let path = std::env::temp_dir().join(format!(
+        "kolo-timeline-after-leave-{}-{rank}.json",
+        std::process::id()
+    ));
+    k.start_timeline(&path)?;
+    let _ = k
+        .allreduce("leave.traced", Tensor::zeros(DType::F32, &[2]))
+        .wait();
+    k.stop_timeline()?;
+    let text = std::fs::read_to_string(&path)?;
+    std::fs::remove_file(&path)?;
+    ensure!(
+        text.trim_start().starts_with('[') && text.trim_end().ends_with(']'),
+        "the timeline written after the rank left is not a complete trace: {text:?}"
+    );
     Ok(())
 }
