@@ -5,6 +5,7 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::mpsc;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
 
 use serde::de::DeserializeOwned;
 use serde::Serialize;
@@ -181,6 +182,51 @@ impl Inner {
         Ok(())
     }
 }
+
+impl Inner {
+    /// [`Inner::shutdown`] with a bound: past `timeout` the job is aborted.
+    fn shutdown_timeout(&self, timeout: Duration) -> Result<()> {
+        self.queue.close();
+        let engine = self
+            .engine
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .take();
+        let Some(engine) = engine else {
+            return Ok(());
+        };
+        let deadline = Instant::now() + timeout;
+        while !engine.is_finished() && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        if !engine.is_finished() {
+            // Only the engine thread calls MPI: ask it to abort (it does so from any
+            // polled wait). If it sits in a blocking MPI call (MPI_Finalize waiting for
+            // the other ranks), end this process: mpirun then ends the job.
+            let rank = self.topology.rank;
+            let line = format!(
+                "kolo: rank {rank}: shutdown did not finish within {timeout:?} (the other ranks \
+                 have not shut down); aborting the whole job\n"
+            );
+            let _ = std::io::Write::write_all(&mut std::io::stderr().lock(), line.as_bytes());
+            crate::transport::request_abort();
+            let grace = Instant::now() + ABORT_GRACE;
+            while !engine.is_finished() && Instant::now() < grace {
+                std::thread::sleep(Duration::from_millis(5));
+            }
+            if !engine.is_finished() {
+                std::process::abort();
+            }
+        }
+        engine
+            .join()
+            .map_err(|_| Error::Internal("the kolo engine thread panicked".into()))
+    }
+}
+
+/// How long [`Kolo::shutdown_timeout`] lets the engine abort the job itself before
+/// ending the process.
+const ABORT_GRACE: Duration = Duration::from_secs(1);
 
 impl Drop for Inner {
     fn drop(&mut self) {
@@ -531,11 +577,29 @@ impl Kolo {
     }
 
     /// Stops the engine and finalises MPI; idempotent. See the type's `# Shutdown`.
+    /// MPI_Finalize waits for every rank, so this waits until the other ranks shut down
+    /// too; [`shutdown_timeout`](Self::shutdown_timeout) bounds that wait.
     ///
     /// # Errors
     /// [`Error::Internal`] if the engine thread had panicked.
     pub fn shutdown(&self) -> Result<()> {
         self.inner.shutdown()
+    }
+
+    /// [`shutdown`](Self::shutdown), bounded: if the engine has not stopped and
+    /// finalised MPI within `timeout` (another rank never shuts down, a collective
+    /// never ends), kolo prints which rank gave up and aborts the whole job (MPI_Abort
+    /// from the engine, or this process ends and mpirun ends the others), as tokio's
+    /// `Runtime::shutdown_timeout` bounds its shutdown.
+    ///
+    /// Every clone of this `Kolo` — including those inside a kolo-burn
+    /// `GradientReducer` or `DistributedOptimizer` — keeps the engine running until the
+    /// last one is dropped or a shutdown is called on any of them.
+    ///
+    /// # Errors
+    /// [`Error::Internal`] if the engine thread had panicked.
+    pub fn shutdown_timeout(&self, timeout: Duration) -> Result<()> {
+        self.inner.shutdown_timeout(timeout)
     }
 
     fn bad_root(&self, op: &'static str, name: &str, root: usize) -> Error {

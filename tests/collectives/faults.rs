@@ -35,6 +35,17 @@ pub(crate) fn engine_panic(k: &Kolo) -> Result<()> {
     Ok(())
 }
 
+/// The last rank shuts down with a 1 s bound while rank 0 never does: past the bound
+/// the job is aborted, naming the rank that gave up.
+pub(crate) fn shutdown_timeout(k: &Kolo) -> Result<()> {
+    if k.rank() == k.size() - 1 {
+        k.shutdown_timeout(Duration::from_secs(1))?;
+        anyhow::bail!("shutdown_timeout returned although rank 0 never shut down");
+    }
+    std::thread::sleep(Duration::from_secs(60));
+    Ok(())
+}
+
 /// The last rank panics on its main thread before a collective the others wait in.
 pub(crate) fn panic_before_collective(k: &Kolo) -> Result<()> {
     if k.rank() == k.size() - 1 {

@@ -258,7 +258,13 @@ const FAULTS: &[(&str, Case, &[usize], &str)] = &[
         &[2, 4],
         "rank {last} has shut down",
     ),
-    ("sigkill", faults::sigkill, &[2, 4], "signal 9"),
+    ("sigkill", faults::sigkill, &[2, 4], "process rank {last} with PID"),
+    (
+        "shutdown_timeout",
+        faults::shutdown_timeout,
+        &[2, 4],
+        "kolo: rank {last}: shutdown did not finish within 1s",
+    ),
     (
         "panic_before_collective",
         faults::panic_before_collective,
