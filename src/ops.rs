@@ -176,8 +176,14 @@ impl<'k> GroupedAllreduceBuilder<'k> {
 /// The negotiation key of a group: its member names, so that two different groups
 /// never collide and the same group matches on every rank.
 fn group_key(tensors: &[(String, Tensor)]) -> String {
-    let names: Vec<&str> = tensors.iter().map(|(n, _)| n.as_str()).collect();
-    format!("group[{}]", names.join(", "))
+    // Quoted (Rust string syntax), so that names holding ", " or quotes cannot make two
+    // different groups share a key; in kolo's reserved key space.
+    let names: Vec<String> = tensors.iter().map(|(n, _)| format!("{n:?}")).collect();
+    format!(
+        "{}group[{}]",
+        crate::engine::request::RESERVED_PREFIX,
+        names.join(", ")
+    )
 }
 
 /// Builder for [`Kolo::allgather`].

@@ -624,6 +624,17 @@ impl Kolo {
             message,
             tensors: Vec::new(),
         };
+        if let Some((n, _)) = s
+            .tensors
+            .iter()
+            .find(|(n, _)| n.starts_with(request::RESERVED_PREFIX))
+        {
+            return Err(invalid(format!(
+                "tensor name {n:?}: names starting with '{}' are reserved for kolo's own \
+                 keys (join, barrier, groups); rename the tensor",
+                request::RESERVED_PREFIX
+            )));
+        }
         if s.key.is_empty() || s.tensors.iter().any(|(n, _)| n.is_empty()) {
             return Err(invalid(
                 "tensor names must not be empty (every rank must use the same name)".into(),

@@ -13,10 +13,14 @@ use crate::tensor::{DType, Tensor};
 pub(crate) type Key = std::sync::Arc<str>;
 
 /// The negotiation key of [`OpKind::Join`] requests.
-pub(crate) const JOIN_KEY: &str = "join";
+pub(crate) const JOIN_KEY: &str = "@join";
+
+/// Keys kolo makes itself (join, barrier, groups) start with this; user tensor names
+/// may not, so the two never collide.
+pub(crate) const RESERVED_PREFIX: char = '@';
 
 /// The negotiation key of [`OpKind::Barrier`] requests.
-pub(crate) const BARRIER_KEY: &str = "barrier";
+pub(crate) const BARRIER_KEY: &str = "@barrier";
 
 /// The kind of a collective.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]

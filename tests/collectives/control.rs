@@ -302,6 +302,58 @@ pub(crate) fn submit_errors(k: &Kolo) -> Result<()> {
     Ok(())
 }
 
+/// kolo's own keys live apart from user names: tensors named "join" and "barrier"
+/// are in flight together with a join and a barrier, two groups whose names differ
+/// only in where ", " falls are in flight together, and a name in the reserved space
+/// ("@…") is refused at submit.
+pub(crate) fn key_spaces(k: &Kolo) -> Result<()> {
+    let size = k.size() as i32;
+    let one = |v: i32| Tensor::from_vec(vec![v], &[1]);
+    let join_t = k.allreduce("join", one(1)?).op(ReduceOp::Sum).submit()?;
+    let barrier_t = k.allreduce("barrier", one(2)?).op(ReduceOp::Sum).submit()?;
+    k.barrier()?;
+    ensure!(
+        join_t.wait()?.into_vec::<i32>()? == [size],
+        "tensor \"join\""
+    );
+    ensure!(
+        barrier_t.wait()?.into_vec::<i32>()? == [2 * size],
+        "tensor \"barrier\""
+    );
+    // One group of one tensor named "a, b"; one of two tensors "a" and "b".
+    let g1 = k
+        .grouped_allreduce(vec![("a, b".into(), one(10)?)])
+        .op(ReduceOp::Sum)
+        .submit()?;
+    let g2 = k
+        .grouped_allreduce(vec![("a".into(), one(20)?), ("b".into(), one(30)?)])
+        .op(ReduceOp::Sum)
+        .submit()?;
+    let r1: Vec<Vec<i32>> = g1
+        .wait()?
+        .into_iter()
+        .map(|t| t.into_vec::<i32>())
+        .collect::<kolo::Result<_>>()?;
+    let r2: Vec<Vec<i32>> = g2
+        .wait()?
+        .into_iter()
+        .map(|t| t.into_vec::<i32>())
+        .collect::<kolo::Result<_>>()?;
+    ensure!(r1 == [vec![10 * size]], "group [\"a, b\"]: {r1:?}");
+    ensure!(
+        r2 == [vec![20 * size], vec![30 * size]],
+        "group [\"a\", \"b\"]: {r2:?}"
+    );
+    expect_err(
+        "reserved name",
+        k.allreduce("@join", one(1)?).submit(),
+        &["names starting with '@' are reserved"],
+    )?;
+    let last = k.join()?;
+    ensure!(last < k.size(), "join returned {last}");
+    Ok(())
+}
+
 /// The last rank shuts down early: the others' next op fails naming it, quickly.
 pub(crate) fn rank_leaves(k: &Kolo) -> Result<()> {
     let (rank, size) = (k.rank(), k.size());

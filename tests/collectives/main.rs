@@ -37,6 +37,7 @@ const CASES: &[(&str, Case, usize)] = &[
     ("reducescatter", others::reducescatter, 1),
     ("join", control::join, 1),
     ("barrier", control::barrier, 1),
+    ("key_spaces", control::key_spaces, 1),
     ("objects", control::objects, 1),
     ("order_independence", control::order_independence, 1),
     ("submit_errors", control::submit_errors, 1),
@@ -258,7 +259,12 @@ const FAULTS: &[(&str, Case, &[usize], &str)] = &[
         &[2, 4],
         "rank {last} has shut down",
     ),
-    ("sigkill", faults::sigkill, &[2, 4], "process rank {last} with PID"),
+    (
+        "sigkill",
+        faults::sigkill,
+        &[2, 4],
+        "process rank {last} with PID",
+    ),
     (
         "shutdown_timeout",
         faults::shutdown_timeout,
