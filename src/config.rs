@@ -41,6 +41,11 @@ pub struct Config {
     pub(crate) autotune_noise: f64,
     pub(crate) log_level: Option<String>,
     pub(crate) simulated_collective_cost: Duration,
+    /// The first value a builder method refused: (method, value, reason), reported by
+    /// [`Config::init`] with the message the environment path gives for it.
+    pub(crate) rejected: Option<(String, String, String)>,
+    /// `HOROVOD_*` variables set in the environment that kolo does not know.
+    pub(crate) unknown_horovod: Vec<String>,
 }
 
 impl Default for Config {
@@ -65,9 +70,46 @@ impl Default for Config {
             autotune_noise: 0.8,
             log_level: None,
             simulated_collective_cost: Duration::ZERO,
+            rejected: None,
+            unknown_horovod: Vec::new(),
         }
     }
 }
+
+/// Every setting kolo reads, as `KOLO_<key>` or `HOROVOD_<key>`.
+pub(crate) const KEYS: [&str; 16] = [
+    "FUSION_THRESHOLD",
+    "CYCLE_TIME",
+    "CACHE_CAPACITY",
+    "TIMELINE",
+    "TIMELINE_MARK_CYCLES",
+    "STALL_CHECK_TIME_SECONDS",
+    "STALL_SHUTDOWN_TIME_SECONDS",
+    "STALL_CHECK_DISABLE",
+    "AUTOTUNE",
+    "AUTOTUNE_LOG",
+    "AUTOTUNE_WARMUP_SAMPLES",
+    "AUTOTUNE_STEPS_PER_SAMPLE",
+    "AUTOTUNE_BAYES_OPT_MAX_SAMPLES",
+    "AUTOTUNE_GAUSSIAN_PROCESS_NOISE",
+    "SIMULATED_COLLECTIVE_COST_US",
+    "LOG_LEVEL",
+];
+
+/// The `HOROVOD_*` names among `names` that are not a setting kolo reads, sorted.
+fn unknown_horovod(names: impl Iterator<Item = String>) -> Vec<String> {
+    let mut unknown: Vec<String> = names
+        .filter(|n| {
+            n.strip_prefix("HOROVOD_")
+                .is_some_and(|key| !KEYS.contains(&key))
+        })
+        .collect();
+    unknown.sort();
+    unknown
+}
+
+const POSITIVE: &str = "expected a positive whole number";
+const POSITIVE_NUMBER: &str = "expected a positive number";
 
 /// Log levels accepted by `KOLO_LOG_LEVEL`.
 const LOG_LEVELS: [&str; 6] = ["trace", "debug", "info", "warn", "error", "off"];
@@ -78,8 +120,12 @@ impl Config {
     ///
     /// # Errors
     /// [`Error::Config`] naming the variable and value when one is malformed.
+    /// `HOROVOD_*` variables kolo does not know are ignored with one warning each.
     pub fn from_env() -> Result<Config> {
-        Config::from_lookup(|name| std::env::var(name).ok())
+        let mut c = Config::from_lookup(|name| std::env::var(name).ok())?;
+        c.unknown_horovod =
+            unknown_horovod(std::env::vars_os().filter_map(|(k, _)| k.into_string().ok()));
+        Ok(c)
     }
 
     /// Like [`Config::from_env`] but reads variables through `lookup`, so that
@@ -135,7 +181,7 @@ impl Config {
         if let Some((var, v)) = env.get("AUTOTUNE_GAUSSIAN_PROCESS_NOISE") {
             c.autotune_noise = match v.trim().parse::<f64>() {
                 Ok(x) if x.is_finite() && x > 0.0 => x,
-                _ => return Err(bad(&var, &v, "expected a positive number")),
+                _ => return Err(bad(&var, &v, POSITIVE_NUMBER)),
             };
         }
         if let Some((var, v)) = env.get("SIMULATED_COLLECTIVE_COST_US") {
@@ -163,8 +209,9 @@ impl Config {
         self
     }
 
-    /// The longest the engine waits to batch more work into one cycle while it has
-    /// work pending; it still wakes at once on new work. (`KOLO_CYCLE_TIME`, in ms)
+    /// The pause between negotiation cycles while this rank has submitted its work and
+    /// only waits for the other ranks; new local work starts a cycle at once.
+    /// (`KOLO_CYCLE_TIME`, in ms)
     pub fn cycle_time(mut self, cycle_time: Duration) -> Self {
         self.cycle_time = cycle_time;
         self.cycle_time_explicit = true;
@@ -211,7 +258,8 @@ impl Config {
         self
     }
 
-    /// Tunes the fusion threshold and cycle time at run time. (`KOLO_AUTOTUNE`)
+    /// Rank 0 tunes, at run time, whichever of the fusion threshold, the cycle time
+    /// and the response cache were not set explicitly. (`KOLO_AUTOTUNE`)
     pub fn autotune(mut self, on: bool) -> Self {
         self.autotune = on;
         self
@@ -237,27 +285,65 @@ impl Config {
         self
     }
 
-    /// Cycles with allreduce work per autotune sample (at least 1).
+    /// Cycles with allreduce work per autotune sample, at least 1 (0 makes
+    /// [`init`](Self::init) fail, as the variable does).
     /// (`KOLO_AUTOTUNE_STEPS_PER_SAMPLE`, 10)
     pub fn autotune_steps_per_sample(mut self, n: usize) -> Self {
-        self.autotune_steps_per_sample = n.max(1);
+        if n == 0 {
+            self.reject("Config::autotune_steps_per_sample", "0", POSITIVE);
+        } else {
+            self.autotune_steps_per_sample = n;
+        }
         self
     }
 
-    /// Configurations the autotuner tries before keeping the best (at least 1).
+    /// Configurations the autotuner tries before keeping the best, at least 1 (0
+    /// makes [`init`](Self::init) fail, as the variable does).
     /// (`KOLO_AUTOTUNE_BAYES_OPT_MAX_SAMPLES`, 20)
     pub fn autotune_max_samples(mut self, n: usize) -> Self {
-        self.autotune_max_samples = n.max(1);
+        if n == 0 {
+            self.reject("Config::autotune_max_samples", "0", POSITIVE);
+        } else {
+            self.autotune_max_samples = n;
+        }
         self
     }
 
     /// Observation noise of the autotuner's Gaussian process, in units of the
-    /// scores' spread. (`KOLO_AUTOTUNE_GAUSSIAN_PROCESS_NOISE`, 0.8)
+    /// scores' spread; positive and finite (anything else makes [`init`](Self::init)
+    /// fail, as the variable does). (`KOLO_AUTOTUNE_GAUSSIAN_PROCESS_NOISE`, 0.8)
     pub fn autotune_gaussian_process_noise(mut self, noise: f64) -> Self {
         if noise.is_finite() && noise > 0.0 {
             self.autotune_noise = noise;
+        } else {
+            self.reject(
+                "Config::autotune_gaussian_process_noise",
+                &noise.to_string(),
+                POSITIVE_NUMBER,
+            );
         }
         self
+    }
+
+    /// Keeps the first value a builder method refused, for `init` to report.
+    fn reject(&mut self, method: &str, value: &str, reason: &str) {
+        self.rejected
+            .get_or_insert_with(|| (method.into(), value.into(), reason.into()));
+    }
+
+    /// The error [`init`](Self::init) reports for a value a builder method refused.
+    ///
+    /// # Errors
+    /// [`Error::Config`] naming the method, the value and what is expected.
+    pub(crate) fn validate(&self) -> Result<()> {
+        match &self.rejected {
+            Some((variable, value, reason)) => Err(Error::Config {
+                variable: variable.clone(),
+                value: value.clone(),
+                reason: reason.clone(),
+            }),
+            None => Ok(()),
+        }
     }
 
     /// Log level of the subscriber kolo installs when the application has none:
@@ -300,6 +386,7 @@ impl Config {
     /// [`Error::Init`] when MPI cannot start or kolo was already initialised in this
     /// process.
     pub fn init(self) -> Result<crate::Kolo> {
+        self.validate()?;
         crate::runtime::start(self)
     }
 }
@@ -336,7 +423,7 @@ fn parse_usize(var: &str, value: &str) -> Result<usize> {
 fn parse_positive(var: &str, value: &str) -> Result<usize> {
     match parse_usize(var, value) {
         Ok(n) if n > 0 => Ok(n),
-        _ => Err(bad(var, value, "expected a positive whole number")),
+        _ => Err(bad(var, value, POSITIVE)),
     }
 }
 
@@ -404,9 +491,19 @@ mod tests {
             ("KOLO_STALL_CHECK_DISABLE", "true"),
             ("KOLO_AUTOTUNE", "1"),
             ("KOLO_AUTOTUNE_LOG", "/tmp/a.csv"),
+            ("KOLO_AUTOTUNE_WARMUP_SAMPLES", "7"),
+            ("KOLO_AUTOTUNE_STEPS_PER_SAMPLE", "4"),
+            ("KOLO_AUTOTUNE_BAYES_OPT_MAX_SAMPLES", "9"),
+            ("KOLO_AUTOTUNE_GAUSSIAN_PROCESS_NOISE", "0.25"),
+            ("KOLO_SIMULATED_COLLECTIVE_COST_US", "30"),
             ("KOLO_LOG_LEVEL", "DEBUG"),
         ])
         .unwrap();
+        assert_eq!(c.autotune_warmup_samples, 7);
+        assert_eq!(c.autotune_steps_per_sample, 4);
+        assert_eq!(c.autotune_max_samples, 9);
+        assert_eq!(c.autotune_noise, 0.25);
+        assert_eq!(c.simulated_collective_cost, Duration::from_micros(30));
         assert_eq!(c.fusion_threshold, 1024);
         assert_eq!(c.cycle_time, Duration::from_micros(2500));
         assert_eq!(c.cache_capacity, 0);
@@ -417,6 +514,70 @@ mod tests {
         assert!(c.stall_check_disable && c.autotune);
         assert_eq!(c.autotune_log, Some(PathBuf::from("/tmp/a.csv")));
         assert_eq!(c.log_level.as_deref(), Some("debug"));
+    }
+
+    #[test]
+    fn the_test_above_sets_every_key() {
+        let src = include_str!("config.rs");
+        let test = &src[src.find("fn every_variable_is_read").unwrap_or(0)..];
+        for key in KEYS {
+            assert!(
+                test.contains(&format!("\"KOLO_{key}\"")),
+                "every_variable_is_read does not set KOLO_{key}"
+            );
+        }
+    }
+
+    #[test]
+    fn unknown_horovod_variables_are_named() {
+        let names = [
+            "HOROVOD_FUSION_THRESHOLD",
+            "HOROVOD_GPU_OPERATIONS",
+            "PATH",
+            "HOROVOD_HIERARCHICAL_ALLREDUCE",
+        ];
+        assert_eq!(
+            unknown_horovod(names.iter().map(|s| s.to_string())),
+            ["HOROVOD_GPU_OPERATIONS", "HOROVOD_HIERARCHICAL_ALLREDUCE"]
+        );
+    }
+
+    #[test]
+    fn builder_and_environment_refuse_the_same_values() {
+        let cases: [(Config, &str, &str); 4] = [
+            (
+                Config::default().autotune_steps_per_sample(0),
+                "KOLO_AUTOTUNE_STEPS_PER_SAMPLE",
+                "0",
+            ),
+            (
+                Config::default().autotune_max_samples(0),
+                "KOLO_AUTOTUNE_BAYES_OPT_MAX_SAMPLES",
+                "0",
+            ),
+            (
+                Config::default().autotune_gaussian_process_noise(0.0),
+                "KOLO_AUTOTUNE_GAUSSIAN_PROCESS_NOISE",
+                "0",
+            ),
+            (
+                Config::default().autotune_gaussian_process_noise(f64::NAN),
+                "KOLO_AUTOTUNE_GAUSSIAN_PROCESS_NOISE",
+                "NaN",
+            ),
+        ];
+        for (built, var, value) in cases {
+            let from_builder = match built.validate() {
+                Err(Error::Config { reason, .. }) => reason,
+                other => panic!("builder accepted {var}={value}: {other:?}"),
+            };
+            let from_env = match config(&[(var, value)]) {
+                Err(Error::Config { reason, .. }) => reason,
+                other => panic!("environment accepted {var}={value}: {other:?}"),
+            };
+            assert_eq!(from_builder, from_env, "{var}={value}");
+        }
+        assert!(Config::default().autotune_max_samples(3).validate().is_ok());
     }
 
     #[test]

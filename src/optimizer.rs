@@ -90,9 +90,12 @@ impl<O: GradientStep> DistributedOptimizerBuilder<O> {
     }
 
     /// Accumulates this many backward passes locally and reduces once per window.
-    /// The window's gradients are averaged, so two passes over batches `a` and `b` with
-    /// a mean loss equal one pass over `a ∪ b` (Horovod sums them and leaves the scaling
-    /// to the loss).
+    ///
+    /// **Differs from Horovod:** the window's gradients are *averaged* (divided by
+    /// `passes`), so two passes over batches `a` and `b` with a mean loss equal one
+    /// pass over `a ∪ b`. Horovod's PyTorch `DistributedOptimizer` *sums* the passes
+    /// and leaves the scaling to the loss; to get its behaviour, multiply the learning
+    /// rate (or the loss) by `passes`.
     pub fn backward_passes_per_step(mut self, passes: usize) -> Self {
         self.passes = passes;
         self

@@ -248,6 +248,7 @@ pub(crate) fn start(config: Config) -> Result<Kolo> {
                 .into(),
         ));
     }
+    let unknown_horovod = config.unknown_horovod.clone();
     let queue = Arc::new(Queue::default());
     let engine_queue = queue.clone();
     let (started_tx, started_rx) = mpsc::sync_channel(1);
@@ -272,6 +273,11 @@ pub(crate) fn start(config: Config) -> Result<Kolo> {
     };
     RANK.store(topology.rank, Ordering::SeqCst);
     install_panic_hook();
+    if topology.rank == 0 {
+        for name in &unknown_horovod {
+            tracing::warn!("{name} is set, but kolo has no such setting: it is ignored");
+        }
+    }
     tracing::debug!(rank = topology.rank, size = topology.size, "kolo started");
     Ok(Kolo {
         inner: Arc::new(Inner {
@@ -615,7 +621,8 @@ impl Kolo {
         }
     }
 
-    /// Submit-time checks (DESIGN §3): immediate errors on this rank only.
+    /// Submit-time checks: immediate errors on this rank only (README, "When something
+    /// goes wrong"); the checks across ranks are in `engine::negotiate`.
     fn validate(&self, s: &Submission) -> Result<()> {
         let op = s.kind.name();
         let invalid = |message: String| Error::InvalidArgument {

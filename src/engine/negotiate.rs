@@ -248,7 +248,8 @@ fn debug<T: Debug>(v: &T) -> String {
     format!("{v:?}")
 }
 
-/// The cross-rank checks of DESIGN §3, in the order a user would want them reported.
+/// The checks across ranks made before an op runs (dtype, op, shape, reduce op,
+/// scale factors, root, device), in the order a user would want them reported.
 fn check(key: &str, metas: &[Option<RequestMeta>], joined: &[usize]) -> Result<(), Error> {
     let first = metas
         .iter()

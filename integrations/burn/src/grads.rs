@@ -83,9 +83,9 @@ impl GradientReducer {
     /// they are divided by `passes`, so that with a mean loss `n` passes over batches
     /// of `b` equal one pass over `n·b` — one reduction per `n` passes.
     ///
-    /// Horovod's PyTorch `DistributedOptimizer` does not divide: its gradients after
-    /// `backward_passes_per_step` passes are the sum of the passes. For that behaviour
-    /// leave this at 1 and hand `reduce` the accumulated sum.
+    /// **Differs from Horovod:** Horovod's PyTorch `DistributedOptimizer` does not
+    /// divide: its gradients after `backward_passes_per_step` passes are the sum of the
+    /// passes. For that behaviour leave this at 1 and hand `reduce` the accumulated sum.
     pub fn backward_passes_per_step(mut self, passes: usize) -> Self {
         self.passes = passes.max(1);
         self

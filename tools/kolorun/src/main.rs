@@ -52,7 +52,8 @@ struct Args {
     #[arg(long)]
     timeline_mark_cycles: bool,
 
-    /// Tune the fusion threshold and cycle time at run time.
+    /// Tune the fusion threshold, cycle time and response cache at run time (those
+    /// not set explicitly).
     #[arg(long)]
     autotune: bool,
 
