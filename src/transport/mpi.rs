@@ -162,6 +162,31 @@ fn counts(call: &'static str, counts: &[usize]) -> Result<(Vec<c_int>, Vec<c_int
     Ok((c, displs))
 }
 
+/// Checks that a buffer of `len` bytes holds exactly `elems` elements of `dtype`
+/// before MPI reads or writes it through a raw pointer sized by counts.
+fn sized(call: &'static str, what: &str, len: usize, elems: usize, dtype: DType) -> Result<()> {
+    let want = elems.checked_mul(dtype.size_of());
+    if want == Some(len) {
+        return Ok(());
+    }
+    Err(Error::Internal(format!(
+        "{call}: the {what} buffer holds {len} bytes, but the counts need {elems} {dtype:?} \
+         elements ({} bytes)",
+        want.map_or_else(|| "too many".to_string(), |w| w.to_string())
+    )))
+}
+
+/// Checks that `counts` has one entry per rank.
+fn per_rank(call: &'static str, counts: &[usize], size: usize) -> Result<()> {
+    if counts.len() == size {
+        return Ok(());
+    }
+    Err(Error::Internal(format!(
+        "{call}: {} counts for {size} ranks",
+        counts.len()
+    )))
+}
+
 fn check(call: &'static str, rc: c_int) -> Result<()> {
     if rc == 0 {
         return Ok(());
@@ -520,8 +545,13 @@ impl Transport for MpiTransport {
         dtype: DType,
     ) -> Result<()> {
         const CALL: &str = "MPI_Allgatherv";
+        let (size, rank) = (self.topology.size, self.topology.rank);
+        per_rank(CALL, counts_, size)?;
+        sized(CALL, "send", send.len(), counts_[rank], dtype)?;
+        sized(CALL, "receive", recv.len(), counts_.iter().sum(), dtype)?;
         let (c, displs) = counts(CALL, counts_)?;
-        // SAFETY: buffers and count arrays are valid for the call.
+        // SAFETY: the buffers hold exactly what the counts say (checked above) and the
+        // count arrays outlive the call.
         check(CALL, unsafe {
             ffi::MPI_Allgatherv(
                 send.as_ptr().cast(),
@@ -559,9 +589,15 @@ impl Transport for MpiTransport {
         dtype: DType,
     ) -> Result<()> {
         const CALL: &str = "MPI_Alltoallv";
+        let size = self.topology.size;
+        per_rank(CALL, send_counts, size)?;
+        per_rank(CALL, recv_counts, size)?;
+        sized(CALL, "send", send.len(), send_counts.iter().sum(), dtype)?;
+        sized(CALL, "receive", recv.len(), recv_counts.iter().sum(), dtype)?;
         let (sc, sd) = counts(CALL, send_counts)?;
         let (rc, rd) = counts(CALL, recv_counts)?;
-        // SAFETY: buffers and count arrays are valid for the call.
+        // SAFETY: the buffers hold exactly what the counts say (checked above) and the
+        // count arrays outlive the call.
         check(CALL, unsafe {
             ffi::MPI_Alltoallv(
                 send.as_ptr().cast(),
@@ -586,9 +622,14 @@ impl Transport for MpiTransport {
         op: ReduceOp,
     ) -> Result<()> {
         const CALL: &str = "MPI_Reduce_scatter";
+        let (size, rank) = (self.topology.size, self.topology.rank);
+        per_rank(CALL, counts_, size)?;
+        sized(CALL, "send", send.len(), counts_.iter().sum(), dtype)?;
+        sized(CALL, "receive", recv.len(), counts_[rank], dtype)?;
         let op = self.reduce_op(op, dtype);
         let (c, _) = counts(CALL, counts_)?;
-        // SAFETY: buffers and the count array are valid for the call.
+        // SAFETY: the buffers hold exactly what the counts say (checked above) and the
+        // count array outlives the call.
         check(CALL, unsafe {
             ffi::MPI_Reduce_scatter(
                 send.as_ptr().cast(),
@@ -599,5 +640,30 @@ impl Transport for MpiTransport {
                 self.comm(),
             )
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn buffers_must_match_their_counts() {
+        assert!(sized("MPI_Allgatherv", "receive", 12, 3, DType::F32).is_ok());
+        let e = sized("MPI_Allgatherv", "receive", 8, 3, DType::F32)
+            .err()
+            .map(|e| e.to_string())
+            .unwrap_or_default();
+        assert!(
+            e.contains("MPI_Allgatherv: the receive buffer holds 8 bytes, but the counts need 3 F32 elements (12 bytes)"),
+            "{e}"
+        );
+        assert!(sized("x", "send", 0, usize::MAX, DType::F64).is_err());
+        assert!(per_rank("MPI_Alltoallv", &[1, 2], 2).is_ok());
+        let e = per_rank("MPI_Alltoallv", &[1], 2)
+            .err()
+            .map(|e| e.to_string())
+            .unwrap_or_default();
+        assert!(e.contains("MPI_Alltoallv: 1 counts for 2 ranks"), "{e}");
     }
 }
