@@ -364,8 +364,18 @@ impl Gpu {
         let nccl = self.comm(mpi, local_first)?;
         let stream = nccl.stream().clone();
         let size = nccl.size();
+        let on = crate::tensor::Device::Cuda(nccl.ordinal());
         let dtype = meta.tensors[0].dtype;
         let (tensors, mine) = fused_inputs(members, |m| zeros(&stream, m.dtype, &m.shape))?;
+        // The copies below are device-to-device on the communicator's device: every
+        // member must be there, not only the first.
+        if let Some(t) = tensors.iter().find(|t| t.device() != on) {
+            return Err(Error::WrongDevice {
+                what: "fused NCCL allreduce",
+                expected: on,
+                actual: t.device(),
+            });
+        }
         order_after(&stream, &tensors)?;
         let ptrs = tensors.iter().map(ptr_of).collect::<Result<Vec<_>>>()?;
         let total: usize = tensors.iter().map(Tensor::num_bytes).sum();
