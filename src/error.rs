@@ -209,6 +209,117 @@ impl Error {
         }
     }
 
+    /// The same error (kind and fields) for another request of a fused batch that
+    /// failed as a whole; tensors are not copied, and a boxed source becomes its text.
+    pub(crate) fn replicate(&self) -> Error {
+        let text = |e: &(dyn std::error::Error + Send + Sync)| -> Box<dyn std::error::Error + Send + Sync> {
+            e.to_string().into()
+        };
+        match self {
+            Error::Config {
+                variable,
+                value,
+                reason,
+            } => Error::Config {
+                variable: variable.clone(),
+                value: value.clone(),
+                reason: reason.clone(),
+            },
+            Error::Init(m) => Error::Init(m.clone()),
+            Error::InvalidArgument {
+                op, name, message, ..
+            } => Error::InvalidArgument {
+                op,
+                name: name.clone(),
+                message: message.clone(),
+                tensors: Vec::new(),
+            },
+            Error::DuplicateName { op, name, rank, .. } => Error::DuplicateName {
+                op,
+                name: name.clone(),
+                rank: *rank,
+                tensors: Vec::new(),
+            },
+            Error::Mismatch { op, name, message } => Error::Mismatch {
+                op,
+                name: name.clone(),
+                message: message.clone(),
+            },
+            Error::Joined { op, name, ranks } => Error::Joined {
+                op,
+                name: name.clone(),
+                ranks: ranks.clone(),
+            },
+            Error::RankLeft { op, name, rank } => Error::RankLeft {
+                op,
+                name: name.clone(),
+                rank: *rank,
+            },
+            Error::Stalled { report } => Error::Stalled {
+                report: report.clone(),
+            },
+            Error::EngineStopped {
+                op,
+                name,
+                rank,
+                reason,
+                ..
+            } => Error::EngineStopped {
+                op,
+                name: name.clone(),
+                rank: *rank,
+                reason: reason.clone(),
+                tensors: Vec::new(),
+            },
+            Error::DTypeMismatch { expected, actual } => Error::DTypeMismatch {
+                expected: *expected,
+                actual: *actual,
+            },
+            Error::ShapeMismatch {
+                shape,
+                expected,
+                actual,
+            } => Error::ShapeMismatch {
+                shape: shape.clone(),
+                expected: *expected,
+                actual: *actual,
+            },
+            Error::Serialization {
+                op,
+                name,
+                rank,
+                source,
+            } => Error::Serialization {
+                op,
+                name: name.clone(),
+                rank: *rank,
+                source: text(source.as_ref()),
+            },
+            Error::Optimizer { source } => Error::Optimizer {
+                source: text(source.as_ref()),
+            },
+            Error::Transport { call, message } => Error::Transport {
+                call,
+                message: message.clone(),
+            },
+            Error::CudaUnavailable(m) => Error::CudaUnavailable(m.clone()),
+            Error::Cuda { call, message } => Error::Cuda {
+                call,
+                message: message.clone(),
+            },
+            Error::WrongDevice {
+                what,
+                expected,
+                actual,
+            } => Error::WrongDevice {
+                what,
+                expected: *expected,
+                actual: *actual,
+            },
+            Error::Internal(m) => Error::Internal(m.clone()),
+        }
+    }
+
     /// Puts a refused submit's tensors into the error that refused it.
     pub(crate) fn handing_back(mut self, back: Vec<Tensor>) -> Self {
         if let Error::EngineStopped { tensors, .. }
@@ -223,3 +334,44 @@ impl Error {
 
 /// `Result` with kolo's [`Error`].
 pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_replicated_error_keeps_its_kind_and_message() {
+        let errors = [
+            Error::Mismatch {
+                op: "allreduce",
+                name: "w".into(),
+                message: "shape mismatch: rank 0 sent [2], rank 1 sent [3]".into(),
+            },
+            Error::WrongDevice {
+                what: "fused NCCL allreduce",
+                expected: Device::Cuda(0),
+                actual: Device::Cuda(1),
+            },
+            Error::Transport {
+                call: "MPI_Allreduce",
+                message: "MPI_ERR_TRUNCATE".into(),
+            },
+            Error::RankLeft {
+                op: "allreduce",
+                name: "w".into(),
+                rank: 3,
+            },
+            Error::Serialization {
+                op: "allgather_object",
+                name: "o".into(),
+                rank: 1,
+                source: "bad bytes".into(),
+            },
+        ];
+        for e in &errors {
+            let r = e.replicate();
+            assert_eq!(std::mem::discriminant(e), std::mem::discriminant(&r));
+            assert_eq!(e.to_string(), r.to_string());
+        }
+    }
+}

@@ -174,12 +174,9 @@ impl Gpu {
             }
             Err(e) => {
                 self.settle(keep);
-                let message = e.to_string();
+                // Every request of the batch gets the error as it is (its kind too).
                 for c in dones.into_iter().flatten() {
-                    c.complete(Err(Error::Cuda {
-                        call: "fused NCCL allreduce",
-                        message: message.clone(),
-                    }));
+                    c.complete(Err(e.replicate()));
                 }
             }
         }

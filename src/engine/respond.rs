@@ -6,6 +6,7 @@ use std::time::Instant;
 use super::negotiate::Response;
 use super::request::{self, RequestMeta};
 use super::{execute, Engine};
+#[cfg(not(feature = "nccl"))]
 use crate::error::Error;
 use crate::handle::{self, Output};
 
@@ -224,17 +225,11 @@ impl Engine {
                 handle::complete_all(batch);
             }
             Err(e) => {
-                let message = e.to_string();
+                // Every request of the batch gets the error as it is (its kind too).
                 let batch = dones
                     .into_iter()
                     .flatten()
-                    .map(|done| {
-                        let err = Error::Transport {
-                            call: name,
-                            message: message.clone(),
-                        };
-                        (done, Err(err))
-                    })
+                    .map(|done| (done, Err(e.replicate())))
                     .collect();
                 handle::complete_all(batch);
             }
