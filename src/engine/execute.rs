@@ -188,22 +188,50 @@ pub(super) type PerRank = SmallVec<[usize; 8]>;
 /// An allgather's element count per rank and output shape (dim 0 may differ per
 /// rank; a joined rank contributes nothing). Inline: a fused batch computes one per
 /// tensor.
-pub(super) fn allgather_layout(ready: &Ready, shape: &[usize]) -> (PerRank, Shape) {
+pub(super) fn allgather_layout(ready: &Ready, shape: &[usize]) -> Result<(PerRank, Shape)> {
     let row = row_len(shape);
     let mut counts = PerRank::with_capacity(ready.metas.len());
     let mut rows = 0;
-    for m in ready.metas.iter() {
-        let d0 = m.as_ref().map_or(0, |m| m.tensors[0].shape[0]);
+    for (r, m) in ready.metas.iter().enumerate() {
+        let d0 = match m {
+            Some(m) => dim0(m, r)?,
+            None => 0,
+        };
         counts.push(d0 * row);
         rows += d0;
     }
     let mut out = Shape::from_slice(shape);
-    out[0] = rows;
-    (counts, out)
+    if let Some(d) = out.first_mut() {
+        *d = rows;
+    }
+    Ok((counts, out))
+}
+
+/// The first tensor of rank `r`'s request: another rank's message is not indexed
+/// blindly (a malformed one is a named error, not a panic of the engine).
+pub(super) fn first_tensor(m: &RequestMeta, r: usize) -> Result<&TensorMeta> {
+    m.tensors.first().ok_or_else(|| {
+        Error::Internal(format!(
+            "rank {r} sent a {} request for {:?} without a tensor",
+            m.kind.name(),
+            m.key
+        ))
+    })
+}
+
+/// Dim 0 of rank `r`'s tensor.
+fn dim0(m: &RequestMeta, r: usize) -> Result<usize> {
+    first_tensor(m, r)?.shape.first().copied().ok_or_else(|| {
+        Error::Internal(format!(
+            "rank {r} sent a 0-d tensor for the {} of {:?}",
+            m.kind.name(),
+            m.key
+        ))
+    })
 }
 
 fn allgather(t: &mut dyn Transport, tensor: &Tensor, ready: &Ready) -> Result<Tensor> {
-    let (counts, shape) = allgather_layout(ready, tensor.shape());
+    let (counts, shape) = allgather_layout(ready, tensor.shape())?;
     let mut out = Tensor::zeros(tensor.dtype(), &shape);
     if !out.is_empty() {
         t.allgatherv(
@@ -217,10 +245,16 @@ fn allgather(t: &mut dyn Transport, tensor: &Tensor, ready: &Ready) -> Result<Te
 }
 
 /// Rows rank `r` sends to each rank: its splits, or dim 0 divided equally.
-fn send_splits(meta: &RequestMeta, size: usize) -> Vec<usize> {
-    meta.splits
-        .clone()
-        .unwrap_or_else(|| vec![meta.tensors[0].shape[0] / size; size])
+fn send_splits(meta: &RequestMeta, r: usize, size: usize) -> Result<Vec<usize>> {
+    match &meta.splits {
+        Some(s) if s.len() == size => Ok(s.clone()),
+        Some(s) => Err(Error::Internal(format!(
+            "rank {r} sent {} splits for the alltoall of {:?} among {size} ranks",
+            s.len(),
+            meta.key
+        ))),
+        None => Ok(vec![dim0(meta, r)? / size.max(1); size]),
+    }
 }
 
 /// What this rank sends to and receives from each rank in an alltoall.
@@ -238,16 +272,18 @@ pub(super) fn alltoall_layout(ready: &Ready, me: usize, shape: &[usize]) -> Resu
         .as_ref()
         .ok_or_else(|| Error::Internal("alltoall on a rank without a request".into()))?;
     let row = row_len(shape);
-    let send_rows = send_splits(mine, size);
+    let send_rows = send_splits(mine, me, size)?;
     let mut recv_rows = Vec::with_capacity(size);
-    for m in ready.metas.iter() {
+    for (r, m) in ready.metas.iter().enumerate() {
         let m = m
             .as_ref()
             .ok_or_else(|| Error::Internal("alltoall with a joined rank".into()))?;
-        recv_rows.push(send_splits(m, size)[me]);
+        recv_rows.push(send_splits(m, r, size)?[me]);
     }
     let mut out = shape.to_vec();
-    out[0] = recv_rows.iter().sum();
+    if let Some(d) = out.first_mut() {
+        *d = recv_rows.iter().sum();
+    }
     Ok(AlltoallLayout {
         send_counts: send_rows.iter().map(|r| r * row).collect(),
         recv_counts: recv_rows.iter().map(|r| r * row).collect(),
@@ -287,7 +323,7 @@ pub(crate) fn run_fused(
         return Ok((Vec::new(), FusedTimes::at(start)));
     };
     let meta = first.first().clone();
-    let dtype = meta.tensors[0].dtype;
+    let dtype = first_tensor(&meta, 0)?.dtype;
     let (mut tensors, local) = fused_inputs(members, |m| Ok(Tensor::zeros(m.dtype, &m.shape)))?;
     let total: usize = tensors.iter().map(Tensor::num_bytes).sum();
     let buf = buffer.bytes_mut(total);
@@ -324,7 +360,7 @@ pub(super) fn fused_inputs(
         local.push(data.is_some());
         let tensor = match data.and_then(|mut v| v.pop()) {
             Some(t) => t,
-            None => zeros(&ready.first().tensors[0])?,
+            None => zeros(first_tensor(ready.first(), 0)?)?,
         };
         tensors.push(tensor);
     }
@@ -347,7 +383,7 @@ pub(crate) fn run_fused_allgather(
         let local = data.and_then(|mut v| v.pop()).ok_or_else(|| {
             Error::Internal(format!("fused allgather {:?} without a tensor", ready.key))
         })?;
-        layouts.push(allgather_layout(ready, local.shape()));
+        layouts.push(allgather_layout(ready, local.shape())?);
         inputs.push(local);
     }
     let Some(dtype) = inputs.first().map(Tensor::dtype) else {
@@ -503,6 +539,60 @@ mod tests {
         let mut v = vec![3i32, -3, 10];
         scale_bytes(bytemuck::cast_slice_mut(&mut v), DType::I32, 0.5);
         assert_eq!(v, [2, -2, 5]);
+    }
+
+    fn ready(metas: Vec<RequestMeta>) -> Ready {
+        let metas: Vec<Option<std::sync::Arc<RequestMeta>>> = metas
+            .into_iter()
+            .map(|m| Some(std::sync::Arc::new(m)))
+            .collect();
+        Ready {
+            key: "x".into(),
+            kind: metas[0].as_ref().map_or(OpKind::Allgather, |m| m.kind),
+            metas: metas.into(),
+        }
+    }
+
+    #[test]
+    fn malformed_peer_requests_are_errors_not_panics() {
+        let good =
+            RequestMeta::for_test("x", OpKind::Allgather, DType::F32, &[2, 3], ReduceOp::Sum);
+        // Rank 1 sent no tensor, then a 0-d one.
+        let mut empty = good.clone();
+        empty.tensors.clear();
+        let e = allgather_layout(&ready(vec![good.clone(), empty]), &[2, 3])
+            .err()
+            .map(|e| e.to_string())
+            .unwrap_or_default();
+        assert!(
+            e.contains("rank 1 sent a allgather request for \"x\" without a tensor"),
+            "{e}"
+        );
+        let scalar = RequestMeta::for_test("x", OpKind::Allgather, DType::F32, &[], ReduceOp::Sum);
+        let e = allgather_layout(&ready(vec![good.clone(), scalar]), &[2, 3])
+            .err()
+            .map(|e| e.to_string())
+            .unwrap_or_default();
+        assert!(e.contains("rank 1 sent a 0-d tensor"), "{e}");
+        let (counts, shape) =
+            allgather_layout(&ready(vec![good.clone(), good]), &[2, 3]).unwrap_or_default();
+        assert_eq!(
+            (counts.as_slice(), shape.as_slice()),
+            (&[6, 6][..], &[4, 3][..])
+        );
+
+        // Rank 1's alltoall splits have the wrong length.
+        let a = RequestMeta::for_test("y", OpKind::Alltoall, DType::F32, &[4], ReduceOp::Sum);
+        let mut bad = a.clone();
+        bad.splits = Some(vec![4]);
+        let e = alltoall_layout(&ready(vec![a, bad]), 0, &[4])
+            .err()
+            .map(|e| e.to_string())
+            .unwrap_or_default();
+        assert!(
+            e.contains("rank 1 sent 1 splits for the alltoall of \"y\" among 2 ranks"),
+            "{e}"
+        );
     }
 
     #[test]

@@ -13,7 +13,7 @@ use std::sync::Arc;
 use cudarc::driver::{result as cu, CudaEvent, CudaSlice, CudaStream, DevicePtr};
 
 use super::execute::{
-    allgather_layout, alltoall_layout, fused_inputs, local_or_zeros, post_factor,
+    allgather_layout, alltoall_layout, first_tensor, fused_inputs, local_or_zeros, post_factor,
     reducescatter_layout, scale_bytes, take_tensor,
 };
 use super::negotiate::Ready;
@@ -276,7 +276,7 @@ impl Gpu {
             }
             OpKind::Allgather => {
                 let tensor = take(&mut inputs)?;
-                let (counts, shape) = allgather_layout(ready, tensor.shape());
+                let (counts, shape) = allgather_layout(ready, tensor.shape())?;
                 let out = empty(&stream, tensor.dtype(), &shape)?;
                 if !out.is_empty() {
                     // SAFETY: `out` holds the sum of `counts`, `tensor` this rank's count.
@@ -362,7 +362,7 @@ impl Gpu {
         let stream = nccl.stream().clone();
         let size = nccl.size();
         let on = crate::tensor::Device::Cuda(nccl.ordinal());
-        let dtype = meta.tensors[0].dtype;
+        let dtype = first_tensor(&meta, 0)?.dtype;
         let (tensors, mine) = fused_inputs(members, |m| zeros(&stream, m.dtype, &m.shape))?;
         // The copies below are device-to-device on the communicator's device: every
         // member must be there, not only the first.
