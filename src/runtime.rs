@@ -349,9 +349,11 @@ impl Kolo {
         AllreduceBuilder::new(self, name.into(), tensor)
     }
 
-    /// Reduces several named tensors as one unit: negotiated together; the small ones
-    /// (up to 64 KiB) reduced in one buffer per dtype, larger ones in place. Results
-    /// come back in input order, in the tensors that were given.
+    /// Reduces several named tensors as one unit: negotiated together; on the CPU the
+    /// small ones (up to 64 KiB) reduced in one buffer per dtype, larger ones in place;
+    /// on CUDA each in place, their NCCL calls issued as one NCCL group (one by one when
+    /// an integer scale factor has to be applied on the host). Results come back in
+    /// input order, in the tensors that were given.
     pub fn grouped_allreduce(&self, tensors: Vec<(String, Tensor)>) -> GroupedAllreduceBuilder<'_> {
         GroupedAllreduceBuilder::new(self, tensors)
     }

@@ -256,9 +256,22 @@ impl Gpu {
             }
             OpKind::GroupedAllreduce => {
                 let mut outs = Vec::with_capacity(inputs.len());
-                // Every member is reduced in place; NCCL batches the group's calls.
-                for t in &inputs {
-                    allreduce(nccl, ptr_of(t)?, t.len(), t.dtype(), first, size)?;
+                // Every member is reduced in place. When NCCL applies the scale factors
+                // itself, the calls form one NCCL group (launched together); integer
+                // scaling goes through the host, which waits on the stream, so those
+                // members are reduced one by one.
+                let total = first.prescale * post_factor(first, size);
+                let native = inputs.iter().all(|t| can_scale(t.dtype(), first.op, total));
+                let each = || -> Result<()> {
+                    for t in &inputs {
+                        allreduce(nccl, ptr_of(t)?, t.len(), t.dtype(), first, size)?;
+                    }
+                    Ok(())
+                };
+                if native {
+                    nccl.group(each)?;
+                } else {
+                    each()?;
                 }
                 outs.extend(inputs);
                 Ok(Output::Tensors(outs))

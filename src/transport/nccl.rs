@@ -472,8 +472,8 @@ impl Nccl {
     }
 
     /// Runs `calls` between ncclGroupStart and ncclGroupEnd (the group is closed also
-    /// when a call fails).
-    fn group(&self, calls: impl FnOnce() -> Result<()>) -> Result<()> {
+    /// when a call fails). No stream synchronisation may happen inside.
+    pub(crate) fn group(&self, calls: impl FnOnce() -> Result<()>) -> Result<()> {
         nccl::group_start().map_err(nccl_err("ncclGroupStart"))?;
         let r = calls();
         let end = nccl::group_end().map_err(nccl_err("ncclGroupEnd"));
