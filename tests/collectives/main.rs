@@ -96,6 +96,9 @@ fn autotune_vs_grid(np: usize) -> Result<(), Failed> {
             ("KOLO_SIMULATED_COLLECTIVE_COST_US", "200"),
         ];
         let run = harness::mpirun("autotune_grid_point", np, Duration::from_secs(60), &env)?;
+        if !run.success {
+            return Err(format!("grid point {threshold}: the job failed:\n{}", run.output).into());
+        }
         number(&run.output, "STEP_MS ")
             .ok_or_else(|| format!("grid point {threshold} failed:\n{}", run.output).into())
     };
@@ -104,6 +107,9 @@ fn autotune_vs_grid(np: usize) -> Result<(), Failed> {
         grid.push((threshold, step_at(threshold)?));
     }
     let run = harness::mpirun("autotune_tune", np, Duration::from_secs(120), AUTOTUNE_ENV)?;
+    if !run.success {
+        return Err(format!("tuning: the job failed:\n{}", run.output).into());
+    }
     let chosen = number(&run.output, "THRESHOLD ")
         .ok_or_else(|| format!("tuning failed:\n{}", run.output))?;
     let (best, _) = grid
