@@ -6,10 +6,9 @@ use std::pin::Pin;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
 use std::task::{Context, Poll, Waker};
 
-use crate::engine::queue::Queue;
 use crate::error::{Error, Result};
-use crate::ops::AlltoallOutput;
 use crate::tensor::Tensor;
+use crate::vocab::{AlltoallOutput, Key};
 
 /// What the engine hands back; each [`Handle`] converts it to its own output type.
 #[derive(Debug)]
@@ -50,7 +49,15 @@ impl Slot {
 
 /// The names a handle holds in the pending set: its key first, then any other tensor
 /// names of its request.
-pub(crate) type Names = smallvec::SmallVec<[crate::engine::request::Key; 1]>;
+pub(crate) type Names = smallvec::SmallVec<[Key; 1]>;
+
+/// The set of names pending on this rank, from which a handle releases its names when
+/// it completes. The engine's queue implements it (one lock guards the set and the
+/// queue); handles know only this trait, not the engine.
+pub(crate) trait PendingNames: Send + Sync + fmt::Debug {
+    /// Releases the names of completed ops, under one lock for all of them.
+    fn release_names(&self, names: &mut dyn Iterator<Item = &Names>);
+}
 
 /// The engine's side of a handle. Completing it (or dropping it, which completes it
 /// with an "engine stopped" error) wakes the waiter. Its names are released from the
@@ -61,7 +68,7 @@ pub(crate) struct Completer {
     names: Names,
     /// The names were taken out of the pending set (or never went in).
     released: bool,
-    queue: Arc<Queue>,
+    pending: Arc<dyn PendingNames>,
     /// Dropped without completing (the engine stopped): the op and rank for the
     /// "engine stopped" error, built only then.
     on_drop: Option<(&'static str, usize)>,
@@ -77,7 +84,7 @@ impl fmt::Debug for Completer {
 
 impl Completer {
     /// The names this handle holds in the pending set, its key first.
-    pub(crate) fn names(&self) -> &[crate::engine::request::Key] {
+    pub(crate) fn names(&self) -> &[Key] {
         &self.names
     }
 
@@ -104,7 +111,8 @@ impl Completer {
     /// Takes this handle's names out of the pending set.
     fn release_names(&mut self) {
         if !self.released {
-            self.queue.release([&self.names]);
+            self.pending
+                .release_names(&mut std::iter::once(&self.names));
             self.released = true;
         }
     }
@@ -133,9 +141,11 @@ impl Completer {
 /// wakes once and finds the rest complete, instead of being woken (and competing with
 /// the engine for a core) once per handle.
 pub(crate) fn complete_all(mut batch: Vec<(Completer, Result<Output>)>) {
-    if let Some(queue) = batch.first().map(|(c, _)| c.queue.clone()) {
-        let mine = |c: &Completer| !c.released && Arc::ptr_eq(&c.queue, &queue);
-        queue.release(batch.iter().filter(|(c, _)| mine(c)).map(|(c, _)| &c.names));
+    if let Some(pending) = batch.first().map(|(c, _)| c.pending.clone()) {
+        let mine = |c: &Completer| {
+            !c.released && std::ptr::addr_eq(Arc::as_ptr(&c.pending), Arc::as_ptr(&pending))
+        };
+        pending.release_names(&mut batch.iter().filter(|(c, _)| mine(c)).map(|(c, _)| &c.names));
         for (c, _) in &mut batch {
             if mine(c) {
                 c.released = true;
@@ -245,7 +255,7 @@ impl<T> Future for Handle<T> {
 /// the engine drops the completer without completing it.
 pub(crate) fn pair<T>(
     names: Names,
-    queue: Arc<Queue>,
+    pending: Arc<dyn PendingNames>,
     on_drop: (&'static str, usize),
     convert: fn(Output) -> Result<T>,
 ) -> (Handle<T>, Completer) {
@@ -259,7 +269,7 @@ pub(crate) fn pair<T>(
             slot,
             names,
             released: false,
-            queue,
+            pending,
             on_drop: Some(on_drop),
         },
     )
@@ -307,6 +317,7 @@ pub(crate) fn to_unit(o: Output) -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::engine::queue::Queue;
 
     #[test]
     fn completes_and_releases_names() {
@@ -314,7 +325,7 @@ mod tests {
         pending.claim(&["a"]);
         let (h, c) = pair(
             smallvec::smallvec!["a".into()],
-            pending.clone(),
+            pending.clone() as Arc<dyn PendingNames>,
             ("allreduce", 0),
             to_rank,
         );
@@ -329,7 +340,7 @@ mod tests {
     fn dropped_completer_fails_the_handle() {
         let (h, c) = pair(
             smallvec::smallvec!["w".into()],
-            Arc::default(),
+            Arc::new(Queue::default()),
             ("broadcast", 2),
             to_unit,
         );
@@ -351,7 +362,7 @@ mod tests {
             .map(|&n| {
                 pair(
                     smallvec::smallvec![n.into()],
-                    pending.clone(),
+                    pending.clone() as Arc<dyn PendingNames>,
                     ("allreduce", 0),
                     to_rank,
                 )

@@ -50,14 +50,15 @@ mod optimizer;
 mod runtime;
 mod tensor;
 mod transport;
+mod vocab;
 
 pub use config::{Config, DEFAULT_FUSION_THRESHOLD};
 pub use engine::autotune::{AutotuneChange, AutotuneState};
 pub use error::{Error, Result};
 pub use handle::Handle;
 pub use ops::{
-    AllgatherBuilder, AllreduceBuilder, AlltoallBuilder, AlltoallOutput, BroadcastBuilder,
-    GroupedAllreduceBuilder, ReduceOp, ReducescatterBuilder,
+    AllgatherBuilder, AllreduceBuilder, AlltoallBuilder, BroadcastBuilder, GroupedAllreduceBuilder,
+    ReducescatterBuilder,
 };
 pub use optimizer::{
     broadcast_parameters, Compression, DistributedOptimizer, DistributedOptimizerBuilder,
@@ -65,6 +66,7 @@ pub use optimizer::{
 };
 pub use runtime::{build_info, cuda_device_count, init, nccl_library_present, BuildInfo, Kolo};
 pub use tensor::{DType, Device, Element, HostBuffer, Tensor};
+pub use vocab::{AlltoallOutput, ReduceOp};
 
 /// The CUDA bindings kolo was built with (feature `nccl`), for `Tensor::from_cuda`.
 #[cfg(feature = "nccl")]

@@ -6,40 +6,12 @@
 //! (unlike Horovod, kolo never invents names: per-process counters diverge between
 //! ranks and cause stalls).
 
-use serde::{Deserialize, Serialize};
-
 use crate::engine::request::{Key, OpKind, Submission};
 use crate::error::Result;
 use crate::handle::{self, Handle};
 use crate::runtime::Kolo;
 use crate::tensor::Tensor;
-
-/// How allreduce and reducescatter combine the ranks' tensors.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
-#[non_exhaustive]
-pub enum ReduceOp {
-    /// The sum divided by the number of ranks (the default, as in Horovod). Integer
-    /// results are computed in f64 and rounded.
-    #[default]
-    Average,
-    /// The elementwise sum.
-    Sum,
-    /// The elementwise minimum.
-    Min,
-    /// The elementwise maximum.
-    Max,
-    /// The elementwise product.
-    Product,
-}
-
-/// The result of an alltoall: the received rows and how many came from each rank.
-#[derive(Debug, Clone, PartialEq)]
-pub struct AlltoallOutput {
-    /// Rows received, concatenated in rank order on dim 0.
-    pub tensor: Tensor,
-    /// `received_splits[r]` rows came from rank `r`.
-    pub received_splits: Vec<usize>,
-}
+use crate::vocab::{AlltoallOutput, ReduceOp};
 
 /// Builder for [`Kolo::allreduce`].
 #[derive(Debug)]

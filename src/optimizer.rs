@@ -10,9 +10,9 @@ use std::collections::{BTreeMap, HashMap};
 
 use crate::error::{Error, Result};
 use crate::handle::Handle;
-use crate::ops::ReduceOp;
 use crate::runtime::Kolo;
 use crate::tensor::{DType, Tensor};
+use crate::vocab::ReduceOp;
 
 /// Reduced gradients by parameter name.
 pub type Gradients = BTreeMap<String, Tensor>;

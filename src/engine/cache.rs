@@ -184,8 +184,8 @@ pub(crate) fn bits(words: &[u64]) -> impl Iterator<Item = usize> + '_ {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::ops::ReduceOp;
     use crate::tensor::DType;
+    use crate::vocab::ReduceOp;
 
     fn meta(key: &str, len: usize) -> RequestMeta {
         RequestMeta::for_test(key, OpKind::Allreduce, DType::F32, &[len], ReduceOp::Sum)

@@ -10,9 +10,9 @@ use super::negotiate::Ready;
 use super::request::{OpKind, RequestMeta, Shape, TensorMeta, Tensors};
 use crate::error::{Error, Result};
 use crate::handle::Output;
-use crate::ops::{AlltoallOutput, ReduceOp};
 use crate::tensor::{DType, Tensor};
 use crate::transport::Transport;
+use crate::vocab::{AlltoallOutput, ReduceOp};
 use smallvec::SmallVec;
 
 /// Runs `ready` with this rank's tensors (`None` on a joined rank, which contributes

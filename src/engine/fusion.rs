@@ -6,8 +6,8 @@
 
 use super::negotiate::Response;
 use super::request::{Device, OpKind};
-use crate::ops::ReduceOp;
 use crate::tensor::DType;
+use crate::vocab::ReduceOp;
 
 /// One unit of execution, in order.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -21,10 +21,10 @@ use super::request::{OpKind, RequestMeta, Tensors};
 use crate::device::{self, cuda_err, CudaData};
 use crate::error::{Error, Result};
 use crate::handle::{Completer, Output};
-use crate::ops::AlltoallOutput;
 use crate::tensor::{DType, Tensor};
 use crate::transport::nccl::{can_scale, DevicePtr as Ptr, Nccl};
 use crate::transport::Transport;
+use crate::vocab::AlltoallOutput;
 
 /// A fusion batch member: the response, this rank's tensors and handle (none on a
 /// joined rank).

@@ -334,8 +334,8 @@ fn check(key: &str, metas: &[Option<RequestMeta>], joined: &[usize]) -> Result<(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::ops::ReduceOp;
     use crate::tensor::DType;
+    use crate::vocab::ReduceOp;
 
     fn req(key: &str, kind: OpKind, shape: &[usize]) -> RequestMeta {
         RequestMeta::for_test(key, kind, DType::F32, shape, ReduceOp::Sum)

@@ -12,7 +12,7 @@ use std::sync::{Condvar, Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
 
 use super::request::{Command, Key, Request};
-use crate::handle::Names;
+use crate::handle::{Names, PendingNames};
 
 /// Why a submit was not queued.
 #[derive(Debug)]
@@ -39,6 +39,12 @@ struct State {
 pub(crate) struct Queue {
     state: Mutex<State>,
     arrived: Condvar,
+}
+
+impl PendingNames for Queue {
+    fn release_names(&self, names: &mut dyn Iterator<Item = &Names>) {
+        self.release(names);
+    }
 }
 
 impl Queue {
@@ -169,8 +175,8 @@ mod tests {
     use super::*;
     use crate::engine::request::{OpKind, RequestMeta};
     use crate::handle::{self, Handle};
-    use crate::ops::ReduceOp;
     use crate::tensor::DType;
+    use crate::vocab::ReduceOp;
     use std::sync::Arc;
 
     fn request(queue: &Arc<Queue>, name: &str) -> (Request, Handle<usize>) {

@@ -5,12 +5,12 @@ use serde::{Deserialize, Serialize};
 use smallvec::SmallVec;
 
 use crate::handle::Completer;
-use crate::ops::ReduceOp;
 use crate::tensor::{DType, Tensor};
+use crate::vocab::ReduceOp;
 
 /// A negotiation key (the tensor name, or a group's key): shared, not copied, between
 /// the submitting thread's pending set, the engine's maps and the responses.
-pub(crate) type Key = std::sync::Arc<str>;
+pub(crate) use crate::vocab::Key;
 
 /// The negotiation key of [`OpKind::Join`] requests.
 pub(crate) const JOIN_KEY: &str = "@join";

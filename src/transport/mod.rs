@@ -9,8 +9,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use crate::error::Result;
-use crate::ops::ReduceOp;
 use crate::tensor::DType;
+use crate::vocab::ReduceOp;
 
 pub(crate) mod mpi;
 #[cfg(feature = "nccl")]

@@ -20,8 +20,8 @@ use mpi::Threading;
 
 use super::{abort_requested, Topology, Transport};
 use crate::error::{Error, Result};
-use crate::ops::ReduceOp;
 use crate::tensor::DType;
+use crate::vocab::ReduceOp;
 
 extern "C" {
     fn kolo_mpi_in_place() -> *mut c_void;

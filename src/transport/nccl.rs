@@ -19,8 +19,8 @@ use serde::{Deserialize, Serialize};
 use super::Transport;
 use crate::device;
 use crate::error::{Error, Result};
-use crate::ops::ReduceOp;
 use crate::tensor::DType;
+use crate::vocab::ReduceOp;
 
 /// Bytes in an NCCL unique id.
 const ID_BYTES: usize = 128;

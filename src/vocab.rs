@@ -1,0 +1,39 @@
+//! The vocabulary every layer shares — how tensors are combined and what an alltoall
+//! returns — kept in a leaf module (it depends on `tensor` only), so that the
+//! transport, the engine and the handles need not import the request builders (which
+//! depend on the runtime).
+
+use serde::{Deserialize, Serialize};
+
+use crate::tensor::Tensor;
+
+/// A request's negotiation key: its tensor's name, or a key kolo makes (join, barrier,
+/// groups: see `engine::request::RESERVED_PREFIX`).
+pub(crate) type Key = std::sync::Arc<str>;
+
+/// How allreduce and reducescatter combine the ranks' tensors.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
+#[non_exhaustive]
+pub enum ReduceOp {
+    /// The sum divided by the number of ranks (the default, as in Horovod). Integer
+    /// results are computed in f64 and rounded.
+    #[default]
+    Average,
+    /// The elementwise sum.
+    Sum,
+    /// The elementwise minimum.
+    Min,
+    /// The elementwise maximum.
+    Max,
+    /// The elementwise product.
+    Product,
+}
+
+/// The result of an alltoall: the received rows and how many came from each rank.
+#[derive(Debug, Clone, PartialEq)]
+pub struct AlltoallOutput {
+    /// Rows received, concatenated in rank order on dim 0.
+    pub tensor: Tensor,
+    /// `received_splits[r]` rows came from rank `r`.
+    pub received_splits: Vec<usize>,
+}
