@@ -320,6 +320,23 @@ impl Error {
         }
     }
 
+    /// The engine on `rank` is not running (`reason`); no tensors handed back yet (see
+    /// [`Error::handing_back`]).
+    pub(crate) fn engine_stopped(
+        op: &'static str,
+        name: impl Into<String>,
+        rank: usize,
+        reason: impl Into<String>,
+    ) -> Error {
+        Error::EngineStopped {
+            op,
+            name: name.into(),
+            rank,
+            reason: reason.into(),
+            tensors: Vec::new(),
+        }
+    }
+
     /// Puts a refused submit's tensors into the error that refused it.
     pub(crate) fn handing_back(mut self, back: Vec<Tensor>) -> Self {
         if let Error::EngineStopped { tensors, .. }

@@ -166,18 +166,18 @@ pub(crate) fn complete_all(mut batch: Vec<(Completer, Result<Output>)>) {
 impl Drop for Completer {
     fn drop(&mut self) {
         if let Some((op, rank)) = self.on_drop {
-            let err = Error::EngineStopped {
+            // `submit` puts the negotiation key first.
+            let name = self
+                .names
+                .first()
+                .map(|k| k.to_string())
+                .unwrap_or_default();
+            let err = Error::engine_stopped(
                 op,
-                // `submit` puts the negotiation key first.
-                name: self
-                    .names
-                    .first()
-                    .map(|k| k.to_string())
-                    .unwrap_or_default(),
+                name,
                 rank,
-                reason: "the engine stopped before this op completed".into(),
-                tensors: Vec::new(),
-            };
+                "the engine stopped before this op completed",
+            );
             self.finish(Err(err));
         }
     }

@@ -13,6 +13,56 @@ use crate::runtime::Kolo;
 use crate::tensor::Tensor;
 use crate::vocab::{AlltoallOutput, ReduceOp};
 
+/// The options shared by the reducing builders (allreduce, grouped allreduce,
+/// reducescatter).
+#[derive(Debug, Clone, Copy)]
+struct ReduceOptions {
+    op: ReduceOp,
+    prescale: f64,
+    postscale: f64,
+}
+
+impl Default for ReduceOptions {
+    fn default() -> Self {
+        ReduceOptions {
+            op: ReduceOp::Average,
+            prescale: 1.0,
+            postscale: 1.0,
+        }
+    }
+}
+
+impl ReduceOptions {
+    fn apply(self, s: &mut Submission) {
+        s.op = self.op;
+        s.prescale = self.prescale;
+        s.postscale = self.postscale;
+    }
+}
+
+/// The setters of [`ReduceOptions`], for a builder with a `reduce` field.
+macro_rules! reduce_options {
+    () => {
+        /// The reduction (default [`ReduceOp::Average`]).
+        pub fn op(mut self, op: ReduceOp) -> Self {
+            self.reduce.op = op;
+            self
+        }
+
+        /// Multiplies each rank's input by `factor` before reducing.
+        pub fn prescale(mut self, factor: f64) -> Self {
+            self.reduce.prescale = factor;
+            self
+        }
+
+        /// Multiplies the result by `factor` (after the division of `Average`).
+        pub fn postscale(mut self, factor: f64) -> Self {
+            self.reduce.postscale = factor;
+            self
+        }
+    };
+}
+
 /// Builder for [`Kolo::allreduce`].
 #[derive(Debug)]
 #[must_use = "a collective does nothing until .submit() or .wait()"]
@@ -20,9 +70,7 @@ pub struct AllreduceBuilder<'k> {
     kolo: &'k Kolo,
     name: String,
     tensor: Tensor,
-    op: ReduceOp,
-    prescale: f64,
-    postscale: f64,
+    reduce: ReduceOptions,
 }
 
 impl<'k> AllreduceBuilder<'k> {
@@ -31,29 +79,11 @@ impl<'k> AllreduceBuilder<'k> {
             kolo,
             name,
             tensor,
-            op: ReduceOp::Average,
-            prescale: 1.0,
-            postscale: 1.0,
+            reduce: ReduceOptions::default(),
         }
     }
 
-    /// The reduction (default [`ReduceOp::Average`]).
-    pub fn op(mut self, op: ReduceOp) -> Self {
-        self.op = op;
-        self
-    }
-
-    /// Multiplies each rank's input by `factor` before reducing.
-    pub fn prescale(mut self, factor: f64) -> Self {
-        self.prescale = factor;
-        self
-    }
-
-    /// Multiplies the result by `factor` (after the division of `Average`).
-    pub fn postscale(mut self, factor: f64) -> Self {
-        self.postscale = factor;
-        self
-    }
+    reduce_options!();
 
     /// Submits the allreduce; the result has the input's shape and dtype.
     ///
@@ -61,9 +91,7 @@ impl<'k> AllreduceBuilder<'k> {
     /// Submit-time errors only: empty or duplicate name, engine not running.
     pub fn submit(self) -> Result<Handle<Tensor>> {
         let mut s = Submission::single(OpKind::Allreduce, self.name, self.tensor);
-        s.op = self.op;
-        s.prescale = self.prescale;
-        s.postscale = self.postscale;
+        self.reduce.apply(&mut s);
         self.kolo.submit(s, handle::to_tensor)
     }
 
@@ -83,9 +111,7 @@ impl<'k> AllreduceBuilder<'k> {
 pub struct GroupedAllreduceBuilder<'k> {
     kolo: &'k Kolo,
     tensors: Vec<(String, Tensor)>,
-    op: ReduceOp,
-    prescale: f64,
-    postscale: f64,
+    reduce: ReduceOptions,
 }
 
 impl<'k> GroupedAllreduceBuilder<'k> {
@@ -93,29 +119,11 @@ impl<'k> GroupedAllreduceBuilder<'k> {
         GroupedAllreduceBuilder {
             kolo,
             tensors,
-            op: ReduceOp::Average,
-            prescale: 1.0,
-            postscale: 1.0,
+            reduce: ReduceOptions::default(),
         }
     }
 
-    /// The reduction (default [`ReduceOp::Average`]).
-    pub fn op(mut self, op: ReduceOp) -> Self {
-        self.op = op;
-        self
-    }
-
-    /// Multiplies each rank's inputs by `factor` before reducing.
-    pub fn prescale(mut self, factor: f64) -> Self {
-        self.prescale = factor;
-        self
-    }
-
-    /// Multiplies the results by `factor`.
-    pub fn postscale(mut self, factor: f64) -> Self {
-        self.postscale = factor;
-        self
-    }
+    reduce_options!();
 
     /// Submits the group: it becomes ready only when every member is ready on every
     /// rank, and its members are reduced together. Results come back in input order.
@@ -130,9 +138,7 @@ impl<'k> GroupedAllreduceBuilder<'k> {
             .map(|(n, t)| (Key::from(n), t))
             .collect();
         let mut s = Submission::new(OpKind::GroupedAllreduce, Key::from(key), tensors);
-        s.op = self.op;
-        s.prescale = self.prescale;
-        s.postscale = self.postscale;
+        self.reduce.apply(&mut s);
         self.kolo.submit(s, handle::to_tensors)
     }
 
@@ -286,9 +292,7 @@ pub struct ReducescatterBuilder<'k> {
     kolo: &'k Kolo,
     name: String,
     tensor: Tensor,
-    op: ReduceOp,
-    prescale: f64,
-    postscale: f64,
+    reduce: ReduceOptions,
 }
 
 impl<'k> ReducescatterBuilder<'k> {
@@ -297,29 +301,11 @@ impl<'k> ReducescatterBuilder<'k> {
             kolo,
             name,
             tensor,
-            op: ReduceOp::Average,
-            prescale: 1.0,
-            postscale: 1.0,
+            reduce: ReduceOptions::default(),
         }
     }
 
-    /// The reduction (default [`ReduceOp::Average`]).
-    pub fn op(mut self, op: ReduceOp) -> Self {
-        self.op = op;
-        self
-    }
-
-    /// Multiplies each rank's input by `factor` before reducing.
-    pub fn prescale(mut self, factor: f64) -> Self {
-        self.prescale = factor;
-        self
-    }
-
-    /// Multiplies the result by `factor`.
-    pub fn postscale(mut self, factor: f64) -> Self {
-        self.postscale = factor;
-        self
-    }
+    reduce_options!();
 
     /// Submits the reducescatter: the reduced tensor is split on dim 0, rank `r` gets
     /// block `r`; when dim 0 does not divide evenly the first `dim0 % size` ranks get
@@ -329,9 +315,7 @@ impl<'k> ReducescatterBuilder<'k> {
     /// Submit-time errors: a 0-d tensor, empty or duplicate name, engine not running.
     pub fn submit(self) -> Result<Handle<Tensor>> {
         let mut s = Submission::single(OpKind::Reducescatter, self.name, self.tensor);
-        s.op = self.op;
-        s.prescale = self.prescale;
-        s.postscale = self.postscale;
+        self.reduce.apply(&mut s);
         self.kolo.submit(s, handle::to_tensor)
     }
 

@@ -571,12 +571,13 @@ impl Kolo {
 
     fn timeline_command(&self, path: Option<std::path::PathBuf>) -> Result<()> {
         let (reply, answer) = mpsc::sync_channel(1);
-        let stopped = || Error::EngineStopped {
-            op: "timeline",
-            name: String::new(),
-            rank: self.rank(),
-            reason: "kolo has been shut down on this rank".into(),
-            tensors: Vec::new(),
+        let stopped = || {
+            Error::engine_stopped(
+                "timeline",
+                "",
+                self.rank(),
+                "kolo has been shut down on this rank",
+            )
         };
         if !self.inner.queue.push(Command::Timeline { path, reply }) {
             return Err(stopped());
@@ -770,13 +771,13 @@ impl Kolo {
                 } = *request;
                 done.disarm();
                 // The caller gets the tensors back.
-                return Err(Error::EngineStopped {
+                return Err(Error::engine_stopped(
                     op,
-                    name: meta.key.to_string(),
+                    &*meta.key,
                     rank,
-                    reason: "kolo has been shut down on this rank".into(),
-                    tensors: tensors.into_vec(),
-                });
+                    "kolo has been shut down on this rank",
+                )
+                .handing_back(tensors.into_vec()));
             }
         }
         Ok(handle)

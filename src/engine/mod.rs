@@ -302,13 +302,7 @@ impl Inbox {
 }
 
 fn stopped(meta: &RequestMeta, rank: usize, reason: &str) -> Error {
-    Error::EngineStopped {
-        op: meta.kind.name(),
-        name: meta.key.to_string(),
-        rank,
-        reason: reason.into(),
-        tensors: Vec::new(),
-    }
+    Error::engine_stopped(meta.kind.name(), &*meta.key, rank, reason)
 }
 
 struct Engine {
