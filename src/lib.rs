@@ -50,6 +50,7 @@ mod optimizer;
 mod runtime;
 mod tensor;
 mod transport;
+mod validate;
 mod vocab;
 
 pub use config::{Config, DEFAULT_FUSION_THRESHOLD};

@@ -1,6 +1,5 @@
 //! [`Kolo`]: the handle to this rank's engine, and start-up.
 
-use std::collections::HashSet;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::mpsc;
 use std::sync::{Arc, Mutex, PoisonError};
@@ -612,113 +611,7 @@ impl Kolo {
     }
 
     fn bad_root(&self, op: &'static str, name: &str, root: usize) -> Error {
-        Error::InvalidArgument {
-            op,
-            name: name.into(),
-            message: format!(
-                "root {root} is out of range: there are {} ranks (0..{})",
-                self.size(),
-                self.size()
-            ),
-            tensors: Vec::new(),
-        }
-    }
-
-    /// Submit-time checks: immediate errors on this rank only (README, "When something
-    /// goes wrong"); the checks across ranks are in `engine::negotiate`.
-    fn validate(&self, s: &Submission) -> Result<()> {
-        let op = s.kind.name();
-        let invalid = |message: String| Error::InvalidArgument {
-            op,
-            name: s.key.to_string(),
-            message,
-            tensors: Vec::new(),
-        };
-        if let Some((n, _)) = s
-            .tensors
-            .iter()
-            .find(|(n, _)| n.starts_with(request::RESERVED_PREFIX))
-        {
-            return Err(invalid(format!(
-                "tensor name {n:?}: names starting with '{}' are reserved for kolo's own \
-                 keys (join, barrier, groups); rename the tensor",
-                request::RESERVED_PREFIX
-            )));
-        }
-        if s.key.is_empty() || s.tensors.iter().any(|(n, _)| n.is_empty()) {
-            return Err(invalid(
-                "tensor names must not be empty (every rank must use the same name)".into(),
-            ));
-        }
-        if s.kind == OpKind::GroupedAllreduce {
-            if s.tensors.is_empty() {
-                return Err(invalid("a group needs at least one tensor".into()));
-            }
-            let mut seen = HashSet::new();
-            if let Some((n, _)) = s.tensors.iter().find(|(n, _)| !seen.insert(n)) {
-                return Err(invalid(format!(
-                    "the name {n:?} appears twice in the group"
-                )));
-            }
-        }
-        if let Some((_, first)) = s.tensors.first() {
-            let device = first.device();
-            if let Some((n, t)) = s.tensors.iter().find(|(_, t)| t.device() != device) {
-                return Err(invalid(format!(
-                    "all tensors of one op must be on the same device: {:?} is on {device}, {n:?} on {}",
-                    s.tensors[0].0,
-                    t.device()
-                )));
-            }
-        }
-        for (label, v) in [("prescale", s.prescale), ("postscale", s.postscale)] {
-            if !v.is_finite() {
-                return Err(invalid(format!(
-                    "{label} factor {v} is not a finite number"
-                )));
-            }
-        }
-        if s.kind == OpKind::Broadcast && s.root >= self.size() {
-            return Err(self.bad_root(op, &s.key, s.root));
-        }
-        if matches!(
-            s.kind,
-            OpKind::Allgather | OpKind::Alltoall | OpKind::Reducescatter
-        ) {
-            if let Some((_, t)) = s.tensors.first() {
-                if t.shape().is_empty() {
-                    return Err(invalid(format!("{op} needs a tensor with at least one dimension; got a 0-d (scalar) tensor")));
-                }
-            }
-        }
-        if s.kind == OpKind::Alltoall {
-            if let Some((_, t)) = s.tensors.first() {
-                let d0 = t.shape()[0];
-                match &s.splits {
-                    Some(splits) if splits.len() != self.size() => {
-                        return Err(invalid(format!(
-                            "splits has {} entries but there are {} ranks",
-                            splits.len(),
-                            self.size()
-                        )));
-                    }
-                    Some(splits) if splits.iter().sum::<usize>() != d0 => {
-                        return Err(invalid(format!(
-                            "splits {splits:?} sum to {} but dim 0 of the tensor is {d0}",
-                            splits.iter().sum::<usize>()
-                        )));
-                    }
-                    None if d0 % self.size() != 0 => {
-                        return Err(invalid(format!(
-                            "dim 0 ({d0}) is not divisible by the number of ranks ({}); pass splits",
-                            self.size()
-                        )));
-                    }
-                    _ => {}
-                }
-            }
-        }
-        Ok(())
+        crate::validate::bad_root(op, name, root, self.size())
     }
 
     /// Validates and queues a request; the handle converts the engine's output.
@@ -727,7 +620,7 @@ impl Kolo {
         s: Submission,
         convert: fn(Output) -> Result<T>,
     ) -> Result<Handle<T>> {
-        if let Err(e) = self.validate(&s) {
+        if let Err(e) = crate::validate::validate(&s, self.size()) {
             let (_, tensors) = s.into_parts();
             return Err(e.handing_back(tensors.into_vec()));
         }
