@@ -255,7 +255,15 @@ pub(crate) fn start(config: Config) -> Result<Kolo> {
     let engine_autotune = autotune.clone();
     let engine = std::thread::Builder::new()
         .name("kolo-engine".into())
-        .spawn(move || crate::engine::run(config, engine_queue, started_tx, engine_autotune))
+        .spawn(move || {
+            crate::engine::run(
+                config,
+                engine_queue,
+                started_tx,
+                engine_autotune,
+                crate::transport::connect,
+            )
+        })
         .map_err(|e| Error::Init(format!("cannot start the engine thread: {e}")))?;
     let topology = match started_rx.recv() {
         Ok(Ok(t)) => t,

@@ -24,7 +24,6 @@ use std::time::{Duration, Instant};
 
 use crate::config::Config;
 use crate::error::{Error, Result};
-use crate::transport::mpi::MpiTransport;
 use crate::transport::{abort_requested, Topology, Transport};
 use autotune::{AutotuneChange, AutotuneState, Settings, Tuner};
 use cache::ResponseCache;
@@ -56,10 +55,11 @@ pub(crate) fn run(
     queue: Arc<Queue>,
     started: SyncSender<Result<Topology>>,
     autotune: Arc<Mutex<AutotuneState>>,
+    connect: impl FnOnce() -> Result<Box<dyn Transport>>,
 ) {
     // Declared first, dropped last: after the engine's own pending requests.
     let _abandon = Abandon(queue.clone());
-    let mut transport = match MpiTransport::init() {
+    let mut transport = match connect() {
         Ok(t) => t,
         Err(e) => {
             let _ = started.send(Err(e));
@@ -67,7 +67,7 @@ pub(crate) fn run(
         }
     };
     let topology = transport.topology();
-    let agreed = match agree(&mut transport, &config) {
+    let agreed = match agree(&mut *transport, &config) {
         Ok(a) => a,
         Err(e) => {
             let _ = started.send(Err(e));
@@ -184,7 +184,7 @@ struct Agreed {
 }
 
 /// Takes rank 0's shared settings, warning on ranks configured differently.
-fn agree(t: &mut MpiTransport, config: &Config) -> Result<Agreed> {
+fn agree(t: &mut dyn Transport, config: &Config) -> Result<Agreed> {
     let mine = Agreed {
         fusion_threshold: config.fusion_threshold,
         cache_capacity: config.cache_capacity,
@@ -306,7 +306,7 @@ fn stopped(meta: &RequestMeta, rank: usize, reason: &str) -> Error {
 }
 
 struct Engine {
-    transport: MpiTransport,
+    transport: Box<dyn Transport>,
     config: Config,
     negotiator: Negotiator,
     stall: StallInspector,
@@ -699,7 +699,7 @@ impl Engine {
     /// inspector warn.
     fn while_waiting<R>(
         &mut self,
-        call: impl FnOnce(&mut MpiTransport, &mut dyn FnMut(Duration)) -> Result<R>,
+        call: impl FnOnce(&mut dyn Transport, &mut dyn FnMut(Duration)) -> Result<R>,
     ) -> Result<R> {
         let Engine {
             transport,
@@ -709,7 +709,7 @@ impl Engine {
             gpu,
             ..
         } = self;
-        call(transport, &mut |waited| {
+        call(&mut **transport, &mut |waited| {
             inbox.drain();
             #[cfg(feature = "nccl")]
             gpu.poll();

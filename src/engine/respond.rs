@@ -50,7 +50,7 @@ impl Engine {
         tensors: Option<super::request::Tensors>,
         done: Option<crate::handle::Completer>,
     ) {
-        self.gpu.respond(&mut self.transport, ready, tensors, done);
+        self.gpu.respond(&mut *self.transport, ready, tensors, done);
     }
 
     /// Without the `nccl` feature no tensor of this rank can be on a GPU, so the
@@ -92,7 +92,7 @@ impl Engine {
                 self.simulate_collective_cost();
                 let result = span.in_scope(|| {
                     execute::run(
-                        &mut self.transport,
+                        &mut *self.transport,
                         &ready,
                         tensors,
                         &mut self.fusion_buffer,
@@ -144,7 +144,7 @@ impl Engine {
                     None => (ready, None, None),
                 })
                 .collect();
-            self.gpu.respond_fused(&mut self.transport, members);
+            self.gpu.respond_fused(&mut *self.transport, members);
             return;
         }
         let mut inputs = Vec::with_capacity(readies.len());
@@ -191,9 +191,9 @@ impl Engine {
         };
         self.simulate_collective_cost();
         let result = if kind == request::OpKind::Allgather {
-            execute::run_fused_allgather(&mut self.transport, inputs, &mut self.fusion_buffer)
+            execute::run_fused_allgather(&mut *self.transport, inputs, &mut self.fusion_buffer)
         } else {
-            execute::run_fused(&mut self.transport, inputs, &mut self.fusion_buffer)
+            execute::run_fused(&mut *self.transport, inputs, &mut self.fusion_buffer)
         };
         match result {
             Ok((outputs, times)) => {

@@ -84,6 +84,15 @@ pub(crate) trait Transport {
     ) -> Result<()>;
 }
 
+/// Connects this process to the job: initialises MPI (on the calling thread, which
+/// must be the engine's) and returns the transport the engine runs on.
+///
+/// # Errors
+/// MPI cannot start, or was already initialised in this process.
+pub(crate) fn connect() -> Result<Box<dyn Transport>> {
+    Ok(Box::new(mpi::MpiTransport::init()?))
+}
+
 static ABORT_REQUESTED: AtomicBool = AtomicBool::new(false);
 
 /// Asks the engine thread to abort the whole job (from a panic hook, on any thread).
