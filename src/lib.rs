@@ -45,6 +45,8 @@ mod engine;
 mod error;
 mod handle;
 mod logging;
+#[cfg(test)]
+mod loopback_tests;
 mod ops;
 mod optimizer;
 mod runtime;

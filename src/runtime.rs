@@ -247,6 +247,19 @@ pub(crate) fn start(config: Config) -> Result<Kolo> {
                 .into(),
         ));
     }
+    let kolo = spawn_engine(config, crate::transport::connect)?;
+    RANK.store(kolo.rank(), Ordering::SeqCst);
+    install_panic_hook();
+    Ok(kolo)
+}
+
+/// Starts an engine thread on the transport `connect` makes (on that thread) and
+/// returns the handle to it. `start` uses MPI; the protocol tests use N in-process
+/// loopback ranks, each its own engine, in one process.
+pub(crate) fn spawn_engine(
+    config: Config,
+    connect: impl FnOnce() -> Result<Box<dyn crate::transport::Transport>> + Send + 'static,
+) -> Result<Kolo> {
     let unknown_horovod = config.unknown_horovod.clone();
     let queue = Arc::new(Queue::default());
     let engine_queue = queue.clone();
@@ -256,13 +269,7 @@ pub(crate) fn start(config: Config) -> Result<Kolo> {
     let engine = std::thread::Builder::new()
         .name("kolo-engine".into())
         .spawn(move || {
-            crate::engine::run(
-                config,
-                engine_queue,
-                started_tx,
-                engine_autotune,
-                crate::transport::connect,
-            )
+            crate::engine::run(config, engine_queue, started_tx, engine_autotune, connect)
         })
         .map_err(|e| Error::Init(format!("cannot start the engine thread: {e}")))?;
     let topology = match started_rx.recv() {
@@ -278,8 +285,6 @@ pub(crate) fn start(config: Config) -> Result<Kolo> {
             ));
         }
     };
-    RANK.store(topology.rank, Ordering::SeqCst);
-    install_panic_hook();
     if topology.rank == 0 {
         for name in &unknown_horovod {
             tracing::warn!("{name} is set, but kolo has no such setting: it is ignored");

@@ -12,6 +12,8 @@ use crate::error::Result;
 use crate::tensor::DType;
 use crate::vocab::ReduceOp;
 
+#[cfg(test)]
+pub(crate) mod loopback;
 pub(crate) mod mpi;
 #[cfg(feature = "nccl")]
 pub(crate) mod nccl;

@@ -1,0 +1,303 @@
+//! An in-process transport for tests: N ranks as N engine threads of one process,
+//! meeting at a shared hub. Every call is a rendezvous: each rank deposits its part of
+//! call number `k` (the engines make the same calls in the same order), waits until
+//! every rank has, and computes its result from all the parts. The real negotiation,
+//! response cache, fusion, stall inspector and tuner run on top, without mpirun.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Condvar, Mutex, PoisonError};
+use std::time::{Duration, Instant};
+
+use half::{bf16, f16};
+
+use super::{ring, Topology, Transport};
+use crate::error::{Error, Result};
+use crate::tensor::DType;
+use crate::vocab::ReduceOp;
+
+/// One rank's part of a call.
+#[derive(Debug, Clone, Default)]
+struct Part {
+    bytes: Vec<u8>,
+    counts: Vec<usize>,
+}
+
+#[derive(Debug, Default)]
+struct Round {
+    parts: Vec<Option<Part>>,
+    collected: usize,
+}
+
+#[derive(Debug, Default)]
+struct HubState {
+    rounds: HashMap<u64, Round>,
+    /// Ranks whose transport was dropped (their engine ended).
+    gone: Vec<usize>,
+}
+
+#[derive(Debug, Default)]
+struct Hub {
+    state: Mutex<HubState>,
+    changed: Condvar,
+}
+
+/// One rank's end of the hub.
+#[derive(Debug)]
+pub(crate) struct Loopback {
+    rank: usize,
+    size: usize,
+    next: u64,
+    hub: Arc<Hub>,
+}
+
+impl Loopback {
+    /// The `size` ranks of one in-process job.
+    pub(crate) fn job(size: usize) -> Vec<Loopback> {
+        let hub = Arc::new(Hub::default());
+        (0..size)
+            .map(|rank| Loopback {
+                rank,
+                size,
+                next: 0,
+                hub: hub.clone(),
+            })
+            .collect()
+    }
+
+    /// Deposits this rank's part of the next call and returns every rank's, in rank
+    /// order; calls `idle` (with the time waited) while others have not deposited.
+    fn meet(
+        &mut self,
+        part: Part,
+        mut idle: Option<&mut dyn FnMut(Duration)>,
+    ) -> Result<Vec<Part>> {
+        let call = self.next;
+        self.next += 1;
+        let size = self.size;
+        let start = Instant::now();
+        let lock = || {
+            self.hub
+                .state
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+        };
+        {
+            let mut state = lock();
+            let round = state.rounds.entry(call).or_default();
+            round.parts.resize(size, None);
+            round.parts[self.rank] = Some(part);
+        }
+        self.hub.changed.notify_all();
+        loop {
+            let mut state = lock();
+            let done = state
+                .rounds
+                .get(&call)
+                .is_some_and(|r| r.parts.iter().all(Option::is_some));
+            if done {
+                let round = state.rounds.get_mut(&call);
+                let parts = round
+                    .map(|r| {
+                        r.collected += 1;
+                        r.parts
+                            .iter()
+                            .map(|p| p.clone().unwrap_or_default())
+                            .collect()
+                    })
+                    .unwrap_or_default();
+                if state.rounds.get(&call).is_some_and(|r| r.collected == size) {
+                    state.rounds.remove(&call);
+                }
+                return Ok(parts);
+            }
+            if let Some(&r) = state.gone.first() {
+                return Err(Error::Transport {
+                    call: "loopback",
+                    message: format!("rank {r} left the job during call {call}"),
+                });
+            }
+            let (state, _) = self
+                .hub
+                .changed
+                .wait_timeout(state, Duration::from_millis(1))
+                .unwrap_or_else(PoisonError::into_inner);
+            drop(state);
+            if let Some(idle) = idle.as_mut() {
+                idle(start.elapsed());
+            }
+        }
+    }
+}
+
+impl Drop for Loopback {
+    fn drop(&mut self) {
+        let mut state = self
+            .hub
+            .state
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        state.gone.push(self.rank);
+        drop(state);
+        self.hub.changed.notify_all();
+    }
+}
+
+/// Elementwise `acc = op(acc, x)` for raw bytes of `dtype` (Average is a sum: the
+/// engine divides afterwards).
+fn combine(acc: &mut [u8], x: &[u8], dtype: DType, op: ReduceOp) {
+    if matches!(op, ReduceOp::Sum | ReduceOp::Average) {
+        ring::add_into(acc, x, dtype);
+        return;
+    }
+    let f = |a: f64, b: f64| match op {
+        ReduceOp::Min => a.min(b),
+        ReduceOp::Max => a.max(b),
+        _ => a * b,
+    };
+    macro_rules! each {
+        ($t:ty, $to:expr, $from:expr) => {{
+            let a: &mut [$t] = bytemuck::cast_slice_mut(acc);
+            let b: &[$t] = bytemuck::cast_slice(x);
+            for (a, b) in a.iter_mut().zip(b) {
+                *a = $from(f($to(*a), $to(*b)));
+            }
+        }};
+    }
+    match dtype {
+        DType::F32 => each!(f32, f64::from, |v: f64| v as f32),
+        DType::F64 => each!(f64, |v| v, |v| v),
+        DType::F16 => each!(f16, |v: f16| v.to_f64(), f16::from_f64),
+        DType::BF16 => each!(bf16, |v: bf16| v.to_f64(), bf16::from_f64),
+        DType::I32 => each!(i32, f64::from, |v: f64| v as i32),
+        DType::I64 => each!(i64, |v: i64| v as f64, |v: f64| v as i64),
+        DType::I8 => each!(i8, f64::from, |v: f64| v as i8),
+        DType::U8 => each!(u8, f64::from, |v: f64| v as u8),
+    }
+}
+
+/// Byte offset of block `r` for element `counts`.
+fn offset(counts: &[usize], r: usize, width: usize) -> usize {
+    counts[..r].iter().sum::<usize>() * width
+}
+
+impl Transport for Loopback {
+    fn topology(&self) -> Topology {
+        Topology {
+            rank: self.rank,
+            size: self.size,
+            local_rank: self.rank,
+            local_size: self.size,
+            cross_rank: 0,
+            cross_size: 1,
+        }
+    }
+
+    fn abort(&mut self, code: i32) -> ! {
+        panic!("loopback rank {} aborted the job (code {code})", self.rank)
+    }
+
+    fn exchange(&mut self, local: &[u8], idle: &mut dyn FnMut(Duration)) -> Result<Vec<Vec<u8>>> {
+        let part = Part {
+            bytes: local.to_vec(),
+            counts: Vec::new(),
+        };
+        Ok(self
+            .meet(part, Some(idle))?
+            .into_iter()
+            .map(|p| p.bytes)
+            .collect())
+    }
+
+    fn agree_bits(&mut self, words: &mut [u64], idle: &mut dyn FnMut(Duration)) -> Result<()> {
+        let part = Part {
+            bytes: bytemuck::cast_slice(words).to_vec(),
+            counts: Vec::new(),
+        };
+        for p in self.meet(part, Some(idle))? {
+            let theirs: Vec<u64> = p
+                .bytes
+                .chunks_exact(8)
+                .map(|c| u64::from_ne_bytes(c.try_into().unwrap_or([0; 8])))
+                .collect();
+            words.iter_mut().zip(theirs).for_each(|(w, t)| *w &= t);
+        }
+        Ok(())
+    }
+
+    fn allreduce(&mut self, buf: &mut [u8], dtype: DType, op: ReduceOp) -> Result<()> {
+        let part = Part {
+            bytes: buf.to_vec(),
+            counts: Vec::new(),
+        };
+        let parts = self.meet(part, None)?;
+        // Every rank combines in rank order: bit-identical results everywhere.
+        buf.copy_from_slice(&parts[0].bytes);
+        for p in &parts[1..] {
+            combine(buf, &p.bytes, dtype, op);
+        }
+        Ok(())
+    }
+
+    fn allgatherv(&mut self, send: &[u8], recv: &mut [u8], _: &[usize], _: DType) -> Result<()> {
+        let part = Part {
+            bytes: send.to_vec(),
+            counts: Vec::new(),
+        };
+        let all: Vec<u8> = self
+            .meet(part, None)?
+            .into_iter()
+            .flat_map(|p| p.bytes)
+            .collect();
+        recv.copy_from_slice(&all);
+        Ok(())
+    }
+
+    fn broadcast(&mut self, buf: &mut [u8], root: usize, _: DType) -> Result<()> {
+        let part = Part {
+            bytes: buf.to_vec(),
+            counts: Vec::new(),
+        };
+        let parts = self.meet(part, None)?;
+        buf.copy_from_slice(&parts[root].bytes);
+        Ok(())
+    }
+
+    fn alltoallv(
+        &mut self,
+        send: &[u8],
+        send_counts: &[usize],
+        recv: &mut [u8],
+        _recv_counts: &[usize],
+        dtype: DType,
+    ) -> Result<()> {
+        let w = dtype.size_of();
+        let part = Part {
+            bytes: send.to_vec(),
+            counts: send_counts.to_vec(),
+        };
+        let me = self.rank;
+        let mut at = 0;
+        for p in self.meet(part, None)? {
+            let from = offset(&p.counts, me, w);
+            let n = p.counts[me] * w;
+            recv[at..at + n].copy_from_slice(&p.bytes[from..from + n]);
+            at += n;
+        }
+        Ok(())
+    }
+
+    fn reduce_scatter(
+        &mut self,
+        send: &[u8],
+        recv: &mut [u8],
+        counts: &[usize],
+        dtype: DType,
+        op: ReduceOp,
+    ) -> Result<()> {
+        let mut all = send.to_vec();
+        self.allreduce(&mut all, dtype, op)?;
+        let from = offset(counts, self.rank, dtype.size_of());
+        recv.copy_from_slice(&all[from..from + recv.len()]);
+        Ok(())
+    }
+}
