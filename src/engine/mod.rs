@@ -163,6 +163,17 @@ pub(crate) fn run(
     tracing::debug!(rank = topology.rank, "engine stopped; finalising MPI");
 }
 
+/// What a cycle's negotiation decided.
+enum Negotiation {
+    /// A rank left: nothing runs, and this engine stops communicating.
+    RankLeft(usize),
+    /// The responses to run, and settings the tuner made every rank switch to.
+    Ready {
+        responses: Vec<Response>,
+        tuning: Option<Settings>,
+    },
+}
+
 /// Closes the queue when the engine thread ends, also by a panic: later submits then
 /// fail at once and queued ones fail their handles, rather than wait forever.
 struct Abandon(Arc<Queue>);
@@ -462,63 +473,33 @@ impl Engine {
         let cycle_start = Instant::now();
         self.cycles += 1;
         self.timeline.cycle_start(cycle_start);
+        let (responses, tuning) = match self.negotiate()? {
+            Negotiation::RankLeft(left) => return Ok(Some(left)),
+            Negotiation::Ready { responses, tuning } => (responses, tuning),
+        };
+        let reduced_bytes: u64 = responses.iter().map(allreduce_bytes).sum();
+        self.execute(responses);
+        self.after_cycle(tuning, reduced_bytes, cycle_start);
+        Ok(None)
+    }
+
+    /// Negotiation: the cache-bit agreement and the full exchange as needed, then the
+    /// responses every rank runs, in the same order everywhere.
+    fn negotiate(&mut self) -> Result<Negotiation> {
         let use_cache = self.cache.enabled() && !self.negotiator.any_joined();
         if use_cache {
             self.announce_cached();
         } else {
             self.unannounce_all();
         }
-        let has_full = !self.inbox.outgoing.is_empty()
-            || self.inbox.shutting_down
-            || self.stall_abort
-            || self.pending_tuning.is_some();
-
-        // Phase 1 (with the cache): one AND of [flags, cache bits] across ranks.
-        let mut cached_ready = Vec::new();
-        let mut someone_has_full = true;
-        if use_cache {
-            let mut words = vec![0u64; 1 + self.cache.words()];
-            words[0] = u64::from(!has_full);
-            for &slot in self.inbox.announced.keys() {
-                cache::set_bit(&mut words[1..], slot);
-            }
-            self.while_waiting(|t, idle| t.agree_bits(&mut words, idle))?;
-            someone_has_full = words[0] & 1 == 0;
-            cached_ready = cache::bits(&words[1..]).collect();
-        }
-
-        // Phase 2 (when anyone has something the cache cannot say): the full exchange.
+        let (cached_ready, someone_has_full) = self.exchange_bits(use_cache)?;
         let msgs = if someone_has_full {
-            let requests = std::mem::take(&mut self.inbox.outgoing)
-                .iter()
-                .filter_map(|k| self.inbox.pending.get(k).map(|r| r.meta.clone()))
-                .collect();
-            let msg = CycleMsg {
-                requests,
-                shutdown: self.inbox.shutting_down,
-                stall_abort: self.stall_abort,
-                tuning: self.pending_tuning.take(),
-            };
-            self.full_exchange(&msg)?
+            self.exchange_full()?
         } else {
             Vec::new()
         };
-
         let now = Instant::now();
-        let mut responses = Vec::with_capacity(cached_ready.len());
-        for slot in cached_ready {
-            let Some((metas, key, kind)) = self.cache.metas(slot).and_then(|metas| {
-                let first = metas.iter().flatten().next()?;
-                Some((metas.clone(), first.key.clone(), first.kind))
-            }) else {
-                return Err(Error::Internal(format!(
-                    "cache slot {slot} agreed but empty"
-                )));
-            };
-            self.cache.touch(slot);
-            self.inbox.announced.remove(&slot);
-            responses.push(Response::Run(negotiate::Ready { key, kind, metas }));
-        }
+        let mut responses = self.cached_responses(cached_ready)?;
         let mut stale = Vec::new();
         if !msgs.is_empty() {
             // A full request under a cached name means its request changed (or it was
@@ -537,7 +518,7 @@ impl Engine {
                         name: m.key.to_string(),
                         rank: left,
                     });
-                    return Ok(Some(left));
+                    return Ok(Negotiation::RankLeft(left));
                 }
                 Outcome::Stalled(report) => {
                     tracing::error!(rank = self.inbox.rank, "{report}");
@@ -564,18 +545,76 @@ impl Engine {
         }
         self.last_cycle_had_news =
             !responses.is_empty() || msgs.iter().any(|m| !m.requests.is_empty());
-
-        let tuning = msgs.first().and_then(|m| m.tuning);
-        let reduced_bytes: u64 = responses.iter().map(allreduce_bytes).sum();
-        self.ready_at = Instant::now();
-        let steps = fusion::plan(&responses, self.agreed.fusion_threshold);
         tracing::trace!(
             rank = self.inbox.rank,
             full_exchange = someone_has_full,
             ready = responses.len(),
-            steps = steps.len(),
             "negotiation cycle"
         );
+        Ok(Negotiation::Ready {
+            responses,
+            tuning: msgs.first().and_then(|m| m.tuning),
+        })
+    }
+
+    /// Phase 1 (with the cache): one AND of `[flags, cache bits]` across ranks. Returns
+    /// the cache slots ready on every rank and whether any rank has something the cache
+    /// cannot say (then the full exchange follows).
+    fn exchange_bits(&mut self, use_cache: bool) -> Result<(Vec<usize>, bool)> {
+        if !use_cache {
+            return Ok((Vec::new(), true));
+        }
+        let has_full = !self.inbox.outgoing.is_empty()
+            || self.inbox.shutting_down
+            || self.stall_abort
+            || self.pending_tuning.is_some();
+        let mut words = vec![0u64; 1 + self.cache.words()];
+        words[0] = u64::from(!has_full);
+        for &slot in self.inbox.announced.keys() {
+            cache::set_bit(&mut words[1..], slot);
+        }
+        self.while_waiting(|t, idle| t.agree_bits(&mut words, idle))?;
+        Ok((cache::bits(&words[1..]).collect(), words[0] & 1 == 0))
+    }
+
+    /// Phase 2: every rank's new requests and flags, in rank order.
+    fn exchange_full(&mut self) -> Result<Vec<CycleMsg>> {
+        let requests = std::mem::take(&mut self.inbox.outgoing)
+            .iter()
+            .filter_map(|k| self.inbox.pending.get(k).map(|r| r.meta.clone()))
+            .collect();
+        let msg = CycleMsg {
+            requests,
+            shutdown: self.inbox.shutting_down,
+            stall_abort: self.stall_abort,
+            tuning: self.pending_tuning.take(),
+        };
+        self.full_exchange(&msg)
+    }
+
+    /// The responses of cache slots every rank agreed on.
+    fn cached_responses(&mut self, slots: Vec<usize>) -> Result<Vec<Response>> {
+        let mut responses = Vec::with_capacity(slots.len());
+        for slot in slots {
+            let Some((metas, key, kind)) = self.cache.metas(slot).and_then(|metas| {
+                let first = metas.iter().flatten().next()?;
+                Some((metas.clone(), first.key.clone(), first.kind))
+            }) else {
+                return Err(Error::Internal(format!(
+                    "cache slot {slot} agreed but empty"
+                )));
+            };
+            self.cache.touch(slot);
+            self.inbox.announced.remove(&slot);
+            responses.push(Response::Run(negotiate::Ready { key, kind, metas }));
+        }
+        Ok(responses)
+    }
+
+    /// Execution: runs the agreed responses, fused as the plan says.
+    fn execute(&mut self, responses: Vec<Response>) {
+        self.ready_at = Instant::now();
+        let steps = fusion::plan(&responses, self.agreed.fusion_threshold);
         let mut responses: Vec<Option<Response>> = responses.into_iter().map(Some).collect();
         for step in steps {
             match step {
@@ -590,6 +629,12 @@ impl Engine {
                 }
             }
         }
+    }
+
+    /// After running: the stall check, and tuning (settings agreed this cycle take
+    /// effect now on every rank; rank 0's tuner observes the cycle).
+    fn after_cycle(&mut self, tuning: Option<Settings>, reduced_bytes: u64, cycle_start: Instant) {
+        let now = Instant::now();
         self.stall.check(&self.negotiator, now);
         if self.stall.shutdown_due(&self.negotiator, now) {
             self.stall_abort = true;
@@ -602,7 +647,6 @@ impl Engine {
                 self.pending_tuning = Some(s);
             }
         }
-        Ok(None)
     }
 
     /// Switches to the autotuner's settings: every rank does this at the end of the
