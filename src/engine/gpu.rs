@@ -12,7 +12,7 @@ use std::sync::Arc;
 
 use cudarc::driver::{result as cu, CudaEvent, CudaSlice, CudaStream, DevicePtr};
 
-use super::execute::{
+use super::layout::{
     allgather_layout, alltoall_layout, first_tensor, fused_inputs, local_or_zeros, post_factor,
     reducescatter_layout, scale_bytes, take_tensor,
 };

@@ -10,6 +10,7 @@ pub(crate) mod execute;
 pub(crate) mod fusion;
 #[cfg(feature = "nccl")]
 mod gpu;
+pub(crate) mod layout;
 pub(crate) mod negotiate;
 pub(crate) mod queue;
 pub(crate) mod request;
