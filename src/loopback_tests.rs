@@ -235,3 +235,90 @@ fn a_stall_names_the_missing_rank() {
         "rank 0 got {msg:?}"
     );
 }
+
+/// The response cache: the same names every step (served from the cache after the
+/// first), a name whose shape changes (its slot invalidated on every rank), and more
+/// names than slots (evictions) all give the right sums.
+#[test]
+fn cache_hits_invalidation_and_eviction_keep_results_right() {
+    for capacity in [1024, 2] {
+        let ranks = job(3, |_| Config::default().cache_capacity(capacity));
+        let out = on_every_rank(&ranks, |r, k| {
+            let mut got = Vec::new();
+            for step in 0..6 {
+                // "w" changes shape on step 3; five names cycle through two slots.
+                let len = if step < 3 { 2 } else { 5 };
+                for name in ["w", "a", "b", "c", "d"] {
+                    let len = if name == "w" { len } else { 3 };
+                    let t = Tensor::from_vec(vec![(r + step) as f32; len], &[len])
+                        .unwrap_or_else(|e| panic!("{e}"));
+                    let v = k
+                        .allreduce(name, t)
+                        .op(ReduceOp::Sum)
+                        .wait()
+                        .unwrap_or_else(|e| {
+                            panic!("capacity {capacity}, step {step}, {name}: {e}")
+                        });
+                    got.push((step, name, values(v)));
+                }
+            }
+            got
+        });
+        for (r, got) in out.iter().enumerate() {
+            for (step, name, v) in got {
+                let len = if *name == "w" && *step < 3 {
+                    2
+                } else if *name == "w" {
+                    5
+                } else {
+                    3
+                };
+                let want = vec![(3 * step + 3) as f32; len];
+                assert_eq!(
+                    v, &want,
+                    "capacity {capacity}, rank {r}, step {step}, {name}"
+                );
+            }
+        }
+    }
+}
+
+/// The autotuner (rank 0) switches the settings of every rank at the end of the same
+/// cycle: every rank reports the same list of changes.
+#[test]
+fn tuner_changes_apply_on_every_rank_in_the_same_cycle() {
+    let ranks = job(2, |_| {
+        Config::default()
+            .autotune(true)
+            .autotune_warmup_samples(1)
+            .autotune_steps_per_sample(2)
+            .autotune_max_samples(4)
+            .simulated_collective_cost(Duration::from_micros(50))
+    });
+    let states = on_every_rank(&ranks, |r, k| {
+        for step in 0..400 {
+            let t = Tensor::from_vec(vec![r as f32; 64], &[64]).unwrap_or_else(|e| panic!("{e}"));
+            k.allreduce(format!("g{}", step % 8), t)
+                .op(ReduceOp::Sum)
+                .wait()
+                .unwrap_or_else(|e| panic!("{e}"));
+            let done = k
+                .broadcast_object("done", k.autotune_state().finished, 0)
+                .unwrap_or_else(|e| panic!("{e}"));
+            if done {
+                break;
+            }
+        }
+        k.autotune_state()
+    });
+    assert!(
+        states[0].finished,
+        "the tuner did not finish: {:?}",
+        states[0]
+    );
+    assert!(!states[0].changes.is_empty(), "no change was applied");
+    assert_eq!(
+        states[0].changes, states[1].changes,
+        "ranks switched settings at different cycles"
+    );
+}
