@@ -152,16 +152,7 @@ impl Engine {
         for (ready, local) in readies.iter().zip(locals) {
             match local {
                 Some(req) => {
-                    if self.timeline.enabled() {
-                        let args = trace_args(&req.meta);
-                        self.timeline.span(
-                            &req.meta.key,
-                            "NEGOTIATE",
-                            req.submitted,
-                            self.ready_at,
-                            &args,
-                        );
-                    }
+                    self.trace_negotiation(&req.meta, req.submitted);
                     inputs.push((ready, Some(req.tensors)));
                     dones.push(Some(req.done));
                 }
@@ -171,15 +162,14 @@ impl Engine {
                 }
             }
         }
-        let kind = readies
+        let allgather = readies
             .first()
-            .map_or(request::OpKind::Allreduce, |r| r.kind);
-        let (name, phase): (&'static str, &str) = if kind == request::OpKind::Allgather {
-            ("fused allgather", "ALLGATHER")
-        } else {
-            ("fused allreduce", "ALLREDUCE")
-        };
-        tracing::debug!(tensors = inputs.len(), "{name}");
+            .is_some_and(|r| r.kind == request::OpKind::Allgather);
+        tracing::debug!(
+            tensors = inputs.len(),
+            "fused {}",
+            if allgather { "allgather" } else { "allreduce" }
+        );
         // Built only when tracing: it allocates per tensor.
         let keys: Vec<(String, serde_json::Value)> = if self.timeline.enabled() {
             inputs
@@ -190,51 +180,66 @@ impl Engine {
             Vec::new()
         };
         self.simulate_collective_cost();
-        let result = if kind == request::OpKind::Allgather {
+        let result = if allgather {
             execute::run_fused_allgather(&mut *self.transport, inputs, &mut self.fusion_buffer)
         } else {
             execute::run_fused(&mut *self.transport, inputs, &mut self.fusion_buffer)
         };
-        match result {
-            Ok((outputs, times)) => {
-                if self.timeline.enabled() {
-                    for (key, args) in &keys {
-                        self.timeline.span(
-                            key,
-                            "MEMCPY_IN_FUSION_BUFFER",
-                            times.start,
-                            times.copied_in,
-                            args,
-                        );
-                        self.timeline
-                            .span(key, phase, times.copied_in, times.reduced, args);
-                        self.timeline.span(
-                            key,
-                            "MEMCPY_OUT_FUSION_BUFFER",
-                            times.reduced,
-                            times.copied_out,
-                            args,
-                        );
-                    }
-                }
-                let batch = dones
-                    .into_iter()
-                    .zip(outputs)
-                    .filter_map(|(done, out)| Some((done?, Ok(Output::Tensor(out?)))))
-                    .collect();
-                handle::complete_all(batch);
-            }
-            Err(e) => {
-                // Every request of the batch gets the error as it is (its kind too).
-                let batch = dones
-                    .into_iter()
-                    .flatten()
-                    .map(|done| (done, Err(e.replicate())))
-                    .collect();
-                handle::complete_all(batch);
-            }
+        let outputs = result.map(|(outputs, times)| {
+            let phase = if allgather { "ALLGATHER" } else { "ALLREDUCE" };
+            self.trace_fused(&keys, phase, &times);
+            outputs
+        });
+        complete_fused(dones, outputs);
+    }
+
+    /// The three spans of each member of a fused collective: copy in, `phase`, copy out.
+    fn trace_fused(
+        &mut self,
+        keys: &[(String, serde_json::Value)],
+        phase: &str,
+        times: &execute::FusedTimes,
+    ) {
+        for (key, args) in keys {
+            self.timeline.span(
+                key,
+                "MEMCPY_IN_FUSION_BUFFER",
+                times.start,
+                times.copied_in,
+                args,
+            );
+            self.timeline
+                .span(key, phase, times.copied_in, times.reduced, args);
+            self.timeline.span(
+                key,
+                "MEMCPY_OUT_FUSION_BUFFER",
+                times.reduced,
+                times.copied_out,
+                args,
+            );
         }
     }
+}
+
+/// Completes the handles of a fused batch: each member its output, or every member
+/// the batch's error as it is (its kind too).
+fn complete_fused(
+    dones: Vec<Option<handle::Completer>>,
+    outputs: crate::error::Result<Vec<Option<crate::tensor::Tensor>>>,
+) {
+    let batch = match outputs {
+        Ok(outputs) => dones
+            .into_iter()
+            .zip(outputs)
+            .filter_map(|(done, out)| Some((done?, Ok(Output::Tensor(out?)))))
+            .collect(),
+        Err(e) => dones
+            .into_iter()
+            .flatten()
+            .map(|done| (done, Err(e.replicate())))
+            .collect(),
+    };
+    handle::complete_all(batch);
 }
 
 /// The timeline args of an op: dtype and shape of each tensor.
