@@ -166,39 +166,25 @@ struct Inner {
 }
 
 impl Inner {
-    fn shutdown(&self) -> Result<()> {
+    /// Closes the queue (the engine shuts down) and takes the engine's thread, once.
+    fn stop_engine(&self) -> Option<JoinHandle<()>> {
         self.queue.close();
-        let engine = self
-            .engine
+        self.engine
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
-            .take();
-        if let Some(engine) = engine {
-            if engine.join().is_err() {
-                return Err(Error::Internal("the kolo engine thread panicked".into()));
-            }
-        }
-        Ok(())
+            .take()
     }
-}
 
-impl Inner {
+    fn shutdown(&self) -> Result<()> {
+        self.stop_engine().map_or(Ok(()), join_engine)
+    }
+
     /// [`Inner::shutdown`] with a bound: past `timeout` the job is aborted.
     fn shutdown_timeout(&self, timeout: Duration) -> Result<()> {
-        self.queue.close();
-        let engine = self
-            .engine
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .take();
-        let Some(engine) = engine else {
+        let Some(engine) = self.stop_engine() else {
             return Ok(());
         };
-        let deadline = Instant::now() + timeout;
-        while !engine.is_finished() && Instant::now() < deadline {
-            std::thread::sleep(Duration::from_millis(5));
-        }
-        if !engine.is_finished() {
+        if !finished_within(&engine, timeout) {
             // Only the engine thread calls MPI: ask it to abort (it does so from any
             // polled wait). If it sits in a blocking MPI call (MPI_Finalize waiting for
             // the other ranks), end this process: mpirun then ends the job.
@@ -209,18 +195,27 @@ impl Inner {
             );
             let _ = std::io::Write::write_all(&mut std::io::stderr().lock(), line.as_bytes());
             crate::transport::request_abort();
-            let grace = Instant::now() + ABORT_GRACE;
-            while !engine.is_finished() && Instant::now() < grace {
-                std::thread::sleep(Duration::from_millis(5));
-            }
-            if !engine.is_finished() {
+            if !finished_within(&engine, ABORT_GRACE) {
                 std::process::abort();
             }
         }
-        engine
-            .join()
-            .map_err(|_| Error::Internal("the kolo engine thread panicked".into()))
+        join_engine(engine)
     }
+}
+
+/// Waits up to `limit` for the engine thread to end; whether it did.
+fn finished_within(engine: &JoinHandle<()>, limit: Duration) -> bool {
+    let deadline = Instant::now() + limit;
+    while !engine.is_finished() && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    engine.is_finished()
+}
+
+fn join_engine(engine: JoinHandle<()>) -> Result<()> {
+    engine
+        .join()
+        .map_err(|_| Error::Internal("the kolo engine thread panicked".into()))
 }
 
 /// How long [`Kolo::shutdown_timeout`] lets the engine abort the job itself before
