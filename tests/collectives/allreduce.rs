@@ -209,9 +209,10 @@ pub(crate) fn errors(k: &Kolo) -> Result<()> {
         } else {
             DType::F32
         };
-        let who = |parity: usize| {
+        // "rank 0" or "ranks 0, 2, 3": the ranks of 0..size that `keep` keeps.
+        let ranks_where = |keep: &dyn Fn(usize) -> bool| {
             let ranks: Vec<String> = (0..size)
-                .filter(|r| r % 2 == parity)
+                .filter(|&r| keep(r))
                 .map(|r| r.to_string())
                 .collect();
             format!(
@@ -220,6 +221,7 @@ pub(crate) fn errors(k: &Kolo) -> Result<()> {
                 ranks.join(", ")
             )
         };
+        let who = |parity: usize| ranks_where(&|r| r % 2 == parity);
         let want = format!("dtype mismatch: {} sent i32, {} sent f32", who(0), who(1));
         expect_err(
             "dtype",
@@ -228,17 +230,7 @@ pub(crate) fn errors(k: &Kolo) -> Result<()> {
         )?;
 
         // Every rank but 1 sends Sum.
-        let others = {
-            let ranks: Vec<String> = (0..size)
-                .filter(|&r| r != 1)
-                .map(|r| r.to_string())
-                .collect();
-            format!(
-                "{} {}",
-                if ranks.len() == 1 { "rank" } else { "ranks" },
-                ranks.join(", ")
-            )
-        };
+        let others = ranks_where(&|r| r != 1);
         let op = if rank == 1 {
             ReduceOp::Max
         } else {
