@@ -349,6 +349,12 @@ impl Error {
     }
 }
 
+/// The message of `r`'s error, or "" when it is `Ok` (for tests that check messages).
+#[cfg(test)]
+pub(crate) fn err_text<T>(r: Result<T>) -> String {
+    r.err().map(|e| e.to_string()).unwrap_or_default()
+}
+
 /// `Result` with kolo's [`Error`].
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 

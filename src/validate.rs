@@ -119,6 +119,7 @@ pub(crate) fn validate(s: &Submission, size: usize) -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::error::err_text;
     use crate::tensor::{DType, Tensor};
 
     fn single(kind: OpKind, name: &str, shape: &[usize]) -> Submission {
@@ -127,10 +128,7 @@ mod tests {
 
     /// The error message `s` gets with `size` ranks ("" when it passes).
     fn check(s: &Submission, size: usize) -> String {
-        validate(s, size)
-            .err()
-            .map(|e| e.to_string())
-            .unwrap_or_default()
+        err_text(validate(s, size))
     }
 
     #[test]

@@ -228,6 +228,7 @@ pub(super) fn reducescatter_layout(
 mod tests {
     use super::*;
     use crate::engine::request::OpKind;
+    use crate::error::err_text;
 
     #[test]
     fn integer_scaling_rounds_in_f64() {
@@ -255,19 +256,16 @@ mod tests {
         // Rank 1 sent no tensor, then a 0-d one.
         let mut empty = good.clone();
         empty.tensors.clear();
-        let e = allgather_layout(&ready(vec![good.clone(), empty]), &[2, 3])
-            .err()
-            .map(|e| e.to_string())
-            .unwrap_or_default();
+        let e = err_text(allgather_layout(&ready(vec![good.clone(), empty]), &[2, 3]));
         assert!(
             e.contains("rank 1 sent a allgather request for \"x\" without a tensor"),
             "{e}"
         );
         let scalar = RequestMeta::for_test("x", OpKind::Allgather, DType::F32, &[], ReduceOp::Sum);
-        let e = allgather_layout(&ready(vec![good.clone(), scalar]), &[2, 3])
-            .err()
-            .map(|e| e.to_string())
-            .unwrap_or_default();
+        let e = err_text(allgather_layout(
+            &ready(vec![good.clone(), scalar]),
+            &[2, 3],
+        ));
         assert!(e.contains("rank 1 sent a 0-d tensor"), "{e}");
         let (counts, shape) =
             allgather_layout(&ready(vec![good.clone(), good]), &[2, 3]).unwrap_or_default();
@@ -280,10 +278,7 @@ mod tests {
         let a = RequestMeta::for_test("y", OpKind::Alltoall, DType::F32, &[4], ReduceOp::Sum);
         let mut bad = a.clone();
         bad.splits = Some(vec![4]);
-        let e = alltoall_layout(&ready(vec![a, bad]), 0, &[4])
-            .err()
-            .map(|e| e.to_string())
-            .unwrap_or_default();
+        let e = err_text(alltoall_layout(&ready(vec![a, bad]), 0, &[4]));
         assert!(
             e.contains("rank 1 sent 1 splits for the alltoall of \"y\" among 2 ranks"),
             "{e}"
