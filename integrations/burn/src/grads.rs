@@ -10,7 +10,7 @@ use kolo::{Kolo, ReduceOp};
 
 use crate::convert::{self, Copied};
 use crate::error::{Error, Result};
-use crate::layout::Layout;
+use crate::layout::{Layout, Slot};
 
 /// Reduces all gradients of a step across ranks, then hands them back in a
 /// [`GradientsParams`] for Burn's optimizer.
@@ -239,12 +239,40 @@ impl GradientReducer {
         let handles = (0..layout.buckets.len())
             .map(|b| self.submit_bucket(layout, b, &mut tensors))
             .collect::<Result<Vec<_>>>()?;
-        for (bucket, h) in layout.buckets.iter().zip(handles) {
-            for (&i, t) in bucket.iter().zip(h.wait()?) {
-                tensors[i] = Some(t);
-            }
-        }
+        wait_buckets(layout, handles, &mut tensors)?;
         Ok(tensors)
+    }
+}
+
+/// Waits for each bucket's collective (one handle per bucket, in order) and puts its
+/// results in their slots.
+pub(crate) fn wait_buckets(
+    layout: &Layout,
+    handles: Vec<kolo::Handle<Vec<kolo::Tensor>>>,
+    slots: &mut [Option<kolo::Tensor>],
+) -> Result<()> {
+    for (bucket, h) in layout.buckets.iter().zip(handles) {
+        for (&i, t) in bucket.iter().zip(h.wait()?) {
+            slots[i] = Some(t);
+        }
+    }
+    Ok(())
+}
+
+/// A parameter's gradient as a kolo tensor (zeros of its shape when this rank has
+/// none), and the device the reduced gradient goes back to.
+pub(crate) fn as_kolo<const D: usize>(
+    grad: Option<Tensor<D>>,
+    param: &Param<Tensor<D>>,
+    slot: &Slot,
+    copied: &Copied,
+) -> (Device, Result<kolo::Tensor>) {
+    match grad {
+        Some(g) => (g.device(), convert::to_kolo(&slot.path, g, copied)),
+        None => (
+            param.val().device().inner(),
+            convert::zeros(&slot.path, slot.dtype, &slot.dims),
+        ),
     }
 }
 
@@ -263,16 +291,8 @@ impl ModuleVisitor for Take<'_> {
         let Some(slot) = self.layout.slots.get(self.tensors.len()) else {
             return;
         };
-        let taken = match self.grads.remove::<D>(param.id) {
-            Some(g) => {
-                self.devices.push(g.device());
-                convert::to_kolo(&slot.path, g, self.copied)
-            }
-            None => {
-                self.devices.push(param.val().device().inner());
-                convert::zeros(&slot.path, slot.dtype, &slot.dims)
-            }
-        };
+        let (device, taken) = as_kolo(self.grads.remove::<D>(param.id), param, slot, self.copied);
+        self.devices.push(device);
         match taken {
             Ok(t) => self.tensors.push(Some(t)),
             Err(e) => {

@@ -30,7 +30,7 @@ use burn::tensor::{Device, Tensor};
 
 use crate::convert;
 use crate::error::{Error, Result};
-use crate::grads::GradientReducer;
+use crate::grads::{as_kolo, wait_buckets, GradientReducer};
 use crate::layout::Layout;
 
 /// One overlapped step of a [`GradientReducer`]: made by
@@ -151,11 +151,7 @@ impl Overlap {
     /// before being reduced. Set [`GradientReducer::backward_passes_per_step`] to the
     /// number of micro-steps to average them.
     pub fn accumulated(self, earlier: GradientsParams) -> Self {
-        *self
-            .step
-            .accumulated
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner) = Some(earlier);
+        *self.step.earlier() = Some(earlier);
         self
     }
 
@@ -188,11 +184,7 @@ impl Overlap {
         if let Some(e) = state.error.take() {
             return Err(e);
         }
-        let mut earlier = step
-            .accumulated
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .take();
+        let mut earlier = step.earlier().take();
         let mut rest = Rest {
             grads: &mut grads,
             earlier: earlier.as_mut(),
@@ -206,21 +198,17 @@ impl Overlap {
         if let Some(e) = rest.error {
             return Err(e);
         }
-        for b in 0..layout.buckets.len() {
-            if state.handles[b].is_none() {
-                let h = reducer.submit_bucket(layout, b, &mut state.tensors)?;
-                state.handles[b] = Some(h);
-            }
-        }
+        // Buckets the hooks submitted, and the rest now.
+        let st = &mut *state;
+        let handles = (0..layout.buckets.len())
+            .map(|b| match st.handles[b].take() {
+                Some(h) => Ok(h),
+                None => reducer.submit_bucket(layout, b, &mut st.tensors),
+            })
+            .collect::<Result<Vec<_>>>()?;
         let mut reduced: Vec<Option<kolo::Tensor>> =
             (0..layout.slots.len()).map(|_| None).collect();
-        for (b, bucket) in layout.buckets.iter().enumerate() {
-            if let Some(h) = state.handles[b].take() {
-                for (&i, t) in bucket.iter().zip(h.wait()?) {
-                    reduced[i] = Some(t);
-                }
-            }
-        }
+        wait_buckets(layout, handles, &mut reduced)?;
         let devices: Vec<Device> = state
             .devices
             .iter()
@@ -234,6 +222,13 @@ impl Overlap {
 impl Step {
     fn lock(&self) -> std::sync::MutexGuard<'_, StepState> {
         self.state.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// The sum of the step's earlier micro-steps, if given.
+    fn earlier(&self) -> std::sync::MutexGuard<'_, Option<GradientsParams>> {
+        self.accumulated
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
     }
 }
 
@@ -263,16 +258,8 @@ impl ModuleVisitor for Rest<'_, '_> {
             (Some(g), Some(e)) => Some(g + e),
             (g, e) => g.or(e),
         };
-        let taken = match grad {
-            Some(g) => {
-                self.state.devices[i] = Some(g.device());
-                convert::to_kolo(&slot.path, g, self.reducer.copied())
-            }
-            None => {
-                self.state.devices[i] = Some(param.val().device().inner());
-                convert::zeros(&slot.path, slot.dtype, &slot.dims)
-            }
-        };
+        let (device, taken) = as_kolo(grad, param, slot, self.reducer.copied());
+        self.state.devices[i] = Some(device);
         match taken {
             Ok(t) => self.state.tensors[i] = Some(t),
             Err(e) => {
@@ -396,9 +383,7 @@ impl Step {
     fn arrive<const D: usize>(&self, slot: usize, grad: Tensor<D>) {
         let path = &self.layout.slots[slot].path;
         let earlier = self
-            .accumulated
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
+            .earlier()
             .as_mut()
             .and_then(|e| e.remove::<D>(self.layout.slots[slot].id));
         let grad = match earlier {
