@@ -3,7 +3,9 @@
 //! Fast enough to run many random schedules; the real-MPI tests stay in
 //! `tests/collectives`.
 
-use std::time::Duration;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use crate::config::Config;
 use crate::error::Error;
@@ -13,8 +15,40 @@ use crate::transport::loopback::Loopback;
 use crate::transport::Transport;
 use crate::vocab::ReduceOp;
 
+/// Ends the test process if a step of a test (starting the ranks, running them) takes
+/// longer than [`LIMIT`]: an engine that hangs fails the run instead of blocking it.
+struct Watchdog(Arc<AtomicBool>);
+
+/// The longest one step of a loopback test may take.
+const LIMIT: Duration = Duration::from_secs(60);
+
+impl Watchdog {
+    fn new(what: &'static str) -> Watchdog {
+        let done = Arc::new(AtomicBool::new(false));
+        let flag = done.clone();
+        std::thread::spawn(move || {
+            let deadline = Instant::now() + LIMIT;
+            while !flag.load(Ordering::SeqCst) {
+                if Instant::now() > deadline {
+                    eprintln!("loopback test: {what} took longer than {LIMIT:?}; the engines hang");
+                    std::process::exit(1);
+                }
+                std::thread::sleep(Duration::from_millis(50));
+            }
+        });
+        Watchdog(done)
+    }
+}
+
+impl Drop for Watchdog {
+    fn drop(&mut self) {
+        self.0.store(true, Ordering::SeqCst);
+    }
+}
+
 /// Starts `size` in-process ranks (all at once: starting needs every rank).
 fn job(size: usize, config: impl Fn(usize) -> Config + Sync) -> Vec<Kolo> {
+    let _watchdog = Watchdog::new("starting the ranks");
     let ends = Loopback::job(size);
     std::thread::scope(|s| {
         let started: Vec<_> = ends
@@ -40,6 +74,7 @@ fn job(size: usize, config: impl Fn(usize) -> Config + Sync) -> Vec<Kolo> {
 
 /// Runs `f(rank, kolo)` on every rank at once and returns the results in rank order.
 fn on_every_rank<T: Send>(ranks: &[Kolo], f: impl Fn(usize, &Kolo) -> T + Sync) -> Vec<T> {
+    let _watchdog = Watchdog::new("running the ranks");
     std::thread::scope(|s| {
         let hs: Vec<_> = ranks
             .iter()
