@@ -1,17 +1,25 @@
-//! kolo against raw MPI, on the same data, in the same run.
+//! kolo against plain MPI, on the same data.
 //!
 //! `cargo bench --bench kolo_vs_mpi` launches itself under `mpirun -np 2` and then
 //! `-np 4` (`-- --np 2` for one size; `-- --quick` for fewer repetitions; `-- --only 3`
-//! for one scenario; `KOLO_BENCH_REPS=N` for N timed repetitions of each), prints a
-//! table of medians with kolo/raw ratios and writes the same to
-//! `target/kolo-bench-np<N>.json`. `scripts/run-bench.sh` sets OpenMPI up first.
+//! for one scenario; `KOLO_BENCH_REPS=N` timed repetitions per launch, default 9;
+//! `KOLO_BENCH_ROUNDS=N` launches of each side, default 3), prints a table of medians
+//! with ratios and writes the same to `target/kolo-bench-np<N>.json`.
+//! `scripts/run-bench.sh` sets OpenMPI up first.
 //!
-//! Each repetition runs kolo and every raw baseline once in turn (interleaved), so that
-//! both see the same machine load. The raw side calls MPI directly on MPI_COMM_WORLD
-//! (kolo uses its own duplicate of it), in place where the scenario says so. Inputs are
-//! prepared outside the timed region on both sides: what is timed is submission,
-//! negotiation, fusion and the collectives.
+//! **The baseline is a separate plain MPI program**: the same binary launched with
+//! `--plain`, which calls `MPI_Init` itself and never starts kolo (no engine thread, no
+//! `MPI_THREAD_MULTIPLE`), i.e. what a user would otherwise write. Kolo launches and
+//! plain launches alternate (`KOLO_BENCH_ROUNDS` of each, the order swapped every
+//! round), so that both see the same machine load over time. The kolo launches also
+//! time the same raw MPI calls inside the kolo process, with kolo's ways interleaved
+//! repetition by repetition; that column shows how much a live engine thread slows
+//! raw MPI in its own process, and is not the baseline.
+//!
+//! Inputs are prepared outside the timed region on both sides: what is timed is
+//! submission, negotiation, fusion and the collectives.
 
+use std::collections::BTreeMap;
 use std::ffi::c_void;
 use std::time::{Duration, Instant};
 
@@ -38,6 +46,16 @@ fn world() -> ffi::MPI_Comm {
 fn raw_barrier() {
     // SAFETY: a plain barrier on MPI_COMM_WORLD; kolo never uses that communicator.
     unsafe { ffi::MPI_Barrier(world()) };
+}
+
+fn world_rank_size() -> (usize, usize) {
+    let (mut rank, mut size) = (0, 0);
+    // SAFETY: MPI is initialised; both calls write one int each.
+    unsafe {
+        ffi::MPI_Comm_rank(world(), &mut rank);
+        ffi::MPI_Comm_size(world(), &mut size);
+    }
+    (rank as usize, size as usize)
 }
 
 /// MPI_Allgather of f32s: `out` holds `send.len()` elements per rank.
@@ -84,14 +102,14 @@ fn raw_allreduce(buf: &mut [f32], in_place: bool, scratch: &mut Vec<f32>) {
     }
 }
 
-fn median(v: &mut [f64]) -> f64 {
-    v.sort_by(|a, b| a.total_cmp(b));
-    v[v.len() / 2]
-}
-
-fn percentile(v: &mut [f64], p: f64) -> f64 {
+fn percentile(v: &[f64], p: f64) -> f64 {
+    let mut v = v.to_vec();
     v.sort_by(|a, b| a.total_cmp(b));
     v[((v.len() as f64 - 1.0) * p).round() as usize]
+}
+
+fn median(v: &[f64]) -> f64 {
+    percentile(v, 0.5)
 }
 
 /// One way of running a scenario (kolo, or a raw MPI baseline): an untimed setup
@@ -110,18 +128,17 @@ fn way<'a, T>(mut setup: impl FnMut() -> T + 'a, mut run: impl FnMut(T) + 'a) ->
 }
 
 /// Runs every way `warmup` times untimed, then `reps` rounds in which each way runs
-/// once in turn, and returns each way's times. Alternating kolo with raw MPI, rather
-/// than timing one in a block and then the other, exposes both to the same machine
-/// load: on this shared machine the load drifts within seconds.
-fn interleaved(reps: usize, warmup: usize, mut ways: Vec<Way<'_>>) -> Vec<Vec<f64>> {
-    for w in &mut ways {
+/// once in turn, and returns each way's times. Alternating the ways, rather than
+/// timing one in a block and then the next, exposes them to the same machine load.
+fn interleaved(reps: usize, warmup: usize, ways: &mut [(&'static str, Way<'_>)]) -> Vec<Vec<f64>> {
+    for (_, w) in ways.iter_mut() {
         for _ in 0..warmup {
             w();
         }
     }
     let mut times = vec![Vec::with_capacity(reps); ways.len()];
     for _ in 0..reps {
-        for (w, t) in ways.iter_mut().zip(&mut times) {
+        for ((_, w), t) in ways.iter_mut().zip(&mut times) {
             t.push(w());
         }
     }
@@ -136,49 +153,56 @@ fn cpu_seconds() -> f64 {
     tv(u.ru_utime) + tv(u.ru_stime)
 }
 
-struct Row {
-    scenario: String,
-    kolo: f64,
-    raw: f64,
-    raw_label: &'static str,
+/// Every timed sample of one launch, keyed `"<scenario>|<way>"`.
+type Samples = BTreeMap<String, Vec<f64>>;
+
+/// Runs the ways of scenario `n` (kolo's only when `k` is given) and records them.
+fn record(
+    samples: &mut Samples,
+    n: &str,
+    reps: usize,
+    warmup: usize,
+    mut ways: Vec<(&'static str, Way<'_>)>,
+) {
+    let times = interleaved(reps, warmup, &mut ways);
+    for ((label, _), t) in ways.iter().zip(times) {
+        samples.insert(format!("{n}|{label}"), t);
+    }
 }
 
-fn bench(k: &Kolo, quick: bool, only: Option<u32>) -> anyhow::Result<Vec<Row>> {
-    let reps = std::env::var("KOLO_BENCH_REPS")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(if quick { 5 } else { 15 });
+/// The scenarios. With `k` (a kolo rank) kolo's ways run interleaved with the raw
+/// ones; without (the plain MPI program) only the raw ways run.
+fn bench(k: Option<&Kolo>, reps: usize, quick: bool, only: Option<u32>) -> Samples {
     let run = |n: u32| only.is_none_or(|o| o == n);
-    let mut rows = Vec::new();
+    let mut samples = Samples::new();
+    let (_, size) = world_rank_size();
 
     // 1. Latency of one 4-byte allreduce.
     if run(1) {
         let n_lat = if quick { 200 } else { 2000 };
-        let kolo_way = way(
-            || Tensor::from_vec(vec![1.0f32], &[1]).expect("tensor"),
-            |t| {
-                k.allreduce("lat", t)
-                    .op(ReduceOp::Sum)
-                    .wait()
-                    .expect("allreduce");
-            },
-        );
-        let raw_way = way(
-            || [1.0f32],
-            |mut x| raw_allreduce(&mut x, true, &mut Vec::new()),
-        );
-        let [mut kolo_lat, mut raw_lat]: [Vec<f64>; 2] =
-            interleaved(n_lat, 50, vec![kolo_way, raw_way])
-                .try_into()
-                .expect("two ways");
-        for (p, label) in [(0.5, "p50"), (0.99, "p99")] {
-            rows.push(Row {
-                scenario: format!("1. 4-byte allreduce latency {label}"),
-                kolo: percentile(&mut kolo_lat, p),
-                raw: percentile(&mut raw_lat, p),
-                raw_label: "MPI_Allreduce in place",
-            });
+        let mut ways = Vec::new();
+        if let Some(k) = k {
+            ways.push((
+                "kolo",
+                way(
+                    || Tensor::from_vec(vec![1.0f32], &[1]).expect("tensor"),
+                    |t| {
+                        k.allreduce("lat", t)
+                            .op(ReduceOp::Sum)
+                            .wait()
+                            .expect("allreduce");
+                    },
+                ),
+            ));
         }
+        ways.push((
+            "raw",
+            way(
+                || [1.0f32],
+                |mut x| raw_allreduce(&mut x, true, &mut Vec::new()),
+            ),
+        ));
+        record(&mut samples, "1", n_lat, 50, ways);
     }
 
     // 2. 1000 tensors of 256 floats submitted async, then waited. Inputs are built
@@ -190,56 +214,51 @@ fn bench(k: &Kolo, quick: bool, only: Option<u32>) -> anyhow::Result<Vec<Row>> {
                 .map(|d| Tensor::from_vec(d.clone(), &[d.len()]).expect("tensor"))
                 .collect::<Vec<_>>()
         };
-        let kolo_way = way(tensors, |ts| {
-            let hs: Vec<_> = ts
-                .into_iter()
-                .enumerate()
-                .map(|(i, t)| {
-                    k.allreduce(format!("many.{i}"), t)
-                        .op(ReduceOp::Sum)
-                        .submit()
-                        .expect("submit")
-                })
-                .collect();
-            hs.into_iter().for_each(|h| drop(h.wait().expect("wait")));
-        });
-        let raw_way = way(
-            || data.clone(),
-            |mut d| {
-                for d in &mut d {
-                    raw_allreduce(d, true, &mut Vec::new());
-                }
-            },
-        );
-        // The same tensors as one grouped allreduce: one submit, one handle, one
-        // negotiation entry; how far batching the submits alone gets. Names are made
-        // in the timed region, as in the per-tensor way.
-        let group_way = way(tensors, |ts| {
-            let named = ts
-                .into_iter()
-                .enumerate()
-                .map(|(i, t)| (format!("many.{i}"), t))
-                .collect();
-            let outs = k.grouped_allreduce(named).op(ReduceOp::Sum).wait();
-            drop(outs.expect("grouped allreduce"));
-        });
-        let [mut kolo_many, mut raw_many, mut grouped]: [Vec<f64>; 3] =
-            interleaved(reps, 2, vec![kolo_way, raw_way, group_way])
-                .try_into()
-                .expect("three ways");
-        let raw = median(&mut raw_many);
-        rows.push(Row {
-            scenario: "2. 1000 x 256 f32, async".into(),
-            kolo: median(&mut kolo_many),
-            raw,
-            raw_label: "per-tensor loop in place",
-        });
-        rows.push(Row {
-            scenario: "2b. the same as one grouped_allreduce".into(),
-            kolo: median(&mut grouped),
-            raw,
-            raw_label: "per-tensor loop in place",
-        });
+        let mut ways = Vec::new();
+        if let Some(k) = k {
+            ways.push((
+                "kolo",
+                way(tensors, |ts| {
+                    let hs: Vec<_> = ts
+                        .into_iter()
+                        .enumerate()
+                        .map(|(i, t)| {
+                            k.allreduce(format!("many.{i}"), t)
+                                .op(ReduceOp::Sum)
+                                .submit()
+                                .expect("submit")
+                        })
+                        .collect();
+                    hs.into_iter().for_each(|h| drop(h.wait().expect("wait")));
+                }),
+            ));
+            // The same tensors as one grouped allreduce: one submit, one handle, one
+            // negotiation entry. Names are made in the timed region, as above.
+            ways.push((
+                "kolo grouped",
+                way(tensors, |ts| {
+                    let named = ts
+                        .into_iter()
+                        .enumerate()
+                        .map(|(i, t)| (format!("many.{i}"), t))
+                        .collect();
+                    let outs = k.grouped_allreduce(named).op(ReduceOp::Sum).wait();
+                    drop(outs.expect("grouped allreduce"));
+                }),
+            ));
+        }
+        ways.push((
+            "raw",
+            way(
+                || data.clone(),
+                |mut d| {
+                    for d in &mut d {
+                        raw_allreduce(d, true, &mut Vec::new());
+                    }
+                },
+            ),
+        ));
+        record(&mut samples, "2", reps, 2, ways);
     }
 
     // 3. The ResNet-50 gradient set, in reverse (backward) order.
@@ -252,20 +271,26 @@ fn bench(k: &Kolo, quick: bool, only: Option<u32>) -> anyhow::Result<Vec<Row>> {
                 .map(|g| Tensor::from_vec(g.clone(), &[g.len()]).expect("tensor"))
                 .collect::<Vec<_>>()
         };
-        let kolo_way = way(tensors, |ts| {
-            let hs: Vec<_> = ts
-                .into_iter()
-                .enumerate()
-                .rev()
-                .map(|(i, t)| {
-                    k.allreduce(format!("rn50.{i}"), t)
-                        .op(ReduceOp::Sum)
-                        .submit()
-                        .expect("submit")
-                })
-                .collect();
-            hs.into_iter().for_each(|h| drop(h.wait().expect("wait")));
-        });
+        let mut ways = Vec::new();
+        if let Some(k) = k {
+            ways.push((
+                "kolo",
+                way(tensors, |ts| {
+                    let hs: Vec<_> = ts
+                        .into_iter()
+                        .enumerate()
+                        .rev()
+                        .map(|(i, t)| {
+                            k.allreduce(format!("rn50.{i}"), t)
+                                .op(ReduceOp::Sum)
+                                .submit()
+                                .expect("submit")
+                        })
+                        .collect();
+                    hs.into_iter().for_each(|h| drop(h.wait().expect("wait")));
+                }),
+            ));
+        }
         let per_tensor = |in_place: bool| {
             let mut scratch = Vec::new();
             way(
@@ -279,48 +304,36 @@ fn bench(k: &Kolo, quick: bool, only: Option<u32>) -> anyhow::Result<Vec<Row>> {
         };
         let total: usize = sizes.iter().sum();
         let mut packed = vec![0.5f32; total];
-        let packed_way = way(
-            || (),
-            |()| raw_allreduce(&mut packed, true, &mut Vec::new()),
-        );
-        let [mut kolo_rn, mut raw_in, mut raw_out, mut raw_packed]: [Vec<f64>; 4] = interleaved(
-            reps,
-            2,
-            vec![kolo_way, per_tensor(true), per_tensor(false), packed_way],
-        )
-        .try_into()
-        .expect("four ways");
-        let kolo_rn = median(&mut kolo_rn);
-        for (label, raw) in [
-            ("per-tensor loop in place", median(&mut raw_in)),
-            ("per-tensor loop out of place", median(&mut raw_out)),
-            ("one pre-packed allreduce in place", median(&mut raw_packed)),
-        ] {
-            rows.push(Row {
-                scenario: format!(
-                    "3. ResNet-50 set ({} tensors, {:.2} M floats)",
-                    sizes.len(),
-                    total as f64 / 1e6
-                ),
-                kolo: kolo_rn,
-                raw,
-                raw_label: label,
-            });
-        }
+        ways.push(("raw in place", per_tensor(true)));
+        ways.push(("raw out of place", per_tensor(false)));
+        ways.push((
+            "raw packed",
+            way(
+                || (),
+                move |()| raw_allreduce(&mut packed, true, &mut Vec::new()),
+            ),
+        ));
+        record(&mut samples, "3", reps, 2, ways);
     }
 
     // 4. One 64 MiB tensor.
     if run(4) {
         let big = vec![0.25f32; 16 << 20];
-        let kolo_way = way(
-            || Tensor::from_vec(big.clone(), &[big.len()]).expect("tensor"),
-            |t| {
-                k.allreduce("big", t)
-                    .op(ReduceOp::Sum)
-                    .wait()
-                    .expect("allreduce");
-            },
-        );
+        let mut ways = Vec::new();
+        if let Some(k) = k {
+            ways.push((
+                "kolo",
+                way(
+                    || Tensor::from_vec(big.clone(), &[big.len()]).expect("tensor"),
+                    |t| {
+                        k.allreduce("big", t)
+                            .op(ReduceOp::Sum)
+                            .wait()
+                            .expect("allreduce");
+                    },
+                ),
+            ));
+        }
         let raw_way = |in_place: bool| {
             let mut scratch = Vec::new();
             way(
@@ -328,93 +341,75 @@ fn bench(k: &Kolo, quick: bool, only: Option<u32>) -> anyhow::Result<Vec<Row>> {
                 move |mut b: Vec<f32>| raw_allreduce(&mut b, in_place, &mut scratch),
             )
         };
-        let [mut kolo_big, mut raw_in, mut raw_out]: [Vec<f64>; 3] =
-            interleaved(reps, 1, vec![kolo_way, raw_way(true), raw_way(false)])
-                .try_into()
-                .expect("three ways");
-        let kolo_big = median(&mut kolo_big);
-        for (raw, label) in [
-            (&mut raw_in, "MPI_Allreduce in place"),
-            (&mut raw_out, "MPI_Allreduce out of place"),
-        ] {
-            rows.push(Row {
-                scenario: "4. one 64 MiB f32 tensor".into(),
-                kolo: kolo_big,
-                raw: median(raw),
-                raw_label: label,
-            });
-        }
+        ways.push(("raw in place", raw_way(true)));
+        ways.push(("raw out of place", raw_way(false)));
+        record(&mut samples, "4", reps, 1, ways);
     }
 
     // 6. 1000 small allgathers (64 f32 per rank each) submitted async, then waited;
-    // kolo fuses them into a few MPI_Allgatherv calls. Inputs built outside the timing.
+    // kolo fuses them into a few MPI_Allgatherv calls.
     if run(6) {
-        let size = k.size();
         let data: Vec<Vec<f32>> = (0..1000).map(|i| vec![i as f32; 64]).collect();
         let tensors = || {
             data.iter()
                 .map(|d| Tensor::from_vec(d.clone(), &[1, d.len()]).expect("tensor"))
                 .collect::<Vec<_>>()
         };
-        let kolo_way = way(tensors, |ts| {
-            let hs: Vec<_> = ts
-                .into_iter()
-                .enumerate()
-                .map(|(i, t)| k.allgather(format!("ag.{i}"), t).submit().expect("submit"))
-                .collect();
-            hs.into_iter().for_each(|h| drop(h.wait().expect("wait")));
-        });
+        let mut ways = Vec::new();
+        if let Some(k) = k {
+            ways.push((
+                "kolo",
+                way(tensors, |ts| {
+                    let hs: Vec<_> = ts
+                        .into_iter()
+                        .enumerate()
+                        .map(|(i, t)| k.allgather(format!("ag.{i}"), t).submit().expect("submit"))
+                        .collect();
+                    hs.into_iter().for_each(|h| drop(h.wait().expect("wait")));
+                }),
+            ));
+        }
         let mut out = vec![0f32; 64 * size];
-        let raw_way = way(
-            || (),
-            |()| {
-                for d in &data {
-                    raw_allgather(d, &mut out);
-                }
-            },
-        );
-        let [mut kolo_ag, mut raw_ag]: [Vec<f64>; 2] =
-            interleaved(reps, 2, vec![kolo_way, raw_way])
-                .try_into()
-                .expect("two ways");
-        rows.push(Row {
-            scenario: "6. 1000 x 64 f32 allgather, async".into(),
-            kolo: median(&mut kolo_ag),
-            raw: median(&mut raw_ag),
-            raw_label: "per-tensor MPI_Allgather loop",
-        });
+        let data = &data;
+        ways.push((
+            "raw",
+            way(
+                || (),
+                move |()| {
+                    for d in data {
+                        raw_allgather(d, &mut out);
+                    }
+                },
+            ),
+        ));
+        record(&mut samples, "6", reps, 2, ways);
     }
 
-    // 5. Engine CPU: idle, and waiting for a rank that sleeps 2 s.
-    if run(5) {
+    // 5. Engine CPU: idle, and waiting for a rank that sleeps 2 s (kolo only).
+    if let (true, Some(k)) = (run(5), k) {
         let idle = if quick { 2.0 } else { 10.0 };
         raw_barrier();
         let c0 = cpu_seconds();
         std::thread::sleep(Duration::from_secs_f64(idle));
-        let idle_cpu = (cpu_seconds() - c0) / idle;
+        samples.insert("5|idle".into(), vec![(cpu_seconds() - c0) / idle]);
         raw_barrier();
         let c0 = cpu_seconds();
         let t0 = Instant::now();
         if k.rank() == 1 {
             std::thread::sleep(Duration::from_secs(2));
         }
-        k.allreduce("late", Tensor::from_vec(vec![1.0f32], &[1])?)
-            .wait()?;
-        let wait_cpu = (cpu_seconds() - c0) / t0.elapsed().as_secs_f64();
-        rows.push(Row {
-            scenario: format!("5. process CPU while idle {idle:.0} s (fraction of a core)"),
-            kolo: idle_cpu,
-            raw: 0.0,
-            raw_label: "-",
-        });
-        rows.push(Row {
-            scenario: "5. rank 0 CPU while waiting 2 s for rank 1 (fraction of a core)".into(),
-            kolo: wait_cpu,
-            raw: 0.0,
-            raw_label: "-",
-        });
+        k.allreduce(
+            "late",
+            Tensor::from_vec(vec![1.0f32], &[1]).expect("tensor"),
+        )
+        .wait()
+        .expect("allreduce");
+        samples.insert(
+            "5|wait".into(),
+            vec![(cpu_seconds() - c0) / t0.elapsed().as_secs_f64()],
+        );
     }
-    Ok(rows)
+    samples
 }
 
 /// `KOLO_BENCH_RESNET=<reps>`: only the ResNet-50 set, under whatever KOLO_* settings
@@ -465,7 +460,7 @@ fn resnet_worker(reps: usize) -> anyhow::Result<()> {
         let s = k.autotune_state();
         println!(
             "RESNET_MS {:.3} tuning_steps {tuning_steps} threshold {} cycle_us {} cache {}",
-            median(&mut times) * 1e3,
+            median(&times) * 1e3,
             s.fusion_threshold,
             s.cycle_time.as_micros(),
             s.cache_enabled
@@ -475,58 +470,242 @@ fn resnet_worker(reps: usize) -> anyhow::Result<()> {
     Ok(())
 }
 
-fn worker(quick: bool, only: Option<u32>) -> anyhow::Result<()> {
-    let k = kolo::init()?;
-    let rows = bench(&k, quick, only)?;
-    if k.rank() == 0 {
-        let np = k.size();
-        println!("\nkolo vs raw MPI, np={np}, medians (rank 0's clock)");
-        println!(
-            "{:<62} {:>11} {:>11} {:>7}  raw MPI baseline",
-            "scenario", "kolo", "raw", "ratio"
-        );
-        let mut json = Vec::new();
-        for r in &rows {
-            let cpu = r.raw_label == "-";
-            let (kolo, raw, ratio) = if cpu {
-                (format!("{:.4}", r.kolo), "-".to_string(), "-".to_string())
-            } else {
-                (
-                    common::fmt_time(r.kolo),
-                    common::fmt_time(r.raw),
-                    format!("{:.2}", r.kolo / r.raw),
-                )
-            };
-            println!(
-                "{:<62} {kolo:>11} {raw:>11} {ratio:>7}  {}",
-                r.scenario, r.raw_label
-            );
-            json.push(format!(
-                "  {{\"scenario\": {:?}, \"kolo\": {}, \"raw\": {}, \"raw_baseline\": {:?}, \"ratio\": {}}}",
-                r.scenario,
-                r.kolo,
-                r.raw,
-                r.raw_label,
-                if cpu { "null".to_string() } else { format!("{}", r.kolo / r.raw) }
-            ));
-        }
-        let path = format!(
-            "{}/kolo-bench-np{np}.json",
-            env!("CARGO_TARGET_TMPDIR").trim_end_matches("/tmp")
-        );
-        std::fs::write(&path, format!("[\n{}\n]\n", json.join(",\n")))?;
-        println!("written to {path}");
+/// Options every launch is given.
+struct Opts {
+    quick: bool,
+    only: Option<u32>,
+    reps: usize,
+}
+
+/// One rank of a launch: a kolo rank, or (`plain`) a plain MPI program. Rank 0
+/// writes the samples to `KOLO_BENCH_OUT`.
+fn worker(plain: bool, o: &Opts) -> anyhow::Result<()> {
+    let out = std::env::var("KOLO_BENCH_OUT").unwrap_or_else(|_| "/dev/null".into());
+    let samples = if plain {
+        let universe =
+            mpi::initialize().ok_or_else(|| anyhow::anyhow!("MPI was already initialised"))?;
+        let samples = bench(None, o.reps, o.quick, o.only);
+        drop(universe);
+        samples
+    } else {
+        let k = kolo::init()?;
+        let samples = bench(Some(&k), o.reps, o.quick, o.only);
+        k.shutdown()?;
+        samples
+    };
+    if launched_as_rank_zero() {
+        std::fs::write(&out, serde_json::to_string(&samples)?)?;
     }
-    k.shutdown()?;
     Ok(())
+}
+
+/// Rank 0, by mpirun's environment (MPI is finalised by the time it is asked).
+fn launched_as_rank_zero() -> bool {
+    std::env::var("OMPI_COMM_WORLD_RANK").map_or(true, |r| r == "0")
+}
+
+/// One table row: which samples it compares and how.
+struct Row {
+    scenario: &'static str,
+    kolo: &'static str,
+    raw: &'static str,
+    baseline: &'static str,
+    /// The percentile reported (0.5 = median).
+    p: f64,
+}
+
+const ROWS: &[Row] = &[
+    Row {
+        scenario: "1. 4-byte allreduce latency p50",
+        kolo: "1|kolo",
+        raw: "1|raw",
+        baseline: "MPI_Allreduce in place",
+        p: 0.5,
+    },
+    Row {
+        scenario: "1. 4-byte allreduce latency p99",
+        kolo: "1|kolo",
+        raw: "1|raw",
+        baseline: "MPI_Allreduce in place",
+        p: 0.99,
+    },
+    Row {
+        scenario: "2. 1000 x 256 f32, async",
+        kolo: "2|kolo",
+        raw: "2|raw",
+        baseline: "per-tensor loop in place",
+        p: 0.5,
+    },
+    Row {
+        scenario: "2b. the same as one grouped_allreduce",
+        kolo: "2|kolo grouped",
+        raw: "2|raw",
+        baseline: "per-tensor loop in place",
+        p: 0.5,
+    },
+    Row {
+        scenario: "3. ResNet-50 set (161 tensors, 25.56 M floats)",
+        kolo: "3|kolo",
+        raw: "3|raw in place",
+        baseline: "per-tensor loop in place",
+        p: 0.5,
+    },
+    Row {
+        scenario: "3. ResNet-50 set (161 tensors, 25.56 M floats)",
+        kolo: "3|kolo",
+        raw: "3|raw out of place",
+        baseline: "per-tensor loop out of place",
+        p: 0.5,
+    },
+    Row {
+        scenario: "3. ResNet-50 set (161 tensors, 25.56 M floats)",
+        kolo: "3|kolo",
+        raw: "3|raw packed",
+        baseline: "one pre-packed allreduce in place",
+        p: 0.5,
+    },
+    Row {
+        scenario: "4. one 64 MiB f32 tensor",
+        kolo: "4|kolo",
+        raw: "4|raw in place",
+        baseline: "MPI_Allreduce in place",
+        p: 0.5,
+    },
+    Row {
+        scenario: "4. one 64 MiB f32 tensor",
+        kolo: "4|kolo",
+        raw: "4|raw out of place",
+        baseline: "MPI_Allreduce out of place",
+        p: 0.5,
+    },
+    Row {
+        scenario: "6. 1000 x 64 f32 allgather, async",
+        kolo: "6|kolo",
+        raw: "6|raw",
+        baseline: "per-tensor MPI_Allgather loop",
+        p: 0.5,
+    },
+];
+
+/// Every launch's samples of `key`, and the percentile over all of them.
+fn pooled(launches: &[Samples], key: &str, p: f64) -> Option<f64> {
+    let all: Vec<f64> = launches
+        .iter()
+        .filter_map(|s| s.get(key))
+        .flatten()
+        .copied()
+        .collect();
+    (!all.is_empty()).then(|| percentile(&all, p))
+}
+
+/// Prints the table for one np and writes it as JSON.
+fn report(np: &str, kolo: &[Samples], plain: &[Samples]) -> anyhow::Result<()> {
+    println!(
+        "\nkolo vs plain MPI, np={np}, {} launches of each, medians over all (rank 0's clock)",
+        kolo.len()
+    );
+    println!(
+        "{:<48} {:>10} {:>10} {:>6} {:>13} {:>10} {:>6}  baseline",
+        "scenario", "kolo", "plain MPI", "ratio", "[range]", "raw in kolo", "ratio"
+    );
+    let mut json = Vec::new();
+    for r in ROWS {
+        let (Some(kv), Some(pv)) = (pooled(kolo, r.kolo, r.p), pooled(plain, r.raw, r.p)) else {
+            continue;
+        };
+        let per_launch: Vec<f64> = kolo
+            .iter()
+            .zip(plain)
+            .filter_map(|(k, p)| {
+                Some(percentile(k.get(r.kolo)?, r.p) / percentile(p.get(r.raw)?, r.p))
+            })
+            .collect();
+        let lo = per_launch.iter().copied().fold(f64::INFINITY, f64::min);
+        let hi = per_launch.iter().copied().fold(0.0, f64::max);
+        let inproc = pooled(kolo, r.raw, r.p).unwrap_or(f64::NAN);
+        println!(
+            "{:<48} {:>10} {:>10} {:>6.2} {:>13} {:>10} {:>6.2}  {}",
+            r.scenario,
+            common::fmt_time(kv),
+            common::fmt_time(pv),
+            kv / pv,
+            format!("[{lo:.2}-{hi:.2}]"),
+            common::fmt_time(inproc),
+            kv / inproc,
+            r.baseline
+        );
+        json.push(serde_json::json!({
+            "scenario": r.scenario, "baseline": r.baseline, "kolo": kv, "plain_mpi": pv,
+            "ratio": kv / pv, "ratio_min": lo, "ratio_max": hi,
+            "raw_in_kolo_process": inproc, "ratio_in_kolo_process": kv / inproc,
+        }));
+    }
+    for (key, what) in [
+        (
+            "5|idle",
+            "5. kolo process CPU while idle (fraction of a core)",
+        ),
+        (
+            "5|wait",
+            "5. rank 0 CPU while waiting 2 s for rank 1 (fraction of a core)",
+        ),
+    ] {
+        if let Some(v) = pooled(kolo, key, 0.5) {
+            println!("{what:<48} {v:>10.4}");
+            json.push(serde_json::json!({ "scenario": what, "kolo": v }));
+        }
+    }
+    let path = format!(
+        "{}/kolo-bench-np{np}.json",
+        env!("CARGO_TARGET_TMPDIR").trim_end_matches("/tmp")
+    );
+    std::fs::write(&path, serde_json::to_string_pretty(&json)?)?;
+    println!("written to {path}");
+    Ok(())
+}
+
+/// Launches one side under mpirun and returns rank 0's samples.
+fn launch(np: &str, plain: bool, o: &Opts, round: usize) -> anyhow::Result<Samples> {
+    let exe = std::env::current_exe()?;
+    let out = std::path::PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(format!(
+        "kolo-bench-{}-np{np}-{round}.json",
+        if plain { "plain" } else { "kolo" }
+    ));
+    let _ = std::fs::remove_file(&out);
+    let mut cmd = std::process::Command::new("mpirun");
+    cmd.args(["-np", np, "--bind-to", "none"]).arg(&exe);
+    // The same defaults as the tests' launcher, so that a bare `cargo bench` works.
+    harness::mpi_env(&mut cmd);
+    cmd.env("KOLO_BENCH_OUT", &out)
+        .env("KOLO_BENCH_REPS", o.reps.to_string());
+    if plain {
+        cmd.arg("--plain");
+    }
+    if o.quick {
+        cmd.arg("--quick");
+    }
+    if let Some(n) = o.only {
+        cmd.args(["--only", &n.to_string()]);
+    }
+    let status = cmd.status()?;
+    anyhow::ensure!(
+        status.success(),
+        "mpirun -np {np} ({}) failed: {status}",
+        if plain { "plain MPI" } else { "kolo" }
+    );
+    Ok(serde_json::from_str(&std::fs::read_to_string(&out)?)?)
+}
+
+fn env_usize(name: &str) -> Option<usize> {
+    std::env::var(name).ok().and_then(|v| v.parse().ok())
 }
 
 fn main() -> anyhow::Result<()> {
     let args: Vec<String> = std::env::args().collect();
     // `cargo bench` passes --bench; `cargo test --all-targets` runs this binary without
     // it: then only a short smoke run checks that the benchmark still works.
-    let smoke =
-        !args.iter().any(|a| a == "--bench") && std::env::var_os("OMPI_COMM_WORLD_SIZE").is_none();
+    let under_mpirun = std::env::var_os("OMPI_COMM_WORLD_SIZE").is_some();
+    let smoke = !args.iter().any(|a| a == "--bench") && !under_mpirun;
     let quick = smoke || args.iter().any(|a| a == "--quick");
     let only = args
         .iter()
@@ -534,34 +713,41 @@ fn main() -> anyhow::Result<()> {
         .and_then(|i| args.get(i + 1))
         .and_then(|v| v.parse().ok())
         .or(if smoke { Some(1) } else { None });
-    if std::env::var_os("OMPI_COMM_WORLD_SIZE").is_some() {
-        if let Some(reps) = std::env::var("KOLO_BENCH_RESNET")
-            .ok()
-            .and_then(|v| v.parse().ok())
-        {
+    let opts = Opts {
+        quick,
+        only,
+        reps: env_usize("KOLO_BENCH_REPS").unwrap_or(if quick { 5 } else { 9 }),
+    };
+    if under_mpirun {
+        if let Some(reps) = env_usize("KOLO_BENCH_RESNET") {
             return resnet_worker(reps);
         }
-        return worker(quick, only);
+        return worker(args.iter().any(|a| a == "--plain"), &opts);
     }
     let nps: Vec<String> = match args.iter().position(|a| a == "--np") {
         Some(i) => vec![args.get(i + 1).cloned().unwrap_or_else(|| "2".into())],
         None if smoke => vec!["2".into()],
         None => vec!["2".into(), "4".into()],
     };
-    let exe = std::env::current_exe()?;
+    let rounds = env_usize("KOLO_BENCH_ROUNDS").unwrap_or(if quick { 1 } else { 3 });
     for np in nps {
-        let mut cmd = std::process::Command::new("mpirun");
-        cmd.args(["-np", &np, "--bind-to", "none"]).arg(&exe);
-        // The same defaults as the tests' launcher, so that a bare `cargo bench` works.
-        harness::mpi_env(&mut cmd);
-        if quick {
-            cmd.arg("--quick");
+        let (mut kolo, mut plain) = (Vec::new(), Vec::new());
+        for round in 0..rounds {
+            // Alternate which side goes first, so neither always meets a warmer machine.
+            for side_plain in if round % 2 == 0 {
+                [false, true]
+            } else {
+                [true, false]
+            } {
+                let s = launch(&np, side_plain, &opts, round)?;
+                if side_plain {
+                    plain.push(s)
+                } else {
+                    kolo.push(s)
+                }
+            }
         }
-        if let Some(o) = only {
-            cmd.args(["--only", &o.to_string()]);
-        }
-        let status = cmd.status()?;
-        anyhow::ensure!(status.success(), "mpirun -np {np} failed: {status}");
+        report(&np, &kolo, &plain)?;
     }
     Ok(())
 }
