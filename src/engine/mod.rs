@@ -39,6 +39,9 @@ use timeline::Timeline;
 /// see what the others are waiting for (so stalls name the missing ranks) and notice a
 /// rank that left, at a cost of a few microseconds ten times a second.
 const HEARTBEAT: Duration = Duration::from_millis(100);
+/// How long an engine that has just run ops looks for the next submit before it
+/// sleeps on the queue.
+const ENGINE_SPIN: Duration = Duration::from_micros(50);
 
 /// How often an engine with ops in flight on the GPU checks their events.
 #[cfg(feature = "nccl")]
@@ -417,6 +420,13 @@ impl Engine {
             return;
         }
         if !self.inbox.has_work() {
+            // Right after a cycle that did something, the next submit usually follows
+            // within microseconds (a training loop's next tensor): look for it briefly
+            // before sleeping.
+            if self.last_cycle_had_news && self.inbox.queue.spin_for_command(ENGINE_SPIN) {
+                self.inbox.drain();
+                return;
+            }
             self.inbox.wait_for_work(HEARTBEAT);
         } else if !self.last_cycle_had_news {
             self.inbox.wait_for_work(self.config.cycle_time);
