@@ -103,8 +103,6 @@ pub(crate) fn run(
     }
     let mark_cycles = config.timeline_mark_cycles;
     let mut engine = Engine {
-        negotiator: Negotiator::new(topology.size),
-        stall: StallInspector::new(&config, topology.rank),
         inbox: Inbox {
             queue,
             taken: Vec::new(),
@@ -116,25 +114,33 @@ pub(crate) fn run(
             timeline_requests: Vec::new(),
         },
         transport,
+        control: Control {
+            negotiator: Negotiator::new(topology.size),
+            cache: ResponseCache::new(agreed.cache_capacity),
+            stall: StallInspector::new(&config, topology.rank),
+            stall_abort: false,
+            next_demotion_scan: Instant::now(),
+            last_cycle_had_news: false,
+            agreed,
+        },
         config,
-        cache: ResponseCache::new(agreed.cache_capacity),
-        agreed,
-        fusion_buffer: FusionBuffer::default(),
-        last_cycle_had_news: false,
-        stall_abort: false,
-        timeline: Timeline::new(topology.rank, mark_cycles),
-        ready_at: Instant::now(),
-        #[cfg(feature = "nccl")]
-        gpu: gpu::Gpu::default(),
-        cache_capacity_on: tuner
-            .as_ref()
-            .map_or(agreed.cache_capacity, Tuner::cache_capacity_on)
-            .max(agreed.cache_capacity),
-        tuner,
-        pending_tuning: None,
+        exec: Executor {
+            fusion_buffer: FusionBuffer::default(),
+            timeline: Timeline::new(topology.rank, mark_cycles),
+            ready_at: Instant::now(),
+            #[cfg(feature = "nccl")]
+            gpu: gpu::Gpu::default(),
+        },
+        tuning: Tuning {
+            cache_capacity_on: tuner
+                .as_ref()
+                .map_or(agreed.cache_capacity, Tuner::cache_capacity_on)
+                .max(agreed.cache_capacity),
+            tuner,
+            pending: None,
+            state: autotune,
+        },
         cycles: 0,
-        autotune,
-        next_demotion_scan: Instant::now(),
         #[cfg(feature = "fault-injection")]
         fault_panic: std::env::var("KOLO_FAULT_ENGINE_PANIC_RANK")
             .ok()
@@ -147,7 +153,7 @@ pub(crate) fn run(
         .as_deref()
         .and_then(|p| timeline::path_for_rank(p, topology.rank))
     {
-        if let Err(e) = engine.timeline.start(&path) {
+        if let Err(e) = engine.exec.timeline.start(&path) {
             tracing::warn!(path = %path.display(), error = %e, "cannot write the timeline; continuing without it");
         }
     }
@@ -320,40 +326,62 @@ fn stopped(meta: &RequestMeta, rank: usize, reason: &str) -> Error {
     Error::engine_stopped(meta.kind.name(), &*meta.key, rank, reason)
 }
 
+/// One rank's engine: the inbox of local requests, the negotiation state, the
+/// executor and the tuner, around the transport they share.
 struct Engine {
     transport: Box<dyn Transport>,
     config: Config,
-    negotiator: Negotiator,
-    stall: StallInspector,
     inbox: Inbox,
-    agreed: Agreed,
+    control: Control,
+    exec: Executor,
+    tuning: Tuning,
+    /// Negotiation cycles run so far (the same count on every rank).
+    cycles: u64,
+    /// Test-only: panic this engine thread after two cycles.
+    #[cfg(feature = "fault-injection")]
+    fault_panic: bool,
+}
+
+/// What negotiation keeps between cycles, beyond the inbox: what every rank has
+/// asked for, the response cache, the settings every rank agreed on, and the stall
+/// inspector.
+struct Control {
+    negotiator: Negotiator,
     cache: ResponseCache,
-    fusion_buffer: FusionBuffer,
-    last_cycle_had_news: bool,
+    agreed: Agreed,
+    stall: StallInspector,
     /// Tell the other ranks in the next cycle that the stall shutdown time has passed.
     stall_abort: bool,
+    /// When `announce_cached` next looks for requests waiting long enough to be
+    /// announced in full.
+    next_demotion_scan: Instant,
+    /// The last cycle made a response ready or carried a new request.
+    last_cycle_had_news: bool,
+}
+
+/// What running agreed responses needs besides the transport: the fusion buffer, the
+/// GPU plane and the timeline.
+struct Executor {
+    fusion_buffer: FusionBuffer,
     timeline: Timeline,
     /// When the responses being run became ready (the end of their cycle).
     ready_at: Instant,
     /// Ops on CUDA tensors (NCCL).
     #[cfg(feature = "nccl")]
     gpu: gpu::Gpu,
+}
+
+/// The autotuner's side: rank 0's tuner, settings on their way to every rank, and
+/// the settings in effect as `Kolo::autotune_state` reports them.
+struct Tuning {
     /// Rank 0's autotuner (None elsewhere or when off).
     tuner: Option<Tuner>,
     /// Settings from the tuner to send in the next cycle.
-    pending_tuning: Option<Settings>,
+    pending: Option<Settings>,
     /// The response cache's capacity when the tuner turns it on.
     cache_capacity_on: usize,
-    /// Negotiation cycles run so far (the same count on every rank).
-    cycles: u64,
     /// The settings in effect, for `Kolo::autotune_state`.
-    autotune: Arc<Mutex<AutotuneState>>,
-    /// When `announce_cached` next looks for requests waiting long enough to be
-    /// announced in full.
-    next_demotion_scan: Instant,
-    /// Test-only: panic this engine thread after two cycles.
-    #[cfg(feature = "fault-injection")]
-    fault_panic: bool,
+    state: Arc<Mutex<AutotuneState>>,
 }
 
 impl Engine {
@@ -423,12 +451,12 @@ impl Engine {
             // Right after a cycle that did something, the next submit usually follows
             // within microseconds (a training loop's next tensor): look for it briefly
             // before sleeping.
-            if self.last_cycle_had_news && self.inbox.queue.spin_for_command(ENGINE_SPIN) {
+            if self.control.last_cycle_had_news && self.inbox.queue.spin_for_command(ENGINE_SPIN) {
                 self.inbox.drain();
                 return;
             }
             self.inbox.wait_for_work(HEARTBEAT);
-        } else if !self.last_cycle_had_news {
+        } else if !self.control.last_cycle_had_news {
             self.inbox.wait_for_work(self.config.cycle_time);
         }
     }
@@ -437,9 +465,9 @@ impl Engine {
     /// their events fire instead of cycling.
     #[cfg(feature = "nccl")]
     fn wait_for_gpu(&mut self) {
-        self.gpu.poll();
+        self.exec.gpu.poll();
         let start = Instant::now();
-        while self.gpu.busy()
+        while self.exec.gpu.busy()
             && !self.inbox.shutting_down
             && self.inbox.outgoing.is_empty()
             && !abort_requested()
@@ -451,7 +479,7 @@ impl Engine {
             } else {
                 self.inbox.wait_for_work(GPU_POLL);
             }
-            self.gpu.poll();
+            self.exec.gpu.poll();
         }
     }
 
@@ -465,14 +493,18 @@ impl Engine {
     /// served even after collectives have stopped.
     fn timeline_request(&mut self, path: Option<std::path::PathBuf>) -> Result<()> {
         match path {
-            Some(p) => self.timeline.start(&p).map_err(|e| Error::InvalidArgument {
-                op: "start_timeline",
-                name: p.display().to_string(),
-                message: format!("cannot write the timeline: {e}"),
-                tensors: Vec::new(),
-            }),
+            Some(p) => self
+                .exec
+                .timeline
+                .start(&p)
+                .map_err(|e| Error::InvalidArgument {
+                    op: "start_timeline",
+                    name: p.display().to_string(),
+                    message: format!("cannot write the timeline: {e}"),
+                    tensors: Vec::new(),
+                }),
             None => {
-                self.timeline.stop();
+                self.exec.timeline.stop();
                 Ok(())
             }
         }
@@ -483,7 +515,7 @@ impl Engine {
     fn cycle(&mut self) -> Result<Option<usize>> {
         let cycle_start = Instant::now();
         self.cycles += 1;
-        self.timeline.cycle_start(cycle_start);
+        self.exec.timeline.cycle_start(cycle_start);
         let (responses, tuning) = match self.negotiate()? {
             Negotiation::RankLeft(left) => return Ok(Some(left)),
             Negotiation::Ready { responses, tuning } => (responses, tuning),
@@ -497,7 +529,7 @@ impl Engine {
     /// Negotiation: the cache-bit agreement and the full exchange as needed, then the
     /// responses every rank runs, in the same order everywhere.
     fn negotiate(&mut self) -> Result<Negotiation> {
-        let use_cache = self.cache.enabled() && !self.negotiator.any_joined();
+        let use_cache = self.control.cache.enabled() && !self.control.negotiator.any_joined();
         if use_cache {
             self.announce_cached();
         } else {
@@ -517,12 +549,12 @@ impl Engine {
             // demoted by the stall inspector): forget the slot everywhere.
             for m in &msgs {
                 for r in &m.requests {
-                    if let Some(slot) = self.cache.invalidate(&r.key) {
+                    if let Some(slot) = self.control.cache.invalidate(&r.key) {
                         stale.push(slot);
                     }
                 }
             }
-            match self.negotiator.handle(&msgs, now) {
+            match self.control.negotiator.handle(&msgs, now) {
                 Outcome::RankLeft(left) => {
                     self.inbox.fail_all(|m| Error::RankLeft {
                         op: m.kind.name(),
@@ -536,11 +568,11 @@ impl Engine {
                     return Err(Error::Stalled { report });
                 }
                 Outcome::Responses(negotiated) => {
-                    let cache_new = use_cache && !self.negotiator.any_joined();
+                    let cache_new = use_cache && !self.control.negotiator.any_joined();
                     for r in &negotiated {
                         if let Response::Run(ready) = r {
                             if cache_new && ResponseCache::cacheable(ready.kind) {
-                                if let Some(slot) = self.cache.insert(ready.metas.clone()) {
+                                if let Some(slot) = self.control.cache.insert(ready.metas.clone()) {
                                     stale.push(slot);
                                 }
                             }
@@ -554,7 +586,7 @@ impl Engine {
         for slot in stale {
             self.inbox.announce_in_full(slot);
         }
-        self.last_cycle_had_news =
+        self.control.last_cycle_had_news =
             !responses.is_empty() || msgs.iter().any(|m| !m.requests.is_empty());
         tracing::trace!(
             rank = self.inbox.rank,
@@ -577,9 +609,9 @@ impl Engine {
         }
         let has_full = !self.inbox.outgoing.is_empty()
             || self.inbox.shutting_down
-            || self.stall_abort
-            || self.pending_tuning.is_some();
-        let mut words = vec![0u64; 1 + self.cache.words()];
+            || self.control.stall_abort
+            || self.tuning.pending.is_some();
+        let mut words = vec![0u64; 1 + self.control.cache.words()];
         words[0] = u64::from(!has_full);
         for &slot in self.inbox.announced.keys() {
             cache::set_bit(&mut words[1..], slot);
@@ -597,8 +629,8 @@ impl Engine {
         let msg = CycleMsg {
             requests,
             shutdown: self.inbox.shutting_down,
-            stall_abort: self.stall_abort,
-            tuning: self.pending_tuning.take(),
+            stall_abort: self.control.stall_abort,
+            tuning: self.tuning.pending.take(),
         };
         self.full_exchange(&msg)
     }
@@ -607,7 +639,7 @@ impl Engine {
     fn cached_responses(&mut self, slots: Vec<usize>) -> Result<Vec<Response>> {
         let mut responses = Vec::with_capacity(slots.len());
         for slot in slots {
-            let Some((metas, key, kind)) = self.cache.metas(slot).and_then(|metas| {
+            let Some((metas, key, kind)) = self.control.cache.metas(slot).and_then(|metas| {
                 let first = metas.iter().flatten().next()?;
                 Some((metas.clone(), first.key.clone(), first.kind))
             }) else {
@@ -615,7 +647,7 @@ impl Engine {
                     "cache slot {slot} agreed but empty"
                 )));
             };
-            self.cache.touch(slot);
+            self.control.cache.touch(slot);
             self.inbox.announced.remove(&slot);
             responses.push(Response::Run(negotiate::Ready { key, kind, metas }));
         }
@@ -624,8 +656,8 @@ impl Engine {
 
     /// Execution: runs the agreed responses, fused as the plan says.
     fn execute(&mut self, responses: Vec<Response>) {
-        self.ready_at = Instant::now();
-        let steps = fusion::plan(&responses, self.agreed.fusion_threshold);
+        self.exec.ready_at = Instant::now();
+        let steps = fusion::plan(&responses, self.control.agreed.fusion_threshold);
         let mut responses: Vec<Option<Response>> = responses.into_iter().map(Some).collect();
         for step in steps {
             match step {
@@ -646,16 +678,20 @@ impl Engine {
     /// effect now on every rank; rank 0's tuner observes the cycle).
     fn after_cycle(&mut self, tuning: Option<Settings>, reduced_bytes: u64, cycle_start: Instant) {
         let now = Instant::now();
-        self.stall.check(&self.negotiator, now);
-        if self.stall.shutdown_due(&self.negotiator, now) {
-            self.stall_abort = true;
+        self.control.stall.check(&self.control.negotiator, now);
+        if self
+            .control
+            .stall
+            .shutdown_due(&self.control.negotiator, now)
+        {
+            self.control.stall_abort = true;
         }
         if let Some(s) = tuning {
             self.apply_tuning(s);
         }
-        if let Some(tuner) = &mut self.tuner {
+        if let Some(tuner) = &mut self.tuning.tuner {
             if let Some(s) = tuner.observe(reduced_bytes, cycle_start, Instant::now()) {
-                self.pending_tuning = Some(s);
+                self.tuning.pending = Some(s);
             }
         }
     }
@@ -663,17 +699,17 @@ impl Engine {
     /// Switches to the autotuner's settings: every rank does this at the end of the
     /// same cycle, so fusion plans and cache slots stay identical everywhere.
     fn apply_tuning(&mut self, s: Settings) {
-        self.agreed.fusion_threshold = s.fusion_threshold;
+        self.control.agreed.fusion_threshold = s.fusion_threshold;
         self.config.cycle_time = s.cycle_time();
-        if s.cache != self.cache.enabled() {
+        if s.cache != self.control.cache.enabled() {
             // Requests announced by a slot go out in full next cycle.
             self.unannounce_all();
             let capacity = if s.cache {
-                self.cache_capacity_on.max(1)
+                self.tuning.cache_capacity_on.max(1)
             } else {
                 0
             };
-            self.cache = ResponseCache::new(capacity);
+            self.control.cache = ResponseCache::new(capacity);
         }
         tracing::debug!(
             rank = self.inbox.rank,
@@ -684,7 +720,11 @@ impl Engine {
             last = s.last,
             "autotune: settings applied"
         );
-        let mut state = self.autotune.lock().unwrap_or_else(PoisonError::into_inner);
+        let mut state = self
+            .tuning
+            .state
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
         state.fusion_threshold = s.fusion_threshold;
         state.cycle_time = s.cycle_time();
         state.cache_enabled = s.cache;
@@ -706,7 +746,7 @@ impl Engine {
         for key in outgoing {
             let slot = self.inbox.pending.get(&key).and_then(|r| {
                 ResponseCache::cacheable(r.meta.kind)
-                    .then(|| self.cache.lookup(&r.meta, self.inbox.rank))
+                    .then(|| self.control.cache.lookup(&r.meta, self.inbox.rank))
                     .flatten()
             });
             match slot {
@@ -719,9 +759,9 @@ impl Engine {
         // Looking at every bit-announced request's age is not free with thousands of
         // them: do it a few times per stall interval, not every cycle.
         let now = Instant::now();
-        if self.stall.enabled() && now >= self.next_demotion_scan {
-            let limit = self.stall.after() / 2;
-            self.next_demotion_scan = now + limit / 4;
+        if self.control.stall.enabled() && now >= self.control.next_demotion_scan {
+            let limit = self.control.stall.after() / 2;
+            self.control.next_demotion_scan = now + limit / 4;
             let old: Vec<usize> = self
                 .inbox
                 .announced
@@ -759,9 +799,9 @@ impl Engine {
         let Engine {
             transport,
             inbox,
-            stall,
+            control: Control { stall, .. },
             #[cfg(feature = "nccl")]
-            gpu,
+                exec: Executor { gpu, .. },
             ..
         } = self;
         call(&mut **transport, &mut |waited| {

@@ -13,11 +13,12 @@ use crate::handle::{self, Output};
 impl Engine {
     /// Records a ready op's negotiation span (from its submission here) on the timeline.
     fn trace_negotiation(&mut self, meta: &RequestMeta, submitted: Instant) {
-        if self.timeline.enabled() {
+        if self.exec.timeline.enabled() {
             let args = trace_args(meta);
             for t in &meta.tensors {
-                self.timeline
-                    .span(&t.name, "NEGOTIATE", submitted, self.ready_at, &args);
+                self.exec
+                    .timeline
+                    .span(&t.name, "NEGOTIATE", submitted, self.exec.ready_at, &args);
             }
         }
     }
@@ -33,11 +34,13 @@ impl Engine {
 
     /// Records an op's span, from `started` to now, on the timeline.
     fn trace_op(&mut self, meta: &RequestMeta, started: Instant) {
-        if self.timeline.enabled() {
+        if self.exec.timeline.enabled() {
             let (args, end) = (trace_args(meta), Instant::now());
             let phase = meta.kind.name().to_ascii_uppercase();
             for t in &meta.tensors {
-                self.timeline.span(&t.name, &phase, started, end, &args);
+                self.exec
+                    .timeline
+                    .span(&t.name, &phase, started, end, &args);
             }
         }
     }
@@ -50,7 +53,9 @@ impl Engine {
         tensors: Option<super::request::Tensors>,
         done: Option<crate::handle::Completer>,
     ) {
-        self.gpu.respond(&mut *self.transport, ready, tensors, done);
+        self.exec
+            .gpu
+            .respond(&mut *self.transport, ready, tensors, done);
     }
 
     /// Without the `nccl` feature no tensor of this rank can be on a GPU, so the
@@ -95,7 +100,7 @@ impl Engine {
                         &mut *self.transport,
                         &ready,
                         tensors,
-                        &mut self.fusion_buffer,
+                        &mut self.exec.fusion_buffer,
                     )
                 });
                 self.trace_op(ready.first(), started);
@@ -144,7 +149,7 @@ impl Engine {
                     None => (ready, None, None),
                 })
                 .collect();
-            self.gpu.respond_fused(&mut *self.transport, members);
+            self.exec.gpu.respond_fused(&mut *self.transport, members);
             return;
         }
         let mut inputs = Vec::with_capacity(readies.len());
@@ -171,7 +176,7 @@ impl Engine {
             if allgather { "allgather" } else { "allreduce" }
         );
         // Built only when tracing: it allocates per tensor.
-        let keys: Vec<(String, serde_json::Value)> = if self.timeline.enabled() {
+        let keys: Vec<(String, serde_json::Value)> = if self.exec.timeline.enabled() {
             inputs
                 .iter()
                 .map(|(r, _)| (r.key.to_string(), trace_args(r.first())))
@@ -181,9 +186,9 @@ impl Engine {
         };
         self.simulate_collective_cost();
         let result = if allgather {
-            execute::run_fused_allgather(&mut *self.transport, inputs, &mut self.fusion_buffer)
+            execute::run_fused_allgather(&mut *self.transport, inputs, &mut self.exec.fusion_buffer)
         } else {
-            execute::run_fused(&mut *self.transport, inputs, &mut self.fusion_buffer)
+            execute::run_fused(&mut *self.transport, inputs, &mut self.exec.fusion_buffer)
         };
         let outputs = result.map(|(outputs, times)| {
             let phase = if allgather { "ALLGATHER" } else { "ALLREDUCE" };
@@ -201,16 +206,17 @@ impl Engine {
         times: &execute::FusedTimes,
     ) {
         for (key, args) in keys {
-            self.timeline.span(
+            self.exec.timeline.span(
                 key,
                 "MEMCPY_IN_FUSION_BUFFER",
                 times.start,
                 times.copied_in,
                 args,
             );
-            self.timeline
+            self.exec
+                .timeline
                 .span(key, phase, times.copied_in, times.reduced, args);
-            self.timeline.span(
+            self.exec.timeline.span(
                 key,
                 "MEMCPY_OUT_FUSION_BUFFER",
                 times.reduced,
