@@ -18,6 +18,8 @@ pub(crate) enum Output {
     Alltoall(AlltoallOutput),
     Rank(usize),
     Unit,
+    /// Something only the runtime knows the type of (a process set's transport).
+    Detached(Box<dyn std::any::Any + Send>),
 }
 
 #[derive(Default)]
@@ -304,6 +306,13 @@ pub(crate) fn to_rank(o: Output) -> Result<usize> {
     match o {
         Output::Rank(r) => Ok(r),
         other => Err(mismatch("a rank", &other)),
+    }
+}
+
+pub(crate) fn to_detached(o: Output) -> Result<Box<dyn std::any::Any + Send>> {
+    match o {
+        Output::Detached(d) => Ok(d),
+        other => Err(mismatch("a detached value", &other)),
     }
 }
 

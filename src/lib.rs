@@ -49,6 +49,7 @@ mod logging;
 mod loopback_tests;
 mod ops;
 mod optimizer;
+mod process_set;
 mod runtime;
 mod tensor;
 mod transport;
@@ -67,6 +68,7 @@ pub use optimizer::{
     broadcast_parameters, Compression, DistributedOptimizer, DistributedOptimizerBuilder,
     GradientStep, Gradients,
 };
+pub use process_set::ProcessSet;
 pub use runtime::{build_info, cuda_device_count, init, nccl_library_present, BuildInfo, Kolo};
 pub use tensor::{DType, Device, Element, HostBuffer, Tensor};
 pub use vocab::{AlltoallOutput, ReduceOp};

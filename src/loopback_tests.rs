@@ -57,7 +57,9 @@ fn job(size: usize, config: impl Fn(usize) -> Config + Sync) -> Vec<Kolo> {
             .map(|(r, end)| {
                 let config = config(r);
                 s.spawn(move || {
-                    spawn_engine(config, move || Ok(Box::new(end) as Box<dyn Transport>))
+                    spawn_engine(config, "kolo-engine".into(), None, move || {
+                        Ok(Box::new(end) as Box<dyn Transport>)
+                    })
                 })
             })
             .collect();

@@ -9,6 +9,7 @@
 use crate::engine::request::{Key, OpKind, Submission};
 use crate::error::Result;
 use crate::handle::{self, Handle};
+use crate::process_set::ProcessSet;
 use crate::runtime::Kolo;
 use crate::tensor::Tensor;
 use crate::vocab::{AlltoallOutput, ReduceOp};
@@ -63,11 +64,49 @@ macro_rules! reduce_options {
     };
 }
 
+/// The `process_set` setter, for a builder with `kolo` and `refused` fields.
+macro_rules! process_set_option {
+    () => {
+        /// Runs the op among the ranks of `set` only (see [`ProcessSet`]). On a rank
+        /// outside the set, submitting fails with an error naming the rank and the set.
+        pub fn process_set(mut self, set: &'k ProcessSet) -> Self {
+            match set.engine() {
+                Ok(k) => self.kolo = k,
+                Err(m) => self.refused = Some(m),
+            }
+            self
+        }
+    };
+}
+
+/// Submits `s` to `kolo`, unless a process set refused it (the tensors come back in
+/// the error).
+fn submit<T>(
+    kolo: &Kolo,
+    refused: Option<String>,
+    s: Submission,
+    convert: fn(handle::Output) -> Result<T>,
+) -> Result<Handle<T>> {
+    if let Some(message) = refused {
+        let (op, name) = (s.kind.name(), s.key.to_string());
+        let (_, tensors) = s.into_parts();
+        return Err(crate::process_set::refused(
+            op,
+            name,
+            message,
+            tensors.into_vec(),
+        ));
+    }
+    kolo.submit(s, convert)
+}
+
 /// Builder for [`Kolo::allreduce`].
 #[derive(Debug)]
 #[must_use = "a collective does nothing until .submit() or .wait()"]
 pub struct AllreduceBuilder<'k> {
     kolo: &'k Kolo,
+    /// Why the process set given refuses this rank's submission.
+    refused: Option<String>,
     name: String,
     tensor: Tensor,
     reduce: ReduceOptions,
@@ -77,6 +116,7 @@ impl<'k> AllreduceBuilder<'k> {
     pub(crate) fn new(kolo: &'k Kolo, name: String, tensor: Tensor) -> Self {
         AllreduceBuilder {
             kolo,
+            refused: None,
             name,
             tensor,
             reduce: ReduceOptions::default(),
@@ -85,6 +125,8 @@ impl<'k> AllreduceBuilder<'k> {
 
     reduce_options!();
 
+    process_set_option!();
+
     /// Submits the allreduce; the result has the input's shape and dtype.
     ///
     /// # Errors
@@ -92,7 +134,7 @@ impl<'k> AllreduceBuilder<'k> {
     pub fn submit(self) -> Result<Handle<Tensor>> {
         let mut s = Submission::single(OpKind::Allreduce, self.name, self.tensor);
         self.reduce.apply(&mut s);
-        self.kolo.submit(s, handle::to_tensor)
+        submit(self.kolo, self.refused, s, handle::to_tensor)
     }
 
     /// Submits and waits.
@@ -110,6 +152,8 @@ impl<'k> AllreduceBuilder<'k> {
 #[must_use = "a collective does nothing until .submit() or .wait()"]
 pub struct GroupedAllreduceBuilder<'k> {
     kolo: &'k Kolo,
+    /// Why the process set given refuses this rank's submission.
+    refused: Option<String>,
     tensors: Vec<(String, Tensor)>,
     reduce: ReduceOptions,
 }
@@ -118,12 +162,15 @@ impl<'k> GroupedAllreduceBuilder<'k> {
     pub(crate) fn new(kolo: &'k Kolo, tensors: Vec<(String, Tensor)>) -> Self {
         GroupedAllreduceBuilder {
             kolo,
+            refused: None,
             tensors,
             reduce: ReduceOptions::default(),
         }
     }
 
     reduce_options!();
+
+    process_set_option!();
 
     /// Submits the group: it becomes ready only when every member is ready on every
     /// rank, and its members are reduced together. Results come back in input order.
@@ -139,7 +186,7 @@ impl<'k> GroupedAllreduceBuilder<'k> {
             .collect();
         let mut s = Submission::new(OpKind::GroupedAllreduce, Key::from(key), tensors);
         self.reduce.apply(&mut s);
-        self.kolo.submit(s, handle::to_tensors)
+        submit(self.kolo, self.refused, s, handle::to_tensors)
     }
 
     /// Submits and waits.
@@ -169,14 +216,23 @@ fn group_key(tensors: &[(String, Tensor)]) -> String {
 #[must_use = "a collective does nothing until .submit() or .wait()"]
 pub struct AllgatherBuilder<'k> {
     kolo: &'k Kolo,
+    /// Why the process set given refuses this rank's submission.
+    refused: Option<String>,
     name: String,
     tensor: Tensor,
 }
 
 impl<'k> AllgatherBuilder<'k> {
     pub(crate) fn new(kolo: &'k Kolo, name: String, tensor: Tensor) -> Self {
-        AllgatherBuilder { kolo, name, tensor }
+        AllgatherBuilder {
+            kolo,
+            refused: None,
+            name,
+            tensor,
+        }
     }
+
+    process_set_option!();
 
     /// Submits the allgather: the result is every rank's tensor concatenated on dim 0
     /// in rank order; dim 0 may differ between ranks, the other dims may not.
@@ -185,7 +241,7 @@ impl<'k> AllgatherBuilder<'k> {
     /// Submit-time errors: a 0-d tensor, empty or duplicate name, engine not running.
     pub fn submit(self) -> Result<Handle<Tensor>> {
         let s = Submission::single(OpKind::Allgather, self.name, self.tensor);
-        self.kolo.submit(s, handle::to_tensor)
+        submit(self.kolo, self.refused, s, handle::to_tensor)
     }
 
     /// Submits and waits.
@@ -202,6 +258,8 @@ impl<'k> AllgatherBuilder<'k> {
 #[must_use = "a collective does nothing until .submit() or .wait()"]
 pub struct BroadcastBuilder<'k> {
     kolo: &'k Kolo,
+    /// Why the process set given refuses this rank's submission.
+    refused: Option<String>,
     name: String,
     tensor: Tensor,
     root: usize,
@@ -211,10 +269,25 @@ impl<'k> BroadcastBuilder<'k> {
     pub(crate) fn new(kolo: &'k Kolo, name: String, tensor: Tensor, root: usize) -> Self {
         BroadcastBuilder {
             kolo,
+            refused: None,
             name,
             tensor,
             root,
         }
+    }
+
+    /// Runs the broadcast among the ranks of `set` only (see [`ProcessSet`]); the root
+    /// stays a job rank and must be in the set. On a rank outside the set, or with a
+    /// root outside it, submitting fails with an error naming both.
+    pub fn process_set(mut self, set: &'k ProcessSet) -> Self {
+        match set.engine().and_then(|k| Ok((k, set.set_rank(self.root)?))) {
+            Ok((k, root)) => {
+                self.kolo = k;
+                self.root = root;
+            }
+            Err(m) => self.refused = Some(m),
+        }
+        self
     }
 
     /// Submits the broadcast: every rank gets the root's tensor. Non-root ranks pass a
@@ -225,7 +298,7 @@ impl<'k> BroadcastBuilder<'k> {
     pub fn submit(self) -> Result<Handle<Tensor>> {
         let mut s = Submission::single(OpKind::Broadcast, self.name, self.tensor);
         s.root = self.root;
-        self.kolo.submit(s, handle::to_tensor)
+        submit(self.kolo, self.refused, s, handle::to_tensor)
     }
 
     /// Submits and waits.
@@ -242,6 +315,8 @@ impl<'k> BroadcastBuilder<'k> {
 #[must_use = "a collective does nothing until .submit() or .wait()"]
 pub struct AlltoallBuilder<'k> {
     kolo: &'k Kolo,
+    /// Why the process set given refuses this rank's submission.
+    refused: Option<String>,
     name: String,
     tensor: Tensor,
     splits: Option<Vec<usize>>,
@@ -251,11 +326,14 @@ impl<'k> AlltoallBuilder<'k> {
     pub(crate) fn new(kolo: &'k Kolo, name: String, tensor: Tensor) -> Self {
         AlltoallBuilder {
             kolo,
+            refused: None,
             name,
             tensor,
             splits: None,
         }
     }
+
+    process_set_option!();
 
     /// Rows of dim 0 to send to each rank, in rank order; must have one entry per rank
     /// and sum to dim 0. Without splits, dim 0 is divided equally.
@@ -273,7 +351,7 @@ impl<'k> AlltoallBuilder<'k> {
     pub fn submit(self) -> Result<Handle<AlltoallOutput>> {
         let mut s = Submission::single(OpKind::Alltoall, self.name, self.tensor);
         s.splits = self.splits;
-        self.kolo.submit(s, handle::to_alltoall)
+        submit(self.kolo, self.refused, s, handle::to_alltoall)
     }
 
     /// Submits and waits.
@@ -290,6 +368,8 @@ impl<'k> AlltoallBuilder<'k> {
 #[must_use = "a collective does nothing until .submit() or .wait()"]
 pub struct ReducescatterBuilder<'k> {
     kolo: &'k Kolo,
+    /// Why the process set given refuses this rank's submission.
+    refused: Option<String>,
     name: String,
     tensor: Tensor,
     reduce: ReduceOptions,
@@ -299,6 +379,7 @@ impl<'k> ReducescatterBuilder<'k> {
     pub(crate) fn new(kolo: &'k Kolo, name: String, tensor: Tensor) -> Self {
         ReducescatterBuilder {
             kolo,
+            refused: None,
             name,
             tensor,
             reduce: ReduceOptions::default(),
@@ -306,6 +387,8 @@ impl<'k> ReducescatterBuilder<'k> {
     }
 
     reduce_options!();
+
+    process_set_option!();
 
     /// Submits the reducescatter: the reduced tensor is split on dim 0, rank `r` gets
     /// block `r`; when dim 0 does not divide evenly the first `dim0 % size` ranks get
@@ -316,7 +399,7 @@ impl<'k> ReducescatterBuilder<'k> {
     pub fn submit(self) -> Result<Handle<Tensor>> {
         let mut s = Submission::single(OpKind::Reducescatter, self.name, self.tensor);
         self.reduce.apply(&mut s);
-        self.kolo.submit(s, handle::to_tensor)
+        submit(self.kolo, self.refused, s, handle::to_tensor)
     }
 
     /// Submits and waits.

@@ -2,7 +2,7 @@
 
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::mpsc;
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::{Arc, Mutex, PoisonError, Weak};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -19,6 +19,7 @@ use crate::ops::{
     AllgatherBuilder, AllreduceBuilder, AlltoallBuilder, BroadcastBuilder, GroupedAllreduceBuilder,
     ReducescatterBuilder,
 };
+use crate::process_set::ProcessSet;
 use crate::tensor::Tensor;
 use crate::transport::Topology;
 
@@ -157,15 +158,38 @@ impl std::fmt::Debug for Kolo {
     }
 }
 
-struct Inner {
+pub(crate) struct Inner {
     topology: Topology,
     /// Commands to the engine, and the names pending on this rank.
     queue: Arc<Queue>,
     engine: Mutex<Option<JoinHandle<()>>>,
     autotune: Arc<Mutex<AutotuneState>>,
+    /// The settings, for the engines of process sets made from this one.
+    config: Config,
+    /// Process sets made from this engine: stopped before it.
+    sets: Mutex<Vec<Weak<Inner>>>,
+    /// A process set's engine keeps the engine it was made from (and so MPI) running.
+    _parent: Option<Arc<Inner>>,
+    /// The last process set id given out (0 is the set of all ranks).
+    last_set: AtomicUsize,
 }
 
 impl Inner {
+    /// Stops the engines of this engine's process sets (they use MPI, so they must
+    /// end before MPI is finalised).
+    fn stop_sets(&self, timeout: Option<Duration>) {
+        let sets = std::mem::take(&mut *self.sets.lock().unwrap_or_else(PoisonError::into_inner));
+        for set in sets.iter().filter_map(Weak::upgrade) {
+            let stopped = match timeout {
+                Some(t) => set.shutdown_timeout(t),
+                None => set.shutdown(),
+            };
+            if let Err(e) = stopped {
+                tracing::error!(error = %e, "stopping a process set's engine failed");
+            }
+        }
+    }
+
     /// Closes the queue (the engine shuts down) and takes the engine's thread, once.
     fn stop_engine(&self) -> Option<JoinHandle<()>> {
         self.queue.close();
@@ -176,11 +200,13 @@ impl Inner {
     }
 
     fn shutdown(&self) -> Result<()> {
+        self.stop_sets(None);
         self.stop_engine().map_or(Ok(()), join_engine)
     }
 
     /// [`Inner::shutdown`] with a bound: past `timeout` the job is aborted.
     fn shutdown_timeout(&self, timeout: Duration) -> Result<()> {
+        self.stop_sets(Some(timeout));
         let Some(engine) = self.stop_engine() else {
             return Ok(());
         };
@@ -242,7 +268,12 @@ pub(crate) fn start(config: Config) -> Result<Kolo> {
                 .into(),
         ));
     }
-    let kolo = spawn_engine(config, crate::transport::connect)?;
+    let kolo = spawn_engine(
+        config,
+        "kolo-engine".into(),
+        None,
+        crate::transport::connect,
+    )?;
     RANK.store(kolo.rank(), Ordering::SeqCst);
     install_panic_hook();
     Ok(kolo)
@@ -253,16 +284,19 @@ pub(crate) fn start(config: Config) -> Result<Kolo> {
 /// loopback ranks, each its own engine, in one process.
 pub(crate) fn spawn_engine(
     config: Config,
+    thread: String,
+    parent: Option<Arc<Inner>>,
     connect: impl FnOnce() -> Result<Box<dyn crate::transport::Transport>> + Send + 'static,
 ) -> Result<Kolo> {
     let unknown_horovod = config.unknown_horovod.clone();
+    let kept_config = config.clone();
     let queue = Arc::new(Queue::default());
     let engine_queue = queue.clone();
     let (started_tx, started_rx) = mpsc::sync_channel(1);
     let autotune = Arc::new(Mutex::new(AutotuneState::default()));
     let engine_autotune = autotune.clone();
     let engine = std::thread::Builder::new()
-        .name("kolo-engine".into())
+        .name(thread)
         .spawn(move || {
             crate::engine::run(config, engine_queue, started_tx, engine_autotune, connect)
         })
@@ -292,6 +326,10 @@ pub(crate) fn spawn_engine(
             queue,
             engine: Mutex::new(Some(engine)),
             autotune,
+            config: kept_config,
+            sets: Mutex::new(Vec::new()),
+            _parent: parent,
+            last_set: AtomicUsize::new(0),
         }),
     })
 }
@@ -616,6 +654,92 @@ impl Kolo {
     /// [`Error::Internal`] if the engine thread had panicked.
     pub fn shutdown_timeout(&self, timeout: Duration) -> Result<()> {
         self.inner.shutdown_timeout(timeout)
+    }
+
+    /// Makes a process set of `ranks` (Horovod's `add_process_set`): collectives given
+    /// `.process_set(&set)` then run among those ranks only, negotiated, fused and
+    /// checked for stalls on their own, so that sets progress independently. Every
+    /// rank must call it, with the same ranks (in any order), in the same order
+    /// relative to its other process set calls; ranks outside the set get a
+    /// [`ProcessSet`] they cannot submit to.
+    ///
+    /// Each set runs its own engine thread on its own MPI communicator (this needs
+    /// MPI_THREAD_MULTIPLE, which Open MPI and MPICH give). A set keeps the job's engine
+    /// running while it lives; shutting kolo down stops every set first.
+    ///
+    /// ```no_run
+    /// # let kolo = kolo::init()?;
+    /// let evens = kolo.add_process_set(&[0, 2])?;
+    /// if evens.includes(kolo.rank()) {
+    ///     let t = kolo::Tensor::from_vec(vec![1.0f32], &[1])?;
+    ///     let sum = kolo.allreduce("x", t).op(kolo::ReduceOp::Sum).process_set(&evens).wait()?;
+    ///     assert_eq!(sum.into_vec::<f32>()?, vec![2.0]);
+    /// }
+    /// kolo.remove_process_set(evens)?;
+    /// # Ok::<(), kolo::Error>(())
+    /// ```
+    ///
+    /// # Errors
+    /// On every rank: ranks that asked for different sets (naming them and their
+    /// lists), an empty list, a rank out of range or listed twice; MPI without
+    /// MPI_THREAD_MULTIPLE. The errors of a collective otherwise (a rank left).
+    pub fn add_process_set(&self, ranks: &[usize]) -> Result<ProcessSet> {
+        let id = self.inner.last_set.fetch_add(1, Ordering::SeqCst) + 1;
+        let mut sorted = ranks.to_vec();
+        sorted.sort_unstable();
+        let mut s = Submission::new(
+            OpKind::AddProcessSet,
+            format!("{}process_set[{id}]", request::RESERVED_PREFIX).into(),
+            Named::new(),
+        );
+        s.splits = Some(sorted.clone());
+        let made = self.submit(s, handle::to_detached)?.wait()?;
+        let transport = made
+            .downcast::<Option<Box<dyn crate::transport::Transport>>>()
+            .map_err(|_| {
+                Error::Internal("add_process_set: the engine returned no transport".into())
+            })?;
+        let kolo = match *transport {
+            Some(t) => {
+                let mut config = self.inner.config.clone();
+                // The job's engine writes the timeline and runs the tuner.
+                config.timeline = None;
+                config.autotune = false;
+                config.autotune_log = None;
+                config.unknown_horovod.clear();
+                let set = spawn_engine(
+                    config,
+                    format!("kolo-engine-set{id}"),
+                    Some(self.inner.clone()),
+                    move || Ok(t),
+                )?;
+                self.inner
+                    .sets
+                    .lock()
+                    .unwrap_or_else(PoisonError::into_inner)
+                    .push(Arc::downgrade(&set.inner));
+                Some(set)
+            }
+            None => None,
+        };
+        Ok(ProcessSet::new(id, sorted, self.rank(), kolo))
+    }
+
+    /// Removes a process set: on its ranks, its engine stops (its pending ops fail) and
+    /// its communicator is freed. Every rank should call it.
+    ///
+    /// # Errors
+    /// [`Error::Internal`] if the set's engine thread had panicked.
+    pub fn remove_process_set(&self, set: ProcessSet) -> Result<()> {
+        let Some(engine) = set.into_engine() else {
+            return Ok(());
+        };
+        self.inner
+            .sets
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .retain(|w| !std::ptr::eq(w.as_ptr(), Arc::as_ptr(&engine.inner)));
+        engine.shutdown()
     }
 
     fn bad_root(&self, op: &'static str, name: &str, root: usize) -> Error {

@@ -18,6 +18,23 @@ use crate::transport::Transport;
 use crate::vocab::AlltoallOutput;
 use smallvec::SmallVec;
 
+/// Why a process set's (sorted) ranks cannot make a set among `size` ranks. Checked
+/// here, after every rank has asked for the same list, so that every rank fails alike.
+fn set_ranks_valid(ranks: &[usize], size: usize) -> std::result::Result<(), String> {
+    if ranks.is_empty() {
+        return Err("a process set needs at least one rank".into());
+    }
+    if let Some(r) = ranks.iter().find(|&&r| r >= size) {
+        return Err(format!(
+            "rank {r} is out of range: there are {size} ranks (0..{size})"
+        ));
+    }
+    if let Some(w) = ranks.windows(2).find(|w| w[0] == w[1]) {
+        return Err(format!("rank {} is listed twice", w[0]));
+    }
+    Ok(())
+}
+
 /// Runs `ready` with this rank's tensors (`None` on a joined rank, which contributes
 /// zeros of the agreed shape).
 pub(crate) fn run(
@@ -56,6 +73,16 @@ pub(crate) fn run(
             size,
         )?)),
         OpKind::Barrier => Ok(Output::Unit),
+        OpKind::AddProcessSet => {
+            let ranks = first.splits.as_deref().unwrap_or_default();
+            set_ranks_valid(ranks, size).map_err(|message| Error::InvalidArgument {
+                op: "add_process_set",
+                name: first.key.to_string(),
+                message,
+                tensors: Vec::new(),
+            })?;
+            Ok(Output::Detached(Box::new(t.split(ranks)?)))
+        }
         OpKind::Join => Err(Error::Internal("join reached the executor".into())),
     }
 }

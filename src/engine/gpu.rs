@@ -348,10 +348,9 @@ impl Gpu {
                 keep.push(tensor);
                 Ok(Output::Tensor(out))
             }
-            OpKind::Barrier | OpKind::Join => Err(Error::Internal(format!(
-                "{} reached the GPU executor",
-                ready.kind.name()
-            ))),
+            OpKind::Barrier | OpKind::Join | OpKind::AddProcessSet => Err(Error::Internal(
+                format!("{} reached the GPU executor", ready.kind.name()),
+            )),
         }
     }
 

@@ -323,6 +323,15 @@ fn check(key: &str, metas: &[Option<RequestMeta>], joined: &[usize]) -> Result<(
             return Err(fail("postscale", m));
         }
     }
+    if kind == OpKind::AddProcessSet {
+        if let Some(m) = differ(
+            metas,
+            |m| m.splits.clone(),
+            |s| format!("ranks {:?}", s.clone().unwrap_or_default()),
+        ) {
+            return Err(fail("process set", m));
+        }
+    }
     if kind == OpKind::Broadcast {
         if let Some(m) = differ(metas, |m| m.root, |r| format!("root {r}")) {
             return Err(fail("root", m));

@@ -33,6 +33,8 @@ pub(crate) enum OpKind {
     Reducescatter,
     Barrier,
     Join,
+    /// Makes a process set's communicator (its ranks are in the request's `splits`).
+    AddProcessSet,
 }
 
 impl OpKind {
@@ -46,6 +48,7 @@ impl OpKind {
             OpKind::Reducescatter => "reducescatter",
             OpKind::Barrier => "barrier",
             OpKind::Join => "join",
+            OpKind::AddProcessSet => "add_process_set",
         }
     }
 

@@ -181,6 +181,12 @@ fn offset(counts: &[usize], r: usize, width: usize) -> usize {
 }
 
 impl Transport for Loopback {
+    fn split(&mut self, _ranks: &[usize]) -> Result<Option<Box<dyn Transport>>> {
+        Err(Error::Internal(
+            "the loopback transport has no process sets".into(),
+        ))
+    }
+
     fn topology(&self) -> Topology {
         Topology {
             rank: self.rank,

@@ -33,9 +33,14 @@ pub(crate) struct Topology {
 /// Collectives as the engine needs them. Buffers are raw native-endian bytes of
 /// `dtype` elements; counts are in elements. Every dtype can be reduced; f16 and bf16
 /// travel at their own width and each pairwise combine is computed in f32.
-pub(crate) trait Transport {
+pub(crate) trait Transport: Send {
     /// This process's place in the job.
     fn topology(&self) -> Topology;
+
+    /// Collective over this transport's ranks: a transport for the ranks listed
+    /// (sorted, by this transport's numbering), or `None` on a rank not listed. A
+    /// process set's engine runs on it.
+    fn split(&mut self, ranks: &[usize]) -> Result<Option<Box<dyn Transport>>>;
 
     /// Ends every rank of the job at once (MPI_Abort), with `code` as exit status.
     fn abort(&mut self, code: i32) -> !;

@@ -38,9 +38,20 @@ pub(crate) struct MpiTransport {
     half_ops: HalfOps,
     /// The ring allreduce's reused segment buffer.
     ring_scratch: Vec<u8>,
-    // Dropped last: finalises MPI after the communicators are gone.
-    _universe: mpi::environment::Universe,
+    /// The thread support MPI gave: process sets (an engine thread each) need
+    /// `MPI_THREAD_MULTIPLE`.
+    threading: Threading,
+    // Dropped last: finalises MPI after the communicators are gone (the job's first
+    // transport only; a process set's transport frees just its communicator).
+    _universe: Option<mpi::environment::Universe>,
 }
+
+// SAFETY: a transport is used by one thread at a time: made on an engine thread and,
+// for a process set, handed once to that set's new engine thread, which alone uses it
+// from then on. MPI handles are plain values valid on any thread, and handing one
+// between threads is allowed because process sets require MPI_THREAD_MULTIPLE
+// (checked in `split` before a transport is ever handed over).
+unsafe impl Send for MpiTransport {}
 
 impl std::fmt::Debug for MpiTransport {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -63,14 +74,31 @@ impl MpiTransport {
                 )
             })?;
         tracing::debug!(?provided, "MPI initialised");
+        if provided != Threading::Multiple {
+            tracing::debug!(
+                ?provided,
+                "MPI gives less than MPI_THREAD_MULTIPLE: process sets are not available"
+            );
+        }
         let world = universe.world();
-        let rank = to_usize(world.rank());
-        let size = to_usize(world.size());
-        let local = world.split_shared(world.rank());
+        Self::on(&world, Some(universe), provided)
+    }
+
+    /// A transport on a duplicate of `parent` (kolo's own communicator), with its
+    /// topology; `universe` is kept by the job's first transport only, so that MPI is
+    /// finalised when that one goes.
+    fn on(
+        parent: &SimpleCommunicator,
+        universe: Option<mpi::environment::Universe>,
+        threading: Threading,
+    ) -> Result<MpiTransport> {
+        let rank = to_usize(parent.rank());
+        let size = to_usize(parent.size());
+        let local = parent.split_shared(parent.rank());
         let local_rank = to_usize(local.rank());
         let local_size = to_usize(local.size());
-        let cross = world
-            .split_by_color_with_key(Color::with_value(local.rank()), world.rank())
+        let cross = parent
+            .split_by_color_with_key(Color::with_value(local.rank()), parent.rank())
             .ok_or_else(|| {
                 Error::Internal("cross-node communicator split returned no communicator".into())
             })?;
@@ -82,13 +110,14 @@ impl MpiTransport {
             cross_rank: to_usize(cross.rank()),
             cross_size: to_usize(cross.size()),
         };
-        let comm = world.duplicate();
+        let comm = parent.duplicate();
         let half_ops = HalfOps::create()?;
         Ok(MpiTransport {
             topology,
             comm,
             half_ops,
             ring_scratch: Vec::new(),
+            threading,
             _universe: universe,
         })
     }
@@ -137,6 +166,10 @@ impl MpiTransport {
 fn null_request() -> ffi::MPI_Request {
     // SAFETY: reading MPI's constant null request handle.
     unsafe { ffi::RSMPI_REQUEST_NULL }
+}
+
+fn to_c_int(v: usize) -> c_int {
+    c_int::try_from(v).unwrap_or(c_int::MAX)
 }
 
 fn to_usize(v: c_int) -> usize {
@@ -495,6 +528,30 @@ impl Transport for MpiTransport {
             at += len;
         }
         Ok(out)
+    }
+
+    fn split(&mut self, ranks: &[usize]) -> Result<Option<Box<dyn Transport>>> {
+        if self.threading != Threading::Multiple {
+            return Err(Error::Init(format!(
+                "process sets need MPI_THREAD_MULTIPLE (each set has its own engine thread), \
+                 but this MPI library gives only {:?}",
+                self.threading
+            )));
+        }
+        let member = ranks.contains(&self.topology.rank);
+        let color = if member {
+            Color::with_value(0)
+        } else {
+            Color::undefined()
+        };
+        let Some(sub) = self
+            .comm
+            .split_by_color_with_key(color, to_c_int(self.topology.rank))
+        else {
+            return Ok(None);
+        };
+        let t = MpiTransport::on(&sub, None, self.threading)?;
+        Ok(Some(Box::new(t)))
     }
 
     fn agree_bits(&mut self, words: &mut [u64], idle: &mut dyn FnMut(Duration)) -> Result<()> {

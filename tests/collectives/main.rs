@@ -12,6 +12,7 @@ mod gpu;
 mod harness;
 mod optimizer;
 mod others;
+mod process_sets;
 mod soak;
 mod timeline;
 mod util;
@@ -49,6 +50,9 @@ const CASES: &[(&str, Case, usize)] = &[
     ("cache_shape_change", fusion::shape_change, 1),
     ("soak_20000_ops", soak::soak, 2),
     ("large_sums_ring", fusion::large_sums, 1),
+    ("process_sets", process_sets::collectives, 1),
+    ("process_set_errors", process_sets::errors, 1),
+    ("process_sets_independent", process_sets::independent, 4),
 ];
 
 /// Cases rerun under other settings: (trial name, case, np values, environment, text
