@@ -73,9 +73,22 @@ pub struct DistributedOptimizerBuilder<O> {
     predivide: f64,
     compression: Compression,
     groups: Vec<Vec<String>>,
+    /// Why the process set given refuses this rank.
+    refused: Option<String>,
 }
 
 impl<O: GradientStep> DistributedOptimizerBuilder<O> {
+    /// Reduces gradients among the ranks of `set` only (Horovod's `process_set=`):
+    /// Average divides by the set's size. On a rank outside the set, `build` fails
+    /// naming the rank and the set.
+    pub fn process_set(mut self, set: &crate::ProcessSet) -> Self {
+        match set.engine() {
+            Ok(k) => self.kolo = k.clone(),
+            Err(m) => self.refused = Some(m),
+        }
+        self
+    }
+
     /// Registers a parameter. Every rank must register the same parameters; a rank that
     /// produces no gradient for one still takes part (with zeros) so no rank hangs.
     pub fn param(mut self, name: impl Into<String>, shape: &[usize], dtype: DType) -> Self {
@@ -134,6 +147,9 @@ impl<O: GradientStep> DistributedOptimizerBuilder<O> {
             message,
             tensors: Vec::new(),
         };
+        if let Some(m) = self.refused {
+            return Err(invalid("process_set", m));
+        }
         if !matches!(self.op, ReduceOp::Average | ReduceOp::Sum) {
             return Err(invalid(
                 "op",
@@ -276,6 +292,7 @@ impl<O: GradientStep> DistributedOptimizer<O> {
             predivide: 1.0,
             compression: Compression::None,
             groups: Vec::new(),
+            refused: None,
         }
     }
 

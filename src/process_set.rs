@@ -65,6 +65,12 @@ impl ProcessSet {
         self.ranks.binary_search(&rank).is_ok()
     }
 
+    /// A handle whose collectives run in this set (`rank()` and `size()` within the
+    /// set), for code that takes a [`Kolo`]; `None` on a rank outside the set.
+    pub fn kolo(&self) -> Option<&Kolo> {
+        self.engine.as_ref()
+    }
+
     /// The set's engine, or why this rank cannot submit to it.
     pub(crate) fn engine(&self) -> Result<&Kolo, String> {
         self.engine.as_ref().ok_or_else(|| {

@@ -142,6 +142,7 @@ pub(crate) fn collectives(k: &Kolo) -> Result<()> {
             .op(ReduceOp::Sum)
             .wait()?;
     }
+    optimizer_in_set(k, &set)?;
     k.barrier()?;
     k.remove_process_set(set)?;
     // The job's collectives go on.
@@ -151,6 +152,49 @@ pub(crate) fn collectives(k: &Kolo) -> Result<()> {
         .wait()?
         .into_vec::<f32>()?;
     ensure!(s == vec![size as f32]);
+    Ok(())
+}
+
+/// Records the gradients each step applies.
+#[derive(Default)]
+struct Record(Vec<kolo::Gradients>);
+
+impl kolo::GradientStep for Record {
+    fn step(
+        &mut self,
+        g: &kolo::Gradients,
+    ) -> std::result::Result<(), Box<dyn std::error::Error + Send + Sync>> {
+        self.0.push(g.clone());
+        Ok(())
+    }
+}
+
+/// A DistributedOptimizer given the set averages over the set's ranks only; outside
+/// the set, build fails naming the rank.
+fn optimizer_in_set(k: &Kolo, set: &kolo::ProcessSet) -> Result<()> {
+    let rank = k.rank();
+    let built = kolo::DistributedOptimizer::builder(k.clone(), Record::default())
+        .param("w", &[2], kolo::DType::F32)
+        .process_set(set)
+        .build();
+    if !set.includes(rank) {
+        let e = built.err().map(|e| e.to_string()).unwrap_or_default();
+        ensure!(
+            e.contains(&format!("rank {rank} is not in process set")),
+            "{e}"
+        );
+        return Ok(());
+    }
+    let mut opt = built?;
+    opt.submit_gradient("w", f32s(vec![rank as f32; 2])?)?;
+    opt.step()?;
+    let mean = set.ranks().iter().sum::<usize>() as f32 / set.size() as f32;
+    let got = opt.inner().0[0]
+        .get("w")
+        .context("gradient w")?
+        .as_slice::<f32>()?
+        .to_vec();
+    ensure!(got == vec![mean; 2], "set average {got:?}, want {mean}");
     Ok(())
 }
 

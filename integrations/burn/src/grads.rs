@@ -48,6 +48,8 @@ pub struct GradientReducer {
     prefix: String,
     passes: usize,
     shared: Arc<Shared>,
+    /// Why the process set given refuses this rank.
+    refused: Option<String>,
 }
 
 #[derive(Debug, Default)]
@@ -69,7 +71,26 @@ impl GradientReducer {
             prefix: "kolo_burn.grads".into(),
             passes: 1,
             shared: Arc::default(),
+            refused: None,
         }
+    }
+
+    /// Reduces among the ranks of `set` only (Horovod's `process_set=`): Average
+    /// divides by the set's size. On a rank outside the set, `reduce` fails naming the
+    /// rank and the set.
+    pub fn process_set(mut self, set: &kolo::ProcessSet) -> Self {
+        match set.kolo() {
+            Some(k) => self.kolo = k.clone(),
+            None => {
+                self.refused = Some(format!(
+                "rank {} is not in process set {} (ranks {:?}); only its ranks may reduce in it",
+                self.kolo.rank(),
+                set.id(),
+                set.ranks()
+            ))
+            }
+        }
+        self
     }
 
     /// [`ReduceOp::Average`] (default) or [`ReduceOp::Sum`].
@@ -207,6 +228,12 @@ impl GradientReducer {
     /// The layout of `module`, learned (and agreed by all ranks) on first use or when
     /// the module or the bucket size changed.
     pub(crate) fn layout_of<M: Module>(&self, module: &M) -> Result<Arc<Layout>> {
+        if let Some(message) = &self.refused {
+            return Err(Error::InvalidArgument {
+                what: "GradientReducer::process_set",
+                message: message.clone(),
+            });
+        }
         if self.bucket_bytes == 0 {
             return Err(Error::InvalidArgument {
                 what: "GradientReducer::chunk_bytes",

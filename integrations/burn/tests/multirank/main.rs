@@ -497,6 +497,43 @@ fn learner(k: &Kolo) -> Result<()> {
     Ok(())
 }
 
+/// A reducer given a process set ({0, 2} at np 3) averages over the set only: after
+/// 10 SGD steps the members equal one process on the members' batches; rank 1 is
+/// refused by name.
+fn process_set(k: &Kolo) -> Result<()> {
+    let device = Device::flex().autodiff();
+    let set = k.add_process_set(&[0, 2])?;
+    let reducer = GradientReducer::new(k).process_set(&set).prefix("in_set");
+    let start = broadcast_parameters(k, Small::new(&device), 0)?;
+    let Some(me) = set.rank() else {
+        let err = match reducer.reduce(&start, GradientsParams::new()) {
+            Ok(_) => anyhow::bail!("a rank outside the set reduced in it"),
+            Err(e) => e.to_string(),
+        };
+        ensure!(err.contains("rank 1 is not in process set 1"), "{err}");
+        return Ok(());
+    };
+    let (b, n) = (4, set.size());
+    let mut optim: ModuleOptimizer = SgdConfig::new().init();
+    let mut model = start.clone();
+    for step in 0..10 {
+        let base = step * b * n;
+        let grads = grads_for(&model, base + me * b..base + (me + 1) * b, &device);
+        let grads = reducer.reduce(&model, grads)?;
+        model = optim.step(0.05, model, grads);
+    }
+    let mut local: ModuleOptimizer = SgdConfig::new().init();
+    let mut reference = start;
+    for step in 0..10 {
+        let base = step * b * n;
+        let grads = grads_for(&reference, base..base + b * n, &device);
+        reference = local.step(0.05, reference, grads);
+    }
+    assert_close("set of 2", &params(&model), &params(&reference), 1e-5)?;
+    k.remove_process_set(set)?;
+    Ok(())
+}
+
 /// Ranks whose models differ fail on every rank, naming the parameter and what each
 /// rank has; a bucket size of 0 and a module without parameters are refused.
 fn bad_input(k: &Kolo) -> Result<()> {
@@ -827,6 +864,7 @@ const CASES: &[(&str, Case, &[usize])] = &[
     ("half_precision_bf16", half_bf16, &[2]),
     ("supervised_training", supervised::supervised, &[2, 3]),
     ("overlap", overlap, &[1, 2, 3]),
+    ("process_set", process_set, &[3]),
 ];
 
 fn main() {
