@@ -9,6 +9,10 @@ use crate::error::{Error, Result};
 /// The default fusion threshold in bytes (see `benches/` for how it was chosen).
 pub const DEFAULT_FUSION_THRESHOLD: usize = 4 << 20;
 
+/// How long an engine may make no progress before it aborts the job (see
+/// [`Config::collective_timeout`]).
+const DEFAULT_COLLECTIVE_TIMEOUT: Duration = Duration::from_secs(300);
+
 /// Settings for [`init`](crate::init). Start from [`Config::from_env`] (or
 /// [`Config::default`]), change what you need, then call [`Config::init`].
 ///
@@ -33,6 +37,7 @@ pub struct Config {
     pub(crate) stall_check_time: Duration,
     pub(crate) stall_shutdown_time: Duration,
     pub(crate) stall_check_disable: bool,
+    pub(crate) collective_timeout: Duration,
     pub(crate) autotune: bool,
     pub(crate) autotune_log: Option<PathBuf>,
     pub(crate) autotune_warmup_samples: usize,
@@ -61,6 +66,7 @@ impl Default for Config {
             timeline_mark_cycles: false,
             stall_check_time: Duration::from_secs(60),
             stall_shutdown_time: Duration::ZERO,
+            collective_timeout: DEFAULT_COLLECTIVE_TIMEOUT,
             stall_check_disable: false,
             autotune: false,
             autotune_log: None,
@@ -77,7 +83,7 @@ impl Default for Config {
 }
 
 /// Every setting kolo reads, as `KOLO_<key>` or `HOROVOD_<key>`.
-pub(crate) const KEYS: [&str; 16] = [
+pub(crate) const KEYS: [&str; 17] = [
     "FUSION_THRESHOLD",
     "CYCLE_TIME",
     "CACHE_CAPACITY",
@@ -86,6 +92,7 @@ pub(crate) const KEYS: [&str; 16] = [
     "STALL_CHECK_TIME_SECONDS",
     "STALL_SHUTDOWN_TIME_SECONDS",
     "STALL_CHECK_DISABLE",
+    "COLLECTIVE_TIMEOUT_SECONDS",
     "AUTOTUNE",
     "AUTOTUNE_LOG",
     "AUTOTUNE_WARMUP_SAMPLES",
@@ -156,6 +163,9 @@ impl Config {
         }
         if let Some((var, v)) = env.get("STALL_CHECK_TIME_SECONDS") {
             c.stall_check_time = parse_duration(&var, &v, 1.0, "seconds")?;
+        }
+        if let Some((var, v)) = env.get("COLLECTIVE_TIMEOUT_SECONDS") {
+            c.collective_timeout = parse_duration(&var, &v, 1.0, "seconds")?;
         }
         if let Some((var, v)) = env.get("STALL_SHUTDOWN_TIME_SECONDS") {
             c.stall_shutdown_time = parse_duration(&var, &v, 1.0, "seconds")?;
@@ -249,6 +259,19 @@ impl Config {
     /// (`KOLO_STALL_SHUTDOWN_TIME_SECONDS`)
     pub fn stall_shutdown_time(mut self, time: Duration) -> Self {
         self.stall_shutdown_time = time;
+        self
+    }
+
+    /// How long an engine may make no progress at all (a negotiation exchange or a
+    /// collective that never completes: a rank stopped, its host unreachable or
+    /// partitioned away) before it aborts the whole job with a message naming this
+    /// rank; zero never aborts. Default 300 s. (`KOLO_COLLECTIVE_TIMEOUT_SECONDS`)
+    ///
+    /// Engines exchange heartbeats every 100 ms even while the program computes, so
+    /// only a stuck transport trips it; a single collective that legitimately takes
+    /// longer (gigabytes over a slow link) needs a larger value.
+    pub fn collective_timeout(mut self, timeout: Duration) -> Self {
+        self.collective_timeout = timeout;
         self
     }
 
@@ -489,6 +512,7 @@ mod tests {
             ("KOLO_STALL_CHECK_TIME_SECONDS", "5"),
             ("KOLO_STALL_SHUTDOWN_TIME_SECONDS", "10"),
             ("KOLO_STALL_CHECK_DISABLE", "true"),
+            ("KOLO_COLLECTIVE_TIMEOUT_SECONDS", "2.5"),
             ("KOLO_AUTOTUNE", "1"),
             ("KOLO_AUTOTUNE_LOG", "/tmp/a.csv"),
             ("KOLO_AUTOTUNE_WARMUP_SAMPLES", "7"),
@@ -511,6 +535,7 @@ mod tests {
         assert!(c.timeline_mark_cycles);
         assert_eq!(c.stall_check_time, Duration::from_secs(5));
         assert_eq!(c.stall_shutdown_time, Duration::from_secs(10));
+        assert_eq!(c.collective_timeout, Duration::from_millis(2500));
         assert!(c.stall_check_disable && c.autotune);
         assert_eq!(c.autotune_log, Some(PathBuf::from("/tmp/a.csv")));
         assert_eq!(c.log_level.as_deref(), Some("debug"));

@@ -17,6 +17,7 @@ pub(crate) mod request;
 mod respond;
 pub(crate) mod stall;
 pub(crate) mod timeline;
+mod watchdog;
 
 use rustc_hash::FxHashMap;
 use std::sync::mpsc::SyncSender;
@@ -102,6 +103,7 @@ pub(crate) fn run(
         return;
     }
     let mark_cycles = config.timeline_mark_cycles;
+    let config_timeout = config.collective_timeout;
     let mut engine = Engine {
         inbox: Inbox {
             queue,
@@ -141,6 +143,14 @@ pub(crate) fn run(
             state: autotune,
         },
         cycles: 0,
+        progress: watchdog::start(
+            config_timeout,
+            topology.rank,
+            format!(
+                "its engine ({})",
+                std::thread::current().name().unwrap_or("kolo-engine")
+            ),
+        ),
         #[cfg(feature = "fault-injection")]
         fault_panic: std::env::var("KOLO_FAULT_ENGINE_PANIC_RANK")
             .ok()
@@ -162,6 +172,9 @@ pub(crate) fn run(
     // cycle exchange: abort the job instead. The panic hook has already printed the
     // rank, the thread and the message.
     let served = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| engine.serve()));
+    if let Some(p) = &engine.progress {
+        p.stop();
+    }
     if served.is_err() {
         let line = format!(
             "kolo: rank {}: the engine thread panicked; aborting the whole job\n",
@@ -337,6 +350,8 @@ struct Engine {
     tuning: Tuning,
     /// Negotiation cycles run so far (the same count on every rank).
     cycles: u64,
+    /// What the collective-timeout watchdog watches (None when it is off).
+    progress: Option<Arc<watchdog::Progress>>,
     /// Test-only: panic this engine thread after two cycles.
     #[cfg(feature = "fault-injection")]
     fault_panic: bool,
@@ -387,6 +402,9 @@ struct Tuning {
 impl Engine {
     fn serve(&mut self) {
         loop {
+            if let Some(p) = &self.progress {
+                p.mark(self.cycles);
+            }
             self.gather();
             #[cfg(feature = "fault-injection")]
             if self.fault_panic && self.cycles >= 2 {
@@ -852,6 +870,10 @@ impl Engine {
     /// Once no collective can run any more: fails every submit at once with `fail`'s
     /// error until this rank shuts down.
     fn serve_failing(&mut self, fail: impl Fn(&RequestMeta) -> Error) {
+        // No more communication, so nothing for the watchdog to watch.
+        if let Some(p) = &self.progress {
+            p.stop();
+        }
         let mut taken = Vec::new();
         loop {
             self.inbox.queue.take(&mut taken, None);

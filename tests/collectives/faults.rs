@@ -107,6 +107,21 @@ pub(crate) fn early_exit(k: &Kolo) -> Result<()> {
     Ok(())
 }
 
+/// The last rank stops (SIGSTOP: no exit, no error, no reset; what a partitioned or
+/// frozen host looks like) while the others wait in a collective: with
+/// `KOLO_COLLECTIVE_TIMEOUT_SECONDS=2` the others' watchdogs end the job, naming their
+/// rank.
+pub(crate) fn sigstop(k: &Kolo) -> Result<()> {
+    if k.rank() == k.size() - 1 {
+        std::thread::sleep(Duration::from_millis(300));
+        // SAFETY: signalling our own process.
+        unsafe { libc::kill(libc::getpid(), libc::SIGSTOP) };
+    }
+    k.allreduce("never", Tensor::zeros(DType::F32, &[4]))
+        .wait()?;
+    Ok(())
+}
+
 /// The last rank is killed with SIGKILL while the others wait in a collective: mpirun
 /// must end the job (no hang, no orphans).
 pub(crate) fn sigkill(k: &Kolo) -> Result<()> {

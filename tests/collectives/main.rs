@@ -276,6 +276,12 @@ const FAULTS: &[(&str, Case, &[usize], &str)] = &[
         "process rank {last} with PID",
     ),
     (
+        "sigstop",
+        faults::sigstop,
+        &[2, 4],
+        "kolo: rank 0: its engine (kolo-engine) has made no progress for",
+    ),
+    (
         "shutdown_timeout",
         faults::shutdown_timeout,
         &[2, 4],
@@ -416,10 +422,10 @@ fn main() {
             let expect = expect.replace("{last}", &(np - 1).to_string());
             trials.push(Trial::test(format!("fault_{name}/np{np}"), move || {
                 let last = (np - 1).to_string();
-                let env: Vec<(&str, &str)> = if name == "engine_panic" {
-                    vec![("KOLO_FAULT_ENGINE_PANIC_RANK", &last)]
-                } else {
-                    Vec::new()
+                let env: Vec<(&str, &str)> = match name {
+                    "engine_panic" => vec![("KOLO_FAULT_ENGINE_PANIC_RANK", &last)],
+                    "sigstop" => vec![("KOLO_COLLECTIVE_TIMEOUT_SECONDS", "2")],
+                    _ => Vec::new(),
                 };
                 let run = harness::mpirun(name, np, Duration::from_secs(60), &env)
                     .map_err(Failed::from)?;

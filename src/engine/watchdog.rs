@@ -1,0 +1,102 @@
+//! The collective timeout: a thread that ends the job when the engine has made no
+//! progress for `KOLO_COLLECTIVE_TIMEOUT_SECONDS`.
+//!
+//! The stall inspector runs on the engine thread, so it cannot speak while that thread
+//! sits in a collective that never completes (a rank stopped, its host unreachable or
+//! partitioned away: no error ever comes back from MPI). Engines cycle at least every
+//! heartbeat (100 ms) even while the program computes, so an engine that has not
+//! finished a cycle for the timeout is stuck in its transport. The watchdog then says
+//! so, asks the engine to abort the job (which any polled wait does), and if the engine
+//! does not within a grace period, ends this process, which makes mpirun end the job.
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// How long the engine gets to abort the job itself before the process ends.
+const GRACE: Duration = Duration::from_secs(2);
+
+/// What the engine reports and the watchdog reads.
+#[derive(Debug)]
+pub(crate) struct Progress {
+    start: Instant,
+    /// Milliseconds after `start` of the last progress.
+    last_ms: AtomicU64,
+    /// Negotiation cycles completed.
+    cycles: AtomicU64,
+    stopped: AtomicBool,
+}
+
+impl Progress {
+    fn new() -> Self {
+        Progress {
+            start: Instant::now(),
+            last_ms: AtomicU64::new(0),
+            cycles: AtomicU64::new(0),
+            stopped: AtomicBool::new(false),
+        }
+    }
+
+    /// The engine finished a cycle (or started serving).
+    pub(crate) fn mark(&self, cycles: u64) {
+        let ms = u64::try_from(self.start.elapsed().as_millis()).unwrap_or(u64::MAX);
+        self.last_ms.store(ms, Ordering::Relaxed);
+        self.cycles.store(cycles, Ordering::Relaxed);
+    }
+
+    /// The engine stopped serving: nothing more to watch.
+    pub(crate) fn stop(&self) {
+        self.stopped.store(true, Ordering::Relaxed);
+    }
+
+    fn idle_for(&self) -> Duration {
+        let last = Duration::from_millis(self.last_ms.load(Ordering::Relaxed));
+        self.start.elapsed().saturating_sub(last)
+    }
+}
+
+/// Starts the watchdog of an engine on `rank` (`label` names the engine: the job's or
+/// a process set's); `None` when the timeout is zero (off).
+pub(crate) fn start(timeout: Duration, rank: usize, label: String) -> Option<Arc<Progress>> {
+    if timeout.is_zero() {
+        return None;
+    }
+    let progress = Arc::new(Progress::new());
+    let watched = progress.clone();
+    let tick = (timeout / 4).clamp(Duration::from_millis(10), Duration::from_secs(1));
+    let spawned = std::thread::Builder::new()
+        .name("kolo-watchdog".into())
+        .spawn(move || loop {
+            std::thread::sleep(tick);
+            if watched.stopped.load(Ordering::Relaxed) {
+                return;
+            }
+            let idle = watched.idle_for();
+            if idle < timeout {
+                continue;
+            }
+            let line = format!(
+                "kolo: rank {rank}: {label} has made no progress for {:.1} s (after cycle {}; \
+                 KOLO_COLLECTIVE_TIMEOUT_SECONDS is {:.1}): another rank is stopped or stuck, or \
+                 its host is unreachable; aborting the whole job\n",
+                idle.as_secs_f64(),
+                watched.cycles.load(Ordering::Relaxed),
+                timeout.as_secs_f64()
+            );
+            let _ = std::io::Write::write_all(&mut std::io::stderr().lock(), line.as_bytes());
+            crate::transport::request_abort();
+            std::thread::sleep(GRACE);
+            if !watched.stopped.load(Ordering::Relaxed) {
+                // The engine sits in a blocking call that will not return: end this
+                // process; mpirun then ends the others.
+                // SAFETY: `_exit` ends the process at once; no Rust state is used after.
+                unsafe { libc::_exit(1) };
+            }
+            return;
+        });
+    if let Err(e) = spawned {
+        tracing::warn!(error = %e, "cannot start the collective-timeout watchdog; continuing without it");
+        return None;
+    }
+    Some(progress)
+}
