@@ -153,10 +153,40 @@ fn cpu_seconds() -> f64 {
     tv(u.ru_utime) + tv(u.ru_stime)
 }
 
+/// One tensor per buffer (copied), each of shape `shape(len)`: the untimed input of
+/// kolo's ways.
+fn tensors_of(data: &[Vec<f32>], shape: impl Fn(usize) -> Vec<usize>) -> Vec<Tensor> {
+    data.iter()
+        .map(|d| Tensor::from_vec(d.clone(), &shape(d.len())).expect("tensor"))
+        .collect()
+}
+
+/// Kolo's per-tensor way: every tensor submitted as an async Sum allreduce named
+/// `<prefix>.<index>` (last first with `backward`, as gradients arrive), then all waited.
+fn allreduce_each(k: &Kolo, prefix: &str, ts: Vec<Tensor>, backward: bool) -> kolo::Result<()> {
+    let mut named: Vec<(usize, Tensor)> = ts.into_iter().enumerate().collect();
+    if backward {
+        named.reverse();
+    }
+    let mut hs = Vec::with_capacity(named.len());
+    for (i, t) in named {
+        hs.push(
+            k.allreduce(format!("{prefix}.{i}"), t)
+                .op(ReduceOp::Sum)
+                .submit()?,
+        );
+    }
+    for h in hs {
+        h.wait()?;
+    }
+    Ok(())
+}
+
 /// Every timed sample of one launch, keyed `"<scenario>|<way>"`.
 type Samples = BTreeMap<String, Vec<f64>>;
 
-/// Runs the ways of scenario `n` (kolo's only when `k` is given) and records them.
+/// Runs the ways of scenario `n` (interleaved, after `warmup` untimed runs of each) and
+/// records their times under `"<n>|<way>"`.
 fn record(
     samples: &mut Samples,
     n: &str,
@@ -209,27 +239,13 @@ fn bench(k: Option<&Kolo>, reps: usize, quick: bool, only: Option<u32>) -> Sampl
     // outside the timed region on both sides.
     if run(2) {
         let data: Vec<Vec<f32>> = (0..1000).map(|i| vec![i as f32; 256]).collect();
-        let tensors = || {
-            data.iter()
-                .map(|d| Tensor::from_vec(d.clone(), &[d.len()]).expect("tensor"))
-                .collect::<Vec<_>>()
-        };
+        let tensors = || tensors_of(&data, |n| vec![n]);
         let mut ways = Vec::new();
         if let Some(k) = k {
             ways.push((
                 "kolo",
                 way(tensors, |ts| {
-                    let hs: Vec<_> = ts
-                        .into_iter()
-                        .enumerate()
-                        .map(|(i, t)| {
-                            k.allreduce(format!("many.{i}"), t)
-                                .op(ReduceOp::Sum)
-                                .submit()
-                                .expect("submit")
-                        })
-                        .collect();
-                    hs.into_iter().for_each(|h| drop(h.wait().expect("wait")));
+                    allreduce_each(k, "many", ts, false).expect("allreduce");
                 }),
             ));
             // The same tensors as one grouped allreduce: one submit, one handle, one
@@ -265,29 +281,13 @@ fn bench(k: Option<&Kolo>, reps: usize, quick: bool, only: Option<u32>) -> Sampl
     if run(3) {
         let sizes = common::resnet50_sizes();
         let grads: Vec<Vec<f32>> = sizes.iter().map(|&n| vec![0.5f32; n]).collect();
-        let tensors = || {
-            grads
-                .iter()
-                .map(|g| Tensor::from_vec(g.clone(), &[g.len()]).expect("tensor"))
-                .collect::<Vec<_>>()
-        };
+        let tensors = || tensors_of(&grads, |n| vec![n]);
         let mut ways = Vec::new();
         if let Some(k) = k {
             ways.push((
                 "kolo",
                 way(tensors, |ts| {
-                    let hs: Vec<_> = ts
-                        .into_iter()
-                        .enumerate()
-                        .rev()
-                        .map(|(i, t)| {
-                            k.allreduce(format!("rn50.{i}"), t)
-                                .op(ReduceOp::Sum)
-                                .submit()
-                                .expect("submit")
-                        })
-                        .collect();
-                    hs.into_iter().for_each(|h| drop(h.wait().expect("wait")));
+                    allreduce_each(k, "rn50", ts, true).expect("allreduce");
                 }),
             ));
         }
@@ -350,11 +350,7 @@ fn bench(k: Option<&Kolo>, reps: usize, quick: bool, only: Option<u32>) -> Sampl
     // kolo fuses them into a few MPI_Allgatherv calls.
     if run(6) {
         let data: Vec<Vec<f32>> = (0..1000).map(|i| vec![i as f32; 64]).collect();
-        let tensors = || {
-            data.iter()
-                .map(|d| Tensor::from_vec(d.clone(), &[1, d.len()]).expect("tensor"))
-                .collect::<Vec<_>>()
-        };
+        let tensors = || tensors_of(&data, |n| vec![1, n]);
         let mut ways = Vec::new();
         if let Some(k) = k {
             ways.push((
@@ -422,21 +418,7 @@ fn resnet_worker(reps: usize) -> anyhow::Result<()> {
         .iter()
         .map(|&n| vec![0.5f32; n])
         .collect();
-    let step = |k: &Kolo| -> anyhow::Result<()> {
-        let mut hs = Vec::with_capacity(grads.len());
-        for (i, g) in grads.iter().enumerate().rev() {
-            let t = Tensor::from_vec(g.clone(), &[g.len()])?;
-            hs.push(
-                k.allreduce(format!("rn50.{i}"), t)
-                    .op(ReduceOp::Sum)
-                    .submit()?,
-            );
-        }
-        for h in hs {
-            h.wait()?;
-        }
-        Ok(())
-    };
+    let step = |k: &Kolo| allreduce_each(k, "rn50", tensors_of(&grads, |n| vec![n]), true);
     let deadline = Instant::now() + std::time::Duration::from_secs(300);
     let mut tuning_steps = 0;
     while k.autotune_state().enabled {
@@ -481,27 +463,23 @@ struct Opts {
 /// writes the samples to `KOLO_BENCH_OUT`.
 fn worker(plain: bool, o: &Opts) -> anyhow::Result<()> {
     let out = std::env::var("KOLO_BENCH_OUT").unwrap_or_else(|_| "/dev/null".into());
-    let samples = if plain {
+    let (rank, samples) = if plain {
         let universe =
             mpi::initialize().ok_or_else(|| anyhow::anyhow!("MPI was already initialised"))?;
         let samples = bench(None, o.reps, o.quick, o.only);
+        let rank = world_rank_size().0;
         drop(universe);
-        samples
+        (rank, samples)
     } else {
         let k = kolo::init()?;
         let samples = bench(Some(&k), o.reps, o.quick, o.only);
         k.shutdown()?;
-        samples
+        (k.rank(), samples)
     };
-    if launched_as_rank_zero() {
+    if rank == 0 {
         std::fs::write(&out, serde_json::to_string(&samples)?)?;
     }
     Ok(())
-}
-
-/// Rank 0, by mpirun's environment (MPI is finalised by the time it is asked).
-fn launched_as_rank_zero() -> bool {
-    std::env::var("OMPI_COMM_WORLD_RANK").map_or(true, |r| r == "0")
 }
 
 /// One table row: which samples it compares and how.
