@@ -176,12 +176,12 @@ pub(crate) struct Inner {
 
 impl Inner {
     /// Stops the engines of this engine's process sets (they use MPI, so they must
-    /// end before MPI is finalised).
-    fn stop_sets(&self, timeout: Option<Duration>) {
+    /// end before MPI is finalised); with a `deadline`, each gets what is left of it.
+    fn stop_sets(&self, deadline: Option<Instant>) {
         let sets = std::mem::take(&mut *self.sets.lock().unwrap_or_else(PoisonError::into_inner));
         for set in sets.iter().filter_map(Weak::upgrade) {
-            let stopped = match timeout {
-                Some(t) => set.shutdown_timeout(t),
+            let stopped = match deadline {
+                Some(d) => set.shutdown_timeout(d.saturating_duration_since(Instant::now())),
                 None => set.shutdown(),
             };
             if let Err(e) = stopped {
@@ -206,11 +206,13 @@ impl Inner {
 
     /// [`Inner::shutdown`] with a bound: past `timeout` the job is aborted.
     fn shutdown_timeout(&self, timeout: Duration) -> Result<()> {
-        self.stop_sets(Some(timeout));
+        // One bound for the sets' engines and this one together.
+        let deadline = Instant::now() + timeout;
+        self.stop_sets(Some(deadline));
         let Some(engine) = self.stop_engine() else {
             return Ok(());
         };
-        if !finished_within(&engine, timeout) {
+        if !finished_within(&engine, deadline.saturating_duration_since(Instant::now())) {
             // Only the engine thread calls MPI: ask it to abort (it does so from any
             // polled wait). If it sits in a blocking MPI call (MPI_Finalize waiting for
             // the other ranks), end this process: mpirun then ends the job.
