@@ -126,6 +126,15 @@ mod tests {
         Submission::single(kind, name.into(), Tensor::zeros(DType::F32, shape))
     }
 
+    /// A grouped allreduce of f32 tensors (name, length).
+    fn group(members: &[(&str, usize)]) -> Submission {
+        let tensors = members
+            .iter()
+            .map(|&(n, len)| (n.into(), Tensor::zeros(DType::F32, &[len])))
+            .collect();
+        Submission::new(OpKind::GroupedAllreduce, "@group".into(), tensors)
+    }
+
     /// The error message `s` gets with `size` ranks ("" when it passes).
     fn check(s: &Submission, size: usize) -> String {
         err_text(validate(s, size))
@@ -145,15 +154,7 @@ mod tests {
         a.splits = Some(vec![2, 3]);
         assert_eq!(check(&a, 2), "");
         assert_eq!(check(&single(OpKind::Alltoall, "a", &[6]), 3), "");
-        let g = Submission::new(
-            OpKind::GroupedAllreduce,
-            "@group".into(),
-            smallvec::smallvec![
-                ("x".into(), Tensor::zeros(DType::F32, &[1])),
-                ("y".into(), Tensor::zeros(DType::F32, &[2]))
-            ],
-        );
-        assert_eq!(check(&g, 4), "");
+        assert_eq!(check(&group(&[("x", 1), ("y", 2)]), 4), "");
     }
 
     #[test]
@@ -162,21 +163,9 @@ mod tests {
             .contains("tensor names must not be empty"));
         assert!(check(&single(OpKind::Allreduce, "@join", &[1]), 2)
             .contains("tensor name \"@join\": names starting with '@' are reserved"));
-        let empty = Submission::new(
-            OpKind::GroupedAllreduce,
-            "@group[]".into(),
-            smallvec::smallvec![],
-        );
-        assert!(check(&empty, 2).contains("a group needs at least one tensor"));
-        let twice = Submission::new(
-            OpKind::GroupedAllreduce,
-            "@group".into(),
-            smallvec::smallvec![
-                ("x".into(), Tensor::zeros(DType::F32, &[1])),
-                ("x".into(), Tensor::zeros(DType::F32, &[1]))
-            ],
-        );
-        assert!(check(&twice, 2).contains("the name \"x\" appears twice in the group"));
+        assert!(check(&group(&[]), 2).contains("a group needs at least one tensor"));
+        assert!(check(&group(&[("x", 1), ("x", 1)]), 2)
+            .contains("the name \"x\" appears twice in the group"));
     }
 
     #[test]

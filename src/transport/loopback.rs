@@ -22,6 +22,16 @@ struct Part {
     counts: Vec<usize>,
 }
 
+impl Part {
+    /// A part that is only bytes (no counts).
+    fn of(bytes: &[u8]) -> Part {
+        Part {
+            bytes: bytes.to_vec(),
+            counts: Vec::new(),
+        }
+    }
+}
+
 #[derive(Debug, Default)]
 struct Round {
     parts: Vec<Option<Part>>,
@@ -203,10 +213,7 @@ impl Transport for Loopback {
     }
 
     fn exchange(&mut self, local: &[u8], idle: &mut dyn FnMut(Duration)) -> Result<Vec<Vec<u8>>> {
-        let part = Part {
-            bytes: local.to_vec(),
-            counts: Vec::new(),
-        };
+        let part = Part::of(local);
         Ok(self
             .meet(part, Some(idle))?
             .into_iter()
@@ -215,10 +222,7 @@ impl Transport for Loopback {
     }
 
     fn agree_bits(&mut self, words: &mut [u64], idle: &mut dyn FnMut(Duration)) -> Result<()> {
-        let part = Part {
-            bytes: bytemuck::cast_slice(words).to_vec(),
-            counts: Vec::new(),
-        };
+        let part = Part::of(bytemuck::cast_slice(words));
         for p in self.meet(part, Some(idle))? {
             let theirs: Vec<u64> = p
                 .bytes
@@ -231,10 +235,7 @@ impl Transport for Loopback {
     }
 
     fn allreduce(&mut self, buf: &mut [u8], dtype: DType, op: ReduceOp) -> Result<()> {
-        let part = Part {
-            bytes: buf.to_vec(),
-            counts: Vec::new(),
-        };
+        let part = Part::of(buf);
         let parts = self.meet(part, None)?;
         // Every rank combines in rank order: bit-identical results everywhere.
         buf.copy_from_slice(&parts[0].bytes);
@@ -245,10 +246,7 @@ impl Transport for Loopback {
     }
 
     fn allgatherv(&mut self, send: &[u8], recv: &mut [u8], _: &[usize], _: DType) -> Result<()> {
-        let part = Part {
-            bytes: send.to_vec(),
-            counts: Vec::new(),
-        };
+        let part = Part::of(send);
         let all: Vec<u8> = self
             .meet(part, None)?
             .into_iter()
@@ -259,10 +257,7 @@ impl Transport for Loopback {
     }
 
     fn broadcast(&mut self, buf: &mut [u8], root: usize, _: DType) -> Result<()> {
-        let part = Part {
-            bytes: buf.to_vec(),
-            counts: Vec::new(),
-        };
+        let part = Part::of(buf);
         let parts = self.meet(part, None)?;
         buf.copy_from_slice(&parts[root].bytes);
         Ok(())

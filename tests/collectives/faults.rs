@@ -112,23 +112,22 @@ pub(crate) fn early_exit(k: &Kolo) -> Result<()> {
 /// `KOLO_COLLECTIVE_TIMEOUT_SECONDS=2` the others' watchdogs end the job, naming their
 /// rank.
 pub(crate) fn sigstop(k: &Kolo) -> Result<()> {
-    if k.rank() == k.size() - 1 {
-        std::thread::sleep(Duration::from_millis(300));
-        // SAFETY: signalling our own process.
-        unsafe { libc::kill(libc::getpid(), libc::SIGSTOP) };
-    }
-    k.allreduce("never", Tensor::zeros(DType::F32, &[4]))
-        .wait()?;
-    Ok(())
+    last_rank_signalled(k, libc::SIGSTOP)
 }
 
 /// The last rank is killed with SIGKILL while the others wait in a collective: mpirun
 /// must end the job (no hang, no orphans).
 pub(crate) fn sigkill(k: &Kolo) -> Result<()> {
+    last_rank_signalled(k, libc::SIGKILL)
+}
+
+/// The last rank sends itself `signal` after 300 ms; every rank then waits in an
+/// allreduce the last rank never reaches.
+fn last_rank_signalled(k: &Kolo, signal: libc::c_int) -> Result<()> {
     if k.rank() == k.size() - 1 {
         std::thread::sleep(Duration::from_millis(300));
         // SAFETY: signalling our own process.
-        unsafe { libc::kill(libc::getpid(), libc::SIGKILL) };
+        unsafe { libc::kill(libc::getpid(), signal) };
     }
     k.allreduce("never", Tensor::zeros(DType::F32, &[4]))
         .wait()?;

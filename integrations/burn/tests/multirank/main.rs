@@ -220,15 +220,28 @@ fn backward_passes(k: &Kolo) -> Result<()> {
         acc.accumulate(&start, grads_for(&start, at..at + b, &device));
     }
     let grads = reducer.reduce(&start, acc.grads())?;
-    let model = SgdConfig::new().init().step(0.1, start.clone(), grads);
-    let whole = grads_for(&start, 0..2 * size * b, &device);
-    let reference = SgdConfig::new().init().step(0.1, start, whole);
-    assert_close(
+    step_equals_whole_batch(
         "2 passes vs doubled batch",
-        &params(&model),
-        &params(&reference),
-        1e-5,
+        start,
+        grads,
+        2 * size * b,
+        &device,
     )
+}
+
+/// One SGD step (lr 0.1) from `start` with the reduced `grads` equals one step of a
+/// single process on samples `0..samples`.
+fn step_equals_whole_batch(
+    what: &str,
+    start: Small,
+    grads: GradientsParams,
+    samples: usize,
+    device: &Device,
+) -> Result<()> {
+    let model = SgdConfig::new().init().step(0.1, start.clone(), grads);
+    let whole = grads_for(&start, 0..samples, device);
+    let reference = SgdConfig::new().init().step(0.1, start, whole);
+    assert_close(what, &params(&model), &params(&reference), 1e-5)
 }
 
 /// After ranks' Adam states diverge, broadcasting parameters and optimizer state makes
@@ -836,14 +849,12 @@ fn overlap(k: &Kolo) -> Result<()> {
         sync.early_buckets()
     );
     let grads = sync.finish(&start, grads)?;
-    let model = SgdConfig::new().init().step(0.1, start.clone(), grads);
-    let whole = grads_for(&start, 0..2 * size * b, &device);
-    let reference = SgdConfig::new().init().step(0.1, start, whole);
-    assert_close(
+    step_equals_whole_batch(
         "2 micro-steps, the last overlapped, vs doubled batch",
-        &params(&model),
-        &params(&reference),
-        1e-5,
+        start,
+        grads,
+        2 * size * b,
+        &device,
     )
 }
 
