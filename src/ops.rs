@@ -90,12 +90,12 @@ fn submit<T>(
     if let Some(message) = refused {
         let (op, name) = (s.kind.name(), s.key.to_string());
         let (_, tensors) = s.into_parts();
-        return Err(crate::process_set::refused(
+        return Err(crate::Error::InvalidArgument {
             op,
             name,
             message,
-            tensors.into_vec(),
-        ));
+            tensors: tensors.into_vec(),
+        });
     }
     kolo.submit(s, convert)
 }

@@ -1,8 +1,6 @@
 //! [`ProcessSet`]: a subset of the job's ranks that runs collectives on its own.
 
-use crate::error::Error;
 use crate::runtime::Kolo;
-use crate::tensor::Tensor;
 
 /// A subset of the job's ranks, made by [`Kolo::add_process_set`] (Horovod's process
 /// sets). Pass it to any collective builder with `.process_set(&set)`: the op then
@@ -19,8 +17,6 @@ use crate::tensor::Tensor;
 pub struct ProcessSet {
     id: usize,
     ranks: Vec<usize>,
-    /// This rank's index in the set, if it is in it.
-    rank: Option<usize>,
     /// The set's engine, on its ranks.
     engine: Option<Kolo>,
     /// This rank in the job, for error messages.
@@ -29,11 +25,9 @@ pub struct ProcessSet {
 
 impl ProcessSet {
     pub(crate) fn new(id: usize, ranks: Vec<usize>, job_rank: usize, engine: Option<Kolo>) -> Self {
-        let rank = ranks.iter().position(|&r| r == job_rank);
         ProcessSet {
             id,
             ranks,
-            rank,
             engine,
             job_rank,
         }
@@ -47,7 +41,7 @@ impl ProcessSet {
 
     /// This rank's rank within the set (`0..size()`), or `None` if it is not in it.
     pub fn rank(&self) -> Option<usize> {
-        self.rank
+        self.ranks.binary_search(&self.job_rank).ok()
     }
 
     /// The number of ranks in the set.
@@ -93,20 +87,5 @@ impl ProcessSet {
 
     pub(crate) fn into_engine(self) -> Option<Kolo> {
         self.engine
-    }
-}
-
-/// The error of a builder whose process set refused it, handing the tensors back.
-pub(crate) fn refused(
-    op: &'static str,
-    name: String,
-    message: String,
-    tensors: Vec<Tensor>,
-) -> Error {
-    Error::InvalidArgument {
-        op,
-        name,
-        message,
-        tensors,
     }
 }
