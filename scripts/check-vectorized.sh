@@ -5,6 +5,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/setup.sh
+kolo_one_machine
 BIN=$(cargo bench -p kolo --bench kolo_vs_mpi --no-run 2>&1 |
     grep -o 'target/release/deps/kolo_vs_mpi-[0-9a-f]*' | head -1)
 status=0

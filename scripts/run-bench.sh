@@ -5,4 +5,5 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/setup.sh
+kolo_one_machine
 exec cargo bench -p kolo --bench kolo_vs_mpi -- "$@"

@@ -6,4 +6,5 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/setup.sh
+kolo_one_machine
 exec cargo bench -p kolo-burn --bench burn_mlp -- --bench "$@"

@@ -4,6 +4,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/setup.sh
+kolo_one_machine
 cargo fmt --all -- --check
 # Lints and docs are enforced, not advisory: any warning fails the run.
 cargo clippy --workspace --release --all-targets -- -D warnings
@@ -16,3 +17,6 @@ cargo test --workspace --release --doc
 # ignored unless KOLO_TEST_GPU=1 (README, "GPUs").
 # The same build runs the injected faults (feature fault-injection, test-only).
 cargo test -p kolo -p kolorun --release --features nccl,fault-injection --all-targets
+# Across hosts: 2 emulated hosts × 2 ranks (network namespaces), when this machine can
+# make them; it says so when it skips.
+scripts/run-multinode-tests.sh

@@ -11,6 +11,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/setup.sh
+kolo_one_machine
 NP=${NP:-2}
 MAX=${MAX:-12}
 STEPS=${STEPS:-5}

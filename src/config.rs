@@ -38,6 +38,7 @@ pub struct Config {
     pub(crate) stall_shutdown_time: Duration,
     pub(crate) stall_check_disable: bool,
     pub(crate) collective_timeout: Duration,
+    pub(crate) start_timeout: Duration,
     pub(crate) autotune: bool,
     pub(crate) autotune_log: Option<PathBuf>,
     pub(crate) autotune_warmup_samples: usize,
@@ -67,6 +68,7 @@ impl Default for Config {
             stall_check_time: Duration::from_secs(60),
             stall_shutdown_time: Duration::ZERO,
             collective_timeout: DEFAULT_COLLECTIVE_TIMEOUT,
+            start_timeout: Duration::ZERO,
             stall_check_disable: false,
             autotune: false,
             autotune_log: None,
@@ -83,7 +85,7 @@ impl Default for Config {
 }
 
 /// Every setting kolo reads, as `KOLO_<key>` or `HOROVOD_<key>`.
-pub(crate) const KEYS: [&str; 17] = [
+pub(crate) const KEYS: [&str; 18] = [
     "FUSION_THRESHOLD",
     "CYCLE_TIME",
     "CACHE_CAPACITY",
@@ -93,6 +95,7 @@ pub(crate) const KEYS: [&str; 17] = [
     "STALL_SHUTDOWN_TIME_SECONDS",
     "STALL_CHECK_DISABLE",
     "COLLECTIVE_TIMEOUT_SECONDS",
+    "START_TIMEOUT",
     "AUTOTUNE",
     "AUTOTUNE_LOG",
     "AUTOTUNE_WARMUP_SAMPLES",
@@ -166,6 +169,9 @@ impl Config {
         }
         if let Some((var, v)) = env.get("COLLECTIVE_TIMEOUT_SECONDS") {
             c.collective_timeout = parse_duration(&var, &v, 1.0, "seconds")?;
+        }
+        if let Some((var, v)) = env.get("START_TIMEOUT") {
+            c.start_timeout = parse_duration(&var, &v, 1.0, "seconds")?;
         }
         if let Some((var, v)) = env.get("STALL_SHUTDOWN_TIME_SECONDS") {
             c.stall_shutdown_time = parse_duration(&var, &v, 1.0, "seconds")?;
@@ -272,6 +278,18 @@ impl Config {
     /// longer (gigabytes over a slow link) needs a larger value.
     pub fn collective_timeout(mut self, timeout: Duration) -> Self {
         self.collective_timeout = timeout;
+        self
+    }
+
+    /// How long [`init`](crate::init) waits for MPI to start on every rank (a host
+    /// whose ranks never start, or cannot reach this one) before it fails naming this
+    /// rank; zero waits for ever. Default: zero; `kolorun` sets 30 s for jobs across
+    /// hosts (`--start-timeout`). (`KOLO_START_TIMEOUT`, in seconds, or Horovod's
+    /// `HOROVOD_START_TIMEOUT`)
+    ///
+    /// MPI cannot be stopped half-started: after this error the process should exit.
+    pub fn start_timeout(mut self, timeout: Duration) -> Self {
+        self.start_timeout = timeout;
         self
     }
 
@@ -513,6 +531,7 @@ mod tests {
             ("KOLO_STALL_SHUTDOWN_TIME_SECONDS", "10"),
             ("KOLO_STALL_CHECK_DISABLE", "true"),
             ("KOLO_COLLECTIVE_TIMEOUT_SECONDS", "2.5"),
+            ("KOLO_START_TIMEOUT", "45"),
             ("KOLO_AUTOTUNE", "1"),
             ("KOLO_AUTOTUNE_LOG", "/tmp/a.csv"),
             ("KOLO_AUTOTUNE_WARMUP_SAMPLES", "7"),
@@ -536,6 +555,7 @@ mod tests {
         assert_eq!(c.stall_check_time, Duration::from_secs(5));
         assert_eq!(c.stall_shutdown_time, Duration::from_secs(10));
         assert_eq!(c.collective_timeout, Duration::from_millis(2500));
+        assert_eq!(c.start_timeout, Duration::from_secs(45));
         assert!(c.stall_check_disable && c.autotune);
         assert_eq!(c.autotune_log, Some(PathBuf::from("/tmp/a.csv")));
         assert_eq!(c.log_level.as_deref(), Some("debug"));

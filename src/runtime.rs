@@ -281,6 +281,25 @@ pub(crate) fn start(config: Config) -> Result<Kolo> {
     Ok(kolo)
 }
 
+/// The error of a start that did not finish within `waited`: names this rank (from
+/// mpirun's environment, MPI not being up) and its host.
+fn not_started(waited: Duration) -> String {
+    let rank = std::env::var("OMPI_COMM_WORLD_RANK")
+        .or_else(|_| std::env::var("PMI_RANK"))
+        .unwrap_or_else(|_| "?".into());
+    let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .map(|h| h.trim().to_string())
+        .unwrap_or_else(|_| "this host".into());
+    format!(
+        "rank {rank} on {host}: MPI did not start on every rank within {:.0} s \
+         (KOLO_START_TIMEOUT / kolorun --start-timeout): the ranks of some host never \
+         started or cannot reach this one; check the host names, that the program is at \
+         the same path on every host, and the network interface (kolorun \
+         --network-interface)",
+        waited.as_secs_f64()
+    )
+}
+
 /// Starts an engine thread on the transport `connect` makes (on that thread) and
 /// returns the handle to it. `start` uses MPI; the protocol tests use N in-process
 /// loopback ranks, each its own engine, in one process.
@@ -303,13 +322,25 @@ pub(crate) fn spawn_engine(
             crate::engine::run(config, engine_queue, started_tx, engine_autotune, connect)
         })
         .map_err(|e| Error::Init(format!("cannot start the engine thread: {e}")))?;
-    let topology = match started_rx.recv() {
+    // Only the job's own start can wait on other hosts; a process set's split runs
+    // between engines that are already up.
+    let wait = if parent.is_none() && !kept_config.start_timeout.is_zero() {
+        kept_config.start_timeout
+    } else {
+        Duration::MAX
+    };
+    let topology = match started_rx.recv_timeout(wait) {
         Ok(Ok(t)) => t,
+        Err(mpsc::RecvTimeoutError::Timeout) => {
+            // The engine thread sits in MPI_Init, which cannot be interrupted: leave
+            // it, and let the caller exit.
+            return Err(Error::Init(not_started(wait)));
+        }
         Ok(Err(e)) => {
             let _ = engine.join();
             return Err(e);
         }
-        Err(_) => {
+        Err(mpsc::RecvTimeoutError::Disconnected) => {
             let _ = engine.join();
             return Err(Error::Init(
                 "the engine thread died while starting MPI".into(),

@@ -18,18 +18,32 @@ pub(crate) fn topology(k: &Kolo) -> Result<()> {
         k.rank(),
         k.size()
     );
-    // One machine: every rank is local, there is one "cross" group.
+    // The node split: local ranks are the ranks on this host (as mpirun numbers
+    // them); cross ranks number the ranks with the same local rank across hosts.
+    let local: usize = std::env::var("OMPI_COMM_WORLD_LOCAL_RANK")?.parse()?;
+    let local_size: usize = std::env::var("OMPI_COMM_WORLD_LOCAL_SIZE")?.parse()?;
     ensure!(
-        k.local_size() == np && k.local_rank() == me,
-        "local {} of {}",
+        k.local_size() == local_size && k.local_rank() == local,
+        "local {} of {}, mpirun says {local} of {local_size}",
         k.local_rank(),
         k.local_size()
     );
+    let host = std::fs::read_to_string("/proc/sys/kernel/hostname")?;
+    let all: Vec<(String, usize)> = k.allgather_object("topology.hosts", (host.clone(), local))?;
+    let peers: Vec<usize> = (0..np).filter(|&r| all[r].1 == local).collect();
+    let cross_rank = peers.iter().position(|&r| r == me).unwrap_or(usize::MAX);
     ensure!(
-        k.cross_size() == 1 && k.cross_rank() == 0,
-        "cross {} of {}",
+        k.cross_size() == peers.len() && k.cross_rank() == cross_rank,
+        "cross {} of {}, expected {cross_rank} of {}",
         k.cross_rank(),
-        k.cross_size()
+        k.cross_size(),
+        peers.len()
+    );
+    // The ranks of one host are those whose hostname is ours.
+    let same_host = all.iter().filter(|(h, _)| *h == host).count();
+    ensure!(
+        same_host == local_size,
+        "{same_host} ranks on {host}, local size {local_size}"
     );
     // A second init in the same process is refused.
     expect_err("second init", kolo::init(), &["already initialised"])?;

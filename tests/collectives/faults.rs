@@ -133,3 +133,17 @@ fn last_rank_signalled(k: &Kolo, signal: libc::c_int) -> Result<()> {
         .wait()?;
     Ok(())
 }
+
+/// Every rank allreduces a small tensor every 20 ms for up to 60 s: the job the
+/// multi-host partition test cuts in two (the harness takes h2's link down).
+pub(crate) fn partition(k: &Kolo) -> Result<()> {
+    let start = std::time::Instant::now();
+    let mut i = 0u64;
+    while start.elapsed() < Duration::from_secs(60) {
+        k.allreduce(format!("step.{}", i % 8), Tensor::zeros(DType::F32, &[256]))
+            .wait()?;
+        std::thread::sleep(Duration::from_millis(20));
+        i += 1;
+    }
+    Ok(())
+}

@@ -3,6 +3,7 @@
 
 use std::io::Read;
 use std::process::{Command, Stdio};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 /// The environment every launch gets: OpenMPI as root, oversubscription on our two
@@ -80,6 +81,24 @@ pub(crate) fn trial(
     })
 }
 
+/// Reads `pipe` to its end on a thread, into a buffer readable at any time.
+fn collect(
+    mut pipe: impl Read + Send + 'static,
+) -> (std::thread::JoinHandle<()>, Arc<Mutex<Vec<u8>>>) {
+    let buf: Arc<Mutex<Vec<u8>>> = Arc::default();
+    let filled = buf.clone();
+    let reader = std::thread::spawn(move || {
+        let mut chunk = [0u8; 8192];
+        while let Ok(n @ 1..) = pipe.read(&mut chunk) {
+            filled
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .extend_from_slice(&chunk[..n]);
+        }
+    });
+    (reader, buf)
+}
+
 /// What a finished launch produced.
 pub(crate) struct Run {
     pub(crate) success: bool,
@@ -95,36 +114,91 @@ pub(crate) fn mpirun(
     timeout: Duration,
     extra_env: &[(&str, &str)],
 ) -> Result<Run, String> {
-    let exe = std::env::current_exe().map_err(|e| format!("cannot find the test binary: {e}"))?;
     let mut cmd = Command::new("mpirun");
-    cmd.args(["-np", &np.to_string(), "--bind-to", "none", "--tag-output"])
-        .arg(&exe)
-        .env("KOLO_TEST_CASE", case)
-        .env("RUST_BACKTRACE", "1")
+    cmd.args(["-np", &np.to_string(), "--bind-to", "none", "--tag-output"]);
+    mpi_env(&mut cmd);
+    launch(cmd, case, timeout, extra_env, false)
+}
+
+/// The emulated hosts' scripts (`scripts/multinode`), when the multi-host stage of
+/// the README's test command has set them up (`KOLO_MULTINODE=1`).
+pub(crate) fn multinode() -> Option<std::path::PathBuf> {
+    (std::env::var_os("KOLO_MULTINODE")? == "1")
+        .then(|| std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/multinode"))
+}
+
+/// Runs the case on 2 emulated hosts × 2 ranks (`scripts/multinode/mpirun.sh`). Remote
+/// ranks start from a bare environment, so every variable goes with `-x`.
+pub(crate) fn mpirun_hosts(
+    case: &str,
+    timeout: Duration,
+    extra_env: &[(&str, &str)],
+) -> Result<Run, String> {
+    let dir = multinode().ok_or("KOLO_MULTINODE is not set: the emulated hosts are not up")?;
+    let mut cmd = Command::new(dir.join("mpirun.sh"));
+    cmd.args(["-np", "4", "--tag-output"]);
+    launch(cmd, case, timeout, extra_env, true)
+}
+
+/// Runs the case on 2 emulated hosts × 2 ranks the way a user would: `kolorun -H
+/// h1:2,h2:2 --network-interface eth0` started on h1, which forwards the environment.
+pub(crate) fn kolorun_hosts(
+    case: &str,
+    timeout: Duration,
+    extra_env: &[(&str, &str)],
+) -> Result<Run, String> {
+    let dir = multinode().ok_or("KOLO_MULTINODE is not set: the emulated hosts are not up")?;
+    let exe = std::env::current_exe().map_err(|e| e.to_string())?;
+    // target/release/deps/collectives-… → target/release/kolorun
+    let kolorun = exe
+        .parent()
+        .and_then(|d| d.parent())
+        .map(|d| d.join("kolorun"))
+        .filter(|k| k.exists())
+        .ok_or("target/release/kolorun is missing: cargo build --release -p kolorun")?;
+    let agent = dir.join("agent.sh");
+    let mut cmd = Command::new(dir.join("on-h1.sh"));
+    cmd.arg(kolorun)
+        .args(["-np", "4", "-H", "h1:2,h2:2", "--network-interface", "eth0"])
+        .arg("--mpi-args")
+        .arg(format!(
+            "--mca plm_rsh_agent {} --mca mpi_yield_when_idle 1 --mca mpi_event_tick_rate 1",
+            agent.display()
+        ));
+    launch(cmd, case, timeout, extra_env, false)
+}
+
+/// Runs `cmd` (an mpirun line without the program) on this test binary with
+/// `KOLO_TEST_CASE=<case>` and `extra_env`, forwarded with `-x` when `forward`; kills
+/// the whole process group after `timeout`.
+pub(crate) fn launch(
+    mut cmd: Command,
+    case: &str,
+    timeout: Duration,
+    extra_env: &[(&str, &str)],
+    forward: bool,
+) -> Result<Run, String> {
+    let exe = std::env::current_exe().map_err(|e| format!("cannot find the test binary: {e}"))?;
+    let env = [("KOLO_TEST_CASE", case), ("RUST_BACKTRACE", "1")];
+    for (k, v) in env.iter().chain(extra_env) {
+        cmd.env(k, v);
+        if forward {
+            cmd.args(["-x", k]);
+        }
+    }
+    cmd.arg(&exe)
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped());
-    for (k, v) in extra_env {
-        cmd.env(k, v);
-    }
-    mpi_env(&mut cmd);
     std::os::unix::process::CommandExt::process_group(&mut cmd, 0);
     let start = Instant::now();
     let mut child = cmd.spawn().map_err(|e| {
         format!("cannot run mpirun ({e}); run the README's test command, which installs OpenMPI")
     })?;
-    let mut stdout = child.stdout.take().ok_or("no stdout")?;
-    let mut stderr = child.stderr.take().ok_or("no stderr")?;
-    let out_reader = std::thread::spawn(move || {
-        let mut s = String::new();
-        let _ = stdout.read_to_string(&mut s);
-        s
-    });
-    let err_reader = std::thread::spawn(move || {
-        let mut s = String::new();
-        let _ = stderr.read_to_string(&mut s);
-        s
-    });
+    let stdout = child.stdout.take().ok_or("no stdout")?;
+    let stderr = child.stderr.take().ok_or("no stderr")?;
+    let (out_reader, out) = collect(stdout);
+    let (err_reader, err) = collect(stderr);
     let pgid = child.id() as i32;
     let status = loop {
         if let Some(status) = child.try_wait().map_err(|e| e.to_string())? {
@@ -142,10 +216,21 @@ pub(crate) fn mpirun(
         std::thread::sleep(Duration::from_millis(20));
     };
     let elapsed = start.elapsed();
+    // A process left on an unreachable emulated host may hold the pipes open: take
+    // what came within 5 s rather than wait for ever.
+    let waited = Instant::now();
+    while !(out_reader.is_finished() && err_reader.is_finished())
+        && waited.elapsed() < Duration::from_secs(5)
+    {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let text = |b: &Arc<Mutex<Vec<u8>>>| {
+        String::from_utf8_lossy(&b.lock().unwrap_or_else(|p| p.into_inner())).into_owned()
+    };
     let output = format!(
         "--- stdout ---\n{}\n--- stderr ---\n{}",
-        out_reader.join().unwrap_or_default(),
-        err_reader.join().unwrap_or_default()
+        text(&out),
+        text(&err)
     );
     match status {
         Some(s) => Ok(Run {
@@ -154,7 +239,7 @@ pub(crate) fn mpirun(
             output,
         }),
         None => Err(format!(
-            "case {case} at np={np} timed out after {timeout:?} (a hang)\n{output}"
+            "case {case} timed out after {timeout:?} (a hang)\n{output}"
         )),
     }
 }

@@ -59,6 +59,7 @@ const CASES: &[(&str, Case, usize)] = &[
 /// the output must contain).
 /// Cases that only make sense under the settings a variant gives them.
 const VARIANT_ONLY: &[(&str, Case)] = &[
+    ("partition", faults::partition),
     ("stall_shutdown", faults::stall_shutdown),
     ("timeline", timeline::trace),
     ("autotune_grid_point", autotune::grid_point),
@@ -310,6 +311,125 @@ const INJECTED_FAULTS: &[(&str, Case, &[usize], &str)] = &[];
 /// mpirun start-up (~1 s here) plus the 10 s the design allows a panic to take.
 const FAULT_DEADLINE: Duration = Duration::from_secs(11);
 
+/// Cases run across 2 emulated hosts × 2 ranks when the README's test command has set
+/// them up (`KOLO_MULTINODE=1`; ignored otherwise, so the count shows).
+const MULTINODE_CASES: &[&str] = &[
+    "topology",
+    "allreduce_sum_and_average",
+    "allreduce_async",
+    "grouped_allreduce",
+    "allgather",
+    "broadcast",
+    "alltoall",
+    "reducescatter",
+    "join",
+    "barrier",
+    "objects",
+    "fusion_mixed_async",
+    "large_sums_ring",
+    "distributed_optimizer",
+    "process_sets",
+    "process_set_errors",
+    "process_sets_independent",
+];
+
+/// The collective timeout the partition test runs with, and what the job may take
+/// past it (the bound).
+const PARTITION_TIMEOUT_S: u64 = 5;
+
+/// Runs `f` as a multi-host trial: ignored unless the emulated hosts are up.
+fn multinode_trial(name: &str, f: impl FnOnce() -> Result<(), Failed> + Send + 'static) -> Trial {
+    Trial::test(format!("multinode/{name}/2x2"), f)
+        .with_ignored_flag(harness::multinode().is_none())
+}
+
+/// Multi-host faults: SIGKILL of a rank on h2, and h2's link taken down mid-job
+/// (a partition: no error ever comes back, only the collective timeout ends it).
+fn multinode_faults() -> Vec<Trial> {
+    let sigkill = multinode_trial("fault_sigkill_on_h2", || {
+        let run = harness::mpirun_hosts("sigkill", Duration::from_secs(60), &[])?;
+        let fail =
+            |why: &str| -> Result<(), Failed> { Err(format!("{why}\n{}", run.output).into()) };
+        if run.success {
+            return fail("the job succeeded");
+        }
+        if run.elapsed > FAULT_DEADLINE {
+            return fail(&format!("the job took {:?} to end", run.elapsed));
+        }
+        if !run.output.contains("process rank 3 with PID") {
+            return fail("the output does not name rank 3");
+        }
+        eprintln!("multinode sigkill: the job ended in {:?}", run.elapsed);
+        Ok(())
+    });
+    let partition = multinode_trial("fault_partition", || {
+        let link = |state: &str| {
+            std::process::Command::new("ip")
+                .args(["-n", "h2", "link", "set", "eth0", state])
+                .status()
+        };
+        let cut = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_secs(4));
+            let at = std::time::Instant::now();
+            (link("down"), at)
+        });
+        let timeout = PARTITION_TIMEOUT_S.to_string();
+        let launched = std::time::Instant::now();
+        let run = harness::kolorun_hosts(
+            "partition",
+            Duration::from_secs(90),
+            &[("KOLO_COLLECTIVE_TIMEOUT_SECONDS", &timeout)],
+        );
+        let (down, at) = cut.join().map_err(|_| "the link thread panicked")?;
+        let up = link("up");
+        let run = run?;
+        let ended_after = (launched + run.elapsed).saturating_duration_since(at);
+        down.map_err(|e| format!("ip link set down: {e}"))?;
+        up.map_err(|e| format!("ip link set up: {e}"))?;
+        let fail =
+            |why: String| -> Result<(), Failed> { Err(format!("{why}\n{}", run.output).into()) };
+        if run.success {
+            return fail("the job succeeded although h2 was cut off".into());
+        }
+        let bound = Duration::from_secs(PARTITION_TIMEOUT_S + 10);
+        if ended_after > bound {
+            return fail(format!(
+                "the job ended {ended_after:?} after the cut, past {bound:?}"
+            ));
+        }
+        for want in [
+            "has made no progress for",
+            "kolorun: mpirun has not ended the job",
+        ] {
+            if !run.output.contains(want) {
+                return fail(format!("the output lacks {want:?}"));
+            }
+        }
+        eprintln!("multinode partition: the job ended {ended_after:?} after h2 was cut off");
+        Ok(())
+    });
+    // kolorun end to end: inherited single-machine settings are dropped (with a note),
+    // the environment reaches h2's ranks, the topology is right.
+    let kolorun = multinode_trial("kolorun_topology", || {
+        let env = [
+            ("OMPI_MCA_btl", "self,vader"),
+            ("OMPI_MCA_oob_tcp_if_include", "lo"),
+        ];
+        let run = harness::kolorun_hosts("topology", Duration::from_secs(120), &env)?;
+        if !run.success {
+            return Err(format!("kolorun across hosts failed:\n{}", run.output).into());
+        }
+        if !run
+            .output
+            .contains("kolorun: not passing OMPI_MCA_btl=self,vader")
+        {
+            return Err(format!("no note about OMPI_MCA_btl:\n{}", run.output).into());
+        }
+        Ok(())
+    });
+    vec![kolorun, sigkill, partition]
+}
+
 /// CUDA cases (feature `nccl`): (name, case, np values). They need a CUDA GPU per
 /// rank, so they are ignored unless `KOLO_TEST_GPU=1` (then the no-GPU case, which
 /// expects no CUDA driver, is left out instead).
@@ -453,5 +573,20 @@ fn main() {
         }
     }
     trials.push(Trial::test("autotune_vs_grid/np2", || autotune_vs_grid(2)));
+    for &case in MULTINODE_CASES {
+        trials.push(multinode_trial(case, move || {
+            let run = harness::mpirun_hosts(case, Duration::from_secs(180), &[])?;
+            if run.success {
+                Ok(())
+            } else {
+                Err(format!(
+                    "case {case} failed across hosts after {:?}\n{}",
+                    run.elapsed, run.output
+                )
+                .into())
+            }
+        }));
+    }
+    trials.extend(multinode_faults());
     libtest_mimic::run(&args, trials).exit();
 }

@@ -1,14 +1,20 @@
 //! `kolorun`: launches a kolo program under `mpirun`, the way `horovodrun` launches a
 //! Horovod one. Tuning flags become `KOLO_*` variables exported to every rank with
-//! `-x`; the right mpirun options are added (allow-run-as-root when root,
-//! oversubscribe when asked, bind-to none, tagged output).
+//! `-x`; the right mpirun options are added (allow-run-as-root when root, bind-to none,
+//! tagged output, the network interface to use, a start-up deadline).
+//!
+//! Without `-H`/`--hostfile` every rank runs on this machine and traffic stays on
+//! loopback. With them the job spans hosts: the user's environment is forwarded to
+//! every rank, and settings that only work on one machine are dropped with a note.
 //!
 //! ```sh
-//! kolorun -np 4 -H host1:2,host2:2 --fusion-threshold-mb 16 --timeline-filename /tmp/t-{rank}.json ./train
+//! kolorun -np 4 -H host1:2,host2:2 --network-interface eth0 --fusion-threshold-mb 16 ./train
+//! kolorun -np 8 --hostfile hosts.txt --mpi-args "--mca btl_tcp_links 2" ./train
 //! kolorun --check-build
 //! kolorun -np 2 --dry-run ./train --epochs 3
 //! ```
 
+use std::collections::BTreeSet;
 use std::process::Command;
 
 use clap::Parser;
@@ -25,8 +31,38 @@ struct Args {
     np: Option<u32>,
 
     /// Hosts and slots, e.g. host1:2,host2:2 (default: this machine).
-    #[arg(short = 'H', long = "hosts", value_name = "HOSTS")]
+    #[arg(
+        short = 'H',
+        long = "hosts",
+        value_name = "HOSTS",
+        conflicts_with = "hostfile"
+    )]
     hosts: Option<String>,
+
+    /// OpenMPI hostfile: one host per line, `host slots=N`.
+    #[arg(long, value_name = "FILE")]
+    hostfile: Option<String>,
+
+    /// Network interface(s) for traffic between hosts, e.g. eth0 or eth0,eth1 (or a
+    /// subnet, 10.0.0.0/24): pins OpenMPI's control and TCP data traffic and NCCL's
+    /// sockets to it. Needed where every host has an interface with the same address
+    /// (a docker bridge), on which OpenMPI otherwise hangs while connecting.
+    #[arg(long, value_name = "NICS")]
+    network_interface: Option<String>,
+
+    /// Seconds every rank waits for MPI to start on all ranks before it fails naming
+    /// itself (`KOLO_START_TIMEOUT`). Default 30 for jobs across hosts.
+    #[arg(long, value_name = "SECONDS", value_parser = clap::value_parser!(u32).range(1..))]
+    start_timeout: Option<u32>,
+
+    /// More mpirun arguments, as one string (split like a shell would), e.g.
+    /// "--mca btl_tcp_links 2 --map-by node".
+    #[arg(long, value_name = "ARGS", allow_hyphen_values = true)]
+    mpi_args: Option<String>,
+
+    /// Print the mpirun command and what kolorun decided before running it.
+    #[arg(short = 'v', long)]
+    verbose: bool,
 
     /// Allow more processes than cores.
     #[arg(long)]
@@ -72,6 +108,11 @@ struct Args {
     /// Turn the stall inspector off.
     #[arg(long)]
     disable_stall_check: bool,
+
+    /// Seconds an engine may sit in one exchange or collective (a lost host, a
+    /// partition) before the job is aborted (0: never; default 300).
+    #[arg(long, value_name = "SECONDS", value_parser = non_negative_f64)]
+    collective_timeout_seconds: Option<f64>,
 
     /// Compute threads per rank (`RAYON_NUM_THREADS`, which Burn's CPU backend and
     /// other rayon users follow). Default: `RAYON_NUM_THREADS` if set, else this
@@ -148,42 +189,123 @@ fn kolo_env(a: &Args) -> Vec<(String, String)> {
     if a.disable_stall_check {
         set("STALL_CHECK_DISABLE", "1".into());
     }
+    if let Some(s) = a.collective_timeout_seconds {
+        set("COLLECTIVE_TIMEOUT_SECONDS", s.to_string());
+    }
     if let Some(l) = &a.log_level {
         set("LOG_LEVEL", l.clone());
     }
     env
 }
 
+/// Slots per host of an OpenMPI hostfile (`host slots=N`, `#` comments; a host
+/// without `slots=` counts 1).
+fn hostfile_slots(text: &str) -> Vec<usize> {
+    text.lines()
+        .map(|l| l.split('#').next().unwrap_or("").trim())
+        .filter(|l| !l.is_empty())
+        .map(|l| {
+            l.split_whitespace()
+                .find_map(|w| w.strip_prefix("slots=").or(w.strip_prefix("max_slots=")))
+                .and_then(|n| n.parse().ok())
+                .unwrap_or(1)
+        })
+        .collect()
+}
+
+/// Slots per host of `-H host1:2,host2:2` (a host without `:N` counts 1).
+fn hosts_slots(hosts: &str) -> Vec<usize> {
+    hosts
+        .split(',')
+        .map(|host| {
+            host.rsplit_once(':')
+                .and_then(|(_, n)| n.parse().ok())
+                .unwrap_or(1)
+        })
+        .collect()
+}
+
 /// Compute threads per rank: the flag, else the user's `RAYON_NUM_THREADS`, else
-/// `cores` (of this machine; nodes are assumed alike) ÷ the most ranks on one node.
+/// `cores` (of this machine; nodes are assumed alike) ÷ the most ranks on one node
+/// (`per_host`: slots of each host, empty for this machine only).
 /// Without it every rank's rayon pool takes every core and the ranks fight over them.
-fn threads_per_rank(a: &Args, np: u32, cores: usize, user: Option<String>) -> String {
+fn threads_per_rank(
+    a: &Args,
+    np: u32,
+    cores: usize,
+    per_host: &[usize],
+    user: Option<String>,
+) -> String {
     if let Some(n) = a.threads_per_rank {
         return n.to_string();
     }
     if let Some(v) = user.filter(|v| !v.is_empty()) {
         return v;
     }
-    let per_node = match &a.hosts {
-        Some(h) => h
-            .split(',')
-            .map(|host| {
-                host.rsplit_once(':')
-                    .and_then(|(_, n)| n.parse().ok())
-                    .unwrap_or(1)
-            })
-            .max()
-            .unwrap_or(1),
-        None => np as usize,
-    };
+    let per_node = per_host
+        .iter()
+        .copied()
+        .max()
+        .unwrap_or(np as usize)
+        .min(np as usize);
     (cores / per_node.max(1)).max(1).to_string()
 }
 
-/// The full mpirun argument list.
-fn mpirun_args(a: &Args, np: u32, root: bool, threads: &str) -> Vec<String> {
-    let mut v = vec!["-np".to_string(), np.to_string()];
-    if let Some(h) = &a.hosts {
-        v.extend(["-H".into(), h.clone()]);
+/// Variables never forwarded to remote ranks: OpenMPI's and PMIx's own (mpirun
+/// passes those it should), this shell's bookkeeping, and secrets (as horovodrun).
+fn forwardable(name: &str) -> bool {
+    let own = ["OMPI_", "PMIX_", "OPAL_", "ORTE_", "BASH_FUNC_"];
+    let shell = ["HOSTNAME", "PWD", "OLDPWD", "SHLVL", "_", "PS1", "TERM"];
+    !name.is_empty()
+        && name.chars().all(|c| c.is_ascii_alphanumeric() || c == '_')
+        && !name.starts_with(|c: char| c.is_ascii_digit())
+        && !own.iter().any(|p| name.starts_with(p))
+        && !shell.contains(&name)
+        && !name.ends_with("_SECRET_KEY")
+}
+
+/// An inherited OpenMPI setting that confines a job to one machine (what kolo's
+/// scripts and tests use): only loopback interfaces, or transports without TCP.
+fn single_machine_setting(name: &str, value: &str) -> bool {
+    let loopback = |v: &str| {
+        v.split(',')
+            .all(|i| i == "lo" || i.starts_with("127.") || i == "::1")
+    };
+    match name {
+        "OMPI_MCA_btl" => !value.starts_with('^') && !value.split(',').any(|b| b == "tcp"),
+        "OMPI_MCA_oob_tcp_if_include" | "OMPI_MCA_btl_tcp_if_include" => loopback(value),
+        _ => false,
+    }
+}
+
+/// What to run: mpirun's arguments, variables to remove from its environment, and
+/// notes for the user.
+#[derive(Debug, Default)]
+struct Plan {
+    argv: Vec<String>,
+    unset: Vec<String>,
+    notes: Vec<String>,
+}
+
+/// Plans the launch of `np` ranks: `root` whether we run as root, `threads` the
+/// compute threads per rank, `env` kolorun's environment, `mpi_args` the split
+/// `--mpi-args`.
+fn plan(
+    a: &Args,
+    np: u32,
+    root: bool,
+    threads: &str,
+    env: &[(String, String)],
+    mpi_args: &[String],
+) -> Plan {
+    let mut p = Plan::default();
+    let v = &mut p.argv;
+    v.extend(["-np".to_string(), np.to_string()]);
+    let spans_hosts = a.hosts.is_some() || a.hostfile.is_some();
+    match (&a.hosts, &a.hostfile) {
+        (Some(h), _) => v.extend(["-H".into(), h.clone()]),
+        (None, Some(f)) => v.extend(["--hostfile".into(), f.clone()]),
+        (None, None) => {}
     }
     if root {
         v.push("--allow-run-as-root".into());
@@ -192,12 +314,67 @@ fn mpirun_args(a: &Args, np: u32, root: bool, threads: &str) -> Vec<String> {
         v.push("--oversubscribe".into());
     }
     v.extend(["--bind-to".into(), "none".into(), "--tag-output".into()]);
-    for (k, val) in kolo_env(a) {
+    let set_in_env = |k: &str| env.iter().any(|(n, _)| n == k);
+    let in_mpi_args = |k: &str| mpi_args.iter().any(|x| x == k);
+    let mca = |v: &mut Vec<String>, k: &str, val: &str| {
+        v.extend(["--mca".into(), k.into(), val.into()]);
+    };
+    if let Some(nics) = &a.network_interface {
+        mca(v, "btl_tcp_if_include", nics);
+        mca(v, "oob_tcp_if_include", nics);
+        v.extend(["-x".into(), format!("NCCL_SOCKET_IFNAME={nics}")]);
+    }
+    if spans_hosts {
+        // Settings inherited from a single-machine set-up would make the ranks on
+        // other hosts unreachable (MPI_ERR_INTERN during init).
+        for (k, val) in env {
+            if single_machine_setting(k, val) {
+                p.unset.push(k.clone());
+                p.notes.push(format!(
+                    "kolorun: not passing {k}={val} from the environment to a job across hosts (it keeps traffic on one machine)"
+                ));
+            }
+        }
+    } else {
+        // One machine: keep traffic on it, unless told otherwise.
+        if a.network_interface.is_none() {
+            if !set_in_env("OMPI_MCA_btl") && !in_mpi_args("btl") {
+                mca(v, "btl", "self,vader");
+            }
+            if !set_in_env("OMPI_MCA_oob_tcp_if_include") && !in_mpi_args("oob_tcp_if_include") {
+                mca(v, "oob_tcp_if_include", "lo");
+            }
+        }
+    }
+    let mut ours = kolo_env(a);
+    // OpenMPI's own start-up timeout does not fire while a host's daemon hangs, so
+    // the ranks time their start themselves.
+    let start = a.start_timeout.or(spans_hosts.then_some(30));
+    if let Some(t) = start {
+        ours.push(("KOLO_START_TIMEOUT".into(), t.to_string()));
+    }
+    let mut named: BTreeSet<String> = ours.iter().map(|(k, _)| k.clone()).collect();
+    named.insert("RAYON_NUM_THREADS".into());
+    named.insert("NCCL_SOCKET_IFNAME".into());
+    for (k, val) in ours {
         v.extend(["-x".into(), format!("{k}={val}")]);
     }
     v.extend(["-x".into(), format!("RAYON_NUM_THREADS={threads}")]);
+    if spans_hosts {
+        // Remote ranks start from a bare environment: forward the user's, as
+        // horovodrun does (by name; mpirun takes the values from its own).
+        let forwarded: BTreeSet<&str> = env
+            .iter()
+            .map(|(k, _)| k.as_str())
+            .filter(|k| forwardable(k) && !named.contains(*k) && !p.unset.iter().any(|u| u == k))
+            .collect();
+        for k in forwarded {
+            v.extend(["-x".into(), k.to_string()]);
+        }
+    }
+    v.extend(mpi_args.iter().cloned());
     v.extend(a.command.iter().cloned());
-    v
+    p
 }
 
 fn shell_quote(s: &str) -> String {
@@ -209,6 +386,20 @@ fn shell_quote(s: &str) -> String {
     } else {
         format!("'{}'", s.replace('\'', r"'\''"))
     }
+}
+
+/// The exact command line of a plan, as a shell would run it.
+fn command_line(p: &Plan) -> String {
+    let mut line: Vec<String> = Vec::new();
+    if !p.unset.is_empty() {
+        line.push("env".into());
+        for u in &p.unset {
+            line.extend(["-u".into(), shell_quote(u)]);
+        }
+    }
+    line.push("mpirun".into());
+    line.extend(p.argv.iter().map(|a| shell_quote(a)));
+    line.join(" ")
 }
 
 /// `-np` is horovodrun's (and mpirun's) spelling; clap's short flags are one letter,
@@ -227,62 +418,278 @@ fn normalize(argv: impl IntoIterator<Item = String>) -> Vec<String> {
         .collect()
 }
 
+fn check_build() {
+    let b = kolo::build_info();
+    println!("kolo {}", b.version);
+    println!("  MPI transport:  yes ({})", b.mpi_library);
+    println!(
+        "  NCCL transport: {}",
+        if b.nccl {
+            "compiled in"
+        } else {
+            "not compiled in (build with --features nccl for CUDA tensors)"
+        }
+    );
+    if b.nccl {
+        match kolo::cuda_device_count() {
+            Ok(n) => println!("  CUDA driver:    found, {n} device(s)"),
+            Err(e) => println!("  CUDA driver:    {e}"),
+        }
+        println!(
+            "  NCCL library:   {}",
+            if kolo::nccl_library_present() {
+                "found"
+            } else {
+                "not found (libnccl.so.2)"
+            }
+        );
+    }
+}
+
+/// The host names of `-H` or a hostfile's text.
+fn host_names(hosts: Option<&str>, hostfile: Option<&str>) -> Vec<String> {
+    let mut names: Vec<String> = match (hosts, hostfile) {
+        (Some(h), _) => h
+            .split(',')
+            .map(|x| x.rsplit_once(':').map_or(x, |(n, _)| n).to_string())
+            .collect(),
+        (None, Some(text)) => text
+            .lines()
+            .filter_map(|l| l.split('#').next()?.split_whitespace().next())
+            .map(String::from)
+            .collect(),
+        (None, None) => Vec::new(),
+    };
+    names.retain(|n| !n.is_empty());
+    names.dedup();
+    names
+}
+
+/// How mpirun reaches other hosts: `--mca plm_rsh_agent` in `--mpi-args`, else
+/// `OMPI_MCA_plm_rsh_agent`, else ssh (without prompts).
+fn remote_agent(mpi_args: &[String], env: &[(String, String)]) -> Vec<String> {
+    let from_args = mpi_args
+        .windows(2)
+        .find(|w| w[0] == "plm_rsh_agent")
+        .map(|w| w[1].clone());
+    let from_env = || {
+        env.iter()
+            .find(|(k, _)| k == "OMPI_MCA_plm_rsh_agent")
+            .map(|(_, v)| v.clone())
+    };
+    match from_args.or_else(from_env) {
+        // OpenMPI's agent lists alternatives ("ssh : rsh"): the first is tried first.
+        Some(a) => a
+            .split(':')
+            .next()
+            .unwrap_or("ssh")
+            .split_whitespace()
+            .map(String::from)
+            .collect(),
+        None => ["ssh", "-o", "BatchMode=yes", "-o", "ConnectTimeout=10"]
+            .map(String::from)
+            .to_vec(),
+    }
+}
+
+/// Runs `agent host true` on every host other than this one, in parallel, as
+/// horovodrun does before a launch: a host that does not answer within `timeout`
+/// would otherwise make mpirun wait for ever for its daemon. Returns one line per
+/// host that failed.
+fn check_hosts(hosts: &[String], agent: &[String], timeout: std::time::Duration) -> Vec<String> {
+    use std::time::Instant;
+    let this = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default();
+    let local = |h: &str| h == "localhost" || h == "127.0.0.1" || h == this.trim();
+    let Some((program, first)) = agent.split_first() else {
+        return vec!["no remote agent to reach the hosts with".into()];
+    };
+    let mut running = Vec::new();
+    let mut failed = Vec::new();
+    for h in hosts.iter().filter(|h| !local(h)) {
+        let mut cmd = Command::new(program);
+        cmd.args(first)
+            .args([h.as_str(), "true"])
+            .stdin(std::process::Stdio::null())
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null());
+        std::os::unix::process::CommandExt::process_group(&mut cmd, 0);
+        match cmd.spawn() {
+            Ok(child) => running.push((h.clone(), child)),
+            Err(e) => failed.push(format!("{h}: cannot run {program}: {e}")),
+        }
+    }
+    let start = Instant::now();
+    while !running.is_empty() {
+        running.retain_mut(|(h, child)| match child.try_wait() {
+            Ok(Some(status)) if status.success() => false,
+            Ok(Some(status)) => {
+                failed.push(format!(
+                    "{h}: `{} {h} true` failed ({status})",
+                    agent.join(" ")
+                ));
+                false
+            }
+            Ok(None) if start.elapsed() < timeout => true,
+            Ok(None) | Err(_) => {
+                failed.push(format!(
+                    "{h}: `{} {h} true` did not answer within {:.0} s",
+                    agent.join(" "),
+                    timeout.as_secs_f64()
+                ));
+                // SAFETY: signalling the process group made for this child.
+                unsafe { libc::killpg(child.id() as i32, libc::SIGKILL) };
+                let _ = child.wait();
+                false
+            }
+        });
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    failed
+}
+
+fn fail(msg: &str) -> ! {
+    eprintln!("kolorun: {msg}");
+    std::process::exit(2);
+}
+
 fn main() {
     let args = Args::parse_from(normalize(std::env::args()));
     if args.check_build {
-        let b = kolo::build_info();
-        println!("kolo {}", b.version);
-        println!("  MPI transport:  yes ({})", b.mpi_library);
-        println!(
-            "  NCCL transport: {}",
-            if b.nccl {
-                "compiled in"
-            } else {
-                "not compiled in (build with --features nccl for CUDA tensors)"
-            }
-        );
-        if b.nccl {
-            match kolo::cuda_device_count() {
-                Ok(n) => println!("  CUDA driver:    found, {n} device(s)"),
-                Err(e) => println!("  CUDA driver:    {e}"),
-            }
-            println!(
-                "  NCCL library:   {}",
-                if kolo::nccl_library_present() {
-                    "found"
-                } else {
-                    "not found (libnccl.so.2)"
-                }
-            );
-        }
+        check_build();
         return;
     }
     let Some(np) = args.np else {
-        eprintln!("kolorun: -np is required (the number of processes)");
-        std::process::exit(2);
+        fail("-np is required (the number of processes)");
     };
     if args.command.is_empty() {
-        eprintln!("kolorun: no program given; usage: kolorun -np N [options] program [args...]");
-        std::process::exit(2);
+        fail("no program given; usage: kolorun -np N [options] program [args...]");
     }
+    let mpi_args = match &args.mpi_args {
+        None => Vec::new(),
+        Some(s) => shlex::split(s)
+            .unwrap_or_else(|| fail(&format!("--mpi-args {s:?} has an unclosed quote"))),
+    };
+    let hostfile = args
+        .hostfile
+        .as_ref()
+        .map(|f| match std::fs::read_to_string(f) {
+            Ok(text) if !hostfile_slots(&text).is_empty() => text,
+            Ok(_) => fail(&format!("--hostfile {f} names no host")),
+            Err(e) => fail(&format!("cannot read --hostfile {f}: {e}")),
+        });
+    let per_host = match (&args.hosts, &hostfile) {
+        (Some(h), _) => hosts_slots(h),
+        (None, Some(text)) => hostfile_slots(text),
+        (None, None) => Vec::new(),
+    };
     // SAFETY: geteuid has no preconditions.
     let root = unsafe { libc::geteuid() } == 0;
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-    let threads = threads_per_rank(&args, np, cores, std::env::var("RAYON_NUM_THREADS").ok());
-    let argv = mpirun_args(&args, np, root, &threads);
+    let threads = threads_per_rank(
+        &args,
+        np,
+        cores,
+        &per_host,
+        std::env::var("RAYON_NUM_THREADS").ok(),
+    );
+    let env: Vec<(String, String)> = std::env::vars_os()
+        .filter_map(|(k, v)| Some((k.into_string().ok()?, v.into_string().ok()?)))
+        .collect();
+    let plan = plan(&args, np, root, &threads, &env, &mpi_args);
+    for n in &plan.notes {
+        eprintln!("{n}");
+    }
     if args.dry_run {
-        let line: Vec<String> = argv.iter().map(|a| shell_quote(a)).collect();
-        println!("mpirun {}", line.join(" "));
+        println!("{}", command_line(&plan));
         return;
     }
-    match Command::new("mpirun").args(&argv).status() {
-        Ok(status) => std::process::exit(status.code().unwrap_or(1)),
+    if args.verbose {
+        eprintln!("kolorun: {}", command_line(&plan));
+    }
+    let hosts = host_names(args.hosts.as_deref(), hostfile.as_deref());
+    if !hosts.is_empty() {
+        let timeout = std::time::Duration::from_secs(args.start_timeout.unwrap_or(30).into());
+        let failed = check_hosts(&hosts, &remote_agent(&mpi_args, &env), timeout);
+        if !failed.is_empty() {
+            fail(&format!(
+                "cannot reach {} of the job's hosts (--start-timeout {} s):\n  {}",
+                failed.len(),
+                timeout.as_secs(),
+                failed.join("\n  ")
+            ));
+        }
+    }
+    let mut cmd = Command::new("mpirun");
+    cmd.args(&plan.argv);
+    for u in &plan.unset {
+        cmd.env_remove(u);
+    }
+    match supervise(cmd, ABORT_GRACE) {
+        Ok(code) => std::process::exit(code),
         Err(e) => {
             eprintln!(
                 "kolorun: cannot run mpirun: {e} (install OpenMPI: apt-get install openmpi-bin)"
             );
             std::process::exit(127);
         }
+    }
+}
+
+/// How long mpirun gets to end the job once it has been aborted.
+/// (A normal abort ends in 1–3 s; the bound the collective timeout promises is the
+/// timeout plus 10 s, of which detection takes up to a quarter of the timeout.)
+const ABORT_GRACE: std::time::Duration = std::time::Duration::from_secs(8);
+
+/// Whether a line of the job's stderr says the job is being aborted (by a kolo rank,
+/// by MPI_Abort, or by mpirun after a rank failed).
+fn aborting(line: &str) -> bool {
+    line.contains("aborting the whole job")
+        || line.contains("MPI_ABORT was invoked")
+        || line.contains("the job has been aborted")
+}
+
+/// Runs mpirun, passing its stderr through, and returns its exit code. Once the job
+/// is being aborted, mpirun waits for every host's daemon to confirm; a host that is
+/// unreachable (a partition) never does, and mpirun would wait for ever: after
+/// `grace` kolorun ends it and says so.
+fn supervise(mut cmd: Command, grace: std::time::Duration) -> std::io::Result<i32> {
+    use std::io::{BufRead, Write};
+    use std::sync::{Arc, Mutex};
+    use std::time::Instant;
+    let mut child = cmd.stderr(std::process::Stdio::piped()).spawn()?;
+    let aborted_at: Arc<Mutex<Option<Instant>>> = Arc::default();
+    if let Some(stderr) = child.stderr.take() {
+        let aborted_at = aborted_at.clone();
+        std::thread::spawn(move || {
+            let mut out = std::io::stderr();
+            for line in std::io::BufReader::new(stderr).split(b'\n') {
+                let Ok(line) = line else { break };
+                let _ = out.write_all(&line);
+                let _ = out.write_all(b"\n");
+                if aborting(&String::from_utf8_lossy(&line)) {
+                    let mut at = aborted_at.lock().unwrap_or_else(|p| p.into_inner());
+                    at.get_or_insert_with(Instant::now);
+                }
+            }
+        });
+    }
+    loop {
+        if let Some(status) = child.try_wait()? {
+            return Ok(status.code().unwrap_or(1));
+        }
+        let since = *aborted_at.lock().unwrap_or_else(|p| p.into_inner());
+        if since.is_some_and(|at| at.elapsed() > grace) {
+            eprintln!(
+                "kolorun: mpirun has not ended the job {} s after it was aborted: a host's \
+                 daemon does not answer (unreachable or partitioned away); ending mpirun. \
+                 Processes may be left on that host.",
+                grace.as_secs()
+            );
+            let _ = child.kill();
+            let _ = child.wait();
+            return Ok(1);
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
     }
 }
 
@@ -295,6 +702,13 @@ mod tests {
             .chain(argv.iter().copied())
             .map(String::from);
         Args::try_parse_from(normalize(argv))
+    }
+
+    fn env(pairs: &[(&str, &str)]) -> Vec<(String, String)> {
+        pairs
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect()
     }
 
     #[test]
@@ -313,13 +727,14 @@ mod tests {
             "/tmp/t-{rank}.json",
             "--log-level",
             "debug",
+            "--collective-timeout-seconds",
+            "20",
             "./train",
             "--epochs",
             "3",
         ])
         .unwrap();
-        let argv = mpirun_args(&a, 4, true, "3");
-        let line = argv.join(" ");
+        let line = plan(&a, 4, true, "3", &[], &[]).argv.join(" ");
         assert!(
             line.starts_with(
                 "-np 4 -H a:2,b:2 --allow-run-as-root --oversubscribe --bind-to none --tag-output"
@@ -333,17 +748,187 @@ mod tests {
             "{line}"
         );
         assert!(line.contains("-x KOLO_LOG_LEVEL=debug"), "{line}");
+        assert!(
+            line.contains("-x KOLO_COLLECTIVE_TIMEOUT_SECONDS=20"),
+            "{line}"
+        );
         assert!(line.ends_with("./train --epochs 3"), "{line}");
         assert!(line.contains("-x RAYON_NUM_THREADS=3"), "{line}");
-        assert!(!mpirun_args(&a, 4, false, "1").contains(&"--allow-run-as-root".to_string()));
+        assert!(!plan(&a, 4, false, "1", &[], &[])
+            .argv
+            .contains(&"--allow-run-as-root".to_string()));
         // Threads per rank: cores ÷ the most ranks on one node, the user's value, or the flag.
-        assert_eq!(threads_per_rank(&a, 4, 16, None), "8");
-        assert_eq!(threads_per_rank(&a, 4, 1, None), "1");
+        assert_eq!(threads_per_rank(&a, 4, 16, &[2, 2], None), "8");
+        assert_eq!(threads_per_rank(&a, 4, 1, &[2, 2], None), "1");
         let local = parse(&["-np", "3", "x"]).unwrap();
-        assert_eq!(threads_per_rank(&local, 3, 16, None), "5");
-        assert_eq!(threads_per_rank(&local, 3, 16, Some("2".into())), "2");
+        assert_eq!(threads_per_rank(&local, 3, 16, &[], None), "5");
+        assert_eq!(threads_per_rank(&local, 3, 16, &[], Some("2".into())), "2");
         let flag = parse(&["-np", "3", "--threads-per-rank", "4", "x"]).unwrap();
-        assert_eq!(threads_per_rank(&flag, 3, 16, Some("2".into())), "4");
+        assert_eq!(threads_per_rank(&flag, 3, 16, &[], Some("2".into())), "4");
+    }
+
+    #[test]
+    fn hosts_and_hostfiles_give_slots_per_host() {
+        assert_eq!(hosts_slots("a:2,b:3,c"), [2, 3, 1]);
+        let text = "# cluster\nnode1 slots=4\n\nnode2 slots=2 # small\nnode3\n";
+        assert_eq!(hostfile_slots(text), [4, 2, 1]);
+        let a = parse(&["-np", "8", "--hostfile", "hosts.txt", "x"]).unwrap();
+        assert_eq!(threads_per_rank(&a, 8, 16, &[4, 2, 1], None), "4");
+        let line = plan(&a, 8, false, "4", &[], &[]).argv.join(" ");
+        assert!(line.starts_with("-np 8 --hostfile hosts.txt "), "{line}");
+        let e = parse(&["-np", "2", "-H", "a:1", "--hostfile", "h", "x"])
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("--hostfile") && e.contains("--hosts"), "{e}");
+    }
+
+    #[test]
+    fn one_machine_stays_on_loopback() {
+        let a = parse(&["-np", "2", "x"]).unwrap();
+        let line = plan(&a, 2, false, "1", &[], &[]).argv.join(" ");
+        assert!(
+            line.contains("--mca btl self,vader --mca oob_tcp_if_include lo"),
+            "{line}"
+        );
+        assert!(!line.contains("START_TIMEOUT"), "{line}");
+        // The user's own settings win, from the environment or --mpi-args.
+        let e = env(&[("OMPI_MCA_btl", "self,vader,tcp")]);
+        let mpi = [
+            "--mca".to_string(),
+            "oob_tcp_if_include".into(),
+            "eth1".into(),
+        ];
+        let line = plan(&a, 2, false, "1", &e, &mpi).argv.join(" ");
+        assert!(!line.contains("--mca btl "), "{line}");
+        assert!(!line.contains("oob_tcp_if_include lo"), "{line}");
+        assert!(line.ends_with("--mca oob_tcp_if_include eth1 x"), "{line}");
+    }
+
+    #[test]
+    fn across_hosts_single_machine_settings_are_dropped_and_the_environment_forwarded() {
+        let a = parse(&[
+            "-np",
+            "4",
+            "-H",
+            "h1:2,h2:2",
+            "--network-interface",
+            "eth0",
+            "--start-timeout",
+            "12",
+            "x",
+        ])
+        .unwrap();
+        let e = env(&[
+            ("OMPI_MCA_btl", "self,vader"),
+            ("OMPI_MCA_oob_tcp_if_include", "lo"),
+            ("OMPI_MCA_rmaps_base_oversubscribe", "1"),
+            ("OMPI_MCA_btl_tcp_if_include", "10.0.0.0/24"),
+            ("DATA_DIR", "/data"),
+            ("PATH", "/usr/bin"),
+            ("HOSTNAME", "h1"),
+            ("AWS_SECRET_KEY", "s"),
+            ("BASH_FUNC_f%%", "() { :; }"),
+            ("RAYON_NUM_THREADS", "7"),
+        ]);
+        let p = plan(&a, 4, false, "1", &e, &[]);
+        assert_eq!(p.unset, ["OMPI_MCA_btl", "OMPI_MCA_oob_tcp_if_include"]);
+        assert!(
+            p.notes[0].contains("OMPI_MCA_btl=self,vader"),
+            "{:?}",
+            p.notes
+        );
+        let line = p.argv.join(" ");
+        for want in [
+            "--mca btl_tcp_if_include eth0 --mca oob_tcp_if_include eth0 -x NCCL_SOCKET_IFNAME=eth0",
+            "-x KOLO_START_TIMEOUT=12",
+            "-x DATA_DIR -x PATH",
+            "-x RAYON_NUM_THREADS=1",
+        ] {
+            assert!(line.contains(want), "{want:?} missing from {line}");
+        }
+        for never in [
+            "-x HOSTNAME",
+            "SECRET",
+            "BASH_FUNC",
+            "-x OMPI",
+            "-x RAYON_NUM_THREADS ",
+            "--mca btl self",
+        ] {
+            assert!(!line.contains(never), "{never:?} in {line}");
+        }
+        let cmd = command_line(&p);
+        assert!(
+            cmd.starts_with("env -u OMPI_MCA_btl -u OMPI_MCA_oob_tcp_if_include mpirun -np 4 "),
+            "{cmd}"
+        );
+        // The default start-up deadline across hosts is horovodrun's 30 s.
+        let b = parse(&["-np", "2", "-H", "a,b", "x"]).unwrap();
+        let line = plan(&b, 2, false, "1", &[], &[]).argv.join(" ");
+        assert!(line.contains("-x KOLO_START_TIMEOUT=30"), "{line}");
+        assert!(single_machine_setting("OMPI_MCA_btl", "vader,self"));
+        assert!(!single_machine_setting("OMPI_MCA_btl", "^openib"));
+        assert!(!single_machine_setting(
+            "OMPI_MCA_oob_tcp_if_include",
+            "eth0"
+        ));
+        assert!(single_machine_setting(
+            "OMPI_MCA_btl_tcp_if_include",
+            "127.0.0.1"
+        ));
+    }
+
+    #[test]
+    fn hosts_are_checked_through_mpiruns_agent() {
+        assert_eq!(host_names(Some("a:2,b:2,c"), None), ["a", "b", "c"]);
+        assert_eq!(
+            host_names(None, Some("# x\nn1 slots=2\n\nn2\n")),
+            ["n1", "n2"]
+        );
+        let args = ["--mca", "plm_rsh_agent", "/x/agent.sh"].map(String::from);
+        assert_eq!(remote_agent(&args, &[]), ["/x/agent.sh"]);
+        let e = env(&[("OMPI_MCA_plm_rsh_agent", "ssh -p 2222 : rsh")]);
+        assert_eq!(remote_agent(&[], &e), ["ssh", "-p", "2222"]);
+        assert_eq!(remote_agent(&[], &[])[0], "ssh");
+        // An agent that answers, one that fails, one that hangs (cut at the timeout).
+        let script = |body: &str| ["sh", "-c", body, "agent"].map(String::from).to_vec();
+        let t = std::time::Duration::from_millis(500);
+        let hosts = ["a".to_string(), "localhost".into()];
+        assert!(check_hosts(&hosts, &script("exit 0"), t).is_empty());
+        let failed = check_hosts(&hosts, &script("exit 3"), t);
+        assert_eq!(failed.len(), 1, "{failed:?}");
+        assert!(
+            failed[0].starts_with("a: ") && failed[0].contains("failed"),
+            "{failed:?}"
+        );
+        let start = std::time::Instant::now();
+        let failed = check_hosts(&hosts, &script("sleep 30"), t);
+        assert!(failed[0].contains("did not answer within"), "{failed:?}");
+        assert!(start.elapsed() < std::time::Duration::from_secs(5));
+    }
+
+    #[test]
+    fn an_aborted_job_that_does_not_end_is_ended() {
+        assert!(aborting(
+            "[1,0]<stderr>:kolo: rank 0: its engine ... aborting the whole job"
+        ));
+        assert!(aborting(
+            "MPI_ABORT was invoked on rank 1 in communicator MPI_COMM_WORLD"
+        ));
+        assert!(!aborting("[1,0]<stderr>:epoch 3 loss 0.2"));
+        let short = std::time::Duration::from_millis(300);
+        // An mpirun stand-in that reports an abort and then hangs is ended.
+        let mut hang = Command::new("sh");
+        hang.args([
+            "-c",
+            "echo 'MPI_ABORT was invoked on rank 0' >&2; exec sleep 30",
+        ]);
+        let start = std::time::Instant::now();
+        assert_eq!(supervise(hang, short).unwrap(), 1);
+        assert!(start.elapsed() < std::time::Duration::from_secs(5));
+        // Exit codes pass through; a job that only prints is left alone.
+        let mut ok = Command::new("sh");
+        ok.args(["-c", "echo working >&2; sleep 0.5; exit 3"]);
+        assert_eq!(supervise(ok, short).unwrap(), 3);
     }
 
     #[test]
