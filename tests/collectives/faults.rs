@@ -147,3 +147,9 @@ pub(crate) fn partition(k: &Kolo) -> Result<()> {
     }
     Ok(())
 }
+
+/// Never reached on the ranks that fail: with `KOLO_START_TIMEOUT=2` (set by the
+/// harness) their `init` gives up on the last rank, which starts 8 s late.
+pub(crate) fn late_start(_: &Kolo) -> Result<()> {
+    Ok(())
+}

@@ -34,6 +34,16 @@ pub(crate) fn run_worker(case: &str, cases: &[(&str, Case)]) -> ! {
         eprintln!("unknown case {case}");
         std::process::exit(2);
     };
+    // The late_start fault: the last rank starts MPI 8 s after the others.
+    if case == "late_start" {
+        let var = |k: &str| std::env::var(k).ok().and_then(|v| v.parse::<usize>().ok());
+        if let (Some(rank), Some(size)) = (var("OMPI_COMM_WORLD_RANK"), var("OMPI_COMM_WORLD_SIZE"))
+        {
+            if rank + 1 == size {
+                std::thread::sleep(std::time::Duration::from_secs(8));
+            }
+        }
+    }
     let kolo = match kolo::init() {
         Ok(k) => k,
         Err(e) => {

@@ -282,6 +282,7 @@ const FAULTS: &[(&str, Case, &[usize], &str)] = &[
         &[2, 4],
         "kolo: rank 0: its engine (kolo-engine) has made no progress for",
     ),
+    ("late_start", faults::late_start, &[2], "rank 0 on "),
     (
         "shutdown_timeout",
         faults::shutdown_timeout,
@@ -545,6 +546,7 @@ fn main() {
                 let env: Vec<(&str, &str)> = match name {
                     "engine_panic" => vec![("KOLO_FAULT_ENGINE_PANIC_RANK", &last)],
                     "sigstop" => vec![("KOLO_COLLECTIVE_TIMEOUT_SECONDS", "2")],
+                    "late_start" => vec![("KOLO_START_TIMEOUT", "2")],
                     _ => Vec::new(),
                 };
                 let run = harness::mpirun(name, np, Duration::from_secs(60), &env)
