@@ -27,3 +27,4 @@ trap 'scripts/multinode/teardown.sh' EXIT
 cargo build --release -p kolorun
 # One trial at a time: the hosts and two cores are shared.
 KOLO_MULTINODE=1 cargo test -p kolo --release --test collectives -- multinode/ --test-threads 1
+KOLO_MULTINODE=1 cargo test -p kolo-burn --release --test burn_multirank -- multinode/ --test-threads 1

@@ -133,8 +133,14 @@ pub(crate) fn mpirun(
 /// The emulated hosts' scripts (`scripts/multinode`), when the multi-host stage of
 /// the README's test command has set them up (`KOLO_MULTINODE=1`).
 pub(crate) fn multinode() -> Option<std::path::PathBuf> {
-    (std::env::var_os("KOLO_MULTINODE")? == "1")
-        .then(|| std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/multinode"))
+    if std::env::var_os("KOLO_MULTINODE")? != "1" {
+        return None;
+    }
+    // The repository root holds scripts/; this file is also built into kolo-burn's tests.
+    std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .ancestors()
+        .map(|d| d.join("scripts/multinode"))
+        .find(|d| d.is_dir())
 }
 
 /// Runs the case on 2 emulated hosts × 2 ranks (`scripts/multinode/mpirun.sh`). Remote

@@ -20,7 +20,7 @@ use kolo_burn::{
     broadcast_optimizer_state, broadcast_parameters, load_checkpoint, save_checkpoint,
     DistributedOptimizer, DistributedSampler, GradientReducer,
 };
-use libtest_mimic::Arguments;
+use libtest_mimic::{Arguments, Trial};
 
 #[derive(Module, Debug)]
 struct Small {
@@ -894,6 +894,33 @@ fn main() {
                 &[("RAYON_NUM_THREADS", "1")],
             ));
         }
+    }
+    // Across 2 emulated hosts × 2 ranks (the test command's multi-host stage; ignored
+    // otherwise): through mpirun, and as a user would launch it, through kolorun.
+    let ignored = harness::multinode().is_none();
+    let env: &[(&str, &str)] = &[("RAYON_NUM_THREADS", "1")];
+    for (name, via_kolorun) in [
+        ("replica_consistency", false),
+        ("supervised_training", true),
+    ] {
+        let trial = Trial::test(format!("multinode/{name}/2x2"), move || {
+            let timeout = Duration::from_secs(300);
+            let run = if via_kolorun {
+                harness::kolorun_hosts(name, timeout, env)?
+            } else {
+                harness::mpirun_hosts(name, timeout, env)?
+            };
+            if run.success {
+                Ok(())
+            } else {
+                Err(format!(
+                    "{name} failed across hosts after {:?}\n{}",
+                    run.elapsed, run.output
+                )
+                .into())
+            }
+        });
+        trials.push(trial.with_ignored_flag(ignored));
     }
     libtest_mimic::run(&args, trials).exit();
 }
