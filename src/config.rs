@@ -39,6 +39,7 @@ pub struct Config {
     pub(crate) stall_check_disable: bool,
     pub(crate) collective_timeout: Duration,
     pub(crate) start_timeout: Duration,
+    pub(crate) hierarchical_allreduce: bool,
     pub(crate) autotune: bool,
     pub(crate) autotune_log: Option<PathBuf>,
     pub(crate) autotune_warmup_samples: usize,
@@ -69,6 +70,7 @@ impl Default for Config {
             stall_shutdown_time: Duration::ZERO,
             collective_timeout: DEFAULT_COLLECTIVE_TIMEOUT,
             start_timeout: Duration::ZERO,
+            hierarchical_allreduce: false,
             stall_check_disable: false,
             autotune: false,
             autotune_log: None,
@@ -85,7 +87,7 @@ impl Default for Config {
 }
 
 /// Every setting kolo reads, as `KOLO_<key>` or `HOROVOD_<key>`.
-pub(crate) const KEYS: [&str; 18] = [
+pub(crate) const KEYS: [&str; 19] = [
     "FUSION_THRESHOLD",
     "CYCLE_TIME",
     "CACHE_CAPACITY",
@@ -96,6 +98,7 @@ pub(crate) const KEYS: [&str; 18] = [
     "STALL_CHECK_DISABLE",
     "COLLECTIVE_TIMEOUT_SECONDS",
     "START_TIMEOUT",
+    "HIERARCHICAL_ALLREDUCE",
     "AUTOTUNE",
     "AUTOTUNE_LOG",
     "AUTOTUNE_WARMUP_SAMPLES",
@@ -169,6 +172,9 @@ impl Config {
         }
         if let Some((var, v)) = env.get("COLLECTIVE_TIMEOUT_SECONDS") {
             c.collective_timeout = parse_duration(&var, &v, 1.0, "seconds")?;
+        }
+        if let Some((var, v)) = env.get("HIERARCHICAL_ALLREDUCE") {
+            c.hierarchical_allreduce = parse_bool(&var, &v)?;
         }
         if let Some((var, v)) = env.get("START_TIMEOUT") {
             c.start_timeout = parse_duration(&var, &v, 1.0, "seconds")?;
@@ -290,6 +296,18 @@ impl Config {
     /// MPI cannot be stopped half-started: after this error the process should exit.
     pub fn start_timeout(mut self, timeout: Duration) -> Self {
         self.start_timeout = timeout;
+        self
+    }
+
+    /// Allreduces in three steps across hosts: a reduce-scatter among the ranks of
+    /// each host (shared memory), an allreduce of each shard among the ranks with the
+    /// same local rank (one per host), an allgather within each host. Only the
+    /// shards cross the network. Rank 0's choice holds for every rank; when hosts
+    /// have different numbers of ranks kolo warns once and stays flat, and with one
+    /// host or one rank per host there is nothing to gain, so it stays flat too.
+    /// (`KOLO_HIERARCHICAL_ALLREDUCE`, or Horovod's `HOROVOD_HIERARCHICAL_ALLREDUCE`)
+    pub fn hierarchical_allreduce(mut self, on: bool) -> Self {
+        self.hierarchical_allreduce = on;
         self
     }
 
@@ -532,6 +550,7 @@ mod tests {
             ("KOLO_STALL_CHECK_DISABLE", "true"),
             ("KOLO_COLLECTIVE_TIMEOUT_SECONDS", "2.5"),
             ("KOLO_START_TIMEOUT", "45"),
+            ("KOLO_HIERARCHICAL_ALLREDUCE", "1"),
             ("KOLO_AUTOTUNE", "1"),
             ("KOLO_AUTOTUNE_LOG", "/tmp/a.csv"),
             ("KOLO_AUTOTUNE_WARMUP_SAMPLES", "7"),
@@ -556,6 +575,7 @@ mod tests {
         assert_eq!(c.stall_shutdown_time, Duration::from_secs(10));
         assert_eq!(c.collective_timeout, Duration::from_millis(2500));
         assert_eq!(c.start_timeout, Duration::from_secs(45));
+        assert!(c.hierarchical_allreduce);
         assert!(c.stall_check_disable && c.autotune);
         assert_eq!(c.autotune_log, Some(PathBuf::from("/tmp/a.csv")));
         assert_eq!(c.log_level.as_deref(), Some("debug"));
@@ -579,11 +599,11 @@ mod tests {
             "HOROVOD_FUSION_THRESHOLD",
             "HOROVOD_GPU_OPERATIONS",
             "PATH",
-            "HOROVOD_HIERARCHICAL_ALLREDUCE",
+            "HOROVOD_HIERARCHICAL_ALLGATHER",
         ];
         assert_eq!(
             unknown_horovod(names.iter().map(|s| s.to_string())),
-            ["HOROVOD_GPU_OPERATIONS", "HOROVOD_HIERARCHICAL_ALLREDUCE"]
+            ["HOROVOD_GPU_OPERATIONS", "HOROVOD_HIERARCHICAL_ALLGATHER"]
         );
     }
 

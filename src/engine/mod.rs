@@ -215,29 +215,89 @@ struct Agreed {
     cache_capacity: usize,
     /// Rank 0 runs the autotuner; the others apply what it sends.
     autotune: bool,
+    /// Asked for a hierarchical allreduce (whether it runs depends on the hosts).
+    hierarchical_allreduce: bool,
 }
 
-/// Takes rank 0's shared settings, warning on ranks configured differently.
+/// Takes rank 0's shared settings, warning on ranks configured differently, and
+/// decides with every rank's number of ranks per host whether the transport
+/// allreduces hierarchically.
 fn agree(t: &mut dyn Transport, config: &Config) -> Result<Agreed> {
     let mine = Agreed {
         fusion_threshold: config.fusion_threshold,
         cache_capacity: config.cache_capacity,
         autotune: config.autotune,
+        hierarchical_allreduce: config.hierarchical_allreduce,
     };
-    let bytes = postcard::to_stdvec(&mine)
+    let topology = t.topology();
+    let bytes = postcard::to_stdvec(&(mine, topology.local_size as u64))
         .map_err(|e| Error::Internal(format!("encoding settings: {e}")))?;
     let all = t.exchange(&bytes, &mut |_| {})?;
-    let first = all
+    let all: Vec<(Agreed, u64)> = all
+        .iter()
+        .map(|b| postcard::from_bytes(b))
+        .collect::<std::result::Result<_, _>>()
+        .map_err(|e| Error::Internal(format!("decoding another rank's settings: {e}")))?;
+    let (first, _) = *all
         .first()
-        .and_then(|b| postcard::from_bytes::<Agreed>(b).ok())
         .ok_or_else(|| Error::Internal("rank 0 sent no settings".into()))?;
     if first != mine {
         tracing::warn!(
-            rank = t.topology().rank,
-            "this rank's fusion threshold / cache capacity ({mine:?}) differ from rank 0's; using rank 0's {first:?}"
+            rank = topology.rank,
+            "this rank's shared settings ({mine:?}) differ from rank 0's; using rank 0's {first:?}"
         );
     }
+    let per_host: Vec<u64> = all.iter().map(|&(_, l)| l).collect();
+    let hierarchical = hierarchical(first.hierarchical_allreduce, &topology, &per_host);
+    if first.hierarchical_allreduce && topology.rank == 0 {
+        match &hierarchical {
+            Hierarchy::Flat(why) => tracing::warn!(
+                "KOLO_HIERARCHICAL_ALLREDUCE is set, but {why}: allreduce stays flat"
+            ),
+            Hierarchy::On => tracing::debug!(
+                hosts = topology.cross_size,
+                ranks_per_host = topology.local_size,
+                "hierarchical allreduce on"
+            ),
+        }
+    }
+    t.set_hierarchical_allreduce(matches!(hierarchical, Hierarchy::On));
     Ok(first)
+}
+
+/// Whether allreduce runs hierarchically, or why not.
+#[derive(Debug, PartialEq)]
+enum Hierarchy {
+    On,
+    Flat(String),
+}
+
+/// Decides the allreduce's shape from the request, this rank's topology and every
+/// rank's number of ranks on its host (the same on every rank: every input is).
+fn hierarchical(requested: bool, t: &crate::transport::Topology, per_host: &[u64]) -> Hierarchy {
+    if !requested {
+        return Hierarchy::Flat("it was not asked for".into());
+    }
+    if t.cross_size <= 1 {
+        return Hierarchy::Flat("every rank is on one host".into());
+    }
+    if per_host.iter().all(|&l| l <= 1) {
+        return Hierarchy::Flat("every host has one rank".into());
+    }
+    if per_host.iter().any(|&l| l != per_host[0]) {
+        let mut sizes: Vec<u64> = per_host.to_vec();
+        sizes.sort_unstable();
+        sizes.dedup();
+        return Hierarchy::Flat(format!(
+            "hosts have different numbers of ranks ({})",
+            sizes
+                .iter()
+                .map(|s| s.to_string())
+                .collect::<Vec<_>>()
+                .join(", ")
+        ));
+    }
+    Hierarchy::On
 }
 
 /// Bytes an allreduce response reduces (what the autotuner scores).
@@ -895,5 +955,36 @@ impl Engine {
                 }
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod hierarchy_tests {
+    use super::{hierarchical, Hierarchy};
+    use crate::transport::Topology;
+
+    fn at(local_size: usize, cross_size: usize) -> Topology {
+        Topology {
+            rank: 0,
+            size: local_size * cross_size,
+            local_rank: 0,
+            local_size,
+            cross_rank: 0,
+            cross_size,
+        }
+    }
+
+    #[test]
+    fn hierarchical_only_where_it_can_help_and_hosts_are_alike() {
+        assert_eq!(hierarchical(true, &at(2, 2), &[2, 2, 2, 2]), Hierarchy::On);
+        let flat = |h| match h {
+            Hierarchy::Flat(why) => why,
+            Hierarchy::On => panic!("hierarchical"),
+        };
+        assert!(flat(hierarchical(false, &at(2, 2), &[2; 4])).contains("not asked"));
+        assert!(flat(hierarchical(true, &at(4, 1), &[4; 4])).contains("one host"));
+        assert!(flat(hierarchical(true, &at(1, 3), &[1; 3])).contains("one rank"));
+        let why = flat(hierarchical(true, &at(2, 2), &[2, 2, 1]));
+        assert!(why.contains("different numbers of ranks (1, 2)"), "{why}");
     }
 }

@@ -54,6 +54,11 @@ pub(crate) trait Transport: Send {
     /// [`Transport::exchange`].
     fn agree_bits(&mut self, words: &mut [u64], idle: &mut dyn FnMut(Duration)) -> Result<()>;
 
+    /// From now on allreduce in three steps (within each host, across hosts, within
+    /// each host) instead of flat. Every rank calls it with the same value, when its
+    /// hosts have the same number of ranks each. A transport without hosts ignores it.
+    fn set_hierarchical_allreduce(&mut self, _on: bool) {}
+
     /// In-place allreduce of `buf`.
     fn allreduce(&mut self, buf: &mut [u8], dtype: DType, op: ReduceOp) -> Result<()>;
 

@@ -36,7 +36,13 @@ pub(crate) struct MpiTransport {
     comm: SimpleCommunicator,
     /// User-defined reductions for f16 and bf16 (MPI has no half types).
     half_ops: HalfOps,
-    /// The ring allreduce's reused segment buffer.
+    /// The ranks on this host (shared memory), and the ranks with this local rank
+    /// across hosts: the hierarchical allreduce's two levels.
+    local: SimpleCommunicator,
+    cross: SimpleCommunicator,
+    /// Allreduce hierarchically (set once at start, the same on every rank).
+    hierarchical: bool,
+    /// The ring allreduce's reused segment buffer, and the hierarchical one's shard.
     ring_scratch: Vec<u8>,
     /// The thread support MPI gave: process sets (an engine thread each) need
     /// `MPI_THREAD_MULTIPLE`.
@@ -116,6 +122,9 @@ impl MpiTransport {
             topology,
             comm,
             half_ops,
+            local,
+            cross,
+            hierarchical: false,
             ring_scratch: Vec::new(),
             threading,
             _universe: universe,
@@ -462,6 +471,64 @@ impl MpiTransport {
         result
     }
 
+    /// Allreduce in three steps: reduce-scatter among this host's ranks (shared
+    /// memory), allreduce of this rank's shard among the ranks with its local rank
+    /// (one per host: only shards cross the network), allgather of the shards within
+    /// the host. Each element is reduced once, by one cross-host allreduce, and
+    /// copied everywhere else, so every rank ends with the same bits.
+    fn hierarchical_allreduce(&mut self, buf: &mut [u8], dtype: DType, op: ReduceOp) -> Result<()> {
+        const CALL: &str = "hierarchical allreduce";
+        let width = dtype.size_of();
+        let n = buf.len() / width;
+        let (l, me) = (self.topology.local_size, self.topology.local_rank);
+        let shards: Vec<usize> = (0..l).map(|i| n / l + usize::from(i < n % l)).collect();
+        let (c, displs) = counts(CALL, &shards)?;
+        let mpi_op = self.reduce_op(op, dtype);
+        let mut shard = std::mem::take(&mut self.ring_scratch);
+        shard.clear();
+        shard.resize(shards[me] * width, 0);
+        let result = (|| {
+            // SAFETY: `buf` holds sum(shards) elements and `shard` shards[me]; the
+            // count arrays outlive the calls; the communicators are this transport's.
+            check("MPI_Reduce_scatter", unsafe {
+                ffi::MPI_Reduce_scatter(
+                    buf.as_ptr().cast(),
+                    shard.as_mut_ptr().cast(),
+                    c.as_ptr(),
+                    datatype(dtype),
+                    mpi_op,
+                    self.local.as_raw(),
+                )
+            })?;
+            // SAFETY: as above; MPI_IN_PLACE from the MPI header through the C shim.
+            check("MPI_Allreduce", unsafe {
+                ffi::MPI_Allreduce(
+                    kolo_mpi_in_place(),
+                    shard.as_mut_ptr().cast(),
+                    c[me],
+                    datatype(dtype),
+                    mpi_op,
+                    self.cross.as_raw(),
+                )
+            })?;
+            // SAFETY: as above.
+            check("MPI_Allgatherv", unsafe {
+                ffi::MPI_Allgatherv(
+                    shard.as_ptr().cast(),
+                    c[me],
+                    datatype(dtype),
+                    buf.as_mut_ptr().cast(),
+                    c.as_ptr(),
+                    displs.as_ptr(),
+                    datatype(dtype),
+                    self.local.as_raw(),
+                )
+            })
+        })();
+        self.ring_scratch = shard;
+        result
+    }
+
     fn reduce_op(&self, op: ReduceOp, dtype: DType) -> ffi::MPI_Op {
         self.half_ops
             .get(dtype, op)
@@ -572,7 +639,14 @@ impl Transport for MpiTransport {
         self.wait(CALL, req, idle)
     }
 
+    fn set_hierarchical_allreduce(&mut self, on: bool) {
+        self.hierarchical = on;
+    }
+
     fn allreduce(&mut self, buf: &mut [u8], dtype: DType, op: ReduceOp) -> Result<()> {
+        if self.hierarchical && buf.len() / dtype.size_of() >= self.topology.local_size {
+            return self.hierarchical_allreduce(buf, dtype, op);
+        }
         let sum = matches!(op, ReduceOp::Sum | ReduceOp::Average);
         if sum && buf.len() >= RING_MIN_BYTES && self.topology.size > 1 {
             return self.ring_allreduce(buf, dtype);

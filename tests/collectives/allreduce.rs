@@ -391,3 +391,64 @@ pub(crate) fn grouped(k: &Kolo) -> Result<()> {
     )?;
     Ok(())
 }
+
+/// Across hosts with `KOLO_HIERARCHICAL_ALLREDUCE=1`: integer-valued sums are exact
+/// (so equal to the flat allreduce's), and for arbitrary floats every rank ends with
+/// the same bits. Sizes below, at and above the ranks per host, odd ones, a fused
+/// batch; f32, f64, f16, i32; Sum, Average, Max.
+pub(crate) fn hierarchical(k: &Kolo) -> Result<()> {
+    let (me, n) = (k.rank(), k.size());
+    let mut rng = Rng::new(7 + me as u64);
+    for (i, &len) in [1usize, 2, 3, 5, 1000, 4099, 1 << 20].iter().enumerate() {
+        // Exact: integer values, whose sums no order can round.
+        let mine: Vec<f32> = (0..len).map(|j| ((me * 7 + j) % 13) as f32).collect();
+        let got: Vec<f32> = k
+            .allreduce(format!("h.exact.{i}"), Tensor::from_vec(mine, &[len])?)
+            .op(ReduceOp::Sum)
+            .wait()?
+            .into_vec()?;
+        for (j, g) in got.iter().enumerate() {
+            let want: f32 = (0..n).map(|r| ((r * 7 + j) % 13) as f32).sum();
+            ensure!(*g == want, "len {len} element {j}: {g} != {want}");
+        }
+        // Same bits everywhere for values whose sum depends on the order.
+        for (dtype, op) in [
+            (DType::F32, ReduceOp::Average),
+            (DType::F64, ReduceOp::Sum),
+            (DType::F16, ReduceOp::Sum),
+            (DType::I32, ReduceOp::Max),
+        ] {
+            let v: Vec<f64> = (0..len)
+                .map(|_| (rng.int(-1_000_000, 1_000_000) as f64) / 997.0)
+                .collect();
+            let out = k
+                .allreduce(format!("h.bits.{i}.{dtype:?}"), tensor(dtype, &v, &[len])?)
+                .op(op)
+                .wait()?;
+            let bits = out.as_bytes()?.to_vec();
+            let all: Vec<Vec<u8>> = k.allgather_object(format!("h.check.{i}.{dtype:?}"), bits)?;
+            ensure!(
+                all.iter().all(|b| *b == all[0]),
+                "len {len} {dtype:?} {op:?}: ranks ended with different bits"
+            );
+        }
+    }
+    // A fused batch of small tensors.
+    let handles: Vec<_> = (0..16)
+        .map(|i| {
+            let t = Tensor::from_vec(vec![(me + i) as f32; 3 + i], &[3 + i])?;
+            Ok(k.allreduce(format!("h.fused.{i}"), t)
+                .op(ReduceOp::Sum)
+                .submit()?)
+        })
+        .collect::<Result<_>>()?;
+    for (i, h) in handles.into_iter().enumerate() {
+        let got: Vec<f32> = h.wait()?.into_vec()?;
+        let want: f32 = (0..n).map(|r| (r + i) as f32).sum();
+        ensure!(
+            got.iter().all(|g| *g == want),
+            "fused {i}: {got:?} != {want}"
+        );
+    }
+    Ok(())
+}

@@ -150,9 +150,19 @@ pub(crate) fn mpirun_hosts(
     timeout: Duration,
     extra_env: &[(&str, &str)],
 ) -> Result<Run, String> {
+    mpirun_hosts_np(case, 4, timeout, extra_env)
+}
+
+/// [`mpirun_hosts`] with `np` ranks (filling h1's 2 slots first).
+pub(crate) fn mpirun_hosts_np(
+    case: &str,
+    np: usize,
+    timeout: Duration,
+    extra_env: &[(&str, &str)],
+) -> Result<Run, String> {
     let dir = multinode().ok_or("KOLO_MULTINODE is not set: the emulated hosts are not up")?;
     let mut cmd = Command::new(dir.join("mpirun.sh"));
-    cmd.args(["-np", "4", "--tag-output"]);
+    cmd.args(["-np", &np.to_string(), "--tag-output"]);
     launch(cmd, case, timeout, extra_env, true)
 }
 

@@ -59,6 +59,7 @@ const CASES: &[(&str, Case, usize)] = &[
 /// the output must contain).
 /// Cases that only make sense under the settings a variant gives them.
 const VARIANT_ONLY: &[(&str, Case)] = &[
+    ("hierarchical_allreduce", allreduce::hierarchical),
     ("partition", faults::partition),
     ("stall_shutdown", faults::stall_shutdown),
     ("timeline", timeline::trace),
@@ -411,6 +412,48 @@ fn multinode_faults() -> Vec<Trial> {
     });
     // kolorun end to end: inherited single-machine settings are dropped (with a note),
     // the environment reaches h2's ranks, the topology is right.
+    // Hierarchical allreduce at 2 hosts × 2 ranks (and the check that it ran), and
+    // the flat fallback with one warning at 2 + 1 ranks; the same case flat for
+    // comparison.
+    let hier_env: &[(&str, &str)] = &[
+        ("KOLO_HIERARCHICAL_ALLREDUCE", "1"),
+        ("KOLO_LOG_LEVEL", "debug"),
+    ];
+    let mut trials = Vec::new();
+    for (name, np, expect) in [
+        ("hierarchical_allreduce", 4, "hierarchical allreduce on"),
+        (
+            "hierarchical_uneven_hosts",
+            3,
+            "hosts have different numbers of ranks (1, 2): allreduce stays flat",
+        ),
+    ] {
+        trials.push(multinode_trial(name, move || {
+            let run = harness::mpirun_hosts_np(
+                "hierarchical_allreduce",
+                np,
+                Duration::from_secs(180),
+                hier_env,
+            )?;
+            if !run.success {
+                return Err(format!("{name} failed:\n{}", run.output).into());
+            }
+            if run.output.matches(expect).count() != 1 {
+                return Err(
+                    format!("{name}: {expect:?} not said exactly once:\n{}", run.output).into(),
+                );
+            }
+            Ok(())
+        }));
+    }
+    trials.push(multinode_trial("hierarchical_case_flat", || {
+        let run = harness::mpirun_hosts("hierarchical_allreduce", Duration::from_secs(180), &[])?;
+        if run.success {
+            Ok(())
+        } else {
+            Err(format!("flat run failed:\n{}", run.output).into())
+        }
+    }));
     let kolorun = multinode_trial("kolorun_topology", || {
         let env = [
             ("OMPI_MCA_btl", "self,vader"),
@@ -428,7 +471,8 @@ fn multinode_faults() -> Vec<Trial> {
         }
         Ok(())
     });
-    vec![kolorun, sigkill, partition]
+    trials.extend([kolorun, sigkill, partition]);
+    trials
 }
 
 /// CUDA cases (feature `nccl`): (name, case, np values). They need a CUDA GPU per

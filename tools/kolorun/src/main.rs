@@ -109,6 +109,11 @@ struct Args {
     #[arg(long)]
     disable_stall_check: bool,
 
+    /// Allreduce within each host, then across hosts, then within each host again
+    /// (only shards cross the network).
+    #[arg(long)]
+    hierarchical_allreduce: bool,
+
     /// Seconds an engine may sit in one exchange or collective (a lost host, a
     /// partition) before the job is aborted (0: never; default 300).
     #[arg(long, value_name = "SECONDS", value_parser = non_negative_f64)]
@@ -188,6 +193,9 @@ fn kolo_env(a: &Args) -> Vec<(String, String)> {
     }
     if a.disable_stall_check {
         set("STALL_CHECK_DISABLE", "1".into());
+    }
+    if a.hierarchical_allreduce {
+        set("HIERARCHICAL_ALLREDUCE", "1".into());
     }
     if let Some(s) = a.collective_timeout_seconds {
         set("COLLECTIVE_TIMEOUT_SECONDS", s.to_string());
@@ -729,6 +737,7 @@ mod tests {
             "debug",
             "--collective-timeout-seconds",
             "20",
+            "--hierarchical-allreduce",
             "./train",
             "--epochs",
             "3",
