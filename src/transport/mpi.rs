@@ -477,56 +477,46 @@ impl MpiTransport {
     /// the host. Each element is reduced once, by one cross-host allreduce, and
     /// copied everywhere else, so every rank ends with the same bits.
     fn hierarchical_allreduce(&mut self, buf: &mut [u8], dtype: DType, op: ReduceOp) -> Result<()> {
-        const CALL: &str = "hierarchical allreduce";
         let width = dtype.size_of();
         let n = buf.len() / width;
         let (l, me) = (self.topology.local_size, self.topology.local_rank);
         let shards: Vec<usize> = (0..l).map(|i| n / l + usize::from(i < n % l)).collect();
-        let (c, displs) = counts(CALL, &shards)?;
         let mpi_op = self.reduce_op(op, dtype);
+        let (local, cross) = self.levels();
         let mut shard = std::mem::take(&mut self.ring_scratch);
         shard.clear();
         shard.resize(shards[me] * width, 0);
-        let result = (|| {
-            // SAFETY: `buf` holds sum(shards) elements and `shard` shards[me]; the
-            // count arrays outlive the calls; the communicators are this transport's.
-            check("MPI_Reduce_scatter", unsafe {
-                ffi::MPI_Reduce_scatter(
-                    buf.as_ptr().cast(),
-                    shard.as_mut_ptr().cast(),
-                    c.as_ptr(),
-                    datatype(dtype),
-                    mpi_op,
-                    self.local.as_raw(),
-                )
-            })?;
-            // SAFETY: as above; MPI_IN_PLACE from the MPI header through the C shim.
-            check("MPI_Allreduce", unsafe {
-                ffi::MPI_Allreduce(
-                    kolo_mpi_in_place(),
-                    shard.as_mut_ptr().cast(),
-                    c[me],
-                    datatype(dtype),
-                    mpi_op,
-                    self.cross.as_raw(),
-                )
-            })?;
-            // SAFETY: as above.
-            check("MPI_Allgatherv", unsafe {
-                ffi::MPI_Allgatherv(
-                    shard.as_ptr().cast(),
-                    c[me],
-                    datatype(dtype),
-                    buf.as_mut_ptr().cast(),
-                    c.as_ptr(),
-                    displs.as_ptr(),
-                    datatype(dtype),
-                    self.local.as_raw(),
-                )
-            })
-        })();
+        let result = reduce_scatter_on(local, buf, &mut shard, &shards, dtype, mpi_op)
+            .and_then(|()| allreduce_in_place(cross, &mut shard, dtype, mpi_op))
+            .and_then(|()| allgatherv_on(local, &shard, buf, &shards, dtype));
         self.ring_scratch = shard;
         result
+    }
+
+    /// kolo's own communicator with this rank's place in it.
+    fn world(&self) -> Group {
+        Group {
+            comm: self.comm(),
+            size: self.topology.size,
+            rank: self.topology.rank,
+        }
+    }
+
+    /// The hierarchical allreduce's levels: this host's ranks, and this local rank's
+    /// ranks across hosts.
+    fn levels(&self) -> (Group, Group) {
+        let t = &self.topology;
+        let local = Group {
+            comm: self.local.as_raw(),
+            size: t.local_size,
+            rank: t.local_rank,
+        };
+        let cross = Group {
+            comm: self.cross.as_raw(),
+            size: t.cross_size,
+            rank: t.cross_rank,
+        };
+        (local, cross)
     }
 
     fn reduce_op(&self, op: ReduceOp, dtype: DType) -> ffi::MPI_Op {
@@ -651,21 +641,7 @@ impl Transport for MpiTransport {
         if sum && buf.len() >= RING_MIN_BYTES && self.topology.size > 1 {
             return self.ring_allreduce(buf, dtype);
         }
-        const CALL: &str = "MPI_Allreduce";
-        let op = self.reduce_op(op, dtype);
-        let n = count(CALL, buf.len() / dtype.size_of())?;
-        // SAFETY: `buf` is valid for the call; MPI_IN_PLACE comes from the MPI header
-        // through the C shim.
-        check(CALL, unsafe {
-            ffi::MPI_Allreduce(
-                kolo_mpi_in_place(),
-                buf.as_mut_ptr().cast(),
-                n,
-                datatype(dtype),
-                op,
-                self.comm(),
-            )
-        })
+        allreduce_in_place(self.world(), buf, dtype, self.reduce_op(op, dtype))
     }
 
     fn allgatherv(
@@ -675,26 +651,7 @@ impl Transport for MpiTransport {
         counts_: &[usize],
         dtype: DType,
     ) -> Result<()> {
-        const CALL: &str = "MPI_Allgatherv";
-        let (size, rank) = (self.topology.size, self.topology.rank);
-        per_rank(CALL, counts_, size)?;
-        sized(CALL, "send", send.len(), counts_[rank], dtype)?;
-        sized(CALL, "receive", recv.len(), counts_.iter().sum(), dtype)?;
-        let (c, displs) = counts(CALL, counts_)?;
-        // SAFETY: the buffers hold exactly what the counts say (checked above) and the
-        // count arrays outlive the call.
-        check(CALL, unsafe {
-            ffi::MPI_Allgatherv(
-                send.as_ptr().cast(),
-                count(CALL, send.len() / dtype.size_of())?,
-                datatype(dtype),
-                recv.as_mut_ptr().cast(),
-                c.as_ptr(),
-                displs.as_ptr(),
-                datatype(dtype),
-                self.comm(),
-            )
-        })
+        allgatherv_on(self.world(), send, recv, counts_, dtype)
     }
 
     fn broadcast(&mut self, buf: &mut [u8], root: usize, dtype: DType) -> Result<()> {
@@ -752,26 +709,93 @@ impl Transport for MpiTransport {
         dtype: DType,
         op: ReduceOp,
     ) -> Result<()> {
-        const CALL: &str = "MPI_Reduce_scatter";
-        let (size, rank) = (self.topology.size, self.topology.rank);
-        per_rank(CALL, counts_, size)?;
-        sized(CALL, "send", send.len(), counts_.iter().sum(), dtype)?;
-        sized(CALL, "receive", recv.len(), counts_[rank], dtype)?;
         let op = self.reduce_op(op, dtype);
-        let (c, _) = counts(CALL, counts_)?;
-        // SAFETY: the buffers hold exactly what the counts say (checked above) and the
-        // count array outlives the call.
-        check(CALL, unsafe {
-            ffi::MPI_Reduce_scatter(
-                send.as_ptr().cast(),
-                recv.as_mut_ptr().cast(),
-                c.as_ptr(),
-                datatype(dtype),
-                op,
-                self.comm(),
-            )
-        })
+        reduce_scatter_on(self.world(), send, recv, counts_, dtype, op)
     }
+}
+
+/// A communicator with this rank's place in it: what the data-plane collectives
+/// below run on (kolo's own communicator, or the hierarchical allreduce's levels).
+#[derive(Debug, Clone, Copy)]
+struct Group {
+    comm: ffi::MPI_Comm,
+    size: usize,
+    rank: usize,
+}
+
+/// In-place MPI_Allreduce of `buf` over `g`.
+fn allreduce_in_place(g: Group, buf: &mut [u8], dtype: DType, op: ffi::MPI_Op) -> Result<()> {
+    const CALL: &str = "MPI_Allreduce";
+    let n = count(CALL, buf.len() / dtype.size_of())?;
+    // SAFETY: `buf` is valid for the call; MPI_IN_PLACE comes from the MPI header
+    // through the C shim.
+    check(CALL, unsafe {
+        ffi::MPI_Allreduce(
+            kolo_mpi_in_place(),
+            buf.as_mut_ptr().cast(),
+            n,
+            datatype(dtype),
+            op,
+            g.comm,
+        )
+    })
+}
+
+/// MPI_Allgatherv over `g`: rank `r` gives `counts_[r]` elements.
+fn allgatherv_on(
+    g: Group,
+    send: &[u8],
+    recv: &mut [u8],
+    counts_: &[usize],
+    dtype: DType,
+) -> Result<()> {
+    const CALL: &str = "MPI_Allgatherv";
+    per_rank(CALL, counts_, g.size)?;
+    sized(CALL, "send", send.len(), counts_[g.rank], dtype)?;
+    sized(CALL, "receive", recv.len(), counts_.iter().sum(), dtype)?;
+    let (c, displs) = counts(CALL, counts_)?;
+    // SAFETY: the buffers hold exactly what the counts say (checked above) and the
+    // count arrays outlive the call.
+    check(CALL, unsafe {
+        ffi::MPI_Allgatherv(
+            send.as_ptr().cast(),
+            c[g.rank],
+            datatype(dtype),
+            recv.as_mut_ptr().cast(),
+            c.as_ptr(),
+            displs.as_ptr(),
+            datatype(dtype),
+            g.comm,
+        )
+    })
+}
+
+/// MPI_Reduce_scatter over `g`: block `r` (`counts_[r]` elements) lands on rank `r`.
+fn reduce_scatter_on(
+    g: Group,
+    send: &[u8],
+    recv: &mut [u8],
+    counts_: &[usize],
+    dtype: DType,
+    op: ffi::MPI_Op,
+) -> Result<()> {
+    const CALL: &str = "MPI_Reduce_scatter";
+    per_rank(CALL, counts_, g.size)?;
+    sized(CALL, "send", send.len(), counts_.iter().sum(), dtype)?;
+    sized(CALL, "receive", recv.len(), counts_[g.rank], dtype)?;
+    let (c, _) = counts(CALL, counts_)?;
+    // SAFETY: the buffers hold exactly what the counts say (checked above) and the
+    // count array outlives the call.
+    check(CALL, unsafe {
+        ffi::MPI_Reduce_scatter(
+            send.as_ptr().cast(),
+            recv.as_mut_ptr().cast(),
+            c.as_ptr(),
+            datatype(dtype),
+            op,
+            g.comm,
+        )
+    })
 }
 
 #[cfg(test)]
