@@ -206,29 +206,30 @@ fn kolo_env(a: &Args) -> Vec<(String, String)> {
     env
 }
 
-/// Slots per host of an OpenMPI hostfile (`host slots=N`, `#` comments; a host
-/// without `slots=` counts 1).
-fn hostfile_slots(text: &str) -> Vec<usize> {
+/// Hosts and their slots in an OpenMPI hostfile (`host slots=N`, `#` comments; a
+/// host without `slots=` counts 1).
+fn hostfile_hosts(text: &str) -> Vec<(String, usize)> {
     text.lines()
-        .map(|l| l.split('#').next().unwrap_or("").trim())
-        .filter(|l| !l.is_empty())
-        .map(|l| {
-            l.split_whitespace()
+        .filter_map(|l| {
+            let mut words = l.split('#').next()?.split_whitespace();
+            let host = words.next()?.to_string();
+            let slots = words
                 .find_map(|w| w.strip_prefix("slots=").or(w.strip_prefix("max_slots=")))
                 .and_then(|n| n.parse().ok())
-                .unwrap_or(1)
+                .unwrap_or(1);
+            Some((host, slots))
         })
         .collect()
 }
 
-/// Slots per host of `-H host1:2,host2:2` (a host without `:N` counts 1).
-fn hosts_slots(hosts: &str) -> Vec<usize> {
+/// Hosts and their slots in `-H host1:2,host2:2` (a host without `:N` counts 1).
+fn flag_hosts(hosts: &str) -> Vec<(String, usize)> {
     hosts
         .split(',')
-        .map(|host| {
-            host.rsplit_once(':')
-                .and_then(|(_, n)| n.parse().ok())
-                .unwrap_or(1)
+        .filter(|h| !h.is_empty())
+        .map(|h| match h.rsplit_once(':') {
+            Some((name, n)) => (name.to_string(), n.parse().unwrap_or(1)),
+            None => (h.to_string(), 1),
         })
         .collect()
 }
@@ -454,25 +455,6 @@ fn check_build() {
     }
 }
 
-/// The host names of `-H` or a hostfile's text.
-fn host_names(hosts: Option<&str>, hostfile: Option<&str>) -> Vec<String> {
-    let mut names: Vec<String> = match (hosts, hostfile) {
-        (Some(h), _) => h
-            .split(',')
-            .map(|x| x.rsplit_once(':').map_or(x, |(n, _)| n).to_string())
-            .collect(),
-        (None, Some(text)) => text
-            .lines()
-            .filter_map(|l| l.split('#').next()?.split_whitespace().next())
-            .map(String::from)
-            .collect(),
-        (None, None) => Vec::new(),
-    };
-    names.retain(|n| !n.is_empty());
-    names.dedup();
-    names
-}
-
 /// How mpirun reaches other hosts: `--mca plm_rsh_agent` in `--mpi-args`, else
 /// `OMPI_MCA_plm_rsh_agent`, else ssh (without prompts).
 fn remote_agent(mpi_args: &[String], env: &[(String, String)]) -> Vec<String> {
@@ -581,15 +563,18 @@ fn main() {
         .hostfile
         .as_ref()
         .map(|f| match std::fs::read_to_string(f) {
-            Ok(text) if !hostfile_slots(&text).is_empty() => text,
-            Ok(_) => fail(&format!("--hostfile {f} names no host")),
+            Ok(text) => match hostfile_hosts(&text) {
+                hosts if hosts.is_empty() => fail(&format!("--hostfile {f} names no host")),
+                hosts => hosts,
+            },
             Err(e) => fail(&format!("cannot read --hostfile {f}: {e}")),
         });
-    let per_host = match (&args.hosts, &hostfile) {
-        (Some(h), _) => hosts_slots(h),
-        (None, Some(text)) => hostfile_slots(text),
+    let hosts = match (&args.hosts, hostfile) {
+        (Some(h), _) => flag_hosts(h),
+        (None, Some(hosts)) => hosts,
         (None, None) => Vec::new(),
     };
+    let per_host: Vec<usize> = hosts.iter().map(|&(_, slots)| slots).collect();
     // SAFETY: geteuid has no preconditions.
     let root = unsafe { libc::geteuid() } == 0;
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
@@ -614,10 +599,11 @@ fn main() {
     if args.verbose {
         eprintln!("kolorun: {}", command_line(&plan));
     }
-    let hosts = host_names(args.hosts.as_deref(), hostfile.as_deref());
-    if !hosts.is_empty() {
+    let mut names: Vec<String> = hosts.into_iter().map(|(name, _)| name).collect();
+    names.dedup();
+    if !names.is_empty() {
         let timeout = std::time::Duration::from_secs(args.start_timeout.unwrap_or(30).into());
-        let failed = check_hosts(&hosts, &remote_agent(&mpi_args, &env), timeout);
+        let failed = check_hosts(&names, &remote_agent(&mpi_args, &env), timeout);
         if !failed.is_empty() {
             fail(&format!(
                 "cannot reach {} of the job's hosts (--start-timeout {} s):\n  {}",
@@ -778,9 +764,18 @@ mod tests {
 
     #[test]
     fn hosts_and_hostfiles_give_slots_per_host() {
-        assert_eq!(hosts_slots("a:2,b:3,c"), [2, 3, 1]);
+        let pairs = |v: &[(&str, usize)]| -> Vec<(String, usize)> {
+            v.iter().map(|&(h, n)| (h.to_string(), n)).collect()
+        };
+        assert_eq!(
+            flag_hosts("a:2,b:3,c"),
+            pairs(&[("a", 2), ("b", 3), ("c", 1)])
+        );
         let text = "# cluster\nnode1 slots=4\n\nnode2 slots=2 # small\nnode3\n";
-        assert_eq!(hostfile_slots(text), [4, 2, 1]);
+        assert_eq!(
+            hostfile_hosts(text),
+            pairs(&[("node1", 4), ("node2", 2), ("node3", 1)])
+        );
         let a = parse(&["-np", "8", "--hostfile", "hosts.txt", "x"]).unwrap();
         assert_eq!(threads_per_rank(&a, 8, 16, &[4, 2, 1], None), "4");
         let line = plan(&a, 8, false, "4", &[], &[]).argv.join(" ");
@@ -888,11 +883,6 @@ mod tests {
 
     #[test]
     fn hosts_are_checked_through_mpiruns_agent() {
-        assert_eq!(host_names(Some("a:2,b:2,c"), None), ["a", "b", "c"]);
-        assert_eq!(
-            host_names(None, Some("# x\nn1 slots=2\n\nn2\n")),
-            ["n1", "n2"]
-        );
         let args = ["--mca", "plm_rsh_agent", "/x/agent.sh"].map(String::from);
         assert_eq!(remote_agent(&args, &[]), ["/x/agent.sh"]);
         let e = env(&[("OMPI_MCA_plm_rsh_agent", "ssh -p 2222 : rsh")]);
