@@ -78,17 +78,22 @@ pub(crate) fn trial(
     env: &'static [(&'static str, &'static str)],
 ) -> libtest_mimic::Trial {
     libtest_mimic::Trial::test(format!("{case}/np{np}"), move || {
-        let run = mpirun(case, np, timeout, env)?;
-        if run.success {
-            Ok(())
-        } else {
-            Err(format!(
-                "case {case} failed at np={np} after {:?}\n{}",
-                run.elapsed, run.output
-            )
-            .into())
-        }
+        Ok(mpirun(case, np, timeout, env)?.succeeded(&format!("case {case} at np={np}"))?)
     })
+}
+
+impl Run {
+    /// Ok when every rank succeeded; otherwise the error names `what`, the time taken
+    /// and the output.
+    pub(crate) fn succeeded(&self, what: &str) -> Result<(), String> {
+        if self.success {
+            return Ok(());
+        }
+        Err(format!(
+            "{what} failed after {:?}\n{}",
+            self.elapsed, self.output
+        ))
+    }
 }
 
 /// Reads `pipe` to its end on a thread, into a buffer readable at any time.

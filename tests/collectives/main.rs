@@ -102,9 +102,7 @@ fn autotune_vs_grid(np: usize) -> Result<(), Failed> {
             ("KOLO_SIMULATED_COLLECTIVE_COST_US", "200"),
         ];
         let run = harness::mpirun("autotune_grid_point", np, Duration::from_secs(60), &env)?;
-        if !run.success {
-            return Err(format!("grid point {threshold}: the job failed:\n{}", run.output).into());
-        }
+        run.succeeded(&format!("grid point {threshold}"))?;
         number(&run.output, "STEP_MS ")
             .ok_or_else(|| format!("grid point {threshold} failed:\n{}", run.output).into())
     };
@@ -113,9 +111,7 @@ fn autotune_vs_grid(np: usize) -> Result<(), Failed> {
         grid.push((threshold, step_at(threshold)?));
     }
     let run = harness::mpirun("autotune_tune", np, Duration::from_secs(120), AUTOTUNE_ENV)?;
-    if !run.success {
-        return Err(format!("tuning: the job failed:\n{}", run.output).into());
-    }
+    run.succeeded("tuning")?;
     let chosen = number(&run.output, "THRESHOLD ")
         .ok_or_else(|| format!("tuning failed:\n{}", run.output))?;
     let (best, _) = grid
@@ -310,6 +306,27 @@ const INJECTED_FAULTS: &[(&str, Case, &[usize], &str)] = &[(
 #[cfg(not(feature = "fault-injection"))]
 const INJECTED_FAULTS: &[(&str, Case, &[usize], &str)] = &[];
 
+/// Ok when a fault ended the whole job as it must: a failure, within `deadline`,
+/// whose output contains `expect`. Prints how long it took.
+fn ended_by_fault(
+    run: &harness::Run,
+    what: &str,
+    deadline: Duration,
+    expect: &str,
+) -> Result<(), Failed> {
+    let why = if run.success {
+        "the job succeeded".to_string()
+    } else if run.elapsed > deadline {
+        format!("the job took {:?} to end", run.elapsed)
+    } else if !run.output.contains(expect) {
+        format!("output lacks {expect:?}")
+    } else {
+        eprintln!("fault {what}: the job ended in {:?}", run.elapsed);
+        return Ok(());
+    };
+    Err(format!("{what}: {why}\n{}", run.output).into())
+}
+
 /// mpirun start-up (~1 s here) plus the 10 s the design allows a panic to take.
 const FAULT_DEADLINE: Duration = Duration::from_secs(11);
 
@@ -350,19 +367,12 @@ fn multinode_trial(name: &str, f: impl FnOnce() -> Result<(), Failed> + Send + '
 fn multinode_faults() -> Vec<Trial> {
     let sigkill = multinode_trial("fault_sigkill_on_h2", || {
         let run = harness::mpirun_hosts("sigkill", Duration::from_secs(60), &[])?;
-        let fail =
-            |why: &str| -> Result<(), Failed> { Err(format!("{why}\n{}", run.output).into()) };
-        if run.success {
-            return fail("the job succeeded");
-        }
-        if run.elapsed > FAULT_DEADLINE {
-            return fail(&format!("the job took {:?} to end", run.elapsed));
-        }
-        if !run.output.contains("process rank 3 with PID") {
-            return fail("the output does not name rank 3");
-        }
-        eprintln!("multinode sigkill: the job ended in {:?}", run.elapsed);
-        Ok(())
+        ended_by_fault(
+            &run,
+            "sigkill of rank 3 on h2",
+            FAULT_DEADLINE,
+            "process rank 3 with PID",
+        )
     });
     let partition = multinode_trial("fault_partition", || {
         let link = |state: &str| {
@@ -435,9 +445,7 @@ fn multinode_faults() -> Vec<Trial> {
                 Duration::from_secs(180),
                 hier_env,
             )?;
-            if !run.success {
-                return Err(format!("{name} failed:\n{}", run.output).into());
-            }
+            run.succeeded(name)?;
             if run.output.matches(expect).count() != 1 {
                 return Err(
                     format!("{name}: {expect:?} not said exactly once:\n{}", run.output).into(),
@@ -448,11 +456,7 @@ fn multinode_faults() -> Vec<Trial> {
     }
     trials.push(multinode_trial("hierarchical_case_flat", || {
         let run = harness::mpirun_hosts("hierarchical_allreduce", Duration::from_secs(180), &[])?;
-        if run.success {
-            Ok(())
-        } else {
-            Err(format!("flat run failed:\n{}", run.output).into())
-        }
+        Ok(run.succeeded("the flat run")?)
     }));
     let kolorun = multinode_trial("kolorun_topology", || {
         let env = [
@@ -460,9 +464,7 @@ fn multinode_faults() -> Vec<Trial> {
             ("OMPI_MCA_oob_tcp_if_include", "lo"),
         ];
         let run = harness::kolorun_hosts("topology", Duration::from_secs(120), &env)?;
-        if !run.success {
-            return Err(format!("kolorun across hosts failed:\n{}", run.output).into());
-        }
+        run.succeeded("kolorun across hosts")?;
         if !run
             .output
             .contains("kolorun: not passing OMPI_MCA_btl=self,vader")
@@ -564,13 +566,7 @@ fn main() {
             trials.push(Trial::test(format!("{trial}/np{np}"), move || {
                 let run = harness::mpirun(case, np, Duration::from_secs(120), env)
                     .map_err(Failed::from)?;
-                if !run.success {
-                    return Err(format!(
-                        "{trial} at np={np} failed after {:?}\n{}",
-                        run.elapsed, run.output
-                    )
-                    .into());
-                }
+                run.succeeded(&format!("{trial} at np={np}"))?;
                 match expect {
                     Some(text) if !run.output.contains(text) => Err(format!(
                         "{trial} at np={np}: output lacks {text:?}\n{}",
@@ -595,26 +591,7 @@ fn main() {
                 };
                 let run = harness::mpirun(name, np, Duration::from_secs(60), &env)
                     .map_err(Failed::from)?;
-                let fail = |why: String| -> Result<(), Failed> {
-                    Err(format!("{why}\n{}", run.output).into())
-                };
-                if run.success {
-                    return fail(format!("{name} at np={np}: the job succeeded"));
-                }
-                if run.elapsed > FAULT_DEADLINE {
-                    return fail(format!(
-                        "{name} at np={np}: the job took {:?} to end",
-                        run.elapsed
-                    ));
-                }
-                if !run.output.contains(&expect) {
-                    return fail(format!("{name} at np={np}: output lacks {expect:?}"));
-                }
-                eprintln!(
-                    "fault {name} at np={np}: the job ended in {:?}",
-                    run.elapsed
-                );
-                Ok(())
+                ended_by_fault(&run, &format!("{name} at np={np}"), FAULT_DEADLINE, &expect)
             }));
         }
     }
@@ -622,15 +599,7 @@ fn main() {
     for &case in MULTINODE_CASES {
         trials.push(multinode_trial(case, move || {
             let run = harness::mpirun_hosts(case, Duration::from_secs(180), &[])?;
-            if run.success {
-                Ok(())
-            } else {
-                Err(format!(
-                    "case {case} failed across hosts after {:?}\n{}",
-                    run.elapsed, run.output
-                )
-                .into())
-            }
+            Ok(run.succeeded(&format!("case {case} across hosts"))?)
         }));
     }
     trials.extend(multinode_faults());

@@ -910,15 +910,7 @@ fn main() {
             } else {
                 harness::mpirun_hosts(name, timeout, env)?
             };
-            if run.success {
-                Ok(())
-            } else {
-                Err(format!(
-                    "{name} failed across hosts after {:?}\n{}",
-                    run.elapsed, run.output
-                )
-                .into())
-            }
+            Ok(run.succeeded(&format!("{name} across hosts"))?)
         });
         trials.push(trial.with_ignored_flag(ignored));
     }
