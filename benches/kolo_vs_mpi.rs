@@ -2,10 +2,16 @@
 //!
 //! `cargo bench --bench kolo_vs_mpi` launches itself under `mpirun -np 2` and then
 //! `-np 4` (`-- --np 2` for one size; `-- --quick` for fewer repetitions; `-- --only 3`
-//! for one scenario; `KOLO_BENCH_REPS=N` timed repetitions per launch, default 9;
+//! or `--only 1,3,4` for some scenarios; `KOLO_BENCH_REPS=N` timed repetitions per
+//! launch, default 9;
 //! `KOLO_BENCH_ROUNDS=N` launches of each side, default 3), prints a table of medians
 //! with ratios and writes the same to `target/kolo-bench-np<N>.json`.
 //! `scripts/run-bench.sh` sets OpenMPI up first.
+//!
+//! `-- --hosts H` runs across the emulated hosts of `scripts/multinode` (set up first,
+//! as `scripts/run-multinode-bench.sh` does): `np / H` ranks per host, kolo's settings
+//! forwarded to remote ranks. With more than one rank per host a third side runs: kolo
+//! with `KOLO_HIERARCHICAL_ALLREDUCE=1`, reported against plain MPI and against flat kolo.
 //!
 //! **The baseline is a separate plain MPI program**: the same binary launched with
 //! `--plain`, which calls `MPI_Init` itself and never starts kolo (no engine thread, no
@@ -202,8 +208,8 @@ fn record(
 
 /// The scenarios. With `k` (a kolo rank) kolo's ways run interleaved with the raw
 /// ones; without (the plain MPI program) only the raw ways run.
-fn bench(k: Option<&Kolo>, reps: usize, quick: bool, only: Option<u32>) -> Samples {
-    let run = |n: u32| only.is_none_or(|o| o == n);
+fn bench(k: Option<&Kolo>, reps: usize, quick: bool, only: Option<&[u32]>) -> Samples {
+    let run = |n: u32| only.is_none_or(|o| o.contains(&n));
     let mut samples = Samples::new();
     let (_, size) = world_rank_size();
 
@@ -455,8 +461,28 @@ fn resnet_worker(reps: usize) -> anyhow::Result<()> {
 /// Options every launch is given.
 struct Opts {
     quick: bool,
-    only: Option<u32>,
+    only: Option<Vec<u32>>,
     reps: usize,
+    /// Across this many emulated hosts (`--hosts`), or on this machine (None).
+    hosts: Option<usize>,
+}
+
+/// Which program a launch runs: kolo (flat or hierarchical allreduce) or plain MPI.
+#[derive(Clone, Copy, PartialEq)]
+enum Side {
+    Kolo,
+    Hierarchical,
+    Plain,
+}
+
+impl Side {
+    fn label(self) -> &'static str {
+        match self {
+            Side::Kolo => "kolo",
+            Side::Hierarchical => "kolo-hier",
+            Side::Plain => "plain",
+        }
+    }
 }
 
 /// One rank of a launch: a kolo rank, or (`plain`) a plain MPI program. Rank 0
@@ -466,13 +492,13 @@ fn worker(plain: bool, o: &Opts) -> anyhow::Result<()> {
     let (rank, samples) = if plain {
         let universe =
             mpi::initialize().ok_or_else(|| anyhow::anyhow!("MPI was already initialised"))?;
-        let samples = bench(None, o.reps, o.quick, o.only);
+        let samples = bench(None, o.reps, o.quick, o.only.as_deref());
         let rank = world_rank_size().0;
         drop(universe);
         (rank, samples)
     } else {
         let k = kolo::init()?;
-        let samples = bench(Some(&k), o.reps, o.quick, o.only);
+        let samples = bench(Some(&k), o.reps, o.quick, o.only.as_deref());
         k.shutdown()?;
         (k.rank(), samples)
     };
@@ -576,33 +602,47 @@ fn pooled(launches: &[Samples], key: &str, p: f64) -> Option<f64> {
     (!all.is_empty()).then(|| percentile(&all, p))
 }
 
-/// Prints the table for one np and writes it as JSON.
-fn report(np: &str, kolo: &[Samples], plain: &[Samples]) -> anyhow::Result<()> {
+/// Prints the table for one configuration and writes it as JSON. `hier` (launches of
+/// kolo with the hierarchical allreduce) may be empty.
+fn report(
+    what: &str,
+    tag: &str,
+    kolo: &[Samples],
+    hier: &[Samples],
+    plain: &[Samples],
+) -> anyhow::Result<()> {
     println!(
-        "\nkolo vs plain MPI, np={np}, {} launches of each, medians over all (rank 0's clock)",
+        "\nkolo vs plain MPI, {what}, {} launches of each, medians over all (rank 0's clock)",
         kolo.len()
     );
-    println!(
-        "{:<48} {:>10} {:>10} {:>6} {:>13} {:>10} {:>6}  baseline",
+    print!(
+        "{:<48} {:>10} {:>10} {:>6} {:>13} {:>10} {:>6}",
         "scenario", "kolo", "plain MPI", "ratio", "[range]", "raw in kolo", "ratio"
     );
+    if !hier.is_empty() {
+        print!(" {:>10} {:>6} {:>9}", "kolo hier", "ratio", "hier/flat");
+    }
+    println!("  baseline");
+    // Per launch pair: the ratio of `a`'s percentile of `ka` to `b`'s of `kb`.
+    let range = |a: &[Samples], ka: &str, b: &[Samples], kb: &str, p: f64| {
+        let r: Vec<f64> = a
+            .iter()
+            .zip(b)
+            .filter_map(|(x, y)| Some(percentile(x.get(ka)?, p) / percentile(y.get(kb)?, p)))
+            .collect();
+        let lo = r.iter().copied().fold(f64::INFINITY, f64::min);
+        let hi = r.iter().copied().fold(0.0, f64::max);
+        (lo, hi)
+    };
     let mut json = Vec::new();
     for r in ROWS {
         let (Some(kv), Some(pv)) = (pooled(kolo, r.kolo, r.p), pooled(plain, r.raw, r.p)) else {
             continue;
         };
-        let per_launch: Vec<f64> = kolo
-            .iter()
-            .zip(plain)
-            .filter_map(|(k, p)| {
-                Some(percentile(k.get(r.kolo)?, r.p) / percentile(p.get(r.raw)?, r.p))
-            })
-            .collect();
-        let lo = per_launch.iter().copied().fold(f64::INFINITY, f64::min);
-        let hi = per_launch.iter().copied().fold(0.0, f64::max);
+        let (lo, hi) = range(kolo, r.kolo, plain, r.raw, r.p);
         let inproc = pooled(kolo, r.raw, r.p).unwrap_or(f64::NAN);
-        println!(
-            "{:<48} {:>10} {:>10} {:>6.2} {:>13} {:>10} {:>6.2}  {}",
+        print!(
+            "{:<48} {:>10} {:>10} {:>6.2} {:>13} {:>10} {:>6.2}",
             r.scenario,
             common::fmt_time(kv),
             common::fmt_time(pv),
@@ -610,13 +650,27 @@ fn report(np: &str, kolo: &[Samples], plain: &[Samples]) -> anyhow::Result<()> {
             format!("[{lo:.2}-{hi:.2}]"),
             common::fmt_time(inproc),
             kv / inproc,
-            r.baseline
         );
-        json.push(serde_json::json!({
-            "scenario": r.scenario, "baseline": r.baseline, "kolo": kv, "plain_mpi": pv,
-            "ratio": kv / pv, "ratio_min": lo, "ratio_max": hi,
+        let mut row = serde_json::json!({
+            "config": what, "scenario": r.scenario, "baseline": r.baseline, "kolo": kv,
+            "plain_mpi": pv, "ratio": kv / pv, "ratio_min": lo, "ratio_max": hi,
             "raw_in_kolo_process": inproc, "ratio_in_kolo_process": kv / inproc,
-        }));
+        });
+        if let Some(hv) = pooled(hier, r.kolo, r.p) {
+            let (hlo, hhi) = range(hier, r.kolo, kolo, r.kolo, r.p);
+            print!(
+                " {:>10} {:>6.2} {:>9}",
+                common::fmt_time(hv),
+                hv / pv,
+                format!("{:.2}[{hlo:.2}-{hhi:.2}]", hv / kv)
+            );
+            row["kolo_hierarchical"] = hv.into();
+            row["hierarchical_vs_flat"] = (hv / kv).into();
+            row["hierarchical_vs_flat_min"] = hlo.into();
+            row["hierarchical_vs_flat_max"] = hhi.into();
+        }
+        println!("  {}", r.baseline);
+        json.push(row);
     }
     for (key, what) in [
         (
@@ -634,7 +688,7 @@ fn report(np: &str, kolo: &[Samples], plain: &[Samples]) -> anyhow::Result<()> {
         }
     }
     let path = format!(
-        "{}/kolo-bench-np{np}.json",
+        "{}/kolo-bench-{tag}.json",
         env!("CARGO_TARGET_TMPDIR").trim_end_matches("/tmp")
     );
     std::fs::write(&path, serde_json::to_string_pretty(&json)?)?;
@@ -642,34 +696,70 @@ fn report(np: &str, kolo: &[Samples], plain: &[Samples]) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// The emulated hosts' mpirun (`scripts/multinode/mpirun.sh`), found from the crate.
+fn multinode_mpirun() -> anyhow::Result<std::path::PathBuf> {
+    let p = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/multinode/mpirun.sh");
+    anyhow::ensure!(p.is_file(), "{} is missing", p.display());
+    Ok(p)
+}
+
 /// Launches one side under mpirun and returns rank 0's samples.
-fn launch(np: &str, plain: bool, o: &Opts, round: usize) -> anyhow::Result<Samples> {
+fn launch(np: usize, side: Side, o: &Opts, round: usize) -> anyhow::Result<Samples> {
     let exe = std::env::current_exe()?;
-    let out = std::path::PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(format!(
-        "kolo-bench-{}-np{np}-{round}.json",
-        if plain { "plain" } else { "kolo" }
-    ));
+    let out = std::path::PathBuf::from(env!("CARGO_TARGET_TMPDIR"))
+        .join(format!("kolo-bench-{}-np{np}-{round}.json", side.label()));
     let _ = std::fs::remove_file(&out);
-    let mut cmd = std::process::Command::new("mpirun");
-    cmd.args(["-np", np, "--bind-to", "none"]).arg(&exe);
-    // The same defaults as the tests' launcher, so that a bare `cargo bench` works.
-    harness::mpi_env(&mut cmd);
-    cmd.env("KOLO_BENCH_OUT", &out)
-        .env("KOLO_BENCH_REPS", o.reps.to_string());
-    if plain {
+    let out_s = out.to_string_lossy().into_owned();
+    let reps = o.reps.to_string();
+    let mut env: Vec<(String, String)> = vec![
+        ("KOLO_BENCH_OUT".into(), out_s),
+        ("KOLO_BENCH_REPS".into(), reps),
+    ];
+    if side == Side::Hierarchical {
+        env.push(("KOLO_HIERARCHICAL_ALLREDUCE".into(), "1".into()));
+    }
+    let mut cmd = match o.hosts {
+        None => {
+            let mut cmd = std::process::Command::new("mpirun");
+            cmd.args(["-np", &np.to_string(), "--bind-to", "none"]);
+            // The same defaults as the tests' launcher, so that a bare `cargo bench` works.
+            harness::mpi_env(&mut cmd);
+            cmd
+        }
+        Some(hosts) => {
+            let mut cmd = std::process::Command::new(multinode_mpirun()?);
+            cmd.args([
+                "-np",
+                &np.to_string(),
+                "--map-by",
+                &format!("ppr:{}:node", np / hosts),
+            ]);
+            // Remote ranks start from a bare environment: forward kolo's settings.
+            let inherited = std::env::vars()
+                .filter(|(k, _)| k.starts_with("KOLO_") || k == "RAYON_NUM_THREADS");
+            for (k, _) in inherited.collect::<Vec<_>>().iter().chain(&env) {
+                cmd.args(["-x", k]);
+            }
+            cmd
+        }
+    };
+    cmd.envs(env.iter().map(|(k, v)| (k, v)));
+    cmd.arg(&exe);
+    if side == Side::Plain {
         cmd.arg("--plain");
     }
     if o.quick {
         cmd.arg("--quick");
     }
-    if let Some(n) = o.only {
-        cmd.args(["--only", &n.to_string()]);
+    if let Some(only) = &o.only {
+        let list: Vec<String> = only.iter().map(u32::to_string).collect();
+        cmd.args(["--only", &list.join(",")]);
     }
     let status = cmd.status()?;
     anyhow::ensure!(
         status.success(),
         "mpirun -np {np} ({}) failed: {status}",
-        if plain { "plain MPI" } else { "kolo" }
+        side.label()
     );
     Ok(serde_json::from_str(&std::fs::read_to_string(&out)?)?)
 }
@@ -685,16 +775,19 @@ fn main() -> anyhow::Result<()> {
     let under_mpirun = std::env::var_os("OMPI_COMM_WORLD_SIZE").is_some();
     let smoke = !args.iter().any(|a| a == "--bench") && !under_mpirun;
     let quick = smoke || args.iter().any(|a| a == "--quick");
-    let only = args
-        .iter()
-        .position(|a| a == "--only")
-        .and_then(|i| args.get(i + 1))
-        .and_then(|v| v.parse().ok())
-        .or(if smoke { Some(1) } else { None });
+    let value = |flag: &str| {
+        args.iter()
+            .position(|a| a == flag)
+            .and_then(|i| args.get(i + 1))
+    };
+    let only = value("--only")
+        .map(|v| v.split(',').filter_map(|n| n.parse().ok()).collect())
+        .or(if smoke { Some(vec![1]) } else { None });
     let opts = Opts {
         quick,
         only,
         reps: env_usize("KOLO_BENCH_REPS").unwrap_or(if quick { 5 } else { 9 }),
+        hosts: value("--hosts").and_then(|v| v.parse().ok()),
     };
     if under_mpirun {
         if let Some(reps) = env_usize("KOLO_BENCH_RESNET") {
@@ -702,30 +795,54 @@ fn main() -> anyhow::Result<()> {
         }
         return worker(args.iter().any(|a| a == "--plain"), &opts);
     }
-    let nps: Vec<String> = match args.iter().position(|a| a == "--np") {
-        Some(i) => vec![args.get(i + 1).cloned().unwrap_or_else(|| "2".into())],
-        None if smoke => vec!["2".into()],
-        None => vec!["2".into(), "4".into()],
+    let nps: Vec<usize> = match value("--np") {
+        Some(n) => vec![n.parse()?],
+        None if smoke => vec![2],
+        None => vec![2, 4],
     };
     let rounds = env_usize("KOLO_BENCH_ROUNDS").unwrap_or(if quick { 1 } else { 3 });
     for np in nps {
-        let (mut kolo, mut plain) = (Vec::new(), Vec::new());
+        let (what, tag) = match opts.hosts {
+            None => (format!("np={np}"), format!("np{np}")),
+            Some(h) => {
+                anyhow::ensure!(
+                    h > 0 && np % h == 0,
+                    "--np {np} does not split evenly over --hosts {h}"
+                );
+                (
+                    format!("np={np} across {h} hosts x {}", np / h),
+                    format!("np{np}-{h}hosts"),
+                )
+            }
+        };
+        let mut sides = vec![Side::Kolo, Side::Plain];
+        if opts.hosts.is_some_and(|h| np / h > 1) {
+            sides.insert(1, Side::Hierarchical);
+        }
+        let mut samples: Vec<Vec<Samples>> = vec![Vec::new(); sides.len()];
         for round in 0..rounds {
-            // Alternate which side goes first, so neither always meets a warmer machine.
-            for side_plain in if round % 2 == 0 {
-                [false, true]
-            } else {
-                [true, false]
-            } {
-                let s = launch(&np, side_plain, &opts, round)?;
-                if side_plain {
-                    plain.push(s)
-                } else {
-                    kolo.push(s)
-                }
+            // Alternate the order, so that no side always meets a warmer machine.
+            let mut order: Vec<usize> = (0..sides.len()).collect();
+            if round % 2 == 1 {
+                order.reverse();
+            }
+            for i in order {
+                samples[i].push(launch(np, sides[i], &opts, round)?);
             }
         }
-        report(&np, &kolo, &plain)?;
+        let get = |s: Side| {
+            sides
+                .iter()
+                .position(|&x| x == s)
+                .map_or(Vec::new(), |i| samples[i].clone())
+        };
+        report(
+            &what,
+            &tag,
+            &get(Side::Kolo),
+            &get(Side::Hierarchical),
+            &get(Side::Plain),
+        )?;
     }
     Ok(())
 }

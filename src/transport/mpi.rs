@@ -5,14 +5,16 @@
 //! rank leaves its CPU to training threads. The data plane runs only once every rank
 //! is known to be ready, so it uses the blocking collectives: Open MPI's tuned
 //! blocking algorithms were measured 1.7× faster than its non-blocking ones for a
-//! 64 MiB allreduce here (see benches/). Sums of 32 MiB and more use a segmented ring
-//! over MPI_Sendrecv instead (`ring_allreduce`), measured 0.53–0.59× MPI_Allreduce's
-//! time at 32 MiB on one node; below that MPI_Allreduce is as fast or faster (see
-//! `RING_MIN_BYTES`).
+//! 64 MiB allreduce here (see benches/). Large sums use a pipelined, segmented ring
+//! over non-blocking point-to-point messages instead (`ring_allreduce`): from 32 MiB
+//! on one host (0.53–0.59× MPI_Allreduce's time there), from 1 MiB when the job spans
+//! hosts (see `ring_min_bytes` for the measurements). The ring visits the ranks host
+//! by host, so it crosses each host boundary once whatever the rank placement.
 
 use std::ffi::{c_int, c_void};
 use std::time::{Duration, Instant};
 
+use mpi::collective::{CommunicatorCollectives, Root};
 use mpi::ffi;
 use mpi::raw::AsRaw;
 use mpi::topology::{Color, Communicator, SimpleCommunicator};
@@ -42,8 +44,15 @@ pub(crate) struct MpiTransport {
     cross: SimpleCommunicator,
     /// Allreduce hierarchically (set once at start, the same on every rank).
     hierarchical: bool,
-    /// The ring allreduce's reused segment buffer, and the hierarchical one's shard.
+    /// The ring allreduce's reused segment buffers, and the hierarchical one's shard.
     ring_scratch: Vec<u8>,
+    /// The ring's order: `ring[i]` is the rank at position `i`, ranks of one host
+    /// next to each other (hosts in order of their lowest rank).
+    ring: Vec<usize>,
+    /// This rank's position in `ring`.
+    ring_pos: usize,
+    /// The job spans more than one host (the same answer on every rank).
+    multi_host: bool,
     /// The thread support MPI gave: process sets (an engine thread each) need
     /// `MPI_THREAD_MULTIPLE`.
     threading: Threading,
@@ -118,6 +127,20 @@ impl MpiTransport {
         };
         let comm = parent.duplicate();
         let half_ops = HalfOps::create()?;
+        // Each host is named by its lowest rank (local rank 0, as `split_shared` keys by
+        // rank); every rank learns every rank's host, which orders the ring.
+        let mut host = parent.rank();
+        local.process_at_rank(0).broadcast_into(&mut host);
+        let mut hosts = vec![0 as c_int; size];
+        parent.all_gather_into(&host, &mut hosts[..]);
+        let (ring, ring_pos) = ring_order(&hosts, rank);
+        let multi_host = hosts.iter().any(|&h| h != hosts[0]);
+        tracing::debug!(
+            rank,
+            ?ring,
+            multi_host,
+            "ring order (ranks grouped by host)"
+        );
         Ok(MpiTransport {
             topology,
             comm,
@@ -126,6 +149,9 @@ impl MpiTransport {
             cross,
             hierarchical: false,
             ring_scratch: Vec::new(),
+            ring,
+            ring_pos,
+            multi_host,
             threading,
             _universe: universe,
         })
@@ -376,94 +402,191 @@ impl Drop for MpiTransport {
     }
 }
 
-/// Sums at least this large use the segmented ring instead of MPI_Allreduce.
-/// Measured on one node (Open MPI 4.1.4, 2 cores), ten in-place f32 sums per size,
+/// Sums at least this large use the segmented ring instead of MPI_Allreduce, on one
+/// host. Measured there (Open MPI 4.1.4, 2 cores), ten in-place f32 sums per size,
 /// both ways in the same run, ring time / MPI_Allreduce time: np 2: 1.01–1.08 at
 /// 1 MiB, 0.98–1.06 from 2.25 to 28 MiB, 0.58–0.59 at 32 MiB; np 4: 0.91–0.98 at
 /// 1 MiB, 0.94–1.25 from 2.25 to 20 MiB, 1.00–1.06 at 24–28 MiB, 0.53–0.55 at 32 MiB.
 /// Open MPI's own algorithm slows down between 28 and 32 MiB here; below that the ring
 /// gains nothing.
-const RING_MIN_BYTES: usize = 32 << 20;
+const RING_MIN_BYTES_ONE_HOST: usize = 32 << 20;
 
-/// Segment size of the ring: bounds the reused scratch buffer and pipelines copies.
+/// The same threshold when the job spans hosts. Measured across 2 emulated hosts × 1
+/// rank (TCP over veth, `scripts/multinode`), ResNet-50 gradient set, kolo with the
+/// ring from this size / plain MPI program's per-tensor loop: at 10 Gbit/s, 0.90–0.93
+/// from 256 KiB or 1 MiB, 1.07–1.10 from 4 MiB, 1.26–1.38 from 32 MiB. Open MPI's TCP
+/// allreduce leaves the link idle between its phases; the ring keeps both directions
+/// busy.
+const RING_MIN_BYTES_HOSTS: usize = 1 << 20;
+
+/// Segment size of the ring: bounds the reused scratch buffers and pipelines copies.
 const RING_SEGMENT_BYTES: usize = 256 << 10;
 
+/// Segments received ahead of the one being added (scratch buffers in use): the
+/// network keeps receiving while a segment is summed.
+const RING_WINDOW: usize = 4;
+
+/// The ring's order from every rank's host name (`hosts[r]`, any value shared by
+/// the ranks of one host): ranks grouped by host, hosts in order of first appearance,
+/// and `rank`'s position in it.
+fn ring_order(hosts: &[c_int], rank: usize) -> (Vec<usize>, usize) {
+    let mut ring: Vec<usize> = (0..hosts.len()).collect();
+    let first = |h: c_int| hosts.iter().position(|&x| x == h).unwrap_or(0);
+    ring.sort_by_key(|&r| (first(hosts[r]), r));
+    let pos = ring.iter().position(|&r| r == rank).unwrap_or(0);
+    (ring, pos)
+}
+
+/// Non-blocking requests of one ring step, completed together.
+struct Requests(Vec<ffi::MPI_Request>);
+
+impl Requests {
+    const CALL: &'static str = "MPI_Waitall (ring allreduce)";
+
+    /// Waits for every request (blocking: the data plane runs once all ranks are ready).
+    fn wait_all(&mut self) -> Result<()> {
+        if self.0.is_empty() {
+            return Ok(());
+        }
+        let n = count(Self::CALL, self.0.len())?;
+        // SAFETY: every request came from MPI_Isend/MPI_Irecv on buffers the ring keeps
+        // alive and untouched until this returns.
+        let rc = unsafe { ffi::MPI_Waitall(n, self.0.as_mut_ptr(), ffi::RSMPI_STATUSES_IGNORE) };
+        self.0.clear();
+        check(Self::CALL, rc)
+    }
+
+    fn post(
+        &mut self,
+        call: &'static str,
+        f: impl FnOnce(&mut ffi::MPI_Request) -> c_int,
+    ) -> Result<()> {
+        let mut req = null_request();
+        check(call, f(&mut req))?;
+        self.0.push(req);
+        Ok(())
+    }
+
+    /// Waits for request `i` only.
+    fn wait(&mut self, i: usize) -> Result<()> {
+        // SAFETY: as in `wait_all`.
+        check(Self::CALL, unsafe {
+            ffi::MPI_Wait(&mut self.0[i], ffi::RSMPI_STATUS_IGNORE)
+        })
+    }
+}
+
+impl Drop for Requests {
+    /// A step left early (an MPI error) must not let MPI write into a buffer the caller
+    /// gets back: finish what is in flight first.
+    fn drop(&mut self) {
+        let _ = self.wait_all();
+    }
+}
+
 impl MpiTransport {
-    /// In-place segmented ring allreduce (sum) over point-to-point messages, with a
-    /// reused scratch segment: Open MPI allocates about half the message as scratch on
-    /// every large MPI_Allreduce; this allocates nothing after the first call.
+    /// In-place segmented ring allreduce (sum) over non-blocking point-to-point
+    /// messages, with reused scratch segments: Open MPI allocates about half the
+    /// message as scratch on every large MPI_Allreduce; this allocates nothing after
+    /// the first call. In each reduce-scatter step every segment of the outgoing chunk
+    /// is sent at once and up to `RING_WINDOW` segments are received ahead of the one
+    /// being summed, so the link never waits for a handshake or a sum; the allgather
+    /// receives straight into the buffer.
     fn ring_allreduce(&mut self, buf: &mut [u8], dtype: DType) -> Result<()> {
         use super::ring::{add_into, chunk, send_chunk};
-        const CALL: &str = "MPI_Sendrecv (ring allreduce)";
+        const SEND: &str = "MPI_Isend (ring allreduce)";
+        const RECV: &str = "MPI_Irecv (ring allreduce)";
         let n = self.topology.size;
-        let r = self.topology.rank;
-        let right = count(CALL, (r + 1) % n)?;
-        let left = count(CALL, (r + n - 1) % n)?;
+        let r = self.ring_pos;
+        let right = count(SEND, self.ring[(r + 1) % n])?;
+        let left = count(RECV, self.ring[(r + n - 1) % n])?;
         let es = dtype.size_of();
         let len = buf.len() / es;
         let seg = (RING_SEGMENT_BYTES / es).max(1);
         let mut scratch = std::mem::take(&mut self.ring_scratch);
-        scratch.resize(seg * es, 0);
+        scratch.resize(RING_WINDOW * seg * es, 0);
         let ty = datatype(dtype);
         let comm = self.comm();
-        // One exchange: send `send` elements to the right, receive `recv` from the left.
-        let exchange = |buf: &mut [u8],
-                        send: (usize, usize),
-                        recv: (usize, usize),
-                        into_scratch: bool,
-                        scratch: &mut [u8]|
-         -> Result<()> {
-            let (s0, s1) = (send.0 * es, send.1 * es);
-            let (r0, r1) = (recv.0 * es, recv.1 * es);
-            let send_ptr = buf[s0..s1].as_ptr();
-            let recv_ptr: *mut u8 = if into_scratch {
-                scratch.as_mut_ptr()
-            } else {
-                buf[r0..r1].as_mut_ptr()
-            };
-            // SAFETY: the send and receive ranges are disjoint chunks of `buf` (or the
-            // scratch), valid for the blocking call; counts fit in c_int (checked).
-            check(CALL, unsafe {
-                ffi::MPI_Sendrecv(
-                    send_ptr.cast(),
-                    count(CALL, send.1 - send.0)?,
+        // Checked once here, so that no count fails once messages are in flight: the
+        // first chunk is the largest.
+        let (c0, c1) = chunk(len, n, 0);
+        count(SEND, c1 - c0)?;
+        // From here on the buffer is reached only through `base`: in-flight sends read
+        // one chunk while the sum writes another.
+        let base = buf.as_mut_ptr();
+        let slots = scratch.as_mut_ptr();
+        let slot = |k: usize| slots.wrapping_add((k % RING_WINDOW) * seg * es);
+        // Element ranges [a, b) of a chunk cut into segments.
+        let segments = |(a, b): (usize, usize)| {
+            (a..b)
+                .step_by(seg)
+                .map(move |s| (s, (s + seg).min(b)))
+                .collect::<Vec<_>>()
+        };
+        let isend = |reqs: &mut Requests, (a, b): (usize, usize)| {
+            // SAFETY: [a, b) lies in `buf` (a chunk range), which nothing writes until
+            // this request completes; b - a fits in c_int (the largest chunk does).
+            reqs.post(SEND, |req| unsafe {
+                ffi::MPI_Isend(
+                    base.add(a * es).cast_const().cast(),
+                    (b - a) as c_int,
                     ty,
                     right,
                     7,
-                    recv_ptr.cast(),
-                    count(CALL, recv.1 - recv.0)?,
-                    ty,
-                    left,
-                    7,
                     comm,
-                    ffi::RSMPI_STATUS_IGNORE,
+                    req,
                 )
             })
         };
+        let irecv = |reqs: &mut Requests, into: *mut u8, elems: usize| {
+            // SAFETY: `into` is valid for `elems` elements (a scratch slot, or a chunk
+            // range of `buf`) and nothing reads or writes it until this request
+            // completes; `elems` fits in c_int (at most one chunk).
+            reqs.post(RECV, |req| unsafe {
+                ffi::MPI_Irecv(into.cast(), elems as c_int, ty, left, 7, comm, req)
+            })
+        };
         let result = (|| {
+            let mut sends = Requests(Vec::new());
+            let mut recvs = Requests(Vec::new());
+            // Reduce-scatter: after n - 1 steps this rank holds the full sum of one chunk.
+            // The left neighbour sends, segment by segment, the chunk received here.
             for step in 0..n - 1 {
-                let (ss, se) = chunk(len, n, send_chunk(r, step, n));
-                let (rs, re) = chunk(len, n, send_chunk(r, step + 1, n));
-                // Every rank makes the same number of exchanges per step (from the
-                // largest chunk), so that messages pair up; short chunks send empty tails.
-                let segs = (chunk(len, n, 0).1).div_ceil(seg);
-                for k in 0..segs {
-                    let sa = (ss + k * seg).min(se);
-                    let sb = (sa + seg).min(se);
-                    let ra = (rs + k * seg).min(re);
-                    let rb = (ra + seg).min(re);
-                    exchange(buf, (sa, sb), (ra, rb), true, &mut scratch)?;
-                    add_into(
-                        &mut buf[ra * es..rb * es],
-                        &scratch[..(rb - ra) * es],
-                        dtype,
-                    );
+                let out = segments(chunk(len, n, send_chunk(r, step, n)));
+                let inc = segments(chunk(len, n, send_chunk(r, step + 1, n)));
+                for &s in &out {
+                    isend(&mut sends, s)?;
                 }
+                for (k, &(a, b)) in inc.iter().enumerate().take(RING_WINDOW) {
+                    irecv(&mut recvs, slot(k), b - a)?;
+                }
+                for (k, &(a, b)) in inc.iter().enumerate() {
+                    recvs.wait(k)?;
+                    let bytes = (b - a) * es;
+                    // SAFETY: the slot holds the segment just received and no receive
+                    // into it is posted until after the sum; [a, b) is in the incoming
+                    // chunk, which no in-flight send reads.
+                    let (acc, got) = unsafe {
+                        (
+                            std::slice::from_raw_parts_mut(base.add(a * es), bytes),
+                            std::slice::from_raw_parts(slot(k), bytes),
+                        )
+                    };
+                    add_into(acc, got, dtype);
+                    if let Some(&(na, nb)) = inc.get(k + RING_WINDOW) {
+                        irecv(&mut recvs, slot(k + RING_WINDOW), nb - na)?;
+                    }
+                }
+                recvs.0.clear();
+                sends.wait_all()?;
             }
+            // Allgather: each summed chunk travels once around the ring.
             for step in 0..n - 1 {
-                let (ss, se) = chunk(len, n, send_chunk(r, step + n - 1, n));
-                let (rs, re) = chunk(len, n, send_chunk(r, step + n, n));
-                exchange(buf, (ss, se), (rs, re), false, &mut scratch)?;
+                let (ra, rb) = chunk(len, n, send_chunk(r, step + n, n));
+                irecv(&mut recvs, base.wrapping_add(ra * es), rb - ra)?;
+                isend(&mut sends, chunk(len, n, send_chunk(r, step + n - 1, n)))?;
+                recvs.wait_all()?;
+                sends.wait_all()?;
             }
             Ok(())
         })();
@@ -638,7 +761,12 @@ impl Transport for MpiTransport {
             return self.hierarchical_allreduce(buf, dtype, op);
         }
         let sum = matches!(op, ReduceOp::Sum | ReduceOp::Average);
-        if sum && buf.len() >= RING_MIN_BYTES && self.topology.size > 1 {
+        let ring_min = if self.multi_host {
+            RING_MIN_BYTES_HOSTS
+        } else {
+            RING_MIN_BYTES_ONE_HOST
+        };
+        if sum && buf.len() >= ring_min && self.topology.size > 1 {
             return self.ring_allreduce(buf, dtype);
         }
         allreduce_in_place(self.world(), buf, dtype, self.reduce_op(op, dtype))
@@ -802,6 +930,21 @@ fn reduce_scatter_on(
 mod tests {
     use super::*;
     use crate::error::err_text;
+
+    #[test]
+    fn the_ring_visits_hosts_one_after_another() {
+        // Ranks placed round-robin over two hosts (named by their lowest rank).
+        assert_eq!(ring_order(&[0, 1, 0, 1], 1), (vec![0, 2, 1, 3], 2));
+        assert_eq!(ring_order(&[0, 1, 0, 1], 2), (vec![0, 2, 1, 3], 1));
+        // Filled host by host: the ring is the rank order.
+        assert_eq!(ring_order(&[0, 0, 2, 2], 3), (vec![0, 1, 2, 3], 3));
+        // Uneven hosts, three of them.
+        assert_eq!(
+            ring_order(&[0, 1, 2, 0, 1, 0], 4),
+            (vec![0, 3, 5, 1, 4, 2], 4)
+        );
+        assert_eq!(ring_order(&[7], 0), (vec![0], 0));
+    }
 
     #[test]
     fn buffers_must_match_their_counts() {

@@ -165,9 +165,20 @@ pub(crate) fn mpirun_hosts_np(
     timeout: Duration,
     extra_env: &[(&str, &str)],
 ) -> Result<Run, String> {
+    mpirun_hosts_args(case, &["-np", &np.to_string()], timeout, extra_env)
+}
+
+/// [`mpirun_hosts`] with these mpirun arguments (e.g. `-np 4 --map-by node`, which
+/// places ranks round-robin: 0 and 2 on h1, 1 and 3 on h2).
+pub(crate) fn mpirun_hosts_args(
+    case: &str,
+    args: &[&str],
+    timeout: Duration,
+    extra_env: &[(&str, &str)],
+) -> Result<Run, String> {
     let dir = multinode().ok_or("KOLO_MULTINODE is not set: the emulated hosts are not up")?;
     let mut cmd = Command::new(dir.join("mpirun.sh"));
-    cmd.args(["-np", &np.to_string(), "--tag-output"]);
+    cmd.args(args).arg("--tag-output");
     launch(cmd, case, timeout, extra_env, true)
 }
 

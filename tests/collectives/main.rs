@@ -454,6 +454,22 @@ fn multinode_faults() -> Vec<Trial> {
             Ok(())
         }));
     }
+    // Ranks placed round-robin over the hosts: the ring still crosses each host
+    // boundary once (ring order 0 2 1 3), and sums through it stay exact.
+    trials.push(multinode_trial("ring_round_robin_placement", || {
+        let run = harness::mpirun_hosts_args(
+            "large_sums_ring",
+            &["-np", "4", "--map-by", "node"],
+            Duration::from_secs(180),
+            &[("KOLO_LOG_LEVEL", "debug")],
+        )?;
+        run.succeeded("large sums with round-robin placement")?;
+        let want = "ring=[0, 2, 1, 3] multi_host=true";
+        if !run.output.contains(want) {
+            return Err(format!("the output lacks {want:?}:\n{}", run.output).into());
+        }
+        Ok(())
+    }));
     trials.push(multinode_trial("hierarchical_case_flat", || {
         let run = harness::mpirun_hosts("hierarchical_allreduce", Duration::from_secs(180), &[])?;
         Ok(run.succeeded("the flat run")?)
