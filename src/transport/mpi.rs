@@ -467,7 +467,7 @@ impl Requests {
         Ok(())
     }
 
-    /// Waits for request `i` only.
+    /// Waits for request `i` only (then MPI_REQUEST_NULL, which wait_all skips).
     fn wait(&mut self, i: usize) -> Result<()> {
         // SAFETY: as in `wait_all`.
         check(Self::CALL, unsafe {
@@ -554,27 +554,37 @@ impl MpiTransport {
             for step in 0..n - 1 {
                 let out = segments(chunk(len, n, send_chunk(r, step, n)));
                 let inc = segments(chunk(len, n, send_chunk(r, step + 1, n)));
-                for &s in &out {
-                    isend(&mut sends, s)?;
+                for k in 0..RING_WINDOW {
+                    if let Some(&s) = out.get(k) {
+                        isend(&mut sends, s)?;
+                    }
+                    if let Some(&(a, b)) = inc.get(k) {
+                        irecv(&mut recvs, slot(k), b - a)?;
+                    }
                 }
-                for (k, &(a, b)) in inc.iter().enumerate().take(RING_WINDOW) {
-                    irecv(&mut recvs, slot(k), b - a)?;
-                }
-                for (k, &(a, b)) in inc.iter().enumerate() {
-                    recvs.wait(k)?;
-                    let bytes = (b - a) * es;
-                    // SAFETY: the slot holds the segment just received and no receive
-                    // into it is posted until after the sum; [a, b) is in the incoming
-                    // chunk, which no in-flight send reads.
-                    let (acc, got) = unsafe {
-                        (
-                            std::slice::from_raw_parts_mut(base.add(a * es), bytes),
-                            std::slice::from_raw_parts(slot(k), bytes),
-                        )
-                    };
-                    add_into(acc, got, dtype);
-                    if let Some(&(na, nb)) = inc.get(k + RING_WINDOW) {
-                        irecv(&mut recvs, slot(k + RING_WINDOW), nb - na)?;
+                for k in 0..out.len().max(inc.len()) {
+                    if let Some(&(a, b)) = inc.get(k) {
+                        recvs.wait(k)?;
+                        let bytes = (b - a) * es;
+                        // SAFETY: the slot holds the segment just received and no
+                        // receive into it is posted until after the sum; [a, b) is in
+                        // the incoming chunk, which no in-flight send reads.
+                        let (acc, got) = unsafe {
+                            (
+                                std::slice::from_raw_parts_mut(base.add(a * es), bytes),
+                                std::slice::from_raw_parts(slot(k), bytes),
+                            )
+                        };
+                        add_into(acc, got, dtype);
+                        if let Some(&(na, nb)) = inc.get(k + RING_WINDOW) {
+                            irecv(&mut recvs, slot(k + RING_WINDOW), nb - na)?;
+                        }
+                    }
+                    if k < out.len() {
+                        sends.wait(k)?;
+                        if let Some(&s) = out.get(k + RING_WINDOW) {
+                            isend(&mut sends, s)?;
+                        }
                     }
                 }
                 recvs.0.clear();
