@@ -696,13 +696,6 @@ fn report(
     Ok(())
 }
 
-/// The emulated hosts' mpirun (`scripts/multinode/mpirun.sh`), found from the crate.
-fn multinode_mpirun() -> anyhow::Result<std::path::PathBuf> {
-    let p = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/multinode/mpirun.sh");
-    anyhow::ensure!(p.is_file(), "{} is missing", p.display());
-    Ok(p)
-}
-
 /// Launches one side under mpirun and returns rank 0's samples.
 fn launch(np: usize, side: Side, o: &Opts, round: usize) -> anyhow::Result<Samples> {
     let exe = std::env::current_exe()?;
@@ -727,7 +720,9 @@ fn launch(np: usize, side: Side, o: &Opts, round: usize) -> anyhow::Result<Sampl
             cmd
         }
         Some(hosts) => {
-            let mut cmd = std::process::Command::new(multinode_mpirun()?);
+            let scripts = harness::multinode_scripts()
+                .ok_or_else(|| anyhow::anyhow!("scripts/multinode is missing"))?;
+            let mut cmd = std::process::Command::new(scripts.join("mpirun.sh"));
             cmd.args([
                 "-np",
                 &np.to_string(),

@@ -8,7 +8,8 @@
 //! 64 MiB allreduce here (see benches/). Large sums use a pipelined, segmented ring
 //! over non-blocking point-to-point messages instead (`ring_allreduce`): from 32 MiB
 //! on one host (0.53–0.59× MPI_Allreduce's time there), from 1 MiB when the job spans
-//! hosts (see `ring_min_bytes` for the measurements). The ring visits the ranks host
+//! hosts (see `RING_MIN_BYTES_ONE_HOST` and `RING_MIN_BYTES_HOSTS` for the
+//! measurements). The ring visits the ranks host
 //! by host, so it crosses each host boundary once whatever the rank placement.
 
 use std::ffi::{c_int, c_void};
@@ -51,8 +52,9 @@ pub(crate) struct MpiTransport {
     ring: Vec<usize>,
     /// This rank's position in `ring`.
     ring_pos: usize,
-    /// The job spans more than one host (the same answer on every rank).
-    multi_host: bool,
+    /// Sums at least this large go through the ring: `RING_MIN_BYTES_HOSTS` when the
+    /// job spans hosts, else `RING_MIN_BYTES_ONE_HOST` (the same on every rank).
+    ring_min_bytes: usize,
     /// The thread support MPI gave: process sets (an engine thread each) need
     /// `MPI_THREAD_MULTIPLE`.
     threading: Threading,
@@ -151,7 +153,11 @@ impl MpiTransport {
             ring_scratch: Vec::new(),
             ring,
             ring_pos,
-            multi_host,
+            ring_min_bytes: if multi_host {
+                RING_MIN_BYTES_HOSTS
+            } else {
+                RING_MIN_BYTES_ONE_HOST
+            },
             threading,
             _universe: universe,
         })
@@ -414,9 +420,10 @@ const RING_MIN_BYTES_ONE_HOST: usize = 32 << 20;
 /// The same threshold when the job spans hosts. Measured across 2 emulated hosts × 1
 /// rank (TCP over veth, `scripts/multinode`), ResNet-50 gradient set, kolo with the
 /// ring from this size / plain MPI program's per-tensor loop: at 10 Gbit/s, 0.90–0.93
-/// from 256 KiB or 1 MiB, 1.07–1.10 from 4 MiB, 1.26–1.38 from 32 MiB. Open MPI's TCP
-/// allreduce leaves the link idle between its phases; the ring keeps both directions
-/// busy.
+/// from 256 KiB or 1 MiB, 1.07–1.10 from 4 MiB, 1.26–1.38 from 32 MiB (blocking
+/// segment exchanges); the windowed ring below from 1 MiB: 0.95–0.98 at 10 Gbit/s,
+/// 0.94–1.02 at 1 Gbit/s. Open MPI's TCP allreduce leaves the link idle between its
+/// phases; the ring keeps both directions busy.
 const RING_MIN_BYTES_HOSTS: usize = 1 << 20;
 
 /// Segment size of the ring: bounds the reused scratch buffers and pipelines copies.
@@ -488,10 +495,11 @@ impl MpiTransport {
     /// In-place segmented ring allreduce (sum) over non-blocking point-to-point
     /// messages, with reused scratch segments: Open MPI allocates about half the
     /// message as scratch on every large MPI_Allreduce; this allocates nothing after
-    /// the first call. In each reduce-scatter step every segment of the outgoing chunk
-    /// is sent at once and up to `RING_WINDOW` segments are received ahead of the one
-    /// being summed, so the link never waits for a handshake or a sum; the allgather
-    /// receives straight into the buffer.
+    /// the first call. In each reduce-scatter step up to `RING_WINDOW` segments are in
+    /// flight each way: a segment is summed while the next ones arrive, and a new send
+    /// and receive are posted as each completes (posting every send at once was
+    /// slower: the receiver then handles unexpected rendezvous messages). The
+    /// allgather receives straight into the buffer.
     fn ring_allreduce(&mut self, buf: &mut [u8], dtype: DType) -> Result<()> {
         use super::ring::{add_into, chunk, send_chunk};
         const SEND: &str = "MPI_Isend (ring allreduce)";
@@ -771,12 +779,7 @@ impl Transport for MpiTransport {
             return self.hierarchical_allreduce(buf, dtype, op);
         }
         let sum = matches!(op, ReduceOp::Sum | ReduceOp::Average);
-        let ring_min = if self.multi_host {
-            RING_MIN_BYTES_HOSTS
-        } else {
-            RING_MIN_BYTES_ONE_HOST
-        };
-        if sum && buf.len() >= ring_min && self.topology.size > 1 {
+        if sum && buf.len() >= self.ring_min_bytes && self.topology.size > 1 {
             return self.ring_allreduce(buf, dtype);
         }
         allreduce_in_place(self.world(), buf, dtype, self.reduce_op(op, dtype))

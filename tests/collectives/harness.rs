@@ -141,6 +141,11 @@ pub(crate) fn multinode() -> Option<std::path::PathBuf> {
     if std::env::var_os("KOLO_MULTINODE")? != "1" {
         return None;
     }
+    multinode_scripts()
+}
+
+/// Where the emulated hosts' scripts are, set up or not.
+pub(crate) fn multinode_scripts() -> Option<std::path::PathBuf> {
     // The repository root holds scripts/; this file is also built into kolo-burn's tests.
     std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
         .ancestors()
