@@ -131,6 +131,12 @@ impl FusionBuffer {
         }
         &mut bytemuck::cast_slice_mut(&mut self.words)[..bytes]
     }
+
+    /// Bytes the buffer holds now (it has grown to the largest batch so far).
+    #[cfg(test)]
+    pub(crate) fn capacity(&self) -> usize {
+        self.words.len() * 8
+    }
 }
 
 #[cfg(test)]

@@ -29,7 +29,7 @@ use crate::error::{Error, Result};
 use crate::transport::{abort_requested, Topology, Transport};
 use autotune::{AutotuneChange, AutotuneState, Settings, Tuner};
 use cache::ResponseCache;
-use fusion::{FusionBuffer, Step};
+use fusion::FusionBuffer;
 use negotiate::{Negotiator, Outcome, Response};
 use queue::Queue;
 use request::{Command, CycleMsg, Key, Request, RequestMeta};
@@ -104,6 +104,7 @@ pub(crate) fn run(
     }
     let mark_cycles = config.timeline_mark_cycles;
     let config_timeout = config.collective_timeout;
+    let simulated_cost = config.simulated_collective_cost;
     let mut engine = Engine {
         inbox: Inbox {
             queue,
@@ -126,13 +127,7 @@ pub(crate) fn run(
             agreed,
         },
         config,
-        exec: Executor {
-            fusion_buffer: FusionBuffer::default(),
-            timeline: Timeline::new(topology.rank, mark_cycles),
-            ready_at: Instant::now(),
-            #[cfg(feature = "nccl")]
-            gpu: gpu::Gpu::default(),
-        },
+        exec: Executor::new(topology.rank, mark_cycles, simulated_cost),
         tuning: Tuning {
             cache_capacity_on: tuner
                 .as_ref()
@@ -441,9 +436,25 @@ struct Executor {
     timeline: Timeline,
     /// When the responses being run became ready (the end of their cycle).
     ready_at: Instant,
+    /// `KOLO_SIMULATED_COLLECTIVE_COST_US`: slept before every collective.
+    simulated_cost: Duration,
     /// Ops on CUDA tensors (NCCL).
     #[cfg(feature = "nccl")]
     gpu: gpu::Gpu,
+}
+
+impl Executor {
+    /// An executor for `rank`, its timeline off until started.
+    fn new(rank: usize, mark_cycles: bool, simulated_cost: Duration) -> Self {
+        Executor {
+            fusion_buffer: FusionBuffer::default(),
+            timeline: Timeline::new(rank, mark_cycles),
+            ready_at: Instant::now(),
+            simulated_cost,
+            #[cfg(feature = "nccl")]
+            gpu: gpu::Gpu::default(),
+        }
+    }
 }
 
 /// The autotuner's side: rank 0's tuner, settings on their way to every rank, and
@@ -734,22 +745,12 @@ impl Engine {
 
     /// Execution: runs the agreed responses, fused as the plan says.
     fn execute(&mut self, responses: Vec<Response>) {
-        self.exec.ready_at = Instant::now();
-        let steps = fusion::plan(&responses, self.control.agreed.fusion_threshold);
-        let mut responses: Vec<Option<Response>> = responses.into_iter().map(Some).collect();
-        for step in steps {
-            match step {
-                Step::Single(i) => {
-                    if let Some(r) = responses[i].take() {
-                        self.respond(r);
-                    }
-                }
-                Step::Fused(batch) => {
-                    let members = batch.iter().filter_map(|&i| responses[i].take()).collect();
-                    self.respond_fused(members);
-                }
-            }
-        }
+        self.exec.run(
+            &mut *self.transport,
+            &mut self.inbox.pending,
+            responses,
+            self.control.agreed.fusion_threshold,
+        );
     }
 
     /// After running: the stall check, and tuning (settings agreed this cycle take

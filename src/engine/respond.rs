@@ -3,22 +3,57 @@
 
 use std::time::Instant;
 
+use rustc_hash::FxHashMap;
+
+use super::fusion::{self, Step};
 use super::negotiate::Response;
-use super::request::{self, RequestMeta};
-use super::{execute, Engine};
+use super::request::{self, Key, Request, RequestMeta};
+use super::{execute, Executor};
 #[cfg(not(feature = "nccl"))]
 use crate::error::Error;
 use crate::handle::{self, Output};
+use crate::transport::Transport;
 
-impl Engine {
+/// This rank's requests waiting to run, by negotiation key: a response takes its
+/// local request (tensors and handle) out; a rank without one (joined) contributes
+/// zeros.
+pub(super) type Pending = FxHashMap<Key, Request>;
+
+impl Executor {
+    /// Runs the agreed responses of a cycle, fused as the plan for `fusion_threshold`
+    /// says, completing the handles of this rank's requests.
+    pub(super) fn run(
+        &mut self,
+        t: &mut dyn Transport,
+        pending: &mut Pending,
+        responses: Vec<Response>,
+        fusion_threshold: usize,
+    ) {
+        self.ready_at = Instant::now();
+        let steps = fusion::plan(&responses, fusion_threshold);
+        let mut responses: Vec<Option<Response>> = responses.into_iter().map(Some).collect();
+        for step in steps {
+            match step {
+                Step::Single(i) => {
+                    if let Some(r) = responses[i].take() {
+                        self.respond(t, pending, r);
+                    }
+                }
+                Step::Fused(batch) => {
+                    let members = batch.iter().filter_map(|&i| responses[i].take()).collect();
+                    self.respond_fused(t, pending, members);
+                }
+            }
+        }
+    }
+
     /// Records a ready op's negotiation span (from its submission here) on the timeline.
     fn trace_negotiation(&mut self, meta: &RequestMeta, submitted: Instant) {
-        if self.exec.timeline.enabled() {
+        if self.timeline.enabled() {
             let args = trace_args(meta);
             for t in &meta.tensors {
-                self.exec
-                    .timeline
-                    .span(&t.name, "NEGOTIATE", submitted, self.exec.ready_at, &args);
+                self.timeline
+                    .span(&t.name, "NEGOTIATE", submitted, self.ready_at, &args);
             }
         }
     }
@@ -26,7 +61,7 @@ impl Engine {
     /// `KOLO_SIMULATED_COLLECTIVE_COST_US`: a fixed cost per collective, as on a slow
     /// network.
     fn simulate_collective_cost(&self) {
-        let cost = self.config.simulated_collective_cost;
+        let cost = self.simulated_cost;
         if !cost.is_zero() {
             std::thread::sleep(cost);
         }
@@ -34,13 +69,11 @@ impl Engine {
 
     /// Records an op's span, from `started` to now, on the timeline.
     fn trace_op(&mut self, meta: &RequestMeta, started: Instant) {
-        if self.exec.timeline.enabled() {
+        if self.timeline.enabled() {
             let (args, end) = (trace_args(meta), Instant::now());
             let phase = meta.kind.name().to_ascii_uppercase();
             for t in &meta.tensors {
-                self.exec
-                    .timeline
-                    .span(&t.name, &phase, started, end, &args);
+                self.timeline.span(&t.name, &phase, started, end, &args);
             }
         }
     }
@@ -49,13 +82,12 @@ impl Engine {
     #[cfg(feature = "nccl")]
     fn respond_cuda(
         &mut self,
+        t: &mut dyn Transport,
         ready: &super::negotiate::Ready,
         tensors: Option<super::request::Tensors>,
         done: Option<crate::handle::Completer>,
     ) {
-        self.exec
-            .gpu
-            .respond(&mut *self.transport, ready, tensors, done);
+        self.gpu.respond(t, ready, tensors, done);
     }
 
     /// Without the `nccl` feature no tensor of this rank can be on a GPU, so the
@@ -63,6 +95,7 @@ impl Engine {
     #[cfg(not(feature = "nccl"))]
     fn respond_cuda(
         &mut self,
+        _t: &mut dyn Transport,
         _ready: &super::negotiate::Ready,
         _tensors: Option<super::request::Tensors>,
         done: Option<crate::handle::Completer>,
@@ -75,10 +108,10 @@ impl Engine {
     }
 
     /// Runs one response: an op on its own, an error for its handle, or a join.
-    pub(super) fn respond(&mut self, response: Response) {
+    fn respond(&mut self, t: &mut dyn Transport, pending: &mut Pending, response: Response) {
         match response {
             Response::Run(ready) => {
-                let local = self.inbox.pending.remove(&*ready.key);
+                let local = pending.remove(&*ready.key);
                 let (tensors, done) = match local {
                     Some(req) => {
                         self.trace_negotiation(&req.meta, req.submitted);
@@ -90,19 +123,13 @@ impl Engine {
                 let started = Instant::now();
                 if ready.first().device == request::Device::Cuda {
                     // Enqueued on the GPU; the handle completes when the device is done.
-                    span.in_scope(|| self.respond_cuda(&ready, tensors, done));
+                    span.in_scope(|| self.respond_cuda(t, &ready, tensors, done));
                     self.trace_op(ready.first(), started);
                     return;
                 }
                 self.simulate_collective_cost();
-                let result = span.in_scope(|| {
-                    execute::run(
-                        &mut *self.transport,
-                        &ready,
-                        tensors,
-                        &mut self.exec.fusion_buffer,
-                    )
-                });
+                let result =
+                    span.in_scope(|| execute::run(t, &ready, tensors, &mut self.fusion_buffer));
                 self.trace_op(ready.first(), started);
                 if let Some(done) = done {
                     done.complete(result);
@@ -111,12 +138,12 @@ impl Engine {
                 }
             }
             Response::Fail { key, error } => {
-                if let Some(req) = self.inbox.pending.remove(&*key) {
+                if let Some(req) = pending.remove(&*key) {
                     req.done.complete(Err(error));
                 }
             }
             Response::JoinDone { last } => {
-                if let Some(req) = self.inbox.pending.remove(request::JOIN_KEY) {
+                if let Some(req) = pending.remove(request::JOIN_KEY) {
                     req.done.complete(Ok(Output::Rank(last)));
                 }
             }
@@ -125,12 +152,17 @@ impl Engine {
 
     /// Runs a fusion batch (all ready allreduces, or all ready allgathers) in one
     /// collective.
-    pub(super) fn respond_fused(&mut self, members: Vec<Response>) {
+    fn respond_fused(
+        &mut self,
+        t: &mut dyn Transport,
+        pending: &mut Pending,
+        members: Vec<Response>,
+    ) {
         let mut readies = Vec::with_capacity(members.len());
         let mut locals = Vec::with_capacity(members.len());
         for m in members {
             if let Response::Run(ready) = m {
-                let local = self.inbox.pending.remove(&*ready.key);
+                let local = pending.remove(&*ready.key);
                 readies.push(ready);
                 locals.push(local);
             }
@@ -149,7 +181,7 @@ impl Engine {
                     None => (ready, None, None),
                 })
                 .collect();
-            self.exec.gpu.respond_fused(&mut *self.transport, members);
+            self.gpu.respond_fused(t, members);
             return;
         }
         let mut inputs = Vec::with_capacity(readies.len());
@@ -176,7 +208,7 @@ impl Engine {
             if allgather { "allgather" } else { "allreduce" }
         );
         // Built only when tracing: it allocates per tensor.
-        let keys: Vec<(String, serde_json::Value)> = if self.exec.timeline.enabled() {
+        let keys: Vec<(String, serde_json::Value)> = if self.timeline.enabled() {
             inputs
                 .iter()
                 .map(|(r, _)| (r.key.to_string(), trace_args(r.first())))
@@ -186,9 +218,9 @@ impl Engine {
         };
         self.simulate_collective_cost();
         let result = if allgather {
-            execute::run_fused_allgather(&mut *self.transport, inputs, &mut self.exec.fusion_buffer)
+            execute::run_fused_allgather(t, inputs, &mut self.fusion_buffer)
         } else {
-            execute::run_fused(&mut *self.transport, inputs, &mut self.exec.fusion_buffer)
+            execute::run_fused(t, inputs, &mut self.fusion_buffer)
         };
         let outputs = result.map(|(outputs, times)| {
             let phase = if allgather { "ALLGATHER" } else { "ALLREDUCE" };
@@ -206,17 +238,16 @@ impl Engine {
         times: &execute::FusedTimes,
     ) {
         for (key, args) in keys {
-            self.exec.timeline.span(
+            self.timeline.span(
                 key,
                 "MEMCPY_IN_FUSION_BUFFER",
                 times.start,
                 times.copied_in,
                 args,
             );
-            self.exec
-                .timeline
+            self.timeline
                 .span(key, phase, times.copied_in, times.reduced, args);
-            self.exec.timeline.span(
+            self.timeline.span(
                 key,
                 "MEMCPY_OUT_FUSION_BUFFER",
                 times.reduced,
@@ -255,5 +286,197 @@ fn trace_args(meta: &RequestMeta) -> serde_json::Value {
         ts => serde_json::json!({
             "tensors": ts.iter().map(|t| serde_json::json!({"name": t.name, "dtype": t.dtype.to_string(), "shape": t.shape})).collect::<Vec<_>>()
         }),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+    use std::time::{Duration, Instant};
+
+    use super::{Executor, Pending};
+    use crate::engine::negotiate::{Ready, Response};
+    use crate::engine::queue::Queue;
+    use crate::engine::request::{OpKind, Request, RequestMeta};
+    use crate::error::Error;
+    use crate::handle::{self, Handle, PendingNames};
+    use crate::tensor::{DType, Tensor};
+    use crate::transport::loopback::Loopback;
+    use crate::vocab::ReduceOp;
+
+    fn meta(key: &str, kind: OpKind, len: usize) -> RequestMeta {
+        RequestMeta::for_test(key, kind, DType::F32, &[len], ReduceOp::Sum)
+    }
+
+    /// A response every rank submitted, except those in `joined`.
+    fn ready(meta: &RequestMeta, size: usize, joined: &[usize]) -> Response {
+        let shared = Arc::new(meta.clone());
+        Response::Run(Ready {
+            key: meta.key.clone(),
+            kind: meta.kind,
+            metas: (0..size)
+                .map(|r| (!joined.contains(&r)).then(|| shared.clone()))
+                .collect(),
+        })
+    }
+
+    /// Puts this rank's request for `meta` with `values` among the pending ones.
+    fn submit(pending: &mut Pending, meta: &RequestMeta, values: &[f32]) -> Handle<Tensor> {
+        let queue: Arc<dyn PendingNames> = Arc::new(Queue::default());
+        let (h, done) = handle::pair(
+            smallvec::smallvec![meta.key.clone()],
+            queue,
+            (meta.kind.name(), 0),
+            handle::to_tensor,
+        );
+        let tensor = Tensor::from_vec(values.to_vec(), &[values.len()]).unwrap();
+        let req = Request {
+            meta: meta.clone(),
+            tensors: smallvec::smallvec![tensor],
+            done,
+            submitted: Instant::now(),
+        };
+        pending.insert(meta.key.clone(), req);
+        h
+    }
+
+    fn values(h: Handle<Tensor>) -> Vec<f32> {
+        h.wait().unwrap().into_vec::<f32>().unwrap()
+    }
+
+    /// Runs `f(rank, transport)` on each rank of an in-process job of `size`.
+    fn on_ranks<T: Send>(size: usize, f: impl Fn(usize, &mut Loopback) -> T + Sync) -> Vec<T> {
+        let ends = Loopback::job(size);
+        std::thread::scope(|s| {
+            let runs: Vec<_> = ends
+                .into_iter()
+                .enumerate()
+                .map(|(r, mut end)| {
+                    let f = &f;
+                    s.spawn(move || f(r, &mut end))
+                })
+                .collect();
+            runs.into_iter().map(|h| h.join().unwrap()).collect()
+        })
+    }
+
+    #[test]
+    fn fused_and_single_responses_give_the_same_sums_and_complete_every_handle() {
+        let (a, b, c) = (
+            meta("a", OpKind::Allreduce, 3),
+            meta("b", OpKind::Allreduce, 2),
+            meta("c", OpKind::Allgather, 2),
+        );
+        for threshold in [0, 1 << 20] {
+            let out = on_ranks(2, |rank, t| {
+                let mut exec = Executor::new(rank, false, Duration::ZERO);
+                let mut pending = Pending::default();
+                let x = rank as f32;
+                let ha = submit(&mut pending, &a, &[1.0 + x, 2.0, 3.0]);
+                let hb = submit(&mut pending, &b, &[10.0 * x, 5.0]);
+                let hc = submit(&mut pending, &c, &[x, x]);
+                let responses = vec![ready(&a, 2, &[]), ready(&c, 2, &[]), ready(&b, 2, &[])];
+                exec.run(t, &mut pending, responses, threshold);
+                assert!(pending.is_empty(), "every response takes its request");
+                let buffered = exec.fusion_buffer.capacity();
+                (values(ha), values(hb), values(hc), buffered)
+            });
+            for (ra, rb, rc, buffered) in out {
+                assert_eq!(ra, [3.0, 4.0, 6.0], "threshold {threshold}");
+                assert_eq!(rb, [10.0, 10.0], "threshold {threshold}");
+                assert_eq!(rc, [0.0, 0.0, 1.0, 1.0], "threshold {threshold}");
+                // Fused: a and b (20 bytes) through the buffer; alone: in place.
+                let want = if threshold > 0 { 24 } else { 0 };
+                assert_eq!(buffered, want, "threshold {threshold}");
+            }
+        }
+    }
+
+    #[test]
+    fn a_joined_rank_contributes_zeros_to_a_fused_batch() {
+        let (a, b) = (
+            meta("a", OpKind::Allreduce, 2),
+            meta("b", OpKind::Allreduce, 1),
+        );
+        let out = on_ranks(2, |rank, t| {
+            let mut exec = Executor::new(rank, false, Duration::ZERO);
+            let mut pending = Pending::default();
+            let ha = submit(&mut pending, &a, &[1.0, 2.0]);
+            // Rank 1 has joined for b: it has no request, the response says so.
+            let hb = (rank == 0).then(|| submit(&mut pending, &b, &[7.0]));
+            let responses = vec![ready(&a, 2, &[]), ready(&b, 2, &[1])];
+            exec.run(t, &mut pending, responses, 1 << 20);
+            (values(ha), hb.map(values))
+        });
+        assert_eq!(out[0], (vec![2.0, 4.0], Some(vec![7.0])));
+        assert_eq!(out[1], (vec![2.0, 4.0], None));
+    }
+
+    #[test]
+    fn a_failed_fused_batch_gives_every_member_the_error_with_its_kind() {
+        let mut ends = Loopback::job(2);
+        drop(ends.pop());
+        let t = &mut ends[0];
+        let (a, b) = (
+            meta("a", OpKind::Allreduce, 2),
+            meta("b", OpKind::Allreduce, 2),
+        );
+        let mut exec = Executor::new(0, false, Duration::ZERO);
+        let mut pending = Pending::default();
+        let ha = submit(&mut pending, &a, &[1.0, 2.0]);
+        let hb = submit(&mut pending, &b, &[3.0, 4.0]);
+        exec.run(
+            t,
+            &mut pending,
+            vec![ready(&a, 2, &[]), ready(&b, 2, &[])],
+            1 << 20,
+        );
+        for h in [ha, hb] {
+            match h.wait() {
+                Err(Error::Transport { message, .. }) => {
+                    assert!(message.contains("rank 1 left"), "{message}")
+                }
+                other => panic!("expected the transport's error, got {other:?}"),
+            }
+        }
+    }
+
+    #[test]
+    fn the_timeline_shows_negotiation_and_the_fused_phases_of_each_member() {
+        let path =
+            std::env::temp_dir().join(format!("kolo-executor-unit-{}.json", std::process::id()));
+        let mut ends = Loopback::job(1);
+        let t = &mut ends[0];
+        let (a, b) = (
+            meta("a", OpKind::Allreduce, 2),
+            meta("b", OpKind::Allreduce, 2),
+        );
+        let mut exec = Executor::new(0, false, Duration::ZERO);
+        exec.timeline.start(&path).unwrap();
+        let mut pending = Pending::default();
+        let ha = submit(&mut pending, &a, &[1.0, 2.0]);
+        let hb = submit(&mut pending, &b, &[3.0, 4.0]);
+        exec.run(
+            t,
+            &mut pending,
+            vec![ready(&a, 1, &[]), ready(&b, 1, &[])],
+            1 << 20,
+        );
+        assert_eq!(values(ha), [1.0, 2.0]);
+        assert_eq!(values(hb), [3.0, 4.0]);
+        exec.timeline.stop();
+        let events: Vec<serde_json::Value> =
+            serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+        std::fs::remove_file(&path).unwrap();
+        let phases: Vec<&str> = events.iter().filter_map(|e| e["name"].as_str()).collect();
+        for phase in [
+            "NEGOTIATE",
+            "MEMCPY_IN_FUSION_BUFFER",
+            "ALLREDUCE",
+            "MEMCPY_OUT_FUSION_BUFFER",
+        ] {
+            let n = phases.iter().filter(|&&p| p == phase).count();
+            assert_eq!(n, 2, "{phase} once per member: {phases:?}");
+        }
     }
 }
