@@ -218,34 +218,46 @@ pub(crate) fn run_fused(
     members: Vec<(&Ready, Option<Tensors>)>,
     buffer: &mut FusionBuffer,
 ) -> Result<(Vec<Option<Tensor>>, FusedTimes)> {
-    let start = Instant::now();
+    timed(t, members, |t, members, size, times| {
+        let meta = members[0].0.first().clone();
+        let dtype = first_tensor(&meta, 0)?.dtype;
+        let (mut tensors, local) = fused_inputs(members, |m| Ok(Tensor::zeros(m.dtype, &m.shape)))?;
+        let total: usize = tensors.iter().map(Tensor::num_bytes).sum();
+        let buf = buffer.bytes_mut(total);
+        pack(buf, &tensors);
+        scale_bytes(buf, dtype, meta.prescale);
+        times.copied_in = Instant::now();
+        t.allreduce(buf, dtype, meta.op)?;
+        scale_bytes(buf, dtype, post_factor(&meta, size));
+        times.reduced = Instant::now();
+        unpack(buf, &mut tensors);
+        Ok(tensors
+            .into_iter()
+            .zip(local)
+            .map(|(x, mine)| mine.then_some(x))
+            .collect())
+    })
+}
+
+/// Runs a fused collective's `body` (given the transport, the members, the number of
+/// ranks and the times to mark) and times it; no members, nothing to run.
+fn timed<'a>(
+    t: &mut dyn Transport,
+    members: Vec<(&'a Ready, Option<Tensors>)>,
+    body: impl FnOnce(
+        &mut dyn Transport,
+        Vec<(&'a Ready, Option<Tensors>)>,
+        usize,
+        &mut FusedTimes,
+    ) -> Result<Vec<Option<Tensor>>>,
+) -> Result<(Vec<Option<Tensor>>, FusedTimes)> {
+    let mut times = FusedTimes::at(Instant::now());
+    if members.is_empty() {
+        return Ok((Vec::new(), times));
+    }
     let size = t.topology().size;
-    let Some((first, _)) = members.first() else {
-        return Ok((Vec::new(), FusedTimes::at(start)));
-    };
-    let meta = first.first().clone();
-    let dtype = first_tensor(&meta, 0)?.dtype;
-    let (mut tensors, local) = fused_inputs(members, |m| Ok(Tensor::zeros(m.dtype, &m.shape)))?;
-    let total: usize = tensors.iter().map(Tensor::num_bytes).sum();
-    let buf = buffer.bytes_mut(total);
-    pack(buf, &tensors);
-    scale_bytes(buf, dtype, meta.prescale);
-    let copied_in = Instant::now();
-    t.allreduce(buf, dtype, meta.op)?;
-    scale_bytes(buf, dtype, post_factor(&meta, size));
-    let reduced = Instant::now();
-    unpack(buf, &mut tensors);
-    let outputs = tensors
-        .into_iter()
-        .zip(local)
-        .map(|(x, mine)| mine.then_some(x))
-        .collect();
-    let times = FusedTimes {
-        start,
-        copied_in,
-        reduced,
-        copied_out: Instant::now(),
-    };
+    let outputs = body(t, members, size, &mut times)?;
+    times.copied_out = Instant::now();
     Ok((outputs, times))
 }
 
@@ -257,54 +269,46 @@ pub(crate) fn run_fused_allgather(
     members: Vec<(&Ready, Option<Tensors>)>,
     buffer: &mut FusionBuffer,
 ) -> Result<(Vec<Option<Tensor>>, FusedTimes)> {
-    let start = Instant::now();
-    let size = t.topology().size;
-    let mut layouts = Vec::with_capacity(members.len());
-    let mut inputs = Vec::with_capacity(members.len());
-    for (ready, data) in members {
-        let local = data.and_then(|mut v| v.pop()).ok_or_else(|| {
-            Error::Internal(format!("fused allgather {:?} without a tensor", ready.key))
-        })?;
-        layouts.push(allgather_layout(ready, local.shape())?);
-        inputs.push(local);
-    }
-    let Some(dtype) = inputs.first().map(Tensor::dtype) else {
-        return Ok((Vec::new(), FusedTimes::at(start)));
-    };
-    let w = dtype.size_of();
-    let per_rank: Vec<usize> = (0..size)
-        .map(|r| layouts.iter().map(|(counts, _)| counts[r]).sum())
-        .collect();
-    let send_len: usize = inputs.iter().map(Tensor::len).sum();
-    let recv_len: usize = per_rank.iter().sum();
-    let buf = buffer.bytes_mut((send_len + recv_len) * w);
-    let (send, recv) = buf.split_at_mut(send_len * w);
-    pack(send, &inputs);
-    let copied_in = Instant::now();
-    t.allgatherv(send, recv, &per_rank, dtype)?;
-    let reduced = Instant::now();
-    let mut outputs: Vec<Tensor> = layouts
-        .iter()
-        .map(|(_, shape)| Tensor::zeros(dtype, shape))
-        .collect();
-    let mut filled = vec![0usize; outputs.len()];
-    let mut at = 0;
-    for r in 0..size {
-        for (i, (counts, _)) in layouts.iter().enumerate() {
-            let n = counts[r] * w;
-            outputs[i].host_bytes_mut()[filled[i]..filled[i] + n]
-                .copy_from_slice(&recv[at..at + n]);
-            filled[i] += n;
-            at += n;
+    timed(t, members, |t, members, size, times| {
+        let mut layouts = Vec::with_capacity(members.len());
+        let mut inputs = Vec::with_capacity(members.len());
+        for (ready, data) in members {
+            let local = data.and_then(|mut v| v.pop()).ok_or_else(|| {
+                Error::Internal(format!("fused allgather {:?} without a tensor", ready.key))
+            })?;
+            layouts.push(allgather_layout(ready, local.shape())?);
+            inputs.push(local);
         }
-    }
-    let times = FusedTimes {
-        start,
-        copied_in,
-        reduced,
-        copied_out: Instant::now(),
-    };
-    Ok((outputs.into_iter().map(Some).collect(), times))
+        let dtype = inputs[0].dtype();
+        let w = dtype.size_of();
+        let per_rank: Vec<usize> = (0..size)
+            .map(|r| layouts.iter().map(|(counts, _)| counts[r]).sum())
+            .collect();
+        let send_len: usize = inputs.iter().map(Tensor::len).sum();
+        let recv_len: usize = per_rank.iter().sum();
+        let buf = buffer.bytes_mut((send_len + recv_len) * w);
+        let (send, recv) = buf.split_at_mut(send_len * w);
+        pack(send, &inputs);
+        times.copied_in = Instant::now();
+        t.allgatherv(send, recv, &per_rank, dtype)?;
+        times.reduced = Instant::now();
+        let mut outputs: Vec<Tensor> = layouts
+            .iter()
+            .map(|(_, shape)| Tensor::zeros(dtype, shape))
+            .collect();
+        let mut filled = vec![0usize; outputs.len()];
+        let mut at = 0;
+        for r in 0..size {
+            for (i, (counts, _)) in layouts.iter().enumerate() {
+                let n = counts[r] * w;
+                outputs[i].host_bytes_mut()[filled[i]..filled[i] + n]
+                    .copy_from_slice(&recv[at..at + n]);
+                filled[i] += n;
+                at += n;
+            }
+        }
+        Ok(outputs.into_iter().map(Some).collect())
+    })
 }
 
 /// When the phases of a fused collective ended, for the timeline.

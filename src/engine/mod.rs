@@ -6,6 +6,7 @@
 
 pub(crate) mod autotune;
 pub(crate) mod cache;
+mod control;
 pub(crate) mod execute;
 pub(crate) mod fusion;
 #[cfg(feature = "nccl")]
@@ -29,10 +30,11 @@ use crate::error::{Error, Result};
 use crate::transport::{abort_requested, Topology, Transport};
 use autotune::{AutotuneChange, AutotuneState, Settings, Tuner};
 use cache::ResponseCache;
+use control::Negotiation;
 use fusion::FusionBuffer;
-use negotiate::{Negotiator, Outcome, Response};
+use negotiate::{Negotiator, Response};
 use queue::Queue;
-use request::{Command, CycleMsg, Key, Request, RequestMeta};
+use request::{Command, Key, Request, RequestMeta};
 use stall::StallInspector;
 use timeline::Timeline;
 
@@ -106,26 +108,9 @@ pub(crate) fn run(
     let config_timeout = config.collective_timeout;
     let simulated_cost = config.simulated_collective_cost;
     let mut engine = Engine {
-        inbox: Inbox {
-            queue,
-            taken: Vec::new(),
-            pending: FxHashMap::default(),
-            outgoing: Vec::new(),
-            announced: FxHashMap::default(),
-            shutting_down: false,
-            rank: topology.rank,
-            timeline_requests: Vec::new(),
-        },
+        inbox: Inbox::new(queue, topology.rank),
         transport,
-        control: Control {
-            negotiator: Negotiator::new(topology.size),
-            cache: ResponseCache::new(agreed.cache_capacity),
-            stall: StallInspector::new(&config, topology.rank),
-            stall_abort: false,
-            next_demotion_scan: Instant::now(),
-            last_cycle_had_news: false,
-            agreed,
-        },
+        control: Control::new(&config, topology, agreed),
         config,
         exec: Executor::new(topology.rank, mark_cycles, simulated_cost),
         tuning: Tuning {
@@ -179,17 +164,6 @@ pub(crate) fn run(
         engine.transport.abort(1);
     }
     tracing::debug!(rank = topology.rank, "engine stopped; finalising MPI");
-}
-
-/// What a cycle's negotiation decided.
-enum Negotiation {
-    /// A rank left: nothing runs, and this engine stops communicating.
-    RankLeft(usize),
-    /// The responses to run, and settings the tuner made every rank switch to.
-    Ready {
-        responses: Vec<Response>,
-        tuning: Option<Settings>,
-    },
 }
 
 /// Closes the queue when the engine thread ends, also by a panic: later submits then
@@ -331,6 +305,19 @@ struct Inbox {
 }
 
 impl Inbox {
+    fn new(queue: Arc<Queue>, rank: usize) -> Self {
+        Inbox {
+            queue,
+            taken: Vec::new(),
+            pending: FxHashMap::default(),
+            outgoing: Vec::new(),
+            announced: FxHashMap::default(),
+            shutting_down: false,
+            rank,
+            timeline_requests: Vec::new(),
+        }
+    }
+
     fn accept(&mut self, cmd: Command) {
         match cmd {
             Command::Submit(req) => {
@@ -373,6 +360,15 @@ impl Inbox {
             if self.pending.contains_key(&key) {
                 self.outgoing.push(key);
             }
+        }
+    }
+
+    /// Without the cache (disabled, or a rank has joined) every pending request is
+    /// announced in full.
+    fn unannounce_all(&mut self) {
+        let slots: Vec<usize> = self.announced.keys().copied().collect();
+        for slot in slots {
+            self.announce_in_full(slot);
         }
     }
 
@@ -468,6 +464,69 @@ struct Tuning {
     cache_capacity_on: usize,
     /// The settings in effect, for `Kolo::autotune_state`.
     state: Arc<Mutex<AutotuneState>>,
+}
+
+impl Control {
+    fn new(config: &Config, topology: Topology, agreed: Agreed) -> Self {
+        Control {
+            negotiator: Negotiator::new(topology.size),
+            cache: ResponseCache::new(agreed.cache_capacity),
+            stall: StallInspector::new(config, topology.rank),
+            stall_abort: false,
+            next_demotion_scan: Instant::now(),
+            last_cycle_had_news: false,
+            agreed,
+        }
+    }
+
+    /// Takes the tuner's fusion threshold and cache setting (`capacity` slots when
+    /// the cache is on). Switching the cache empties it: requests announced by a slot
+    /// go out in full in the next cycle.
+    fn apply(&mut self, s: &Settings, capacity: usize, inbox: &mut Inbox) {
+        self.agreed.fusion_threshold = s.fusion_threshold;
+        if s.cache != self.cache.enabled() {
+            inbox.unannounce_all();
+            self.cache = ResponseCache::new(if s.cache { capacity } else { 0 });
+        }
+    }
+}
+
+impl Tuning {
+    /// Rank 0's tuner scores a cycle that reduced `reduced_bytes`; settings it
+    /// proposes go to every rank in the next cycle.
+    fn observe(&mut self, reduced_bytes: u64, cycle_start: Instant, now: Instant) {
+        if let Some(tuner) = &mut self.tuner {
+            if let Some(s) = tuner.observe(reduced_bytes, cycle_start, now) {
+                self.pending = Some(s);
+            }
+        }
+    }
+
+    /// The response cache's capacity under `s`.
+    fn cache_capacity(&self, s: &Settings) -> usize {
+        if s.cache {
+            self.cache_capacity_on.max(1)
+        } else {
+            0
+        }
+    }
+
+    /// Records settings every rank switched to at the end of `cycle`, for
+    /// `Kolo::autotune_state`.
+    fn record(&self, s: &Settings, cycle: u64) {
+        let mut state = self.state.lock().unwrap_or_else(PoisonError::into_inner);
+        state.fusion_threshold = s.fusion_threshold;
+        state.cycle_time = s.cycle_time();
+        state.cache_enabled = s.cache;
+        state.finished |= s.last;
+        state.changes.push(AutotuneChange {
+            cycle,
+            fusion_threshold: s.fusion_threshold,
+            cycle_time: s.cycle_time(),
+            cache_enabled: s.cache,
+            last: s.last,
+        });
+    }
 }
 
 impl Engine {
@@ -605,7 +664,19 @@ impl Engine {
         let cycle_start = Instant::now();
         self.cycles += 1;
         self.exec.timeline.cycle_start(cycle_start);
-        let (responses, tuning) = match self.negotiate()? {
+        #[cfg(feature = "nccl")]
+        let gpu = &mut self.exec.gpu;
+        #[cfg(feature = "nccl")]
+        let mut poll = || gpu.poll();
+        #[cfg(not(feature = "nccl"))]
+        let mut poll = || {};
+        let negotiated = self.control.negotiate(
+            &mut *self.transport,
+            &mut self.inbox,
+            &mut self.tuning.pending,
+            &mut poll,
+        )?;
+        let (responses, tuning) = match negotiated {
             Negotiation::RankLeft(left) => return Ok(Some(left)),
             Negotiation::Ready { responses, tuning } => (responses, tuning),
         };
@@ -613,134 +684,6 @@ impl Engine {
         self.execute(responses);
         self.after_cycle(tuning, reduced_bytes, cycle_start);
         Ok(None)
-    }
-
-    /// Negotiation: the cache-bit agreement and the full exchange as needed, then the
-    /// responses every rank runs, in the same order everywhere.
-    fn negotiate(&mut self) -> Result<Negotiation> {
-        let use_cache = self.control.cache.enabled() && !self.control.negotiator.any_joined();
-        if use_cache {
-            self.announce_cached();
-        } else {
-            self.unannounce_all();
-        }
-        let (cached_ready, someone_has_full) = self.exchange_bits(use_cache)?;
-        let msgs = if someone_has_full {
-            self.exchange_full()?
-        } else {
-            Vec::new()
-        };
-        let now = Instant::now();
-        let mut responses = self.cached_responses(cached_ready)?;
-        let mut stale = Vec::new();
-        if !msgs.is_empty() {
-            // A full request under a cached name means its request changed (or it was
-            // demoted by the stall inspector): forget the slot everywhere.
-            for m in &msgs {
-                for r in &m.requests {
-                    if let Some(slot) = self.control.cache.invalidate(&r.key) {
-                        stale.push(slot);
-                    }
-                }
-            }
-            match self.control.negotiator.handle(&msgs, now) {
-                Outcome::RankLeft(left) => {
-                    self.inbox.fail_all(|m| Error::RankLeft {
-                        op: m.kind.name(),
-                        name: m.key.to_string(),
-                        rank: left,
-                    });
-                    return Ok(Negotiation::RankLeft(left));
-                }
-                Outcome::Stalled(report) => {
-                    tracing::error!(rank = self.inbox.rank, "{report}");
-                    return Err(Error::Stalled { report });
-                }
-                Outcome::Responses(negotiated) => {
-                    let cache_new = use_cache && !self.control.negotiator.any_joined();
-                    for r in &negotiated {
-                        if let Response::Run(ready) = r {
-                            if cache_new && ResponseCache::cacheable(ready.kind) {
-                                if let Some(slot) = self.control.cache.insert(ready.metas.clone()) {
-                                    stale.push(slot);
-                                }
-                            }
-                        }
-                    }
-                    responses.extend(negotiated);
-                }
-            }
-        }
-        // Requests announced by a slot that no longer holds them go out in full.
-        for slot in stale {
-            self.inbox.announce_in_full(slot);
-        }
-        self.control.last_cycle_had_news =
-            !responses.is_empty() || msgs.iter().any(|m| !m.requests.is_empty());
-        tracing::trace!(
-            rank = self.inbox.rank,
-            full_exchange = someone_has_full,
-            ready = responses.len(),
-            "negotiation cycle"
-        );
-        Ok(Negotiation::Ready {
-            responses,
-            tuning: msgs.first().and_then(|m| m.tuning),
-        })
-    }
-
-    /// Phase 1 (with the cache): one AND of `[flags, cache bits]` across ranks. Returns
-    /// the cache slots ready on every rank and whether any rank has something the cache
-    /// cannot say (then the full exchange follows).
-    fn exchange_bits(&mut self, use_cache: bool) -> Result<(Vec<usize>, bool)> {
-        if !use_cache {
-            return Ok((Vec::new(), true));
-        }
-        let has_full = !self.inbox.outgoing.is_empty()
-            || self.inbox.shutting_down
-            || self.control.stall_abort
-            || self.tuning.pending.is_some();
-        let mut words = vec![0u64; 1 + self.control.cache.words()];
-        words[0] = u64::from(!has_full);
-        for &slot in self.inbox.announced.keys() {
-            cache::set_bit(&mut words[1..], slot);
-        }
-        self.while_waiting(|t, idle| t.agree_bits(&mut words, idle))?;
-        Ok((cache::bits(&words[1..]).collect(), words[0] & 1 == 0))
-    }
-
-    /// Phase 2: every rank's new requests and flags, in rank order.
-    fn exchange_full(&mut self) -> Result<Vec<CycleMsg>> {
-        let requests = std::mem::take(&mut self.inbox.outgoing)
-            .iter()
-            .filter_map(|k| self.inbox.pending.get(k).map(|r| r.meta.clone()))
-            .collect();
-        let msg = CycleMsg {
-            requests,
-            shutdown: self.inbox.shutting_down,
-            stall_abort: self.control.stall_abort,
-            tuning: self.tuning.pending.take(),
-        };
-        self.full_exchange(&msg)
-    }
-
-    /// The responses of cache slots every rank agreed on.
-    fn cached_responses(&mut self, slots: Vec<usize>) -> Result<Vec<Response>> {
-        let mut responses = Vec::with_capacity(slots.len());
-        for slot in slots {
-            let Some((metas, key, kind)) = self.control.cache.metas(slot).and_then(|metas| {
-                let first = metas.iter().flatten().next()?;
-                Some((metas.clone(), first.key.clone(), first.kind))
-            }) else {
-                return Err(Error::Internal(format!(
-                    "cache slot {slot} agreed but empty"
-                )));
-            };
-            self.control.cache.touch(slot);
-            self.inbox.announced.remove(&slot);
-            responses.push(Response::Run(negotiate::Ready { key, kind, metas }));
-        }
-        Ok(responses)
     }
 
     /// Execution: runs the agreed responses, fused as the plan says.
@@ -768,28 +711,16 @@ impl Engine {
         if let Some(s) = tuning {
             self.apply_tuning(s);
         }
-        if let Some(tuner) = &mut self.tuning.tuner {
-            if let Some(s) = tuner.observe(reduced_bytes, cycle_start, Instant::now()) {
-                self.tuning.pending = Some(s);
-            }
-        }
+        self.tuning
+            .observe(reduced_bytes, cycle_start, Instant::now());
     }
 
     /// Switches to the autotuner's settings: every rank does this at the end of the
     /// same cycle, so fusion plans and cache slots stay identical everywhere.
     fn apply_tuning(&mut self, s: Settings) {
-        self.control.agreed.fusion_threshold = s.fusion_threshold;
+        let capacity = self.tuning.cache_capacity(&s);
+        self.control.apply(&s, capacity, &mut self.inbox);
         self.config.cycle_time = s.cycle_time();
-        if s.cache != self.control.cache.enabled() {
-            // Requests announced by a slot go out in full next cycle.
-            self.unannounce_all();
-            let capacity = if s.cache {
-                self.tuning.cache_capacity_on.max(1)
-            } else {
-                0
-            };
-            self.control.cache = ResponseCache::new(capacity);
-        }
         tracing::debug!(
             rank = self.inbox.rank,
             cycle = self.cycles,
@@ -799,110 +730,7 @@ impl Engine {
             last = s.last,
             "autotune: settings applied"
         );
-        let mut state = self
-            .tuning
-            .state
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner);
-        state.fusion_threshold = s.fusion_threshold;
-        state.cycle_time = s.cycle_time();
-        state.cache_enabled = s.cache;
-        state.finished |= s.last;
-        state.changes.push(AutotuneChange {
-            cycle: self.cycles,
-            fusion_threshold: s.fusion_threshold,
-            cycle_time: s.cycle_time(),
-            cache_enabled: s.cache,
-            last: s.last,
-        });
-    }
-
-    /// Moves new requests that hit the cache from the full list to bits, and demotes
-    /// bit-announced requests that have waited long enough to be worth a full
-    /// announcement (so that the stall inspector sees, and can name, missing ranks).
-    fn announce_cached(&mut self) {
-        let outgoing = std::mem::take(&mut self.inbox.outgoing);
-        for key in outgoing {
-            let slot = self.inbox.pending.get(&key).and_then(|r| {
-                ResponseCache::cacheable(r.meta.kind)
-                    .then(|| self.control.cache.lookup(&r.meta, self.inbox.rank))
-                    .flatten()
-            });
-            match slot {
-                Some(slot) => {
-                    self.inbox.announced.insert(slot, key);
-                }
-                None => self.inbox.outgoing.push(key),
-            }
-        }
-        // Looking at every bit-announced request's age is not free with thousands of
-        // them: do it a few times per stall interval, not every cycle.
-        let now = Instant::now();
-        if self.control.stall.enabled() && now >= self.control.next_demotion_scan {
-            let limit = self.control.stall.after() / 2;
-            self.control.next_demotion_scan = now + limit / 4;
-            let old: Vec<usize> = self
-                .inbox
-                .announced
-                .iter()
-                .filter(|(_, key)| {
-                    self.inbox
-                        .pending
-                        .get(*key)
-                        .is_some_and(|r| r.submitted.elapsed() > limit)
-                })
-                .map(|(&slot, _)| slot)
-                .collect();
-            for slot in old {
-                self.inbox.announce_in_full(slot);
-            }
-        }
-    }
-
-    /// Without the cache (disabled, or a rank has joined) every pending request is
-    /// announced in full.
-    fn unannounce_all(&mut self) {
-        let slots: Vec<usize> = self.inbox.announced.keys().copied().collect();
-        for slot in slots {
-            self.inbox.announce_in_full(slot);
-        }
-    }
-
-    /// Runs a control-plane collective; while it waits for other ranks the engine keeps
-    /// taking in work, completes GPU ops whose events fired, and lets the stall
-    /// inspector warn.
-    fn while_waiting<R>(
-        &mut self,
-        call: impl FnOnce(&mut dyn Transport, &mut dyn FnMut(Duration)) -> Result<R>,
-    ) -> Result<R> {
-        let Engine {
-            transport,
-            inbox,
-            control: Control { stall, .. },
-            #[cfg(feature = "nccl")]
-                exec: Executor { gpu, .. },
-            ..
-        } = self;
-        call(&mut **transport, &mut |waited| {
-            inbox.drain();
-            #[cfg(feature = "nccl")]
-            gpu.poll();
-            stall.check_while_waiting(waited, &inbox.pending);
-        })
-    }
-
-    /// Every rank's [`CycleMsg`], in rank order.
-    fn full_exchange(&mut self, msg: &CycleMsg) -> Result<Vec<CycleMsg>> {
-        let bytes = postcard::to_stdvec(msg)
-            .map_err(|e| Error::Internal(format!("encoding a cycle message: {e}")))?;
-        let all = self.while_waiting(|t, idle| t.exchange(&bytes, idle))?;
-        all.iter()
-            .enumerate()
-            .map(|(r, b)| {
-                postcard::from_bytes::<CycleMsg>(b)
-                    .map_err(|e| Error::Internal(format!("decoding rank {r}'s cycle message: {e}")))
-            })
-            .collect()
+        self.tuning.record(&s, self.cycles);
     }
 
     /// After a rank left no collective can run again: fail every request at once,
@@ -987,5 +815,146 @@ mod hierarchy_tests {
         assert!(flat(hierarchical(true, &at(1, 3), &[1; 3])).contains("one rank"));
         let why = flat(hierarchical(true, &at(2, 2), &[2, 2, 1]));
         assert!(why.contains("different numbers of ranks (1, 2)"), "{why}");
+    }
+}
+
+#[cfg(test)]
+mod tuning_tests {
+    use std::sync::{Arc, Mutex};
+    use std::time::{Duration, Instant};
+
+    use super::autotune::{AutotuneState, Settings, Tuner};
+    use super::queue::Queue;
+    use super::{Agreed, Control, Inbox, Tuning};
+    use crate::config::Config;
+    use crate::transport::Topology;
+
+    fn settings(threshold: usize, cache: bool, last: bool) -> Settings {
+        Settings {
+            fusion_threshold: threshold,
+            cycle_time_us: 500,
+            cache,
+            last,
+        }
+    }
+
+    fn tuning(tuner: Option<Tuner>) -> Tuning {
+        Tuning {
+            tuner,
+            pending: None,
+            cache_capacity_on: 16,
+            state: Arc::new(Mutex::new(AutotuneState::default())),
+        }
+    }
+
+    #[test]
+    fn every_switch_is_recorded_with_its_cycle_and_the_last_one_finishes() {
+        let t = tuning(None);
+        t.record(&settings(1 << 20, false, false), 7);
+        t.record(&settings(4 << 20, true, true), 12);
+        let state = t.state.lock().unwrap();
+        assert_eq!(
+            (state.fusion_threshold, state.cache_enabled, state.finished),
+            (4 << 20, true, true)
+        );
+        assert_eq!(state.cycle_time, Duration::from_micros(500));
+        let cycles: Vec<(u64, usize, bool)> = state
+            .changes
+            .iter()
+            .map(|c| (c.cycle, c.fusion_threshold, c.last))
+            .collect();
+        assert_eq!(cycles, [(7, 1 << 20, false), (12, 4 << 20, true)]);
+        assert_eq!(t.cache_capacity(&settings(0, true, false)), 16);
+        assert_eq!(t.cache_capacity(&settings(0, false, false)), 0);
+    }
+
+    #[test]
+    fn only_a_tuner_proposes_and_its_proposal_waits_for_the_next_cycle() {
+        let start = Instant::now();
+        let mut idle = tuning(None);
+        for i in 0..100 {
+            idle.observe(1 << 20, start, start + Duration::from_millis(i + 1));
+        }
+        assert!(idle.pending.is_none(), "no tuner, nothing to send");
+
+        let mut config = Config::default().autotune(true);
+        config.autotune_warmup_samples = 0;
+        config.autotune_steps_per_sample = 1;
+        let mut tuned = tuning(Tuner::new(&config, settings(64 << 20, true, false)));
+        let mut cycles = 0;
+        while tuned.pending.is_none() && cycles < 100 {
+            cycles += 1;
+            let begin = start + Duration::from_millis(cycles);
+            tuned.observe(1 << 20, begin, begin + Duration::from_millis(1));
+        }
+        // A configuration is scored over three samples before the next is proposed.
+        assert_eq!(cycles, 3);
+        // A cycle that reduced nothing is not a sample.
+        let mut quiet = tuning(Tuner::new(&config, settings(64 << 20, true, false)));
+        for i in 0..10 {
+            quiet.observe(0, start, start + Duration::from_millis(i + 1));
+        }
+        assert!(quiet.pending.is_none());
+    }
+
+    #[test]
+    fn switching_the_cache_sends_slot_announced_requests_in_full_again() {
+        let topology = Topology {
+            rank: 0,
+            size: 2,
+            local_rank: 0,
+            local_size: 2,
+            cross_rank: 0,
+            cross_size: 1,
+        };
+        let agreed = Agreed {
+            fusion_threshold: 1 << 20,
+            cache_capacity: 8,
+            autotune: true,
+            hierarchical_allreduce: false,
+        };
+        let mut control = Control::new(&Config::default(), topology, agreed);
+        let mut inbox = Inbox::new(Arc::new(Queue::default()), 0);
+        // A request announced by slot 3 (its request is pending).
+        let (_handle, done) = crate::handle::pair(
+            smallvec::smallvec!["w".into()],
+            inbox.queue.clone(),
+            ("allreduce", 0),
+            crate::handle::to_unit,
+        );
+        let meta = super::request::RequestMeta::for_test(
+            "w",
+            super::request::OpKind::Allreduce,
+            crate::tensor::DType::F32,
+            &[1],
+            crate::vocab::ReduceOp::Sum,
+        );
+        inbox.pending.insert(
+            "w".into(),
+            super::request::Request {
+                meta,
+                tensors: smallvec::smallvec![],
+                done,
+                submitted: Instant::now(),
+            },
+        );
+        inbox.announced.insert(3, "w".into());
+
+        control.apply(&settings(2 << 20, true, false), 16, &mut inbox);
+        assert_eq!(control.agreed.fusion_threshold, 2 << 20);
+        assert_eq!(
+            inbox.announced.len(),
+            1,
+            "the cache stays: slots stay valid"
+        );
+
+        control.apply(&settings(2 << 20, false, false), 0, &mut inbox);
+        assert!(!control.cache.enabled());
+        assert!(inbox.announced.is_empty());
+        assert_eq!(inbox.outgoing, ["w".into()], "announced in full next cycle");
+
+        control.apply(&settings(2 << 20, true, false), 16, &mut inbox);
+        assert!(control.cache.enabled());
+        assert_eq!(control.cache.words(), 1, "16 slots fit one word");
     }
 }

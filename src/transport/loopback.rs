@@ -74,6 +74,12 @@ impl Loopback {
             .collect()
     }
 
+    /// How many collective calls this rank has made.
+    #[cfg(test)]
+    pub(crate) fn calls(&self) -> u64 {
+        self.next
+    }
+
     /// Deposits this rank's part of the next call and returns every rank's, in rank
     /// order; calls `idle` (with the time waited) while others have not deposited.
     fn meet(
