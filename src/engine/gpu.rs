@@ -254,97 +254,28 @@ impl Gpu {
                 allreduce(nccl, ptr, tensor.len(), tensor.dtype(), first, size)?;
                 Ok(Output::Tensor(tensor))
             }
-            OpKind::GroupedAllreduce => {
-                let mut outs = Vec::with_capacity(inputs.len());
-                // Every member is reduced in place. When NCCL applies the scale factors
-                // itself, the calls form one NCCL group (launched together); integer
-                // scaling goes through the host, which waits on the stream, so those
-                // members are reduced one by one.
-                let total = first.prescale * post_factor(first, size);
-                let native = inputs.iter().all(|t| can_scale(t.dtype(), first.op, total));
-                let each = || -> Result<()> {
-                    for t in &inputs {
-                        allreduce(nccl, ptr_of(t)?, t.len(), t.dtype(), first, size)?;
-                    }
-                    Ok(())
-                };
-                if native {
-                    nccl.group(each)?;
-                } else {
-                    each()?;
-                }
-                outs.extend(inputs);
-                Ok(Output::Tensors(outs))
-            }
-            OpKind::Broadcast => {
-                let tensor = take(&mut inputs)?;
-                if !tensor.is_empty() {
-                    // SAFETY: the tensor's own allocation of `len` elements, kept alive
-                    // in the output until the op's event has fired.
-                    unsafe {
-                        nccl.broadcast(ptr_of(&tensor)?, tensor.len(), tensor.dtype(), first.root)
-                    }?;
-                }
-                Ok(Output::Tensor(tensor))
-            }
+            OpKind::GroupedAllreduce => Ok(Output::Tensors(grouped_allreduce(
+                nccl,
+                inputs.into_vec(),
+                first,
+                size,
+            )?)),
+            OpKind::Broadcast => Ok(Output::Tensor(broadcast(nccl, take(&mut inputs)?, first)?)),
             OpKind::Allgather => {
                 let tensor = take(&mut inputs)?;
-                let (counts, shape) = allgather_layout(ready, tensor.shape())?;
-                let out = empty(&stream, tensor.dtype(), &shape)?;
-                if !out.is_empty() {
-                    // SAFETY: `out` holds the sum of `counts`, `tensor` this rank's count.
-                    unsafe {
-                        nccl.allgatherv(ptr_of(&tensor)?, ptr_of(&out)?, &counts, tensor.dtype())
-                    }?;
-                }
+                let out = allgather(nccl, &stream, &tensor, ready)?;
                 keep.push(tensor);
                 Ok(Output::Tensor(out))
             }
             OpKind::Alltoall => {
                 let tensor = take(&mut inputs)?;
-                let l = alltoall_layout(ready, nccl.rank(), tensor.shape())?;
-                let out = empty(&stream, tensor.dtype(), &l.shape)?;
-                // SAFETY: the buffers hold the sums of their counts.
-                unsafe {
-                    nccl.alltoallv(
-                        ptr_of(&tensor)?,
-                        &l.send_counts,
-                        ptr_of(&out)?,
-                        &l.recv_counts,
-                        tensor.dtype(),
-                    )
-                }?;
+                let out = alltoall(nccl, &stream, &tensor, ready)?;
                 keep.push(tensor);
-                Ok(Output::Alltoall(AlltoallOutput {
-                    tensor: out,
-                    received_splits: l.recv_rows,
-                }))
+                Ok(Output::Alltoall(out))
             }
             OpKind::Reducescatter => {
-                let mut tensor = take(&mut inputs)?;
-                let (counts, shape) = reducescatter_layout(tensor.shape(), size, nccl.rank());
-                let mut out = empty(&stream, tensor.dtype(), &shape)?;
-                let dtype = tensor.dtype();
-                // NCCL applies both factors when it can; otherwise the host does.
-                let total = first.prescale * post_factor(first, size);
-                let (in_nccl, pre, post) = if can_scale(dtype, first.op, total) {
-                    (total, 1.0, 1.0)
-                } else {
-                    (1.0, first.prescale, post_factor(first, size))
-                };
-                scale_on_host(&stream, &mut tensor, pre)?;
-                // SAFETY: as for allgather.
-                unsafe {
-                    nccl.reduce_scatter(
-                        ptr_of(&tensor)?,
-                        ptr_of(&out)?,
-                        &counts,
-                        dtype,
-                        first.op,
-                        in_nccl,
-                    )
-                }?;
-                scale_on_host(&stream, &mut out, post)?;
+                let tensor = take(&mut inputs)?;
+                let (out, tensor) = reducescatter(nccl, &stream, tensor, first, size)?;
                 keep.push(tensor);
                 Ok(Output::Tensor(out))
             }
@@ -441,6 +372,119 @@ impl Drop for Gpu {
 }
 
 /// Allreduce of `count` elements at `ptr` with `meta`'s op and scale factors.
+/// Reduces every member of a group in place. When NCCL applies the scale factors
+/// itself, the calls form one NCCL group (launched together); integer scaling goes
+/// through the host, which waits on the stream, so those members are reduced one by
+/// one.
+fn grouped_allreduce(
+    nccl: &Nccl,
+    tensors: Vec<Tensor>,
+    meta: &RequestMeta,
+    size: usize,
+) -> Result<Vec<Tensor>> {
+    let total = meta.prescale * post_factor(meta, size);
+    let native = tensors.iter().all(|t| can_scale(t.dtype(), meta.op, total));
+    let each = || -> Result<()> {
+        for t in &tensors {
+            allreduce(nccl, ptr_of(t)?, t.len(), t.dtype(), meta, size)?;
+        }
+        Ok(())
+    };
+    if native {
+        nccl.group(each)?;
+    } else {
+        each()?;
+    }
+    Ok(tensors)
+}
+
+fn broadcast(nccl: &Nccl, tensor: Tensor, meta: &RequestMeta) -> Result<Tensor> {
+    if !tensor.is_empty() {
+        // SAFETY: the tensor's own allocation of `len` elements, kept alive in the
+        // output until the op's event has fired.
+        unsafe { nccl.broadcast(ptr_of(&tensor)?, tensor.len(), tensor.dtype(), meta.root) }?;
+    }
+    Ok(tensor)
+}
+
+/// Gathers every rank's `tensor` into a new one; `tensor` must stay alive until the
+/// op's event has fired.
+fn allgather(
+    nccl: &Nccl,
+    stream: &Arc<CudaStream>,
+    tensor: &Tensor,
+    ready: &Ready,
+) -> Result<Tensor> {
+    let (counts, shape) = allgather_layout(ready, tensor.shape())?;
+    let out = empty(stream, tensor.dtype(), &shape)?;
+    if !out.is_empty() {
+        // SAFETY: `out` holds the sum of `counts`, `tensor` this rank's count.
+        unsafe { nccl.allgatherv(ptr_of(tensor)?, ptr_of(&out)?, &counts, tensor.dtype()) }?;
+    }
+    Ok(out)
+}
+
+/// Exchanges `tensor`'s row blocks; `tensor` must stay alive until the op's event
+/// has fired.
+fn alltoall(
+    nccl: &Nccl,
+    stream: &Arc<CudaStream>,
+    tensor: &Tensor,
+    ready: &Ready,
+) -> Result<AlltoallOutput> {
+    let l = alltoall_layout(ready, nccl.rank(), tensor.shape())?;
+    let out = empty(stream, tensor.dtype(), &l.shape)?;
+    // SAFETY: the buffers hold the sums of their counts.
+    unsafe {
+        nccl.alltoallv(
+            ptr_of(tensor)?,
+            &l.send_counts,
+            ptr_of(&out)?,
+            &l.recv_counts,
+            tensor.dtype(),
+        )
+    }?;
+    Ok(AlltoallOutput {
+        tensor: out,
+        received_splits: l.recv_rows,
+    })
+}
+
+/// Reduces `tensor` and scatters the result: returns this rank's block and the
+/// (prescaled) input, which must stay alive until the op's event has fired. NCCL
+/// applies both scale factors when it can; otherwise the host does.
+fn reducescatter(
+    nccl: &Nccl,
+    stream: &Arc<CudaStream>,
+    mut tensor: Tensor,
+    meta: &RequestMeta,
+    size: usize,
+) -> Result<(Tensor, Tensor)> {
+    let (counts, shape) = reducescatter_layout(tensor.shape(), size, nccl.rank());
+    let mut out = empty(stream, tensor.dtype(), &shape)?;
+    let dtype = tensor.dtype();
+    let total = meta.prescale * post_factor(meta, size);
+    let (in_nccl, pre, post) = if can_scale(dtype, meta.op, total) {
+        (total, 1.0, 1.0)
+    } else {
+        (1.0, meta.prescale, post_factor(meta, size))
+    };
+    scale_on_host(stream, &mut tensor, pre)?;
+    // SAFETY: as for allgather.
+    unsafe {
+        nccl.reduce_scatter(
+            ptr_of(&tensor)?,
+            ptr_of(&out)?,
+            &counts,
+            dtype,
+            meta.op,
+            in_nccl,
+        )
+    }?;
+    scale_on_host(stream, &mut out, post)?;
+    Ok((out, tensor))
+}
+
 fn allreduce(
     nccl: &Nccl,
     ptr: Ptr,
