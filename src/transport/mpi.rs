@@ -45,8 +45,10 @@ pub(crate) struct MpiTransport {
     cross: SimpleCommunicator,
     /// Allreduce hierarchically (set once at start, the same on every rank).
     hierarchical: bool,
-    /// The ring allreduce's reused segment buffers, and the hierarchical one's shard.
+    /// The ring allreduce's reused segment buffers.
     ring_scratch: Vec<u8>,
+    /// The hierarchical allreduce's reused shard.
+    shard_scratch: Vec<u8>,
     /// The ring's order: `ring[i]` is the rank at position `i`, ranks of one host
     /// next to each other (hosts in order of their lowest rank).
     ring: Vec<usize>,
@@ -151,6 +153,7 @@ impl MpiTransport {
             cross,
             hierarchical: false,
             ring_scratch: Vec::new(),
+            shard_scratch: Vec::new(),
             ring,
             ring_pos,
             ring_min_bytes: if multi_host {
@@ -492,126 +495,6 @@ impl Drop for Requests {
 }
 
 impl MpiTransport {
-    /// In-place segmented ring allreduce (sum) over non-blocking point-to-point
-    /// messages, with reused scratch segments: Open MPI allocates about half the
-    /// message as scratch on every large MPI_Allreduce; this allocates nothing after
-    /// the first call. In each reduce-scatter step up to `RING_WINDOW` segments are in
-    /// flight each way: a segment is summed while the next ones arrive, and a new send
-    /// and receive are posted as each completes (posting every send at once was
-    /// slower: the receiver then handles unexpected rendezvous messages). The
-    /// allgather receives straight into the buffer.
-    fn ring_allreduce(&mut self, buf: &mut [u8], dtype: DType) -> Result<()> {
-        use super::ring::{add_into, chunk, send_chunk};
-        const SEND: &str = "MPI_Isend (ring allreduce)";
-        const RECV: &str = "MPI_Irecv (ring allreduce)";
-        let n = self.topology.size;
-        let r = self.ring_pos;
-        let right = count(SEND, self.ring[(r + 1) % n])?;
-        let left = count(RECV, self.ring[(r + n - 1) % n])?;
-        let es = dtype.size_of();
-        let len = buf.len() / es;
-        let seg = (RING_SEGMENT_BYTES / es).max(1);
-        let mut scratch = std::mem::take(&mut self.ring_scratch);
-        scratch.resize(RING_WINDOW * seg * es, 0);
-        let ty = datatype(dtype);
-        let comm = self.comm();
-        // Checked once here, so that no count fails once messages are in flight: the
-        // first chunk is the largest.
-        let (c0, c1) = chunk(len, n, 0);
-        count(SEND, c1 - c0)?;
-        // From here on the buffer is reached only through `base`: in-flight sends read
-        // one chunk while the sum writes another.
-        let base = buf.as_mut_ptr();
-        let slots = scratch.as_mut_ptr();
-        let slot = |k: usize| slots.wrapping_add((k % RING_WINDOW) * seg * es);
-        // Element ranges [a, b) of a chunk cut into segments.
-        let segments = |(a, b): (usize, usize)| {
-            (a..b)
-                .step_by(seg)
-                .map(move |s| (s, (s + seg).min(b)))
-                .collect::<Vec<_>>()
-        };
-        let isend = |reqs: &mut Requests, (a, b): (usize, usize)| {
-            // SAFETY: [a, b) lies in `buf` (a chunk range), which nothing writes until
-            // this request completes; b - a fits in c_int (the largest chunk does).
-            reqs.post(SEND, |req| unsafe {
-                ffi::MPI_Isend(
-                    base.add(a * es).cast_const().cast(),
-                    (b - a) as c_int,
-                    ty,
-                    right,
-                    7,
-                    comm,
-                    req,
-                )
-            })
-        };
-        let irecv = |reqs: &mut Requests, into: *mut u8, elems: usize| {
-            // SAFETY: `into` is valid for `elems` elements (a scratch slot, or a chunk
-            // range of `buf`) and nothing reads or writes it until this request
-            // completes; `elems` fits in c_int (at most one chunk).
-            reqs.post(RECV, |req| unsafe {
-                ffi::MPI_Irecv(into.cast(), elems as c_int, ty, left, 7, comm, req)
-            })
-        };
-        let result = (|| {
-            let mut sends = Requests(Vec::new());
-            let mut recvs = Requests(Vec::new());
-            // Reduce-scatter: after n - 1 steps this rank holds the full sum of one chunk.
-            // The left neighbour sends, segment by segment, the chunk received here.
-            for step in 0..n - 1 {
-                let out = segments(chunk(len, n, send_chunk(r, step, n)));
-                let inc = segments(chunk(len, n, send_chunk(r, step + 1, n)));
-                for k in 0..RING_WINDOW {
-                    if let Some(&s) = out.get(k) {
-                        isend(&mut sends, s)?;
-                    }
-                    if let Some(&(a, b)) = inc.get(k) {
-                        irecv(&mut recvs, slot(k), b - a)?;
-                    }
-                }
-                for k in 0..out.len().max(inc.len()) {
-                    if let Some(&(a, b)) = inc.get(k) {
-                        recvs.wait(k)?;
-                        let bytes = (b - a) * es;
-                        // SAFETY: the slot holds the segment just received and no
-                        // receive into it is posted until after the sum; [a, b) is in
-                        // the incoming chunk, which no in-flight send reads.
-                        let (acc, got) = unsafe {
-                            (
-                                std::slice::from_raw_parts_mut(base.add(a * es), bytes),
-                                std::slice::from_raw_parts(slot(k), bytes),
-                            )
-                        };
-                        add_into(acc, got, dtype);
-                        if let Some(&(na, nb)) = inc.get(k + RING_WINDOW) {
-                            irecv(&mut recvs, slot(k + RING_WINDOW), nb - na)?;
-                        }
-                    }
-                    if k < out.len() {
-                        sends.wait(k)?;
-                        if let Some(&s) = out.get(k + RING_WINDOW) {
-                            isend(&mut sends, s)?;
-                        }
-                    }
-                }
-                recvs.0.clear();
-                sends.wait_all()?;
-            }
-            // Allgather: each summed chunk travels once around the ring.
-            for step in 0..n - 1 {
-                let (ra, rb) = chunk(len, n, send_chunk(r, step + n, n));
-                irecv(&mut recvs, base.wrapping_add(ra * es), rb - ra)?;
-                isend(&mut sends, chunk(len, n, send_chunk(r, step + n - 1, n)))?;
-                recvs.wait_all()?;
-                sends.wait_all()?;
-            }
-            Ok(())
-        })();
-        self.ring_scratch = scratch;
-        result
-    }
-
     /// Allreduce in three steps: reduce-scatter among this host's ranks (shared
     /// memory), allreduce of this rank's shard among the ranks with its local rank
     /// (one per host: only shards cross the network), allgather of the shards within
@@ -624,13 +507,30 @@ impl MpiTransport {
         let shards: Vec<usize> = (0..l).map(|i| n / l + usize::from(i < n % l)).collect();
         let mpi_op = self.reduce_op(op, dtype);
         let (local, cross) = self.levels();
-        let mut shard = std::mem::take(&mut self.ring_scratch);
+        let mut shard = std::mem::take(&mut self.shard_scratch);
         shard.clear();
         shard.resize(shards[me] * width, 0);
+        // Across hosts, large shards take kolo's ring (as a flat sum would): on TCP it
+        // beats MPI_Allreduce called from the engine thread.
+        let ring = matches!(op, ReduceOp::Sum | ReduceOp::Average)
+            && shard.len() >= RING_MIN_BYTES_HOSTS
+            && cross.size > 1;
+        let order: Vec<usize> = if ring {
+            (0..cross.size).collect()
+        } else {
+            Vec::new()
+        };
+        let scratch = &mut self.ring_scratch;
         let result = reduce_scatter_on(local, buf, &mut shard, &shards, dtype, mpi_op)
-            .and_then(|()| allreduce_in_place(cross, &mut shard, dtype, mpi_op))
+            .and_then(|()| {
+                if ring {
+                    ring_allreduce(cross, &order, cross.rank, scratch, &mut shard, dtype)
+                } else {
+                    allreduce_in_place(cross, &mut shard, dtype, mpi_op)
+                }
+            })
             .and_then(|()| allgatherv_on(local, &shard, buf, &shards, dtype));
-        self.ring_scratch = shard;
+        self.shard_scratch = shard;
         result
     }
 
@@ -780,7 +680,15 @@ impl Transport for MpiTransport {
         }
         let sum = matches!(op, ReduceOp::Sum | ReduceOp::Average);
         if sum && buf.len() >= self.ring_min_bytes && self.topology.size > 1 {
-            return self.ring_allreduce(buf, dtype);
+            let world = self.world();
+            return ring_allreduce(
+                world,
+                &self.ring,
+                self.ring_pos,
+                &mut self.ring_scratch,
+                buf,
+                dtype,
+            );
         }
         allreduce_in_place(self.world(), buf, dtype, self.reduce_op(op, dtype))
     }
@@ -853,6 +761,133 @@ impl Transport for MpiTransport {
         let op = self.reduce_op(op, dtype);
         reduce_scatter_on(self.world(), send, recv, counts_, dtype, op)
     }
+}
+
+/// In-place segmented ring allreduce (sum) over non-blocking point-to-point
+/// messages, with reused scratch segments: Open MPI allocates about half the
+/// message as scratch on every large MPI_Allreduce; this allocates nothing after
+/// the first call. In each reduce-scatter step up to `RING_WINDOW` segments are in
+/// flight each way: a segment is summed while the next ones arrive, and a new send
+/// and receive are posted as each completes (posting every send at once was
+/// slower: the receiver then handles unexpected rendezvous messages). The
+/// allgather receives straight into the buffer.
+///
+/// `order[i]` is the rank of `g` at ring position `i`; this rank is at `pos`.
+/// `scratch` is kept between calls.
+fn ring_allreduce(
+    g: Group,
+    order: &[usize],
+    pos: usize,
+    scratch: &mut Vec<u8>,
+    buf: &mut [u8],
+    dtype: DType,
+) -> Result<()> {
+    use super::ring::{add_into, chunk, send_chunk};
+    const SEND: &str = "MPI_Isend (ring allreduce)";
+    const RECV: &str = "MPI_Irecv (ring allreduce)";
+    let n = g.size;
+    let r = pos;
+    let right = count(SEND, order[(r + 1) % n])?;
+    let left = count(RECV, order[(r + n - 1) % n])?;
+    let es = dtype.size_of();
+    let len = buf.len() / es;
+    let seg = (RING_SEGMENT_BYTES / es).max(1);
+    scratch.resize(RING_WINDOW * seg * es, 0);
+    let ty = datatype(dtype);
+    let comm = g.comm;
+    // Checked once here, so that no count fails once messages are in flight: the
+    // first chunk is the largest.
+    let (c0, c1) = chunk(len, n, 0);
+    count(SEND, c1 - c0)?;
+    // From here on the buffer is reached only through `base`: in-flight sends read
+    // one chunk while the sum writes another.
+    let base = buf.as_mut_ptr();
+    let slots = scratch.as_mut_ptr();
+    let slot = |k: usize| slots.wrapping_add((k % RING_WINDOW) * seg * es);
+    // Element ranges [a, b) of a chunk cut into segments.
+    let segments = |(a, b): (usize, usize)| {
+        (a..b)
+            .step_by(seg)
+            .map(move |s| (s, (s + seg).min(b)))
+            .collect::<Vec<_>>()
+    };
+    let isend = |reqs: &mut Requests, (a, b): (usize, usize)| {
+        // SAFETY: [a, b) lies in `buf` (a chunk range), which nothing writes until
+        // this request completes; b - a fits in c_int (the largest chunk does).
+        reqs.post(SEND, |req| unsafe {
+            ffi::MPI_Isend(
+                base.add(a * es).cast_const().cast(),
+                (b - a) as c_int,
+                ty,
+                right,
+                7,
+                comm,
+                req,
+            )
+        })
+    };
+    let irecv = |reqs: &mut Requests, into: *mut u8, elems: usize| {
+        // SAFETY: `into` is valid for `elems` elements (a scratch slot, or a chunk
+        // range of `buf`) and nothing reads or writes it until this request
+        // completes; `elems` fits in c_int (at most one chunk).
+        reqs.post(RECV, |req| unsafe {
+            ffi::MPI_Irecv(into.cast(), elems as c_int, ty, left, 7, comm, req)
+        })
+    };
+    (|| {
+        let mut sends = Requests(Vec::new());
+        let mut recvs = Requests(Vec::new());
+        // Reduce-scatter: after n - 1 steps this rank holds the full sum of one chunk.
+        // The left neighbour sends, segment by segment, the chunk received here.
+        for step in 0..n - 1 {
+            let out = segments(chunk(len, n, send_chunk(r, step, n)));
+            let inc = segments(chunk(len, n, send_chunk(r, step + 1, n)));
+            for k in 0..RING_WINDOW {
+                if let Some(&s) = out.get(k) {
+                    isend(&mut sends, s)?;
+                }
+                if let Some(&(a, b)) = inc.get(k) {
+                    irecv(&mut recvs, slot(k), b - a)?;
+                }
+            }
+            for k in 0..out.len().max(inc.len()) {
+                if let Some(&(a, b)) = inc.get(k) {
+                    recvs.wait(k)?;
+                    let bytes = (b - a) * es;
+                    // SAFETY: the slot holds the segment just received and no
+                    // receive into it is posted until after the sum; [a, b) is in
+                    // the incoming chunk, which no in-flight send reads.
+                    let (acc, got) = unsafe {
+                        (
+                            std::slice::from_raw_parts_mut(base.add(a * es), bytes),
+                            std::slice::from_raw_parts(slot(k), bytes),
+                        )
+                    };
+                    add_into(acc, got, dtype);
+                    if let Some(&(na, nb)) = inc.get(k + RING_WINDOW) {
+                        irecv(&mut recvs, slot(k + RING_WINDOW), nb - na)?;
+                    }
+                }
+                if k < out.len() {
+                    sends.wait(k)?;
+                    if let Some(&s) = out.get(k + RING_WINDOW) {
+                        isend(&mut sends, s)?;
+                    }
+                }
+            }
+            recvs.0.clear();
+            sends.wait_all()?;
+        }
+        // Allgather: each summed chunk travels once around the ring.
+        for step in 0..n - 1 {
+            let (ra, rb) = chunk(len, n, send_chunk(r, step + n, n));
+            irecv(&mut recvs, base.wrapping_add(ra * es), rb - ra)?;
+            isend(&mut sends, chunk(len, n, send_chunk(r, step + n - 1, n)))?;
+            recvs.wait_all()?;
+            sends.wait_all()?;
+        }
+        Ok(())
+    })()
 }
 
 /// A communicator with this rank's place in it: what the data-plane collectives
