@@ -40,6 +40,7 @@ pub struct Config {
     pub(crate) collective_timeout: Duration,
     pub(crate) start_timeout: Duration,
     pub(crate) hierarchical_allreduce: bool,
+    pub(crate) hierarchical_allreduce_explicit: bool,
     pub(crate) autotune: bool,
     pub(crate) autotune_log: Option<PathBuf>,
     pub(crate) autotune_warmup_samples: usize,
@@ -71,6 +72,7 @@ impl Default for Config {
             collective_timeout: DEFAULT_COLLECTIVE_TIMEOUT,
             start_timeout: Duration::ZERO,
             hierarchical_allreduce: false,
+            hierarchical_allreduce_explicit: false,
             stall_check_disable: false,
             autotune: false,
             autotune_log: None,
@@ -175,6 +177,7 @@ impl Config {
         }
         if let Some((var, v)) = env.get("HIERARCHICAL_ALLREDUCE") {
             c.hierarchical_allreduce = parse_bool(&var, &v)?;
+            c.hierarchical_allreduce_explicit = true;
         }
         if let Some((var, v)) = env.get("START_TIMEOUT") {
             c.start_timeout = parse_duration(&var, &v, 1.0, "seconds")?;
@@ -305,9 +308,11 @@ impl Config {
     /// shards cross the network. Rank 0's choice holds for every rank; when hosts
     /// have different numbers of ranks kolo warns once and stays flat, and with one
     /// host or one rank per host there is nothing to gain, so it stays flat too.
+    /// Left unset, the autotuner (when on) tries both where hierarchical can run.
     /// (`KOLO_HIERARCHICAL_ALLREDUCE`, or Horovod's `HOROVOD_HIERARCHICAL_ALLREDUCE`)
     pub fn hierarchical_allreduce(mut self, on: bool) -> Self {
         self.hierarchical_allreduce = on;
+        self.hierarchical_allreduce_explicit = true;
         self
     }
 
@@ -317,8 +322,10 @@ impl Config {
         self
     }
 
-    /// Rank 0 tunes, at run time, whichever of the fusion threshold, the cycle time
-    /// and the response cache were not set explicitly. (`KOLO_AUTOTUNE`)
+    /// Rank 0 tunes, at run time, whichever of the fusion threshold, the cycle time,
+    /// the response cache and hierarchical allreduce were not set explicitly
+    /// (hierarchical only where it can run: several hosts, the same number of ranks
+    /// on each, more than one). (`KOLO_AUTOTUNE`)
     pub fn autotune(mut self, on: bool) -> Self {
         self.autotune = on;
         self

@@ -1,6 +1,7 @@
 //! The autotuner (KOLO_AUTOTUNE=1): rank 0 scores the engine's settings by allreduce
-//! bytes per second of wall time and searches fusion threshold, cycle time and
-//! response cache on/off by Bayesian optimisation — a Gaussian process over the
+//! bytes per second of wall time and searches fusion threshold, cycle time, response
+//! cache on/off and (where it can run) hierarchical allreduce on/off by Bayesian
+//! optimisation — a Gaussian process over the
 //! settings (normalised to [0, 1]) with expected improvement as the acquisition, as
 //! Horovod's autotuner does. Each new setting travels in rank 0's next cycle message
 //! and every rank applies it at the end of that same cycle.
@@ -49,6 +50,8 @@ pub struct AutotuneState {
     pub cycle_time: Duration,
     /// Whether the response cache is on.
     pub cache_enabled: bool,
+    /// Whether allreduce runs hierarchically across hosts.
+    pub hierarchical_allreduce: bool,
     /// Every change, in order, with the negotiation cycle it took effect after.
     pub changes: Vec<AutotuneChange>,
 }
@@ -65,6 +68,8 @@ pub struct AutotuneChange {
     pub cycle_time: Duration,
     /// Whether the response cache is on.
     pub cache_enabled: bool,
+    /// Whether allreduce runs hierarchically across hosts.
+    pub hierarchical_allreduce: bool,
     /// The final settings.
     pub last: bool,
 }
@@ -76,6 +81,8 @@ pub(crate) struct Settings {
     /// Cycle time in microseconds.
     pub(crate) cycle_time_us: u64,
     pub(crate) cache: bool,
+    /// Allreduce hierarchically (only ever on where it can run).
+    pub(crate) hierarchical: bool,
     /// The tuner is done: these are the settings it keeps.
     pub(crate) last: bool,
 }
@@ -92,11 +99,15 @@ struct Dims {
     threshold: bool,
     cycle: bool,
     cache: bool,
+    hierarchical: bool,
 }
 
 impl Dims {
     fn count(&self) -> usize {
-        usize::from(self.threshold) + usize::from(self.cycle) + usize::from(self.cache)
+        [self.threshold, self.cycle, self.cache, self.hierarchical]
+            .into_iter()
+            .map(usize::from)
+            .sum()
     }
 }
 
@@ -195,15 +206,21 @@ pub(crate) struct Tuner {
 
 impl Tuner {
     /// A tuner starting from `start`, or `None` when every setting is fixed by the
-    /// user (nothing to tune).
-    pub(crate) fn new(config: &Config, start: Settings) -> Option<Tuner> {
+    /// user (nothing to tune). Hierarchical allreduce is tuned where it `can_be_hierarchical`
+    /// (several hosts with the same number of ranks, more than one) unless the user set it.
+    pub(crate) fn new(
+        config: &Config,
+        start: Settings,
+        can_be_hierarchical: bool,
+    ) -> Option<Tuner> {
         let dims = Dims {
             threshold: !config.fusion_threshold_explicit,
             cycle: !config.cycle_time_explicit,
             cache: !config.cache_capacity_explicit,
+            hierarchical: can_be_hierarchical && !config.hierarchical_allreduce_explicit,
         };
         if dims.count() == 0 {
-            tracing::warn!("KOLO_AUTOTUNE: fusion threshold, cycle time and cache capacity are all set explicitly; nothing to tune");
+            tracing::warn!("KOLO_AUTOTUNE: fusion threshold, cycle time, cache capacity and hierarchical allreduce are all set explicitly or fixed; nothing to tune");
             return None;
         }
         let log = config.autotune_log.as_deref().and_then(open_log);
@@ -284,6 +301,7 @@ impl Tuner {
                 fusion_threshold = s.fusion_threshold,
                 cycle_time_us = s.cycle_time_us,
                 cache = s.cache,
+                hierarchical = s.hierarchical,
                 score = best.0,
                 "autotune: done, keeping the best settings"
             );
@@ -300,7 +318,7 @@ impl Tuner {
     }
 
     fn point_of(&self, s: &Settings) -> Vec<f64> {
-        let mut x = Vec::with_capacity(3);
+        let mut x = Vec::with_capacity(4);
         if self.dims.threshold {
             x.push(threshold_to_x(s.fusion_threshold));
         }
@@ -309,6 +327,9 @@ impl Tuner {
         }
         if self.dims.cache {
             x.push(if s.cache { 1.0 } else { 0.0 });
+        }
+        if self.dims.hierarchical {
+            x.push(if s.hierarchical { 1.0 } else { 0.0 });
         }
         x
     }
@@ -324,6 +345,9 @@ impl Tuner {
         }
         if self.dims.cache {
             s.cache = it.next().copied().unwrap_or(1.0) >= 0.5;
+        }
+        if self.dims.hierarchical {
+            s.hierarchical = it.next().copied().unwrap_or(0.0) >= 0.5;
         }
         s
     }
@@ -351,7 +375,8 @@ impl Tuner {
         let mut candidates: Vec<Vec<f64>> = (0..CANDIDATES)
             .map(|_| (0..d).map(|_| self.uniform()).collect())
             .collect();
-        // The corners too: fusion off / largest, shortest / longest cycle, cache off / on.
+        // The corners too: fusion off / largest, shortest / longest cycle, cache off /
+        // on, flat / hierarchical.
         for mask in 0..(1usize << d) {
             candidates.push((0..d).map(|i| ((mask >> i) & 1) as f64).collect());
         }
@@ -377,10 +402,11 @@ impl Tuner {
         let (sample, s) = (self.sample, self.current);
         if let Some(f) = &mut self.log {
             let row = format!(
-                "{sample},{},{:.3},{},{score:.0},{kind}\n",
+                "{sample},{},{:.3},{},{},{score:.0},{kind}\n",
                 s.fusion_threshold,
                 s.cycle_time_us as f64 / 1000.0,
-                u8::from(s.cache)
+                u8::from(s.cache),
+                u8::from(s.hierarchical)
             );
             if let Err(e) = f.write_all(row.as_bytes()).and_then(|()| f.flush()) {
                 tracing::warn!(error = %e, "cannot write the autotune log; stopping it");
@@ -392,7 +418,7 @@ impl Tuner {
 
 fn open_log(path: &Path) -> Option<File> {
     let header =
-        "sample,fusion_threshold_bytes,cycle_time_ms,cache_enabled,score_bytes_per_s,kind\n";
+        "sample,fusion_threshold_bytes,cycle_time_ms,cache_enabled,hierarchical_allreduce,score_bytes_per_s,kind\n";
     match File::create(path).and_then(|mut f| f.write_all(header.as_bytes()).map(|()| f)) {
         Ok(f) => Some(f),
         Err(e) => {
@@ -441,9 +467,10 @@ mod tests {
             fusion_threshold: 0,
             cycle_time_us: 1000,
             cache: true,
+            hierarchical: false,
             last: false,
         };
-        let mut t = Tuner::new(&config, start).unwrap();
+        let mut t = Tuner::new(&config, start, false).unwrap();
         // Bytes per second peak at 1 MiB (x ≈ 0.64) and fall off on both sides.
         let score = |s: &Settings| {
             let x = threshold_to_x(s.fusion_threshold);

@@ -74,7 +74,7 @@ pub(crate) fn run(
         }
     };
     let topology = transport.topology();
-    let agreed = match agree(&mut *transport, &config) {
+    let (agreed, hierarchy) = match agree(&mut *transport, &config) {
         Ok(a) => a,
         Err(e) => {
             let _ = started.send(Err(e));
@@ -85,10 +85,11 @@ pub(crate) fn run(
         fusion_threshold: agreed.fusion_threshold,
         cycle_time_us: u64::try_from(config.cycle_time.as_micros()).unwrap_or(u64::MAX),
         cache: agreed.cache_capacity > 0,
+        hierarchical: hierarchy.on,
         last: false,
     };
     let tuner = (agreed.autotune && topology.rank == 0)
-        .then(|| Tuner::new(&config, start_settings))
+        .then(|| Tuner::new(&config, start_settings, hierarchy.possible))
         .flatten();
     {
         let mut state = autotune.lock().unwrap_or_else(PoisonError::into_inner);
@@ -98,6 +99,7 @@ pub(crate) fn run(
             fusion_threshold: agreed.fusion_threshold,
             cycle_time: config.cycle_time,
             cache_enabled: agreed.cache_capacity > 0,
+            hierarchical_allreduce: hierarchy.on,
             changes: Vec::new(),
         };
     }
@@ -188,10 +190,18 @@ struct Agreed {
     hierarchical_allreduce: bool,
 }
 
+/// Whether allreduce runs hierarchically, and whether it could (what the autotuner
+/// may switch); the same on every rank.
+#[derive(Debug, Clone, Copy)]
+struct HierarchyChoice {
+    on: bool,
+    possible: bool,
+}
+
 /// Takes rank 0's shared settings, warning on ranks configured differently, and
 /// decides with every rank's number of ranks per host whether the transport
 /// allreduces hierarchically.
-fn agree(t: &mut dyn Transport, config: &Config) -> Result<Agreed> {
+fn agree(t: &mut dyn Transport, config: &Config) -> Result<(Agreed, HierarchyChoice)> {
     let mine = Agreed {
         fusion_threshold: config.fusion_threshold,
         cache_capacity: config.cache_capacity,
@@ -230,8 +240,12 @@ fn agree(t: &mut dyn Transport, config: &Config) -> Result<Agreed> {
             ),
         }
     }
-    t.set_hierarchical_allreduce(matches!(hierarchical, Hierarchy::On));
-    Ok(first)
+    let choice = HierarchyChoice {
+        on: hierarchical == Hierarchy::On,
+        possible: self::hierarchical(true, &topology, &per_host) == Hierarchy::On,
+    };
+    t.set_hierarchical_allreduce(choice.on);
+    Ok((first, choice))
 }
 
 /// Whether allreduce runs hierarchically, or why not.
@@ -518,12 +532,14 @@ impl Tuning {
         state.fusion_threshold = s.fusion_threshold;
         state.cycle_time = s.cycle_time();
         state.cache_enabled = s.cache;
+        state.hierarchical_allreduce = s.hierarchical;
         state.finished |= s.last;
         state.changes.push(AutotuneChange {
             cycle,
             fusion_threshold: s.fusion_threshold,
             cycle_time: s.cycle_time(),
             cache_enabled: s.cache,
+            hierarchical_allreduce: s.hierarchical,
             last: s.last,
         });
     }
@@ -721,12 +737,15 @@ impl Engine {
         let capacity = self.tuning.cache_capacity(&s);
         self.control.apply(&s, capacity, &mut self.inbox);
         self.config.cycle_time = s.cycle_time();
+        // The tuner only switches it where it can run (`HierarchyChoice::possible`).
+        self.transport.set_hierarchical_allreduce(s.hierarchical);
         tracing::debug!(
             rank = self.inbox.rank,
             cycle = self.cycles,
             fusion_threshold = s.fusion_threshold,
             cycle_time_us = s.cycle_time_us,
             cache = s.cache,
+            hierarchical = s.hierarchical,
             last = s.last,
             "autotune: settings applied"
         );
@@ -834,6 +853,7 @@ mod tuning_tests {
             fusion_threshold: threshold,
             cycle_time_us: 500,
             cache,
+            hierarchical: false,
             last,
         }
     }
@@ -880,7 +900,7 @@ mod tuning_tests {
         let mut config = Config::default().autotune(true);
         config.autotune_warmup_samples = 0;
         config.autotune_steps_per_sample = 1;
-        let mut tuned = tuning(Tuner::new(&config, settings(64 << 20, true, false)));
+        let mut tuned = tuning(Tuner::new(&config, settings(64 << 20, true, false), false));
         let mut cycles = 0;
         while tuned.pending.is_none() && cycles < 100 {
             cycles += 1;
@@ -890,7 +910,7 @@ mod tuning_tests {
         // A configuration is scored over three samples before the next is proposed.
         assert_eq!(cycles, 3);
         // A cycle that reduced nothing is not a sample.
-        let mut quiet = tuning(Tuner::new(&config, settings(64 << 20, true, false)));
+        let mut quiet = tuning(Tuner::new(&config, settings(64 << 20, true, false), false));
         for i in 0..10 {
             quiet.observe(0, start, start + Duration::from_millis(i + 1));
         }

@@ -9,8 +9,60 @@ use anyhow::{ensure, Result};
 use kolo::{Kolo, ReduceOp, Tensor};
 
 /// An applied change as it travels between ranks: cycle, threshold, cycle time (us),
-/// cache on, last.
-type Change = (u64, usize, u128, bool, bool);
+/// cache on, last, hierarchical.
+type Change = (u64, usize, u128, bool, bool, bool);
+
+/// Every change each rank applied, checked to be the same on every rank.
+fn changes_agree(k: &Kolo) -> Result<Vec<Change>> {
+    let state = k.autotune_state();
+    ensure!(state.enabled && state.finished, "{state:?}");
+    let mine: Vec<Change> = state
+        .changes
+        .iter()
+        .map(|c| {
+            (
+                c.cycle,
+                c.fusion_threshold,
+                c.cycle_time.as_micros(),
+                c.cache_enabled,
+                c.last,
+                c.hierarchical_allreduce,
+            )
+        })
+        .collect();
+    ensure!(
+        !mine.is_empty() && mine.last().is_some_and(|c| c.4),
+        "{mine:?}"
+    );
+    let all: Vec<Vec<Change>> = k.allgather_object("changes", mine.clone())?;
+    for (r, theirs) in all.iter().enumerate() {
+        ensure!(
+            *theirs == mine,
+            "rank {r} applied {theirs:?}, rank {} {mine:?}",
+            k.rank()
+        );
+    }
+    Ok(mine)
+}
+
+/// Runs `step` until rank 0's tuner has finished (every rank stops at the same step).
+/// Returns the number of steps.
+fn until_tuned(k: &Kolo, mut step: impl FnMut() -> Result<()>) -> Result<usize> {
+    let deadline = Instant::now() + Duration::from_secs(90);
+    let mut steps = 0;
+    loop {
+        step()?;
+        steps += 1;
+        // Every rank must agree on when to stop, or one would wait for the others.
+        if k.broadcast_object("done", k.autotune_state().finished, 0)? {
+            return Ok(steps);
+        }
+        ensure!(
+            Instant::now() < deadline,
+            "the tuner did not finish in 90 s ({steps} steps)"
+        );
+    }
+}
 
 const TENSORS: usize = 300;
 const FLOATS: usize = 64;
@@ -75,55 +127,16 @@ pub(crate) fn grid_point(k: &Kolo) -> Result<()> {
 /// then prints the median step under the tuned settings.
 pub(crate) fn tune(k: &Kolo) -> Result<()> {
     let mut t = inputs(k)?;
-    let deadline = Instant::now() + Duration::from_secs(90);
-    let mut steps = 0;
-    loop {
-        step(k, &mut t)?;
-        steps += 1;
-        // Every rank must agree on when to stop, or one would wait for the others.
-        let done = k.broadcast_object("done", k.autotune_state().finished, 0)?;
-        if done {
-            break;
-        }
-        ensure!(
-            Instant::now() < deadline,
-            "the tuner did not finish in 90 s ({steps} steps)"
-        );
-    }
+    let steps = until_tuned(k, || step(k, &mut t).map(drop))?;
+    let mine = changes_agree(k)?;
     let state = k.autotune_state();
-    ensure!(state.enabled && state.finished, "{state:?}");
-    let mine: Vec<Change> = state
-        .changes
-        .iter()
-        .map(|c| {
-            (
-                c.cycle,
-                c.fusion_threshold,
-                c.cycle_time.as_micros(),
-                c.cache_enabled,
-                c.last,
-            )
-        })
-        .collect();
-    ensure!(
-        !mine.is_empty() && mine.last().is_some_and(|c| c.4),
-        "{mine:?}"
-    );
-    let all: Vec<Vec<Change>> = k.allgather_object("changes", mine.clone())?;
-    for (r, theirs) in all.iter().enumerate() {
-        ensure!(
-            *theirs == mine,
-            "rank {r} applied {theirs:?}, rank {} {mine:?}",
-            k.rank()
-        );
-    }
     let ms = median_step(k, &mut t, 30)? * 1e3;
     if k.rank() == 0 {
         let log = std::env::var("KOLO_AUTOTUNE_LOG")?;
         let text = std::fs::read_to_string(&log)?;
         let mut lines = text.lines();
         ensure!(
-            lines.next() == Some("sample,fusion_threshold_bytes,cycle_time_ms,cache_enabled,score_bytes_per_s,kind"),
+            lines.next() == Some("sample,fusion_threshold_bytes,cycle_time_ms,cache_enabled,hierarchical_allreduce,score_bytes_per_s,kind"),
             "log header: {text}"
         );
         let rows: Vec<&str> = lines.collect();
@@ -151,6 +164,57 @@ pub(crate) fn tune(k: &Kolo) -> Result<()> {
             state.fusion_threshold,
             mine.len()
         );
+    }
+    Ok(())
+}
+
+/// Across hosts, with only hierarchical allreduce left to tune: the tuner tries it on
+/// and off (every rank switching after the same cycle), and sums stay exact through
+/// every switch, both through the ring (2 MiB) and fused small tensors.
+pub(crate) fn tune_hierarchical(k: &Kolo) -> Result<()> {
+    let (me, n) = (k.rank(), k.size());
+    let len = 1 << 19;
+    let mut step_no = 0usize;
+    until_tuned(k, || {
+        step_no += 1;
+        let big: Vec<f32> = (0..len).map(|j| ((me + j + step_no) % 11) as f32).collect();
+        let mut handles = vec![k
+            .allreduce("big", Tensor::from_vec(big, &[len])?)
+            .op(ReduceOp::Sum)
+            .submit()?];
+        for i in 0..8 {
+            let small = Tensor::from_vec(vec![(me * 3 + i) as f32; 16], &[16])?;
+            handles.push(
+                k.allreduce(format!("small.{i}"), small)
+                    .op(ReduceOp::Sum)
+                    .submit()?,
+            );
+        }
+        for (i, h) in handles.into_iter().enumerate() {
+            let got: Vec<f32> = h.wait()?.into_vec()?;
+            for (j, g) in got.iter().enumerate() {
+                let want: f32 = if i == 0 {
+                    (0..n).map(|r| ((r + j + step_no) % 11) as f32).sum()
+                } else {
+                    (0..n).map(|r| (r * 3 + i - 1) as f32).sum()
+                };
+                ensure!(
+                    *g == want,
+                    "step {step_no} tensor {i} element {j}: {g} != {want}"
+                );
+            }
+        }
+        Ok(())
+    })?;
+    let changes = changes_agree(k)?;
+    // It starts flat (nothing asked for hierarchical), so one switch on means both
+    // shapes were scored.
+    ensure!(
+        changes.iter().any(|c| c.5),
+        "the tuner never tried hierarchical allreduce: {changes:?}"
+    );
+    if me == 0 {
+        println!("TUNED hierarchical={}", changes.last().is_some_and(|c| c.5));
     }
     Ok(())
 }

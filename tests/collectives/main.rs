@@ -65,6 +65,7 @@ const VARIANT_ONLY: &[(&str, Case)] = &[
     ("timeline", timeline::trace),
     ("autotune_grid_point", autotune::grid_point),
     ("autotune_tune", autotune::tune),
+    ("autotune_hierarchical", autotune::tune_hierarchical),
 ];
 
 /// The autotuner's test settings: only the fusion threshold is tuned (cycle time and
@@ -467,6 +468,25 @@ fn multinode_faults() -> Vec<Trial> {
         let want = "ring=[0, 2, 1, 3] multi_host=true";
         if !run.output.contains(want) {
             return Err(format!("the output lacks {want:?}:\n{}", run.output).into());
+        }
+        Ok(())
+    }));
+    // The autotuner switching hierarchical allreduce on and off across hosts (the only
+    // setting left to it).
+    trials.push(multinode_trial("autotune_hierarchical", || {
+        let env = [
+            ("KOLO_AUTOTUNE", "1"),
+            ("KOLO_AUTOTUNE_WARMUP_SAMPLES", "0"),
+            ("KOLO_AUTOTUNE_STEPS_PER_SAMPLE", "2"),
+            ("KOLO_AUTOTUNE_BAYES_OPT_MAX_SAMPLES", "4"),
+            ("KOLO_FUSION_THRESHOLD", "1048576"),
+            ("KOLO_CYCLE_TIME", "1"),
+            ("KOLO_CACHE_CAPACITY", "1024"),
+        ];
+        let run = harness::mpirun_hosts("autotune_hierarchical", Duration::from_secs(180), &env)?;
+        run.succeeded("the autotuner switching hierarchical allreduce")?;
+        if !run.output.contains("TUNED hierarchical=") {
+            return Err(format!("rank 0 did not report the choice:\n{}", run.output).into());
         }
         Ok(())
     }));

@@ -88,8 +88,9 @@ struct Args {
     #[arg(long)]
     timeline_mark_cycles: bool,
 
-    /// Tune the fusion threshold, cycle time and response cache at run time (those
-    /// not set explicitly).
+    /// Tune the fusion threshold, cycle time, response cache and (across hosts with
+    /// equal ranks per host) hierarchical allreduce at run time: those not set
+    /// explicitly.
     #[arg(long)]
     autotune: bool,
 
