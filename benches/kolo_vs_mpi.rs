@@ -11,7 +11,8 @@
 //! `-- --hosts H` runs across the emulated hosts of `scripts/multinode` (set up first,
 //! as `scripts/run-multinode-bench.sh` does): `np / H` ranks per host, kolo's settings
 //! forwarded to remote ranks. With more than one rank per host a third side runs: kolo
-//! with `KOLO_HIERARCHICAL_ALLREDUCE=1`, reported against plain MPI and against flat kolo.
+//! with `KOLO_HIERARCHICAL_ALLREDUCE=1` and `KOLO_HIERARCHICAL_ALLGATHER=1`, reported
+//! against plain MPI and against flat kolo.
 //!
 //! **The baseline is a separate plain MPI program**: the same binary launched with
 //! `--plain`, which calls `MPI_Init` itself and never starts kolo (no engine thread, no
@@ -710,6 +711,7 @@ fn launch(np: usize, side: Side, o: &Opts, round: usize) -> anyhow::Result<Sampl
     ];
     if side == Side::Hierarchical {
         env.push(("KOLO_HIERARCHICAL_ALLREDUCE".into(), "1".into()));
+        env.push(("KOLO_HIERARCHICAL_ALLGATHER".into(), "1".into()));
     }
     let mut cmd = match o.hosts {
         None => {

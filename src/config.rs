@@ -41,6 +41,7 @@ pub struct Config {
     pub(crate) start_timeout: Duration,
     pub(crate) hierarchical_allreduce: bool,
     pub(crate) hierarchical_allreduce_explicit: bool,
+    pub(crate) hierarchical_allgather: bool,
     pub(crate) autotune: bool,
     pub(crate) autotune_log: Option<PathBuf>,
     pub(crate) autotune_warmup_samples: usize,
@@ -73,6 +74,7 @@ impl Default for Config {
             start_timeout: Duration::ZERO,
             hierarchical_allreduce: false,
             hierarchical_allreduce_explicit: false,
+            hierarchical_allgather: false,
             stall_check_disable: false,
             autotune: false,
             autotune_log: None,
@@ -89,7 +91,7 @@ impl Default for Config {
 }
 
 /// Every setting kolo reads, as `KOLO_<key>` or `HOROVOD_<key>`.
-pub(crate) const KEYS: [&str; 19] = [
+pub(crate) const KEYS: [&str; 20] = [
     "FUSION_THRESHOLD",
     "CYCLE_TIME",
     "CACHE_CAPACITY",
@@ -101,6 +103,7 @@ pub(crate) const KEYS: [&str; 19] = [
     "COLLECTIVE_TIMEOUT_SECONDS",
     "START_TIMEOUT",
     "HIERARCHICAL_ALLREDUCE",
+    "HIERARCHICAL_ALLGATHER",
     "AUTOTUNE",
     "AUTOTUNE_LOG",
     "AUTOTUNE_WARMUP_SAMPLES",
@@ -178,6 +181,9 @@ impl Config {
         if let Some((var, v)) = env.get("HIERARCHICAL_ALLREDUCE") {
             c.hierarchical_allreduce = parse_bool(&var, &v)?;
             c.hierarchical_allreduce_explicit = true;
+        }
+        if let Some((var, v)) = env.get("HIERARCHICAL_ALLGATHER") {
+            c.hierarchical_allgather = parse_bool(&var, &v)?;
         }
         if let Some((var, v)) = env.get("START_TIMEOUT") {
             c.start_timeout = parse_duration(&var, &v, 1.0, "seconds")?;
@@ -313,6 +319,20 @@ impl Config {
     pub fn hierarchical_allreduce(mut self, on: bool) -> Self {
         self.hierarchical_allreduce = on;
         self.hierarchical_allreduce_explicit = true;
+        self
+    }
+
+    /// Allgathers in three steps across hosts: an allgather within each host (shared
+    /// memory), an allgather across hosts of one share of each host's block per
+    /// local rank (each byte crosses the network once per receiving host, not once
+    /// per receiving rank), an allgather of those shares within each host. The
+    /// result is the same bytes in the same rank order as the flat allgather, also
+    /// when ranks are placed round-robin. Agreed like
+    /// [`hierarchical_allreduce`](Self::hierarchical_allreduce): rank 0's choice, flat
+    /// with one warning on hosts with different numbers of ranks.
+    /// (`KOLO_HIERARCHICAL_ALLGATHER`, or Horovod's `HOROVOD_HIERARCHICAL_ALLGATHER`)
+    pub fn hierarchical_allgather(mut self, on: bool) -> Self {
+        self.hierarchical_allgather = on;
         self
     }
 
@@ -558,6 +578,7 @@ mod tests {
             ("KOLO_COLLECTIVE_TIMEOUT_SECONDS", "2.5"),
             ("KOLO_START_TIMEOUT", "45"),
             ("KOLO_HIERARCHICAL_ALLREDUCE", "1"),
+            ("KOLO_HIERARCHICAL_ALLGATHER", "yes"),
             ("KOLO_AUTOTUNE", "1"),
             ("KOLO_AUTOTUNE_LOG", "/tmp/a.csv"),
             ("KOLO_AUTOTUNE_WARMUP_SAMPLES", "7"),
@@ -582,7 +603,7 @@ mod tests {
         assert_eq!(c.stall_shutdown_time, Duration::from_secs(10));
         assert_eq!(c.collective_timeout, Duration::from_millis(2500));
         assert_eq!(c.start_timeout, Duration::from_secs(45));
-        assert!(c.hierarchical_allreduce);
+        assert!(c.hierarchical_allreduce && c.hierarchical_allgather);
         assert!(c.stall_check_disable && c.autotune);
         assert_eq!(c.autotune_log, Some(PathBuf::from("/tmp/a.csv")));
         assert_eq!(c.log_level.as_deref(), Some("debug"));
@@ -607,10 +628,11 @@ mod tests {
             "HOROVOD_GPU_OPERATIONS",
             "PATH",
             "HOROVOD_HIERARCHICAL_ALLGATHER",
+            "HOROVOD_CACHE_BYPASS",
         ];
         assert_eq!(
             unknown_horovod(names.iter().map(|s| s.to_string())),
-            ["HOROVOD_GPU_OPERATIONS", "HOROVOD_HIERARCHICAL_ALLGATHER"]
+            ["HOROVOD_GPU_OPERATIONS", "HOROVOD_CACHE_BYPASS"]
         );
     }
 

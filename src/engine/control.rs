@@ -296,6 +296,7 @@ mod tests {
                 cache_capacity,
                 autotune: false,
                 hierarchical_allreduce: false,
+                hierarchical_allgather: false,
             };
             let control = Control::new(&Config::default(), topology, agreed);
             let inbox = Inbox::new(Arc::new(Queue::default()), topology.rank);

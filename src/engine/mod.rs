@@ -188,6 +188,8 @@ struct Agreed {
     autotune: bool,
     /// Asked for a hierarchical allreduce (whether it runs depends on the hosts).
     hierarchical_allreduce: bool,
+    /// Asked for a hierarchical allgather (likewise).
+    hierarchical_allgather: bool,
 }
 
 /// Whether allreduce runs hierarchically, and whether it could (what the autotuner
@@ -207,6 +209,7 @@ fn agree(t: &mut dyn Transport, config: &Config) -> Result<(Agreed, HierarchyCho
         cache_capacity: config.cache_capacity,
         autotune: config.autotune,
         hierarchical_allreduce: config.hierarchical_allreduce,
+        hierarchical_allgather: config.hierarchical_allgather,
     };
     let topology = t.topology();
     let bytes = postcard::to_stdvec(&(mine, topology.local_size as u64))
@@ -227,22 +230,31 @@ fn agree(t: &mut dyn Transport, config: &Config) -> Result<(Agreed, HierarchyCho
         );
     }
     let per_host: Vec<u64> = all.iter().map(|&(_, l)| l).collect();
-    let hierarchical = hierarchical(first.hierarchical_allreduce, &topology, &per_host);
-    if first.hierarchical_allreduce && topology.rank == 0 {
-        match &hierarchical {
-            Hierarchy::Flat(why) => tracing::warn!(
-                "KOLO_HIERARCHICAL_ALLREDUCE is set, but {why}: allreduce stays flat"
-            ),
-            Hierarchy::On => tracing::debug!(
-                hosts = topology.cross_size,
-                ranks_per_host = topology.local_size,
-                "hierarchical allreduce on"
-            ),
+    let reduce = hierarchical(first.hierarchical_allreduce, &topology, &per_host);
+    let gather = hierarchical(first.hierarchical_allgather, &topology, &per_host);
+    if topology.rank == 0 {
+        for (asked, shape, op) in [
+            (first.hierarchical_allreduce, &reduce, "allreduce"),
+            (first.hierarchical_allgather, &gather, "allgather"),
+        ] {
+            match shape {
+                Hierarchy::Flat(why) if asked => tracing::warn!(
+                    "KOLO_HIERARCHICAL_{} is set, but {why}: {op} stays flat",
+                    op.to_ascii_uppercase()
+                ),
+                Hierarchy::On => tracing::debug!(
+                    hosts = topology.cross_size,
+                    ranks_per_host = topology.local_size,
+                    "hierarchical {op} on"
+                ),
+                Hierarchy::Flat(_) => {}
+            }
         }
     }
+    t.set_hierarchical_allgather(gather == Hierarchy::On);
     let choice = HierarchyChoice {
-        on: hierarchical == Hierarchy::On,
-        possible: self::hierarchical(true, &topology, &per_host) == Hierarchy::On,
+        on: reduce == Hierarchy::On,
+        possible: hierarchical(true, &topology, &per_host) == Hierarchy::On,
     };
     t.set_hierarchical_allreduce(choice.on);
     Ok((first, choice))
@@ -932,6 +944,7 @@ mod tuning_tests {
             cache_capacity: 8,
             autotune: true,
             hierarchical_allreduce: false,
+            hierarchical_allgather: false,
         };
         let mut control = Control::new(&Config::default(), topology, agreed);
         let mut inbox = Inbox::new(Arc::new(Queue::default()), 0);

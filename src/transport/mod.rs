@@ -59,6 +59,10 @@ pub(crate) trait Transport: Send {
     /// hosts have the same number of ranks each. A transport without hosts ignores it.
     fn set_hierarchical_allreduce(&mut self, _on: bool) {}
 
+    /// From now on allgather in three steps (within each host, shares across hosts,
+    /// within each host), with the same conditions as `set_hierarchical_allreduce`.
+    fn set_hierarchical_allgather(&mut self, _on: bool) {}
+
     /// In-place allreduce of `buf`.
     fn allreduce(&mut self, buf: &mut [u8], dtype: DType, op: ReduceOp) -> Result<()>;
 

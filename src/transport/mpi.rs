@@ -45,6 +45,11 @@ pub(crate) struct MpiTransport {
     cross: SimpleCommunicator,
     /// Allreduce hierarchically (set once at start, the same on every rank).
     hierarchical: bool,
+    /// Allgather hierarchically, over `hosts` (set once at start, the same on every
+    /// rank).
+    hierarchical_allgather: Option<Hosts>,
+    /// Every rank's host (its lowest rank).
+    hosts: Vec<c_int>,
     /// The ring allreduce's reused segment buffers.
     ring_scratch: Vec<u8>,
     /// The hierarchical allreduce's reused shard.
@@ -152,6 +157,8 @@ impl MpiTransport {
             local,
             cross,
             hierarchical: false,
+            hierarchical_allgather: None,
+            hosts,
             ring_scratch: Vec::new(),
             shard_scratch: Vec::new(),
             ring,
@@ -674,6 +681,10 @@ impl Transport for MpiTransport {
         self.hierarchical = on;
     }
 
+    fn set_hierarchical_allgather(&mut self, on: bool) {
+        self.hierarchical_allgather = on.then(|| Hosts::of(&self.hosts));
+    }
+
     fn allreduce(&mut self, buf: &mut [u8], dtype: DType, op: ReduceOp) -> Result<()> {
         if self.hierarchical && buf.len() / dtype.size_of() >= self.topology.local_size {
             return self.hierarchical_allreduce(buf, dtype, op);
@@ -700,6 +711,21 @@ impl Transport for MpiTransport {
         counts_: &[usize],
         dtype: DType,
     ) -> Result<()> {
+        if let Some(hosts) = &self.hierarchical_allgather {
+            let (local, cross) = self.levels();
+            let mut scratch = std::mem::take(&mut self.shard_scratch);
+            let result = hosts.allgatherv(
+                local,
+                cross,
+                self.topology.rank,
+                (send, recv),
+                counts_,
+                dtype,
+                &mut scratch,
+            );
+            self.shard_scratch = scratch;
+            return result;
+        }
         allgatherv_on(self.world(), send, recv, counts_, dtype)
     }
 
@@ -890,6 +916,148 @@ fn ring_allreduce(
     })()
 }
 
+/// The ranks of each host, for the hierarchical allgather: `members[h]` lists host
+/// `h`'s ranks in local-rank order (ascending, as `split_shared` keys by rank), hosts
+/// in order of their lowest rank. Only built when every host has the same number of
+/// ranks.
+#[derive(Debug, Clone, PartialEq)]
+struct Hosts {
+    members: Vec<Vec<usize>>,
+}
+
+impl Hosts {
+    fn of(hosts: &[c_int]) -> Hosts {
+        let mut members: Vec<Vec<usize>> = Vec::new();
+        let mut ids: Vec<c_int> = Vec::new();
+        for (r, &h) in hosts.iter().enumerate() {
+            match ids.iter().position(|&x| x == h) {
+                Some(i) => members[i].push(r),
+                None => {
+                    ids.push(h);
+                    members.push(vec![r]);
+                }
+            }
+        }
+        Hosts { members }
+    }
+
+    /// The host and local rank of `rank`.
+    fn place(&self, rank: usize) -> (usize, usize) {
+        self.members
+            .iter()
+            .enumerate()
+            .find_map(|(h, m)| m.iter().position(|&r| r == rank).map(|i| (h, i)))
+            .unwrap_or((0, 0))
+    }
+
+    /// The hosts in the cross-host communicator of local rank `i`, in its rank order
+    /// (it is split with the job rank as key).
+    fn cross_order(&self, i: usize) -> Vec<usize> {
+        let mut order: Vec<usize> = (0..self.members.len()).collect();
+        order.sort_by_key(|&h| self.members[h][i]);
+        order
+    }
+
+    /// Elements of each share of a host block of `total` elements cut in `l`:
+    /// (offset, length) of share `k`.
+    fn share(total: usize, l: usize, k: usize) -> (usize, usize) {
+        let (q, r) = (total / l, total % l);
+        (k * q + k.min(r), q + usize::from(k < r))
+    }
+
+    /// Allgatherv in three steps: gather this host's block within the host; send
+    /// share `local_rank` of it to the same local rank on every other host (so each
+    /// byte crosses to each host once); gather those shares within the host; then
+    /// lay the blocks out in job-rank order, as the flat allgather would.
+    #[allow(clippy::too_many_arguments)]
+    fn allgatherv(
+        &self,
+        local: Group,
+        cross: Group,
+        rank: usize,
+        (send, recv): (&[u8], &mut [u8]),
+        counts_: &[usize],
+        dtype: DType,
+        scratch: &mut Vec<u8>,
+    ) -> Result<()> {
+        const CALL: &str = "MPI_Allgatherv (hierarchical)";
+        per_rank(CALL, counts_, counts_.len())?;
+        sized(CALL, "receive", recv.len(), counts_.iter().sum(), dtype)?;
+        let w = dtype.size_of();
+        let (me_host, me_local) = self.place(rank);
+        let l = self.members[me_host].len();
+        let block = |h: usize| -> usize { self.members[h].iter().map(|&r| counts_[r]).sum() };
+        let blocks: Vec<usize> = (0..self.members.len()).map(block).collect();
+        // Scratch: this host's block, this rank's shares of every host, all shares.
+        let total: usize = blocks.iter().sum();
+        let mine_len = blocks[me_host];
+        let order = self.cross_order(me_local);
+        let shares_len: usize = order
+            .iter()
+            .map(|&h| Self::share(blocks[h], l, me_local).1)
+            .sum();
+        scratch.clear();
+        scratch.resize((mine_len + shares_len + total) * w, 0);
+        let (host_block, rest) = scratch.split_at_mut(mine_len * w);
+        let (my_shares, all) = rest.split_at_mut(shares_len * w);
+        // 1. This host's block, in local-rank order.
+        let local_counts: Vec<usize> = self.members[me_host].iter().map(|&r| counts_[r]).collect();
+        allgatherv_on(local, send, host_block, &local_counts, dtype)?;
+        // 2. Share `me_local` of every host's block, in this cross group's order.
+        let (off, len) = Self::share(mine_len, l, me_local);
+        let cross_counts: Vec<usize> = order
+            .iter()
+            .map(|&h| Self::share(blocks[h], l, me_local).1)
+            .collect();
+        allgatherv_on(
+            cross,
+            &host_block[off * w..(off + len) * w],
+            my_shares,
+            &cross_counts,
+            dtype,
+        )?;
+        // 3. Every local rank's shares: local rank k's part lists share k of each host
+        // in its cross group's order.
+        let gathered: Vec<usize> = (0..l)
+            .map(|k| {
+                (0..self.members.len())
+                    .map(|h| Self::share(blocks[h], l, k).1)
+                    .sum()
+            })
+            .collect();
+        allgatherv_on(local, my_shares, all, &gathered, dtype)?;
+        // Where each rank's tensor starts in `recv` (job-rank order).
+        let mut starts = Vec::with_capacity(counts_.len());
+        let mut at = 0;
+        for &c in counts_ {
+            starts.push(at);
+            at += c;
+        }
+        // Each share covers part of its host's block, which lists the host's ranks in
+        // local order: copy the pieces to their ranks' places.
+        let mut at = 0;
+        for k in 0..l {
+            for h in self.cross_order(k) {
+                let (off, len) = Self::share(blocks[h], l, k);
+                let piece = &all[at * w..(at + len) * w];
+                at += len;
+                let mut member_start = 0;
+                for &r in &self.members[h] {
+                    let (a, b) = (member_start, member_start + counts_[r]);
+                    member_start = b;
+                    let (from, to) = (a.max(off), b.min(off + len));
+                    if from < to {
+                        let dst = starts[r] + (from - a);
+                        recv[dst * w..(dst + to - from) * w]
+                            .copy_from_slice(&piece[(from - off) * w..(to - off) * w]);
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
 /// A communicator with this rank's place in it: what the data-plane collectives
 /// below run on (kolo's own communicator, or the hierarchical allreduce's levels).
 #[derive(Debug, Clone, Copy)]
@@ -978,6 +1146,35 @@ fn reduce_scatter_on(
 mod tests {
     use super::*;
     use crate::error::err_text;
+
+    #[test]
+    fn hosts_list_their_ranks_and_shares_cover_each_block() {
+        // Round-robin placement: 0 and 2 on host 0, 1 and 3 on host 1.
+        let h = Hosts::of(&[0, 1, 0, 1]);
+        assert_eq!(h.members, [vec![0, 2], vec![1, 3]]);
+        assert_eq!(h.place(3), (1, 1));
+        assert_eq!(h.place(2), (0, 1));
+        assert_eq!(h.cross_order(1), [0, 1]);
+        // Hosts named so that local rank 1's group orders them the other way.
+        let h = Hosts::of(&[5, 5, 7, 7, 7, 5]);
+        assert_eq!(h.members, [vec![0, 1, 5], vec![2, 3, 4]]);
+        assert_eq!(h.cross_order(0), [0, 1]);
+        assert_eq!(h.cross_order(2), [1, 0]);
+        for (total, l) in [(0, 2), (1, 3), (10, 3), (7, 7)] {
+            let mut next = 0;
+            for k in 0..l {
+                let (off, len) = Hosts::share(total, l, k);
+                assert_eq!(
+                    off,
+                    next,
+                    "{total} in {l}: share {k} starts where {} ends",
+                    k.max(1) - 1
+                );
+                next += len;
+            }
+            assert_eq!(next, total);
+        }
+    }
 
     #[test]
     fn the_ring_visits_hosts_one_after_another() {

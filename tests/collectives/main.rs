@@ -60,6 +60,7 @@ const CASES: &[(&str, Case, usize)] = &[
 /// Cases that only make sense under the settings a variant gives them.
 const VARIANT_ONLY: &[(&str, Case)] = &[
     ("hierarchical_allreduce", allreduce::hierarchical),
+    ("hierarchical_allgather", others::hierarchical_allgather),
     ("partition", faults::partition),
     ("stall_shutdown", faults::stall_shutdown),
     ("timeline", timeline::trace),
@@ -471,6 +472,46 @@ fn multinode_faults() -> Vec<Trial> {
         }
         Ok(())
     }));
+    // Hierarchical allgather: packed and round-robin placement (the host's ranks are
+    // not contiguous, so the blocks must be laid out again in rank order), and the
+    // flat fallback on uneven hosts.
+    let gather_env: &[(&str, &str)] = &[
+        ("KOLO_HIERARCHICAL_ALLGATHER", "1"),
+        ("KOLO_LOG_LEVEL", "debug"),
+    ];
+    for (name, args, expect) in [
+        (
+            "hierarchical_allgather",
+            &["-np", "4"][..],
+            "hierarchical allgather on",
+        ),
+        (
+            "hierarchical_allgather_round_robin",
+            &["-np", "4", "--map-by", "node"][..],
+            "hierarchical allgather on",
+        ),
+        (
+            "hierarchical_allgather_uneven_hosts",
+            &["-np", "3"][..],
+            "hosts have different numbers of ranks (1, 2): allgather stays flat",
+        ),
+    ] {
+        trials.push(multinode_trial(name, move || {
+            let run = harness::mpirun_hosts_args(
+                "hierarchical_allgather",
+                args,
+                Duration::from_secs(180),
+                gather_env,
+            )?;
+            run.succeeded(name)?;
+            if run.output.matches(expect).count() != 1 {
+                return Err(
+                    format!("{name}: {expect:?} not said exactly once:\n{}", run.output).into(),
+                );
+            }
+            Ok(())
+        }));
+    }
     // The autotuner switching hierarchical allreduce on and off across hosts (the only
     // setting left to it).
     trials.push(multinode_trial("autotune_hierarchical", || {

@@ -275,3 +275,47 @@ pub(crate) fn reducescatter(k: &Kolo) -> Result<()> {
     }
     Ok(())
 }
+
+/// Across hosts with `KOLO_HIERARCHICAL_ALLGATHER=1`: the allgather cases above, and
+/// large gathers whose sizes differ per rank (odd, one empty, shares of a host's
+/// block not aligned to ranks), each element checked; the same bytes as flat.
+pub(crate) fn hierarchical_allgather(k: &Kolo) -> Result<()> {
+    allgather(k)?;
+    crate::fusion::allgather_async(k)?;
+    let (rank, size) = (k.rank(), k.size());
+    for (round, base) in [1usize, 3, 77_777, 300_001].into_iter().enumerate() {
+        let rows = |r: usize| {
+            if r == 1 && round == 2 {
+                0
+            } else {
+                base + r * 13
+            }
+        };
+        let value = |r: usize, i: usize| ((r * 7_919 + i * 31 + round) % 65_521) as f32;
+        let mine: Vec<f32> = (0..rows(rank)).map(|i| value(rank, i)).collect();
+        let got: Vec<f32> = k
+            .allgather(
+                format!("hag.{round}"),
+                Tensor::from_vec(mine, &[rows(rank)])?,
+            )
+            .wait()?
+            .into_vec()?;
+        let want: Vec<f32> = (0..size)
+            .flat_map(|r| (0..rows(r)).map(move |i| value(r, i)))
+            .collect();
+        ensure!(
+            got.len() == want.len(),
+            "hag.{round}: {} elements, want {}",
+            got.len(),
+            want.len()
+        );
+        if let Some(i) = got.iter().zip(&want).position(|(g, w)| g != w) {
+            return Err(anyhow::anyhow!(
+                "hag.{round}: element {i} is {}, want {}",
+                got[i],
+                want[i]
+            ));
+        }
+    }
+    Ok(())
+}

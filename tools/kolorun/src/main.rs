@@ -115,6 +115,11 @@ struct Args {
     #[arg(long)]
     hierarchical_allreduce: bool,
 
+    /// Allgather within each host, then shares of each host's block across hosts,
+    /// then within each host again.
+    #[arg(long)]
+    hierarchical_allgather: bool,
+
     /// Seconds an engine may sit in one exchange or collective (a lost host, a
     /// partition) before the job is aborted (0: never; default 300).
     #[arg(long, value_name = "SECONDS", value_parser = non_negative_f64)]
@@ -197,6 +202,9 @@ fn kolo_env(a: &Args) -> Vec<(String, String)> {
     }
     if a.hierarchical_allreduce {
         set("HIERARCHICAL_ALLREDUCE", "1".into());
+    }
+    if a.hierarchical_allgather {
+        set("HIERARCHICAL_ALLGATHER", "1".into());
     }
     if let Some(s) = a.collective_timeout_seconds {
         set("COLLECTIVE_TIMEOUT_SECONDS", s.to_string());
@@ -725,6 +733,7 @@ mod tests {
             "--collective-timeout-seconds",
             "20",
             "--hierarchical-allreduce",
+            "--hierarchical-allgather",
             "./train",
             "--epochs",
             "3",
@@ -748,6 +757,8 @@ mod tests {
             line.contains("-x KOLO_COLLECTIVE_TIMEOUT_SECONDS=20"),
             "{line}"
         );
+        assert!(line.contains("-x KOLO_HIERARCHICAL_ALLREDUCE=1"), "{line}");
+        assert!(line.contains("-x KOLO_HIERARCHICAL_ALLGATHER=1"), "{line}");
         assert!(line.ends_with("./train --epochs 3"), "{line}");
         assert!(line.contains("-x RAYON_NUM_THREADS=3"), "{line}");
         assert!(!plan(&a, 4, false, "1", &[], &[])
