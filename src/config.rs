@@ -632,7 +632,7 @@ mod tests {
         ];
         assert_eq!(
             unknown_horovod(names.iter().map(|s| s.to_string())),
-            ["HOROVOD_GPU_OPERATIONS", "HOROVOD_CACHE_BYPASS"]
+            ["HOROVOD_CACHE_BYPASS", "HOROVOD_GPU_OPERATIONS"]
         );
     }
 
