@@ -42,6 +42,7 @@ pub struct Config {
     pub(crate) hierarchical_allreduce: bool,
     pub(crate) hierarchical_allreduce_explicit: bool,
     pub(crate) hierarchical_allgather: bool,
+    pub(crate) hierarchical_allgather_explicit: bool,
     pub(crate) autotune: bool,
     pub(crate) autotune_log: Option<PathBuf>,
     pub(crate) autotune_warmup_samples: usize,
@@ -75,6 +76,7 @@ impl Default for Config {
             hierarchical_allreduce: false,
             hierarchical_allreduce_explicit: false,
             hierarchical_allgather: false,
+            hierarchical_allgather_explicit: false,
             stall_check_disable: false,
             autotune: false,
             autotune_log: None,
@@ -184,6 +186,7 @@ impl Config {
         }
         if let Some((var, v)) = env.get("HIERARCHICAL_ALLGATHER") {
             c.hierarchical_allgather = parse_bool(&var, &v)?;
+            c.hierarchical_allgather_explicit = true;
         }
         if let Some((var, v)) = env.get("START_TIMEOUT") {
             c.start_timeout = parse_duration(&var, &v, 1.0, "seconds")?;
@@ -329,10 +332,11 @@ impl Config {
     /// result is the same bytes in the same rank order as the flat allgather, also
     /// when ranks are placed round-robin. Agreed like
     /// [`hierarchical_allreduce`](Self::hierarchical_allreduce): rank 0's choice, flat
-    /// with one warning on hosts with different numbers of ranks.
-    /// (`KOLO_HIERARCHICAL_ALLGATHER`, or Horovod's `HOROVOD_HIERARCHICAL_ALLGATHER`)
+    /// with one warning on hosts with different numbers of ranks; left unset, the
+    /// autotuner (when on) tries both. (`KOLO_HIERARCHICAL_ALLGATHER`, or Horovod's `HOROVOD_HIERARCHICAL_ALLGATHER`)
     pub fn hierarchical_allgather(mut self, on: bool) -> Self {
         self.hierarchical_allgather = on;
+        self.hierarchical_allgather_explicit = true;
         self
     }
 
@@ -343,7 +347,8 @@ impl Config {
     }
 
     /// Rank 0 tunes, at run time, whichever of the fusion threshold, the cycle time,
-    /// the response cache and hierarchical allreduce were not set explicitly
+    /// the response cache and hierarchical allreduce and allgather were not set
+    /// explicitly
     /// (hierarchical only where it can run: several hosts, the same number of ranks
     /// on each, more than one). (`KOLO_AUTOTUNE`)
     pub fn autotune(mut self, on: bool) -> Self {

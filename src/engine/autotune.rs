@@ -1,9 +1,9 @@
 //! The autotuner (KOLO_AUTOTUNE=1): rank 0 scores the engine's settings by allreduce
-//! bytes per second of wall time and searches fusion threshold, cycle time, response
-//! cache on/off and (where it can run) hierarchical allreduce on/off by Bayesian
-//! optimisation — a Gaussian process over the
-//! settings (normalised to [0, 1]) with expected improvement as the acquisition, as
-//! Horovod's autotuner does. Each new setting travels in rank 0's next cycle message
+//! and allgather bytes per second of wall time and searches fusion threshold, cycle
+//! time, response cache on/off and (where they can run) hierarchical allreduce and
+//! allgather on/off by Bayesian optimisation — a Gaussian process over the settings
+//! (normalised to [0, 1]) with expected improvement as the acquisition, as Horovod's
+//! autotuner does. Each new setting travels in rank 0's next cycle message
 //! and every rank applies it at the end of that same cycle.
 //!
 //! Sampling: a *step* is a cycle that ran allreduce work; a *sample* is
@@ -52,6 +52,8 @@ pub struct AutotuneState {
     pub cache_enabled: bool,
     /// Whether allreduce runs hierarchically across hosts.
     pub hierarchical_allreduce: bool,
+    /// Whether allgather runs hierarchically across hosts.
+    pub hierarchical_allgather: bool,
     /// Every change, in order, with the negotiation cycle it took effect after.
     pub changes: Vec<AutotuneChange>,
 }
@@ -70,6 +72,8 @@ pub struct AutotuneChange {
     pub cache_enabled: bool,
     /// Whether allreduce runs hierarchically across hosts.
     pub hierarchical_allreduce: bool,
+    /// Whether allgather runs hierarchically across hosts.
+    pub hierarchical_allgather: bool,
     /// The final settings.
     pub last: bool,
 }
@@ -83,6 +87,8 @@ pub(crate) struct Settings {
     pub(crate) cache: bool,
     /// Allreduce hierarchically (only ever on where it can run).
     pub(crate) hierarchical: bool,
+    /// Allgather hierarchically (likewise).
+    pub(crate) hierarchical_allgather: bool,
     /// The tuner is done: these are the settings it keeps.
     pub(crate) last: bool,
 }
@@ -100,14 +106,21 @@ struct Dims {
     cycle: bool,
     cache: bool,
     hierarchical: bool,
+    hierarchical_allgather: bool,
 }
 
 impl Dims {
     fn count(&self) -> usize {
-        [self.threshold, self.cycle, self.cache, self.hierarchical]
-            .into_iter()
-            .map(usize::from)
-            .sum()
+        [
+            self.threshold,
+            self.cycle,
+            self.cache,
+            self.hierarchical,
+            self.hierarchical_allgather,
+        ]
+        .into_iter()
+        .map(usize::from)
+        .sum()
     }
 }
 
@@ -218,6 +231,7 @@ impl Tuner {
             cycle: !config.cycle_time_explicit,
             cache: !config.cache_capacity_explicit,
             hierarchical: can_be_hierarchical && !config.hierarchical_allreduce_explicit,
+            hierarchical_allgather: can_be_hierarchical && !config.hierarchical_allgather_explicit,
         };
         if dims.count() == 0 {
             tracing::warn!("KOLO_AUTOTUNE: fusion threshold, cycle time, cache capacity and hierarchical allreduce are all set explicitly or fixed; nothing to tune");
@@ -302,6 +316,7 @@ impl Tuner {
                 cycle_time_us = s.cycle_time_us,
                 cache = s.cache,
                 hierarchical = s.hierarchical,
+                hierarchical_allgather = s.hierarchical_allgather,
                 score = best.0,
                 "autotune: done, keeping the best settings"
             );
@@ -318,7 +333,7 @@ impl Tuner {
     }
 
     fn point_of(&self, s: &Settings) -> Vec<f64> {
-        let mut x = Vec::with_capacity(4);
+        let mut x = Vec::with_capacity(5);
         if self.dims.threshold {
             x.push(threshold_to_x(s.fusion_threshold));
         }
@@ -330,6 +345,9 @@ impl Tuner {
         }
         if self.dims.hierarchical {
             x.push(if s.hierarchical { 1.0 } else { 0.0 });
+        }
+        if self.dims.hierarchical_allgather {
+            x.push(if s.hierarchical_allgather { 1.0 } else { 0.0 });
         }
         x
     }
@@ -348,6 +366,9 @@ impl Tuner {
         }
         if self.dims.hierarchical {
             s.hierarchical = it.next().copied().unwrap_or(0.0) >= 0.5;
+        }
+        if self.dims.hierarchical_allgather {
+            s.hierarchical_allgather = it.next().copied().unwrap_or(0.0) >= 0.5;
         }
         s
     }
@@ -402,11 +423,12 @@ impl Tuner {
         let (sample, s) = (self.sample, self.current);
         if let Some(f) = &mut self.log {
             let row = format!(
-                "{sample},{},{:.3},{},{},{score:.0},{kind}\n",
+                "{sample},{},{:.3},{},{},{},{score:.0},{kind}\n",
                 s.fusion_threshold,
                 s.cycle_time_us as f64 / 1000.0,
                 u8::from(s.cache),
-                u8::from(s.hierarchical)
+                u8::from(s.hierarchical),
+                u8::from(s.hierarchical_allgather)
             );
             if let Err(e) = f.write_all(row.as_bytes()).and_then(|()| f.flush()) {
                 tracing::warn!(error = %e, "cannot write the autotune log; stopping it");
@@ -418,7 +440,7 @@ impl Tuner {
 
 fn open_log(path: &Path) -> Option<File> {
     let header =
-        "sample,fusion_threshold_bytes,cycle_time_ms,cache_enabled,hierarchical_allreduce,score_bytes_per_s,kind\n";
+        "sample,fusion_threshold_bytes,cycle_time_ms,cache_enabled,hierarchical_allreduce,hierarchical_allgather,score_bytes_per_s,kind\n";
     match File::create(path).and_then(|mut f| f.write_all(header.as_bytes()).map(|()| f)) {
         Ok(f) => Some(f),
         Err(e) => {
@@ -452,6 +474,36 @@ mod tests {
         assert!(far > s);
     }
 
+    /// Each hierarchical shape is tuned only where it can run and when left unset.
+    #[test]
+    fn hierarchical_shapes_are_tuned_where_possible_unless_set() {
+        let fixed = Config::default()
+            .fusion_threshold_bytes(1 << 20)
+            .cycle_time(Duration::from_millis(1))
+            .cache_capacity(64)
+            .autotune(true);
+        let start = Settings {
+            fusion_threshold: 1 << 20,
+            cycle_time_us: 1000,
+            cache: true,
+            hierarchical: false,
+            hierarchical_allgather: false,
+            last: false,
+        };
+        let dims =
+            |c: &Config, possible: bool| Tuner::new(c, start, possible).map(|t| t.dims.count());
+        assert_eq!(dims(&fixed, true), Some(2));
+        assert_eq!(dims(&fixed, false), None, "one host: nothing left to tune");
+        let one = fixed.clone().hierarchical_allgather(false);
+        assert_eq!(dims(&one, true), Some(1));
+        let t = Tuner::new(&one, start, true).unwrap();
+        let on = t.settings_at(&[1.0]);
+        assert!(on.hierarchical && !on.hierarchical_allgather, "{on:?}");
+        assert_eq!(t.point_of(&on), [1.0]);
+        let neither = one.hierarchical_allreduce(true);
+        assert_eq!(dims(&neither, true), None);
+    }
+
     /// The tuner finds the peak of a known score function of the threshold alone.
     #[test]
     fn finds_the_best_threshold_of_a_synthetic_score() {
@@ -468,6 +520,7 @@ mod tests {
             cycle_time_us: 1000,
             cache: true,
             hierarchical: false,
+            hierarchical_allgather: false,
             last: false,
         };
         let mut t = Tuner::new(&config, start, false).unwrap();

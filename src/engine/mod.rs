@@ -86,6 +86,7 @@ pub(crate) fn run(
         cycle_time_us: u64::try_from(config.cycle_time.as_micros()).unwrap_or(u64::MAX),
         cache: agreed.cache_capacity > 0,
         hierarchical: hierarchy.on,
+        hierarchical_allgather: hierarchy.allgather_on,
         last: false,
     };
     let tuner = (agreed.autotune && topology.rank == 0)
@@ -100,6 +101,7 @@ pub(crate) fn run(
             cycle_time: config.cycle_time,
             cache_enabled: agreed.cache_capacity > 0,
             hierarchical_allreduce: hierarchy.on,
+            hierarchical_allgather: hierarchy.allgather_on,
             changes: Vec::new(),
         };
     }
@@ -192,11 +194,12 @@ struct Agreed {
     hierarchical_allgather: bool,
 }
 
-/// Whether allreduce runs hierarchically, and whether it could (what the autotuner
-/// may switch); the same on every rank.
+/// Whether allreduce and allgather run hierarchically, and whether they could (what
+/// the autotuner may switch); the same on every rank.
 #[derive(Debug, Clone, Copy)]
 struct HierarchyChoice {
     on: bool,
+    allgather_on: bool,
     possible: bool,
 }
 
@@ -251,12 +254,13 @@ fn agree(t: &mut dyn Transport, config: &Config) -> Result<(Agreed, HierarchyCho
             }
         }
     }
-    t.set_hierarchical_allgather(gather == Hierarchy::On);
     let choice = HierarchyChoice {
         on: reduce == Hierarchy::On,
+        allgather_on: gather == Hierarchy::On,
         possible: hierarchical(true, &topology, &per_host) == Hierarchy::On,
     };
     t.set_hierarchical_allreduce(choice.on);
+    t.set_hierarchical_allgather(choice.allgather_on);
     Ok((first, choice))
 }
 
@@ -295,21 +299,21 @@ fn hierarchical(requested: bool, t: &crate::transport::Topology, per_host: &[u64
     Hierarchy::On
 }
 
-/// Bytes an allreduce response reduces (what the autotuner scores).
-fn allreduce_bytes(r: &Response) -> u64 {
+/// Bytes an allreduce response reduces, or an allgather gathers (what the autotuner
+/// scores).
+fn tuned_bytes(r: &Response) -> u64 {
     let Response::Run(ready) = r else { return 0 };
-    if !matches!(
-        ready.kind,
-        request::OpKind::Allreduce | request::OpKind::GroupedAllreduce
-    ) {
-        return 0;
+    let bytes = |m: &RequestMeta| -> u64 {
+        m.tensors
+            .iter()
+            .map(|t| (t.shape.iter().product::<usize>() * t.dtype.size_of()) as u64)
+            .sum()
+    };
+    match ready.kind {
+        request::OpKind::Allreduce | request::OpKind::GroupedAllreduce => bytes(ready.first()),
+        request::OpKind::Allgather => ready.metas.iter().flatten().map(|m| bytes(m)).sum(),
+        _ => 0,
     }
-    ready
-        .first()
-        .tensors
-        .iter()
-        .map(|t| (t.shape.iter().product::<usize>() * t.dtype.size_of()) as u64)
-        .sum()
 }
 
 /// This rank's queue: requests accepted from framework threads and not yet finished.
@@ -518,7 +522,7 @@ impl Control {
 }
 
 impl Tuning {
-    /// Rank 0's tuner scores a cycle that reduced `reduced_bytes`; settings it
+    /// Rank 0's tuner scores a cycle that moved `reduced_bytes`; settings it
     /// proposes go to every rank in the next cycle.
     fn observe(&mut self, reduced_bytes: u64, cycle_start: Instant, now: Instant) {
         if let Some(tuner) = &mut self.tuner {
@@ -545,6 +549,7 @@ impl Tuning {
         state.cycle_time = s.cycle_time();
         state.cache_enabled = s.cache;
         state.hierarchical_allreduce = s.hierarchical;
+        state.hierarchical_allgather = s.hierarchical_allgather;
         state.finished |= s.last;
         state.changes.push(AutotuneChange {
             cycle,
@@ -552,6 +557,7 @@ impl Tuning {
             cycle_time: s.cycle_time(),
             cache_enabled: s.cache,
             hierarchical_allreduce: s.hierarchical,
+            hierarchical_allgather: s.hierarchical_allgather,
             last: s.last,
         });
     }
@@ -708,7 +714,7 @@ impl Engine {
             Negotiation::RankLeft(left) => return Ok(Some(left)),
             Negotiation::Ready { responses, tuning } => (responses, tuning),
         };
-        let reduced_bytes: u64 = responses.iter().map(allreduce_bytes).sum();
+        let reduced_bytes: u64 = responses.iter().map(tuned_bytes).sum();
         self.execute(responses);
         self.after_cycle(tuning, reduced_bytes, cycle_start);
         Ok(None)
@@ -749,8 +755,10 @@ impl Engine {
         let capacity = self.tuning.cache_capacity(&s);
         self.control.apply(&s, capacity, &mut self.inbox);
         self.config.cycle_time = s.cycle_time();
-        // The tuner only switches it where it can run (`HierarchyChoice::possible`).
+        // The tuner only switches these where they can run (`HierarchyChoice::possible`).
         self.transport.set_hierarchical_allreduce(s.hierarchical);
+        self.transport
+            .set_hierarchical_allgather(s.hierarchical_allgather);
         tracing::debug!(
             rank = self.inbox.rank,
             cycle = self.cycles,
@@ -758,6 +766,7 @@ impl Engine {
             cycle_time_us = s.cycle_time_us,
             cache = s.cache,
             hierarchical = s.hierarchical,
+            hierarchical_allgather = s.hierarchical_allgather,
             last = s.last,
             "autotune: settings applied"
         );
@@ -866,6 +875,7 @@ mod tuning_tests {
             cycle_time_us: 500,
             cache,
             hierarchical: false,
+            hierarchical_allgather: false,
             last,
         }
     }

@@ -523,6 +523,7 @@ fn multinode_faults() -> Vec<Trial> {
             ("KOLO_FUSION_THRESHOLD", "1048576"),
             ("KOLO_CYCLE_TIME", "1"),
             ("KOLO_CACHE_CAPACITY", "1024"),
+            ("KOLO_HIERARCHICAL_ALLGATHER", "0"),
         ];
         let run = harness::mpirun_hosts("autotune_hierarchical", Duration::from_secs(180), &env)?;
         run.succeeded("the autotuner switching hierarchical allreduce")?;

@@ -89,7 +89,7 @@ struct Args {
     timeline_mark_cycles: bool,
 
     /// Tune the fusion threshold, cycle time, response cache and (across hosts with
-    /// equal ranks per host) hierarchical allreduce at run time: those not set
+    /// equal ranks per host) hierarchical allreduce and allgather at run time: those not set
     /// explicitly.
     #[arg(long)]
     autotune: bool,
