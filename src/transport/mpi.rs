@@ -214,6 +214,71 @@ impl MpiTransport {
     }
 }
 
+/// `acc &= x`, word by word.
+fn and_into(acc: &mut [u64], x: &[u64]) {
+    for (a, b) in acc.iter_mut().zip(x) {
+        *a &= *b;
+    }
+}
+
+/// The tag of the cycle agreement's messages (the ring uses 7).
+const AGREE_TAG: c_int = 11;
+
+impl MpiTransport {
+    /// Sends `send` to and/or receives `recv` from `peer` (non-blocking, completed
+    /// together through [`MpiTransport::wait`], so the engine stays responsive).
+    fn swap_words(
+        &mut self,
+        call: &'static str,
+        peer: usize,
+        send: Option<&[u64]>,
+        recv: Option<&mut [u64]>,
+        idle: &mut dyn FnMut(Duration),
+    ) -> Result<()> {
+        let peer = count(call, peer)?;
+        let comm = self.comm();
+        let mut reqs = [null_request(), null_request()];
+        if let Some(buf) = recv {
+            let len = count(call, buf.len())?;
+            // SAFETY: `buf` outlives the request, which is completed below before
+            // this returns (also on error: `wait` is called for both requests).
+            check(call, unsafe {
+                ffi::MPI_Irecv(
+                    buf.as_mut_ptr().cast(),
+                    len,
+                    ffi::RSMPI_UINT64_T,
+                    peer,
+                    AGREE_TAG,
+                    comm,
+                    &mut reqs[0],
+                )
+            })?;
+        }
+        if let Some(buf) = send {
+            let len = count(call, buf.len())?;
+            // SAFETY: as for the receive.
+            let rc = unsafe {
+                ffi::MPI_Isend(
+                    buf.as_ptr().cast(),
+                    len,
+                    ffi::RSMPI_UINT64_T,
+                    peer,
+                    AGREE_TAG,
+                    comm,
+                    &mut reqs[1],
+                )
+            };
+            if let Err(e) = check(call, rc) {
+                self.wait(call, reqs[0], idle)?;
+                return Err(e);
+            }
+        }
+        let first = self.wait(call, reqs[0], idle);
+        let second = self.wait(call, reqs[1], idle);
+        first.and(second)
+    }
+}
+
 fn null_request() -> ffi::MPI_Request {
     // SAFETY: reading MPI's constant null request handle.
     unsafe { ffi::RSMPI_REQUEST_NULL }
@@ -659,22 +724,41 @@ impl Transport for MpiTransport {
         Ok(Some(Box::new(t)))
     }
 
+    /// The AND of every rank's words by recursive doubling over point-to-point
+    /// messages (log2(n) rounds; ranks beyond the largest power of two fold their
+    /// words into a partner first and get the result back last). Open MPI's
+    /// MPI_Iallreduce, which this replaced, took 57 µs per cycle's agreement across
+    /// two emulated hosts against 41–48 µs for a blocking allreduce; point-to-point
+    /// messages keep the wait non-blocking (idle callbacks, abort checks) at about
+    /// the blocking cost.
     fn agree_bits(&mut self, words: &mut [u64], idle: &mut dyn FnMut(Duration)) -> Result<()> {
-        const CALL: &str = "MPI_Iallreduce";
-        let mut req = null_request();
-        // SAFETY: `words` outlives the request, which `wait` completes.
-        check(CALL, unsafe {
-            ffi::MPI_Iallreduce(
-                kolo_mpi_in_place(),
-                words.as_mut_ptr().cast(),
-                count(CALL, words.len())?,
-                ffi::RSMPI_UINT64_T,
-                ffi::RSMPI_BAND,
-                self.comm(),
-                &mut req,
-            )
-        })?;
-        self.wait(CALL, req, idle)
+        const CALL: &str = "MPI_Isend/MPI_Irecv (cycle agreement)";
+        let (n, me) = (self.topology.size, self.topology.rank);
+        if n == 1 {
+            return Ok(());
+        }
+        let p = 1usize << (usize::BITS - 1 - n.leading_zeros());
+        let mut theirs = vec![0u64; words.len()];
+        if me >= p {
+            self.swap_words(CALL, me - p, Some(words), None, idle)?;
+            return self.swap_words(CALL, me - p, None, Some(words), idle);
+        }
+        if me + p < n {
+            self.swap_words(CALL, me + p, None, Some(&mut theirs), idle)?;
+            and_into(words, &theirs);
+        }
+        let mut mask = 1;
+        while mask < p {
+            let peer = me ^ mask;
+            let mine = words.to_vec();
+            self.swap_words(CALL, peer, Some(&mine), Some(&mut theirs), idle)?;
+            and_into(words, &theirs);
+            mask <<= 1;
+        }
+        if me + p < n {
+            self.swap_words(CALL, me + p, Some(words), None, idle)?;
+        }
+        Ok(())
     }
 
     fn set_hierarchical_allreduce(&mut self, on: bool) {
