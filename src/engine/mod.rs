@@ -34,7 +34,7 @@ use control::Negotiation;
 use fusion::FusionBuffer;
 use negotiate::{Negotiator, Response};
 use queue::Queue;
-use request::{Command, Key, Request, RequestMeta};
+use request::{Command, Key, RequestMeta};
 use stall::StallInspector;
 use timeline::Timeline;
 
@@ -322,7 +322,7 @@ struct Inbox {
     /// The commands last taken from the queue (a buffer swapped with the queue's).
     taken: Vec<Command>,
     /// Requests by negotiation key, waiting to be negotiated or run.
-    pending: FxHashMap<Key, Request>,
+    pending: respond::Pending,
     /// Keys of the requests to announce in full in the next cycle (their requests are
     /// in `pending`; copied only if they really go out in full).
     outgoing: Vec<Key>,

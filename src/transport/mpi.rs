@@ -45,11 +45,10 @@ pub(crate) struct MpiTransport {
     cross: SimpleCommunicator,
     /// Allreduce hierarchically (set once at start, the same on every rank).
     hierarchical: bool,
-    /// Allgather hierarchically, over `hosts` (set once at start, the same on every
-    /// rank).
-    hierarchical_allgather: Option<Hosts>,
-    /// Every rank's host (its lowest rank).
-    hosts: Vec<c_int>,
+    /// Allgather hierarchically (set once at start, the same on every rank).
+    hierarchical_allgather: bool,
+    /// The ranks of every host.
+    hosts: Hosts,
     /// The ring allreduce's reused segment buffers.
     ring_scratch: Vec<u8>,
     /// The hierarchical allreduce's reused shard.
@@ -142,8 +141,9 @@ impl MpiTransport {
         local.process_at_rank(0).broadcast_into(&mut host);
         let mut hosts = vec![0 as c_int; size];
         parent.all_gather_into(&host, &mut hosts[..]);
-        let (ring, ring_pos) = ring_order(&hosts, rank);
-        let multi_host = hosts.iter().any(|&h| h != hosts[0]);
+        let hosts = Hosts::of(&hosts);
+        let (ring, ring_pos) = hosts.ring(rank);
+        let multi_host = hosts.members.len() > 1;
         tracing::debug!(
             rank,
             ?ring,
@@ -157,7 +157,7 @@ impl MpiTransport {
             local,
             cross,
             hierarchical: false,
-            hierarchical_allgather: None,
+            hierarchical_allgather: false,
             hosts,
             ring_scratch: Vec::new(),
             shard_scratch: Vec::new(),
@@ -508,17 +508,6 @@ const RING_SEGMENT_BYTES: usize = 256 << 10;
 /// network keeps receiving while a segment is summed.
 const RING_WINDOW: usize = 4;
 
-/// The ring's order from every rank's host name (`hosts[r]`, any value shared by
-/// the ranks of one host): ranks grouped by host, hosts in order of first appearance,
-/// and `rank`'s position in it.
-fn ring_order(hosts: &[c_int], rank: usize) -> (Vec<usize>, usize) {
-    let mut ring: Vec<usize> = (0..hosts.len()).collect();
-    let first = |h: c_int| hosts.iter().position(|&x| x == h).unwrap_or(0);
-    ring.sort_by_key(|&r| (first(hosts[r]), r));
-    let pos = ring.iter().position(|&r| r == rank).unwrap_or(0);
-    (ring, pos)
-}
-
 /// Non-blocking requests of one ring step, completed together.
 struct Requests(Vec<ffi::MPI_Request>);
 
@@ -749,9 +738,9 @@ impl Transport for MpiTransport {
         }
         let mut mask = 1;
         while mask < p {
-            let peer = me ^ mask;
-            let mine = words.to_vec();
-            self.swap_words(CALL, peer, Some(&mine), Some(&mut theirs), idle)?;
+            // `swap_words` completes the send before returning, so `words` is only
+            // changed once the peer has it.
+            self.swap_words(CALL, me ^ mask, Some(words), Some(&mut theirs), idle)?;
             and_into(words, &theirs);
             mask <<= 1;
         }
@@ -766,7 +755,7 @@ impl Transport for MpiTransport {
     }
 
     fn set_hierarchical_allgather(&mut self, on: bool) {
-        self.hierarchical_allgather = on.then(|| Hosts::of(&self.hosts));
+        self.hierarchical_allgather = on;
     }
 
     fn allreduce(&mut self, buf: &mut [u8], dtype: DType, op: ReduceOp) -> Result<()> {
@@ -795,10 +784,10 @@ impl Transport for MpiTransport {
         counts_: &[usize],
         dtype: DType,
     ) -> Result<()> {
-        if let Some(hosts) = &self.hierarchical_allgather {
+        if self.hierarchical_allgather {
             let (local, cross) = self.levels();
             let mut scratch = std::mem::take(&mut self.shard_scratch);
-            let result = hosts.allgatherv(
+            let result = self.hosts.allgatherv(
                 local,
                 cross,
                 self.topology.rank,
@@ -1000,16 +989,18 @@ fn ring_allreduce(
     })()
 }
 
-/// The ranks of each host, for the hierarchical allgather: `members[h]` lists host
-/// `h`'s ranks in local-rank order (ascending, as `split_shared` keys by rank), hosts
-/// in order of their lowest rank. Only built when every host has the same number of
-/// ranks.
+/// The ranks of each host: `members[h]` lists host `h`'s ranks in local-rank order
+/// (ascending, as `split_shared` keys by rank), hosts in order of their lowest rank.
+/// They order the ring, and lay out the hierarchical allgather (which runs only when
+/// every host has the same number of ranks).
 #[derive(Debug, Clone, PartialEq)]
 struct Hosts {
     members: Vec<Vec<usize>>,
 }
 
 impl Hosts {
+    /// The hosts from every rank's host name (`hosts[r]`, any value shared by the
+    /// ranks of one host).
     fn of(hosts: &[c_int]) -> Hosts {
         let mut members: Vec<Vec<usize>> = Vec::new();
         let mut ids: Vec<c_int> = Vec::new();
@@ -1023,6 +1014,14 @@ impl Hosts {
             }
         }
         Hosts { members }
+    }
+
+    /// The ring's order (ranks grouped by host, so that a round-robin placement
+    /// crosses each host boundary once) and `rank`'s position in it.
+    fn ring(&self, rank: usize) -> (Vec<usize>, usize) {
+        let ring = self.members.concat();
+        let pos = ring.iter().position(|&r| r == rank).unwrap_or(0);
+        (ring, pos)
     }
 
     /// The host and local rank of `rank`.
@@ -1263,16 +1262,16 @@ mod tests {
     #[test]
     fn the_ring_visits_hosts_one_after_another() {
         // Ranks placed round-robin over two hosts (named by their lowest rank).
-        assert_eq!(ring_order(&[0, 1, 0, 1], 1), (vec![0, 2, 1, 3], 2));
-        assert_eq!(ring_order(&[0, 1, 0, 1], 2), (vec![0, 2, 1, 3], 1));
+        assert_eq!(Hosts::of(&[0, 1, 0, 1]).ring(1), (vec![0, 2, 1, 3], 2));
+        assert_eq!(Hosts::of(&[0, 1, 0, 1]).ring(2), (vec![0, 2, 1, 3], 1));
         // Filled host by host: the ring is the rank order.
-        assert_eq!(ring_order(&[0, 0, 2, 2], 3), (vec![0, 1, 2, 3], 3));
+        assert_eq!(Hosts::of(&[0, 0, 2, 2]).ring(3), (vec![0, 1, 2, 3], 3));
         // Uneven hosts, three of them.
         assert_eq!(
-            ring_order(&[0, 1, 2, 0, 1, 0], 4),
+            Hosts::of(&[0, 1, 2, 0, 1, 0]).ring(4),
             (vec![0, 3, 5, 1, 4, 2], 4)
         );
-        assert_eq!(ring_order(&[7], 0), (vec![0], 0));
+        assert_eq!(Hosts::of(&[7]).ring(0), (vec![0], 0));
     }
 
     #[test]

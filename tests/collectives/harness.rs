@@ -160,21 +160,12 @@ pub(crate) fn mpirun_hosts(
     timeout: Duration,
     extra_env: &[(&str, &str)],
 ) -> Result<Run, String> {
-    mpirun_hosts_np(case, 4, timeout, extra_env)
+    mpirun_hosts_args(case, &["-np", "4"], timeout, extra_env)
 }
 
-/// [`mpirun_hosts`] with `np` ranks (filling h1's 2 slots first).
-pub(crate) fn mpirun_hosts_np(
-    case: &str,
-    np: usize,
-    timeout: Duration,
-    extra_env: &[(&str, &str)],
-) -> Result<Run, String> {
-    mpirun_hosts_args(case, &["-np", &np.to_string()], timeout, extra_env)
-}
-
-/// [`mpirun_hosts`] with these mpirun arguments (e.g. `-np 4 --map-by node`, which
-/// places ranks round-robin: 0 and 2 on h1, 1 and 3 on h2).
+/// [`mpirun_hosts`] with these mpirun arguments (e.g. `-np 3`, filling h1's 2 slots
+/// first, or `-np 4 --map-by node`, which places ranks round-robin: 0 and 2 on h1, 1
+/// and 3 on h2).
 pub(crate) fn mpirun_hosts_args(
     case: &str,
     args: &[&str],

@@ -422,31 +422,61 @@ fn multinode_faults() -> Vec<Trial> {
         eprintln!("multinode partition: the job ended {ended_after:?} after h2 was cut off");
         Ok(())
     });
-    // kolorun end to end: inherited single-machine settings are dropped (with a note),
-    // the environment reaches h2's ranks, the topology is right.
     // Hierarchical allreduce at 2 hosts × 2 ranks (and the check that it ran), and
     // the flat fallback with one warning at 2 + 1 ranks; the same case flat for
     // comparison.
-    let hier_env: &[(&str, &str)] = &[
+    let reduce_env: &[(&str, &str)] = &[
         ("KOLO_HIERARCHICAL_ALLREDUCE", "1"),
         ("KOLO_LOG_LEVEL", "debug"),
     ];
+    // Hierarchical allgather: packed and round-robin placement (the host's ranks are
+    // not contiguous, so the blocks must be laid out again in rank order), and the
+    // flat fallback on uneven hosts.
+    let gather_env: &[(&str, &str)] = &[
+        ("KOLO_HIERARCHICAL_ALLGATHER", "1"),
+        ("KOLO_LOG_LEVEL", "debug"),
+    ];
     let mut trials = Vec::new();
-    for (name, np, expect) in [
-        ("hierarchical_allreduce", 4, "hierarchical allreduce on"),
+    // (trial, case, mpirun arguments, environment, a line said exactly once)
+    for (name, case, args, env, expect) in [
+        (
+            "hierarchical_allreduce",
+            "hierarchical_allreduce",
+            &["-np", "4"][..],
+            reduce_env,
+            "hierarchical allreduce on",
+        ),
         (
             "hierarchical_uneven_hosts",
-            3,
+            "hierarchical_allreduce",
+            &["-np", "3"][..],
+            reduce_env,
             "hosts have different numbers of ranks (1, 2): allreduce stays flat",
+        ),
+        (
+            "hierarchical_allgather",
+            "hierarchical_allgather",
+            &["-np", "4"][..],
+            gather_env,
+            "hierarchical allgather on",
+        ),
+        (
+            "hierarchical_allgather_round_robin",
+            "hierarchical_allgather",
+            &["-np", "4", "--map-by", "node"][..],
+            gather_env,
+            "hierarchical allgather on",
+        ),
+        (
+            "hierarchical_allgather_uneven_hosts",
+            "hierarchical_allgather",
+            &["-np", "3"][..],
+            gather_env,
+            "hosts have different numbers of ranks (1, 2): allgather stays flat",
         ),
     ] {
         trials.push(multinode_trial(name, move || {
-            let run = harness::mpirun_hosts_np(
-                "hierarchical_allreduce",
-                np,
-                Duration::from_secs(180),
-                hier_env,
-            )?;
+            let run = harness::mpirun_hosts_args(case, args, Duration::from_secs(180), env)?;
             run.succeeded(name)?;
             if run.output.matches(expect).count() != 1 {
                 return Err(
@@ -472,46 +502,6 @@ fn multinode_faults() -> Vec<Trial> {
         }
         Ok(())
     }));
-    // Hierarchical allgather: packed and round-robin placement (the host's ranks are
-    // not contiguous, so the blocks must be laid out again in rank order), and the
-    // flat fallback on uneven hosts.
-    let gather_env: &[(&str, &str)] = &[
-        ("KOLO_HIERARCHICAL_ALLGATHER", "1"),
-        ("KOLO_LOG_LEVEL", "debug"),
-    ];
-    for (name, args, expect) in [
-        (
-            "hierarchical_allgather",
-            &["-np", "4"][..],
-            "hierarchical allgather on",
-        ),
-        (
-            "hierarchical_allgather_round_robin",
-            &["-np", "4", "--map-by", "node"][..],
-            "hierarchical allgather on",
-        ),
-        (
-            "hierarchical_allgather_uneven_hosts",
-            &["-np", "3"][..],
-            "hosts have different numbers of ranks (1, 2): allgather stays flat",
-        ),
-    ] {
-        trials.push(multinode_trial(name, move || {
-            let run = harness::mpirun_hosts_args(
-                "hierarchical_allgather",
-                args,
-                Duration::from_secs(180),
-                gather_env,
-            )?;
-            run.succeeded(name)?;
-            if run.output.matches(expect).count() != 1 {
-                return Err(
-                    format!("{name}: {expect:?} not said exactly once:\n{}", run.output).into(),
-                );
-            }
-            Ok(())
-        }));
-    }
     // The autotuner switching hierarchical allreduce on and off across hosts (the only
     // setting left to it).
     trials.push(multinode_trial("autotune_hierarchical", || {
@@ -536,6 +526,8 @@ fn multinode_faults() -> Vec<Trial> {
         let run = harness::mpirun_hosts("hierarchical_allreduce", Duration::from_secs(180), &[])?;
         Ok(run.succeeded("the flat run")?)
     }));
+    // kolorun end to end: inherited single-machine settings are dropped (with a note),
+    // the environment reaches h2's ranks, the topology is right.
     let kolorun = multinode_trial("kolorun_topology", || {
         let env = [
             ("OMPI_MCA_btl", "self,vader"),
