@@ -92,6 +92,29 @@ fn on_every_rank<T: Send>(ranks: &[Kolo], f: impl Fn(usize, &Kolo) -> T + Sync) 
     })
 }
 
+/// Runs `f(rank, transport)` for each rank of an in-process job of `size` on its own
+/// thread, under the watchdog, and returns the results in rank order: for unit tests
+/// of one engine part at a time over the loopback transport.
+pub(crate) fn on_loopback_ranks<T: Send>(
+    size: usize,
+    f: impl Fn(usize, Loopback) -> T + Sync,
+) -> Vec<T> {
+    let _watchdog = Watchdog::new("running the loopback ranks");
+    std::thread::scope(|s| {
+        let hs: Vec<_> = Loopback::job(size)
+            .into_iter()
+            .enumerate()
+            .map(|(r, end)| {
+                let f = &f;
+                s.spawn(move || f(r, end))
+            })
+            .collect();
+        hs.into_iter()
+            .map(|h| h.join().unwrap_or_else(|_| panic!("a rank panicked")))
+            .collect()
+    })
+}
+
 /// A small deterministic generator (xorshift) for schedules.
 struct Rng(u64);
 

@@ -276,6 +276,7 @@ mod tests {
     use crate::engine::{Agreed, Inbox};
     use crate::error::Error;
     use crate::handle::{self, Handle, PendingNames};
+    use crate::loopback_tests::on_loopback_ranks;
     use crate::tensor::{DType, Tensor};
     use crate::transport::loopback::Loopback;
     use crate::transport::Transport;
@@ -352,17 +353,7 @@ mod tests {
     /// Runs `script` on each rank of an in-process job of two, each with its own
     /// negotiation state.
     fn two_ranks<T: Send>(cache: usize, script: impl Fn(&mut Rank) -> T + Sync) -> Vec<T> {
-        let ends = Loopback::job(2);
-        std::thread::scope(|s| {
-            let runs: Vec<_> = ends
-                .into_iter()
-                .map(|t| {
-                    let script = &script;
-                    s.spawn(move || script(&mut Rank::new(t, cache)))
-                })
-                .collect();
-            runs.into_iter().map(|h| h.join().unwrap()).collect()
-        })
+        on_loopback_ranks(2, |_, t| script(&mut Rank::new(t, cache)))
     }
 
     fn keys(ready: &[(String, Vec<usize>)]) -> Vec<&str> {

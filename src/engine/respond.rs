@@ -300,6 +300,7 @@ mod tests {
     use crate::engine::request::{OpKind, Request, RequestMeta};
     use crate::error::Error;
     use crate::handle::{self, Handle, PendingNames};
+    use crate::loopback_tests::on_loopback_ranks;
     use crate::tensor::{DType, Tensor};
     use crate::transport::loopback::Loopback;
     use crate::vocab::ReduceOp;
@@ -344,22 +345,6 @@ mod tests {
         h.wait().unwrap().into_vec::<f32>().unwrap()
     }
 
-    /// Runs `f(rank, transport)` on each rank of an in-process job of `size`.
-    fn on_ranks<T: Send>(size: usize, f: impl Fn(usize, &mut Loopback) -> T + Sync) -> Vec<T> {
-        let ends = Loopback::job(size);
-        std::thread::scope(|s| {
-            let runs: Vec<_> = ends
-                .into_iter()
-                .enumerate()
-                .map(|(r, mut end)| {
-                    let f = &f;
-                    s.spawn(move || f(r, &mut end))
-                })
-                .collect();
-            runs.into_iter().map(|h| h.join().unwrap()).collect()
-        })
-    }
-
     #[test]
     fn fused_and_single_responses_give_the_same_sums_and_complete_every_handle() {
         let (a, b, c) = (
@@ -368,7 +353,8 @@ mod tests {
             meta("c", OpKind::Allgather, 2),
         );
         for threshold in [0, 1 << 20] {
-            let out = on_ranks(2, |rank, t| {
+            let out = on_loopback_ranks(2, |rank, mut t| {
+                let t = &mut t;
                 let mut exec = Executor::new(rank, false, Duration::ZERO);
                 let mut pending = Pending::default();
                 let x = rank as f32;
@@ -398,7 +384,8 @@ mod tests {
             meta("a", OpKind::Allreduce, 2),
             meta("b", OpKind::Allreduce, 1),
         );
-        let out = on_ranks(2, |rank, t| {
+        let out = on_loopback_ranks(2, |rank, mut t| {
+            let t = &mut t;
             let mut exec = Executor::new(rank, false, Duration::ZERO);
             let mut pending = Pending::default();
             let ha = submit(&mut pending, &a, &[1.0, 2.0]);
