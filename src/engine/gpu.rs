@@ -9,6 +9,7 @@
 
 use std::collections::VecDeque;
 use std::sync::Arc;
+use std::time::Duration;
 
 use cudarc::driver::{result as cu, CudaEvent, CudaSlice, CudaStream, DevicePtr};
 
@@ -50,9 +51,28 @@ pub(super) struct Gpu {
     /// Completion events whose ops have finished, for reuse (creating one per op
     /// costs a driver call).
     spare_events: Vec<CudaEvent>,
+    /// How long NCCL may take to create the communicator or to finish a call that
+    /// returned `ncclInProgress` (None: [`nccl_timeout`] of the default).
+    nccl_timeout: Option<Duration>,
+}
+
+/// NCCL's limit for a collective timeout of `collective`: half of it, so that a rank
+/// whose NCCL never comes up is named before the watchdog ends the job; 150 s when
+/// the collective timeout is off (0).
+pub(super) fn nccl_timeout(collective: Duration) -> Duration {
+    if collective.is_zero() {
+        Duration::from_secs(150)
+    } else {
+        collective / 2
+    }
 }
 
 impl Gpu {
+    /// Bounds NCCL's setup and calls by [`nccl_timeout`] of `collective_timeout`.
+    pub(super) fn set_timeout(&mut self, collective_timeout: Duration) {
+        self.nccl_timeout = Some(nccl_timeout(collective_timeout));
+    }
+
     /// Whether ops are still running on the device.
     pub(super) fn busy(&self) -> bool {
         !self.inflight.is_empty()
@@ -211,7 +231,10 @@ impl Gpu {
                 Some(i) => i,
                 None => mpi.topology().local_rank % device::device_count()?.max(1),
             };
-            self.nccl = Some(Nccl::connect(mpi, ordinal)?);
+            let timeout = self
+                .nccl_timeout
+                .unwrap_or_else(|| nccl_timeout(Duration::ZERO));
+            self.nccl = Some(Nccl::connect(mpi, ordinal, timeout)?);
         }
         let nccl = self
             .nccl

@@ -141,6 +141,8 @@ pub(crate) fn run(
             .and_then(|v| v.parse::<usize>().ok())
             == Some(topology.rank),
     };
+    #[cfg(feature = "nccl")]
+    engine.exec.gpu.set_timeout(config_timeout);
     if let Some(path) = engine
         .config
         .timeline

@@ -10,6 +10,7 @@
 use std::ffi::c_void;
 use std::mem::MaybeUninit;
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use cudarc::driver::{CudaContext, CudaStream};
 use cudarc::nccl::{result as nccl, sys};
@@ -137,12 +138,23 @@ pub(crate) struct Nccl {
     stream: Arc<CudaStream>,
     rank: usize,
     size: usize,
+    /// How long a call that returned `ncclInProgress` may take.
+    timeout: Duration,
 }
 
 impl Nccl {
     /// Creates the communicator on device `ordinal`; collective over `mpi` (every rank
     /// must call it at the same point, which the engine's global order guarantees).
-    pub(crate) fn connect(mpi: &mut dyn Transport, ordinal: usize) -> Result<Nccl> {
+    ///
+    /// The communicator is non-blocking: its creation, and any NCCL call that cannot
+    /// finish at once (connections are made at the first collective), is polled for at
+    /// most `timeout`; past it the communicator is aborted and the op fails, so a rank
+    /// whose NCCL never comes up does not leave the others stuck inside NCCL.
+    pub(crate) fn connect(
+        mpi: &mut dyn Transport,
+        ordinal: usize,
+        timeout: Duration,
+    ) -> Result<Nccl> {
         let topo = mpi.topology();
         let local = Self::prepare(ordinal, topo.rank == 0);
         let setup = match &local {
@@ -170,15 +182,38 @@ impl Nccl {
             *dst = src as std::ffi::c_char;
         }
         let id = sys::ncclUniqueId { internal };
-        let mut comm = MaybeUninit::uninit();
         let rank = i32::try_from(topo.rank).map_err(|_| Error::Internal("rank > i32".into()))?;
         let size = i32::try_from(topo.size).map_err(|_| Error::Internal("size > i32".into()))?;
-        // SAFETY: `comm` is written by NCCL on success; every rank calls this with the
-        // same id and size, each with its own rank.
-        let comm = unsafe {
-            nccl::comm_init_rank(comm.as_mut_ptr(), size, id, rank)
-                .map_err(nccl_err("ncclCommInitRank"))?;
-            comm.assume_init()
+        let started = init_comm(id, size, rank, timeout);
+        // Whatever happened here, every rank learns what happened everywhere, so that a
+        // rank whose init failed is named on all of them (the others' inits could only
+        // time out waiting for it).
+        let outcome: std::result::Result<(), String> = match &started {
+            Ok(_) => Ok(()),
+            Err(e) => Err(e.to_string()),
+        };
+        let bytes = postcard::to_stdvec(&outcome)
+            .map_err(|e| Error::Internal(format!("encoding NCCL init outcome: {e}")))?;
+        let all = mpi.exchange(&bytes, &mut |_| {})?;
+        let outcomes = all
+            .iter()
+            .map(|b| postcard::from_bytes::<std::result::Result<(), String>>(b))
+            .collect::<std::result::Result<Vec<_>, _>>()
+            .map_err(|e| Error::Internal(format!("decoding NCCL init outcome: {e}")))?;
+        let comm = match (started, init_verdict(&outcomes)) {
+            (Ok(comm), Ok(())) => comm,
+            (started, verdict) => {
+                if let Ok(comm) = started {
+                    // SAFETY: a finished communicator no op has used; another rank's
+                    // failed, so it is never used.
+                    if let Err(e) = unsafe { nccl::comm_abort(comm) } {
+                        tracing::warn!(error = ?e, "ncclCommAbort failed");
+                    }
+                }
+                return Err(verdict.err().unwrap_or_else(|| {
+                    Error::Internal("NCCL init failed here but every rank reported success".into())
+                }));
+            }
         };
         tracing::debug!(rank = topo.rank, ordinal, "NCCL communicator ready");
         Ok(Nccl {
@@ -186,6 +221,7 @@ impl Nccl {
             stream,
             rank: topo.rank,
             size: topo.size,
+            timeout,
         })
     }
 
@@ -305,7 +341,7 @@ impl Nccl {
             )
         };
         self.release_op(custom)?;
-        r.map(|_| ()).map_err(nccl_err("ncclAllReduce"))
+        self.settle("ncclAllReduce", r)
     }
 
     /// Broadcast of `count` elements at `buf` from `root`.
@@ -322,7 +358,7 @@ impl Nccl {
         let ptr = buf as *mut c_void;
         let root = i32::try_from(root).map_err(|_| Error::Internal("root > i32".into()))?;
         // SAFETY: the caller's contract.
-        unsafe {
+        let r = unsafe {
             nccl::broadcast(
                 ptr,
                 ptr,
@@ -332,9 +368,8 @@ impl Nccl {
                 self.comm,
                 self.cu_stream(),
             )
-        }
-        .map(|_| ())
-        .map_err(nccl_err("ncclBroadcast"))
+        };
+        self.settle("ncclBroadcast", r)
     }
 
     /// Rank `r` contributes `counts[r]` elements (`send`); `recv` gets them
@@ -476,9 +511,163 @@ impl Nccl {
     pub(crate) fn group(&self, calls: impl FnOnce() -> Result<()>) -> Result<()> {
         nccl::group_start().map_err(nccl_err("ncclGroupStart"))?;
         let r = calls();
-        let end = nccl::group_end().map_err(nccl_err("ncclGroupEnd"));
-        r.and(end.map(|_| ()))
+        let end = self.settle("ncclGroupEnd", nccl::group_end());
+        r.and(end)
     }
+
+    /// The outcome of a call on this (non-blocking) communicator: a call that returned
+    /// `ncclInProgress` is polled until it has finished, for at most the timeout.
+    fn settle(&self, call: &'static str, r: NcclResult) -> Result<()> {
+        match r {
+            Ok(nccl::NcclStatus::InProgress) => wait_for(self.comm, call, self.timeout),
+            Ok(_) => Ok(()),
+            Err(e) => Err(nccl_err(call)(e)),
+        }
+    }
+}
+
+/// What cudarc's NCCL calls return.
+type NcclResult = std::result::Result<nccl::NcclStatus, nccl::NcclError>;
+
+/// NCCL's `ncclConfig_t` as NCCL 2.17 defined it: the fields every later version
+/// starts with. `version` tells a newer library to give the fields it added their
+/// defaults, and `size` to read no further, so this works with any NCCL from 2.17 on
+/// whatever cudarc's bindings were generated from.
+#[repr(C)]
+struct ConfigV217 {
+    size: usize,
+    magic: std::ffi::c_uint,
+    version: std::ffi::c_uint,
+    blocking: std::ffi::c_int,
+    cga_cluster_size: std::ffi::c_int,
+    min_ctas: std::ffi::c_int,
+    max_ctas: std::ffi::c_int,
+    net_name: *const std::ffi::c_char,
+    split_share: std::ffi::c_int,
+}
+
+impl ConfigV217 {
+    /// `NCCL_CONFIG_INITIALIZER` with `blocking = 0`.
+    fn non_blocking() -> Self {
+        const UNDEF: std::ffi::c_int = std::ffi::c_int::MIN;
+        ConfigV217 {
+            size: std::mem::size_of::<ConfigV217>(),
+            magic: 0xcafe_beef,
+            // NCCL_VERSION(2, 17, 0)
+            version: 2 * 10_000 + 17 * 100,
+            blocking: 0,
+            cga_cluster_size: UNDEF,
+            min_ctas: UNDEF,
+            max_ctas: UNDEF,
+            net_name: std::ptr::null(),
+            split_share: UNDEF,
+        }
+    }
+}
+
+/// Creates this rank's communicator without blocking and waits at most `timeout` for
+/// it; on failure or timeout the half-made communicator is aborted.
+fn init_comm(
+    id: sys::ncclUniqueId,
+    size: i32,
+    rank: i32,
+    timeout: Duration,
+) -> Result<sys::ncclComm_t> {
+    let mut config = ConfigV217::non_blocking();
+    let mut comm: sys::ncclComm_t = std::ptr::null_mut();
+    // SAFETY: `comm` is written by NCCL (also when the init continues in the
+    // background); `config` is a valid NCCL 2.17 config, read during the call. Every
+    // rank calls this with the same id and size, each with its own rank.
+    let r = unsafe {
+        nccl::comm_init_rank_config(
+            &mut comm,
+            size,
+            id,
+            rank,
+            (&mut config as *mut ConfigV217).cast::<sys::ncclConfig_t>(),
+        )
+    };
+    let waited = match r {
+        Ok(nccl::NcclStatus::InProgress) => wait_for(comm, "ncclCommInitRankConfig", timeout),
+        Ok(_) => Ok(()),
+        Err(e) => Err(nccl_err("ncclCommInitRankConfig")(e)),
+    };
+    match waited {
+        Ok(()) => Ok(comm),
+        Err(e) => {
+            if !comm.is_null() {
+                // SAFETY: a communicator whose creation failed or is abandoned; never
+                // used after this.
+                if let Err(abort) = unsafe { nccl::comm_abort(comm) } {
+                    tracing::warn!(error = ?abort, "ncclCommAbort failed");
+                }
+            }
+            Err(e)
+        }
+    }
+}
+
+/// Polls `comm` until the call that returned `ncclInProgress` has finished; an error
+/// when it fails or is still running after `timeout`.
+fn wait_for(comm: sys::ncclComm_t, call: &'static str, timeout: Duration) -> Result<()> {
+    let start = Instant::now();
+    let mut pause = Duration::from_micros(10);
+    loop {
+        let mut state = sys::ncclResult_t::ncclInProgress;
+        // SAFETY: `comm` is a communicator NCCL returned; `state` is written.
+        let asked = unsafe { sys::ncclCommGetAsyncError(comm, &mut state) };
+        match (asked.result(), state.result()) {
+            (Err(e), _) => return Err(nccl_err("ncclCommGetAsyncError")(e)),
+            (_, Err(e)) => return Err(nccl_err(call)(e)),
+            (_, Ok(nccl::NcclStatus::InProgress)) => {}
+            (_, Ok(_)) => return Ok(()),
+        }
+        if start.elapsed() >= timeout {
+            return Err(Error::Cuda {
+                call,
+                message: format!(
+                    "still in progress after {:.1} s: another rank's NCCL did not come up or \
+                     cannot be reached (the limit is half of KOLO_COLLECTIVE_TIMEOUT_SECONDS)",
+                    timeout.as_secs_f64()
+                ),
+            });
+        }
+        std::thread::sleep(pause);
+        pause = (pause * 2).min(Duration::from_millis(5));
+    }
+}
+
+/// Every rank's outcome of creating its communicator, in rank order → an error on
+/// every rank when any failed, naming the ranks whose NCCL failed (before those that
+/// only timed out waiting for them).
+pub(crate) fn init_verdict(outcomes: &[std::result::Result<(), String>]) -> Result<()> {
+    let failed: Vec<(usize, &String)> = outcomes
+        .iter()
+        .enumerate()
+        .filter_map(|(r, o)| o.as_ref().err().map(|why| (r, why)))
+        .collect();
+    if failed.is_empty() {
+        return Ok(());
+    }
+    let (timed_out, broke): (Vec<_>, Vec<_>) = failed
+        .into_iter()
+        .partition(|(_, why)| why.contains("still in progress"));
+    let mut parts: Vec<String> = broke
+        .iter()
+        .map(|(r, why)| format!("rank {r}: {why}"))
+        .collect();
+    if !timed_out.is_empty() {
+        let ranks: Vec<String> = timed_out.iter().map(|(r, _)| r.to_string()).collect();
+        parts.push(format!(
+            "rank{} {} timed out waiting for the others",
+            if ranks.len() == 1 { "" } else { "s" },
+            ranks.join(", ")
+        ));
+    }
+    Err(Error::CudaUnavailable(format!(
+        "creating the NCCL communicator failed: {}",
+        parts.join("; ")
+    )))
 }
 
 impl Drop for Nccl {
@@ -544,6 +733,66 @@ mod tests {
         };
         let bytes = postcard::to_stdvec(&s).unwrap();
         assert_eq!(postcard::from_bytes::<Setup>(&bytes).unwrap(), s);
+    }
+
+    #[test]
+    fn the_config_is_a_prefix_of_nccls() {
+        use std::mem::offset_of;
+        type Full = sys::ncclConfig_t;
+        let ours = [
+            offset_of!(ConfigV217, magic),
+            offset_of!(ConfigV217, version),
+            offset_of!(ConfigV217, blocking),
+            offset_of!(ConfigV217, cga_cluster_size),
+            offset_of!(ConfigV217, min_ctas),
+            offset_of!(ConfigV217, max_ctas),
+            offset_of!(ConfigV217, net_name),
+            offset_of!(ConfigV217, split_share),
+        ];
+        let theirs = [
+            offset_of!(Full, magic),
+            offset_of!(Full, version),
+            offset_of!(Full, blocking),
+            offset_of!(Full, cgaClusterSize),
+            offset_of!(Full, minCTAs),
+            offset_of!(Full, maxCTAs),
+            offset_of!(Full, netName),
+            offset_of!(Full, splitShare),
+        ];
+        assert_eq!(ours, theirs);
+        let c = ConfigV217::non_blocking();
+        assert_eq!(
+            (c.size, c.magic, c.version, c.blocking),
+            (48, 0xcafe_beef, 21_700, 0)
+        );
+        assert!(c.size < std::mem::size_of::<Full>());
+    }
+
+    #[test]
+    fn a_failed_init_is_named_on_every_rank() {
+        let ok: std::result::Result<(), String> = Ok(());
+        assert!(init_verdict(&[ok.clone(), ok.clone()]).is_ok());
+        let waited = || {
+            Err(Error::Cuda {
+                call: "ncclCommInitRankConfig",
+                message: "still in progress after 2.5 s: another rank's NCCL did not come up"
+                    .into(),
+            }
+            .to_string())
+        };
+        let outcomes = [
+            waited(),
+            Err("ncclCommInitRankConfig failed: ncclSystemError".into()),
+            waited(),
+            ok,
+        ];
+        let err = init_verdict(&outcomes).unwrap_err().to_string();
+        assert_eq!(
+            err,
+            "CUDA is not available: creating the NCCL communicator failed: rank 1: \
+             ncclCommInitRankConfig failed: ncclSystemError; ranks 0, 2 timed out waiting for \
+             the others"
+        );
     }
 
     #[test]
