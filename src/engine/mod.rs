@@ -111,6 +111,7 @@ pub(crate) fn run(
     let mark_cycles = config.timeline_mark_cycles;
     let config_timeout = config.collective_timeout;
     let simulated_cost = config.simulated_collective_cost;
+    let awaited = transport.awaited();
     let mut engine = Engine {
         inbox: Inbox::new(queue, topology.rank),
         transport,
@@ -134,6 +135,7 @@ pub(crate) fn run(
                 "its engine ({})",
                 std::thread::current().name().unwrap_or("kolo-engine")
             ),
+            awaited,
         ),
         #[cfg(feature = "fault-injection")]
         fault_panic: std::env::var("KOLO_FAULT_ENGINE_PANIC_RANK")

@@ -13,6 +13,8 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use crate::transport::Awaited;
+
 /// How long the engine gets to abort the job itself before the process ends.
 const GRACE: Duration = Duration::from_secs(2);
 
@@ -55,9 +57,39 @@ impl Progress {
     }
 }
 
+/// What a stuck engine says before it aborts the job: which engine, for how long,
+/// and the rank it is waiting for when it knows one.
+fn stuck_line(
+    rank: usize,
+    label: &str,
+    idle: Duration,
+    cycles: u64,
+    timeout: Duration,
+    awaited: Option<usize>,
+) -> String {
+    let who = match awaited {
+        Some(r) => format!(
+            "rank {r} has not answered (waiting for its part of the cycle agreement): it is \
+             stopped or stuck, or its host is unreachable"
+        ),
+        None => "another rank is stopped or stuck, or its host is unreachable".to_string(),
+    };
+    format!(
+        "kolo: rank {rank}: {label} has made no progress for {:.1} s (after cycle {cycles}; \
+         KOLO_COLLECTIVE_TIMEOUT_SECONDS is {:.1}): {who}; aborting the whole job\n",
+        idle.as_secs_f64(),
+        timeout.as_secs_f64()
+    )
+}
+
 /// Starts the watchdog of an engine on `rank` (`label` names the engine: the job's or
 /// a process set's); `None` when the timeout is zero (off).
-pub(crate) fn start(timeout: Duration, rank: usize, label: String) -> Option<Arc<Progress>> {
+pub(crate) fn start(
+    timeout: Duration,
+    rank: usize,
+    label: String,
+    awaited: Awaited,
+) -> Option<Arc<Progress>> {
     if timeout.is_zero() {
         return None;
     }
@@ -75,13 +107,13 @@ pub(crate) fn start(timeout: Duration, rank: usize, label: String) -> Option<Arc
             if idle < timeout {
                 continue;
             }
-            let line = format!(
-                "kolo: rank {rank}: {label} has made no progress for {:.1} s (after cycle {}; \
-                 KOLO_COLLECTIVE_TIMEOUT_SECONDS is {:.1}): another rank is stopped or stuck, or \
-                 its host is unreachable; aborting the whole job\n",
-                idle.as_secs_f64(),
+            let line = stuck_line(
+                rank,
+                &label,
+                idle,
                 watched.cycles.load(Ordering::Relaxed),
-                timeout.as_secs_f64()
+                timeout,
+                awaited.get(),
             );
             let _ = std::io::Write::write_all(&mut std::io::stderr().lock(), line.as_bytes());
             crate::transport::request_abort();
@@ -99,4 +131,50 @@ pub(crate) fn start(timeout: Duration, rank: usize, label: String) -> Option<Arc
         return None;
     }
     Some(progress)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_message_names_the_rank_waited_for() {
+        let line = stuck_line(
+            0,
+            "its engine (kolo-engine)",
+            Duration::from_millis(2100),
+            41,
+            Duration::from_secs(2),
+            Some(3),
+        );
+        assert_eq!(
+            line,
+            "kolo: rank 0: its engine (kolo-engine) has made no progress for 2.1 s (after cycle \
+             41; KOLO_COLLECTIVE_TIMEOUT_SECONDS is 2.0): rank 3 has not answered (waiting for \
+             its part of the cycle agreement): it is stopped or stuck, or its host is \
+             unreachable; aborting the whole job\n"
+        );
+        let line = stuck_line(
+            1,
+            "x",
+            Duration::from_secs(5),
+            0,
+            Duration::from_secs(5),
+            None,
+        );
+        assert!(
+            line.contains("): another rank is stopped or stuck"),
+            "{line}"
+        );
+    }
+
+    #[test]
+    fn awaited_is_empty_until_set() {
+        let a = Awaited::default();
+        assert_eq!(a.get(), None);
+        a.clone().set(Some(2));
+        assert_eq!(a.get(), Some(2));
+        a.set(None);
+        assert_eq!(a.get(), None);
+    }
 }

@@ -5,7 +5,8 @@
 //! engine thread only, so implementations need not be thread-safe, and MPI is
 //! initialised on that same thread.
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::Arc;
 use std::time::Duration;
 
 use crate::error::Result;
@@ -28,6 +29,32 @@ pub(crate) struct Topology {
     pub(crate) local_size: usize,
     pub(crate) cross_rank: usize,
     pub(crate) cross_size: usize,
+}
+
+/// The job rank a transport is waiting for a message from, shared with the thread
+/// that reports a stuck engine (nothing while it is not waiting on one peer).
+#[derive(Debug, Clone)]
+pub(crate) struct Awaited(Arc<AtomicUsize>);
+
+impl Default for Awaited {
+    fn default() -> Self {
+        Awaited(Arc::new(AtomicUsize::new(usize::MAX)))
+    }
+}
+
+impl Awaited {
+    /// Now waiting for `rank` (job numbering), or for no one in particular.
+    pub(crate) fn set(&self, rank: Option<usize>) {
+        self.0.store(rank.unwrap_or(usize::MAX), Ordering::Relaxed);
+    }
+
+    /// The rank waited for, if any.
+    pub(crate) fn get(&self) -> Option<usize> {
+        match self.0.load(Ordering::Relaxed) {
+            usize::MAX => None,
+            r => Some(r),
+        }
+    }
 }
 
 /// Collectives as the engine needs them. Buffers are raw native-endian bytes of
@@ -58,6 +85,14 @@ pub(crate) trait Transport: Send {
     /// each host) instead of flat. Every rank calls it with the same value, when its
     /// hosts have the same number of ranks each. A transport without hosts ignores it.
     fn set_hierarchical_allreduce(&mut self, _on: bool) {}
+
+    /// The rank this transport is waiting for a message from, kept up to date while it
+    /// waits point to point (the cycle agreement), for the collective-timeout
+    /// watchdog's message. A transport that never knows returns an [`Awaited`] that
+    /// stays empty.
+    fn awaited(&self) -> Awaited {
+        Awaited::default()
+    }
 
     /// From now on allgather in three steps (within each host, shares across hosts,
     /// within each host), with the same conditions as `set_hierarchical_allreduce`.

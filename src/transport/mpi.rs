@@ -21,7 +21,7 @@ use mpi::raw::AsRaw;
 use mpi::topology::{Color, Communicator, SimpleCommunicator};
 use mpi::Threading;
 
-use super::{abort_requested, Topology, Transport};
+use super::{abort_requested, Awaited, Topology, Transport};
 use crate::error::{Error, Result};
 use crate::tensor::DType;
 use crate::vocab::ReduceOp;
@@ -64,6 +64,11 @@ pub(crate) struct MpiTransport {
     /// The thread support MPI gave: process sets (an engine thread each) need
     /// `MPI_THREAD_MULTIPLE`.
     threading: Threading,
+    /// Each rank of this transport's numbering in the job's (a process set's
+    /// transport numbers its members from 0).
+    job_ranks: Vec<usize>,
+    /// The peer the cycle agreement is waiting for (job numbering).
+    awaited: Awaited,
     // Dropped last: finalises MPI after the communicators are gone (the job's first
     // transport only; a process set's transport frees just its communicator).
     _universe: Option<mpi::environment::Universe>,
@@ -169,6 +174,8 @@ impl MpiTransport {
                 RING_MIN_BYTES_ONE_HOST
             },
             threading,
+            job_ranks: (0..size).collect(),
+            awaited: Awaited::default(),
             _universe: universe,
         })
     }
@@ -273,8 +280,11 @@ impl MpiTransport {
                 return Err(e);
             }
         }
+        self.awaited
+            .set(self.job_ranks.get(to_usize(peer)).copied());
         let first = self.wait(call, reqs[0], idle);
         let second = self.wait(call, reqs[1], idle);
+        self.awaited.set(None);
         first.and(second)
     }
 }
@@ -709,7 +719,12 @@ impl Transport for MpiTransport {
         else {
             return Ok(None);
         };
-        let t = MpiTransport::on(&sub, None, self.threading)?;
+        let mut t = MpiTransport::on(&sub, None, self.threading)?;
+        // Members are numbered in the order of their rank here (the split's key).
+        t.job_ranks = ranks
+            .iter()
+            .map(|&r| self.job_ranks.get(r).copied().unwrap_or(r))
+            .collect();
         Ok(Some(Box::new(t)))
     }
 
@@ -752,6 +767,10 @@ impl Transport for MpiTransport {
 
     fn set_hierarchical_allreduce(&mut self, on: bool) {
         self.hierarchical = on;
+    }
+
+    fn awaited(&self) -> Awaited {
+        self.awaited.clone()
     }
 
     fn set_hierarchical_allgather(&mut self, on: bool) {

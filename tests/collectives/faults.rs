@@ -110,7 +110,8 @@ pub(crate) fn early_exit(k: &Kolo) -> Result<()> {
 /// The last rank stops (SIGSTOP: no exit, no error, no reset; what a partitioned or
 /// frozen host looks like) while the others wait in a collective: with
 /// `KOLO_COLLECTIVE_TIMEOUT_SECONDS=2` the others' watchdogs end the job, naming their
-/// rank.
+/// rank and the rank whose part of the cycle agreement never came (the stopped rank,
+/// for its partners in the agreement).
 pub(crate) fn sigstop(k: &Kolo) -> Result<()> {
     last_rank_signalled(k, libc::SIGSTOP)
 }

@@ -279,7 +279,7 @@ const FAULTS: &[(&str, Case, &[usize], &str)] = &[
         "sigstop",
         faults::sigstop,
         &[2, 4],
-        "kolo: rank 0: its engine (kolo-engine) has made no progress for",
+        "rank {last} has not answered (waiting for its part of the cycle agreement)",
     ),
     ("late_start", faults::late_start, &[2], "rank 0 on "),
     (
@@ -413,13 +413,31 @@ fn multinode_faults() -> Vec<Trial> {
         }
         for want in [
             "has made no progress for",
+            "has not answered (waiting for its part of the cycle agreement)",
             "kolorun: mpirun has not ended the job",
         ] {
             if !run.output.contains(want) {
                 return fail(format!("the output lacks {want:?}"));
             }
         }
-        eprintln!("multinode partition: the job ended {ended_after:?} after h2 was cut off");
+        // "kolo: rank R: <engine> has made no progress … : rank W has not answered …"
+        let named: Vec<String> = run
+            .output
+            .lines()
+            .filter_map(|l| {
+                let who = l.split("kolo: ").nth(1)?.split(':').next()?;
+                let waited = l
+                    .split("): rank ")
+                    .nth(1)?
+                    .split(" has not answered")
+                    .next()?;
+                Some(format!("{who} waits for rank {waited}"))
+            })
+            .collect();
+        eprintln!(
+            "multinode partition: the job ended {ended_after:?} after h2 was cut off; \
+             the ranks waited for: {named:?}"
+        );
         Ok(())
     });
     // Hierarchical allreduce at 2 hosts × 2 ranks (and the check that it ran), and
