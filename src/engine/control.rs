@@ -4,13 +4,18 @@
 
 use std::time::{Duration, Instant};
 
+use smallvec::SmallVec;
+
 use super::autotune::Settings;
 use super::cache::{self, ResponseCache};
+use super::layout::scale_bytes;
 use super::negotiate::{self, Outcome, Response};
-use super::request::CycleMsg;
+use super::request::{CycleMsg, Device, OpKind};
 use super::{Control, Inbox};
 use crate::error::{Error, Result};
+use crate::tensor::DType;
 use crate::transport::Transport;
+use crate::vocab::ReduceOp;
 
 /// What a cycle's negotiation decided.
 #[derive(Debug)]
@@ -22,6 +27,21 @@ pub(super) enum Negotiation {
         responses: Vec<Response>,
         tuning: Option<Settings>,
     },
+}
+
+/// Most ops reduced speculatively in one cycle's agreement.
+const SPEC_SLOTS: usize = 4;
+/// f32 values the agreement carries for them (512 bytes per message).
+const SPEC_VALUES: usize = 128;
+/// Speculation is tried only when at most this many cached ops are ready.
+const SPEC_SCAN: usize = 16;
+
+/// Where a speculated op sits in the agreement's sum.
+#[derive(Debug, Clone, Copy)]
+struct Spec {
+    slot: usize,
+    at: usize,
+    len: usize,
 }
 
 impl Control {
@@ -66,14 +86,14 @@ impl Negotiate<'_> {
         } else {
             self.inbox.unannounce_all();
         }
-        let (cached_ready, someone_has_full) = self.exchange_bits(use_cache)?;
+        let (cached_ready, someone_has_full, mut responses) = self.exchange_bits(use_cache)?;
         let msgs = if someone_has_full {
             self.exchange_full()?
         } else {
             Vec::new()
         };
         let now = Instant::now();
-        let mut responses = self.cached_responses(cached_ready)?;
+        responses.extend(self.cached_responses(cached_ready)?);
         let mut stale = Vec::new();
         if !msgs.is_empty() {
             // A full request under a cached name means its request changed (or it was
@@ -131,24 +151,96 @@ impl Negotiate<'_> {
         })
     }
 
-    /// Phase 1 (with the cache): one AND of `[flags, cache bits]` across ranks. Returns
-    /// the cache slots ready on every rank and whether any rank has something the cache
-    /// cannot say (then the full exchange follows).
-    fn exchange_bits(&mut self, use_cache: bool) -> Result<(Vec<usize>, bool)> {
+    /// Phase 1 (with the cache): one AND of `[flags, cache bits, speculated slots]`
+    /// across ranks, which also sums the small ops this rank speculates on. Returns
+    /// the cache slots ready on every rank, whether any rank has something the cache
+    /// cannot say (then the full exchange follows), and the ops already reduced.
+    fn exchange_bits(&mut self, use_cache: bool) -> Result<(Vec<usize>, bool, Vec<Response>)> {
         if !use_cache {
-            return Ok((Vec::new(), true));
+            return Ok((Vec::new(), true, Vec::new()));
         }
         let has_full = !self.inbox.outgoing.is_empty()
             || self.inbox.shutting_down
             || self.control.stall_abort
             || self.tuning.is_some();
-        let mut words = vec![0u64; 1 + self.control.cache.words()];
+        let cache_words = self.control.cache.words();
+        let mut words = vec![0u64; 1 + cache_words + 2 * SPEC_SLOTS];
         words[0] = u64::from(!has_full);
         for &slot in self.inbox.announced.keys() {
-            cache::set_bit(&mut words[1..], slot);
+            cache::set_bit(&mut words[1..=cache_words], slot);
         }
-        self.while_waiting(|t, idle| t.agree_bits(&mut words, idle))?;
-        Ok((cache::bits(&words[1..]).collect(), words[0] & 1 == 0))
+        let mut sum = [0f32; SPEC_VALUES];
+        let spec = self.speculate(&mut sum);
+        let (_, claims) = words.split_at_mut(1 + cache_words);
+        for i in 0..SPEC_SLOTS {
+            let v = spec.get(i).map_or(u64::MAX, |s| s.slot as u64);
+            claims[i] = v;
+            claims[SPEC_SLOTS + i] = !v;
+        }
+        self.while_waiting(|t, idle| t.agree_bits(&mut words, &mut sum, idle))?;
+        let mut ready: Vec<usize> = cache::bits(&words[1..=cache_words]).collect();
+        let claims = &words[1 + cache_words..];
+        // Every rank claimed the same slots (at each position, the AND of the values
+        // and the AND of their complements cover every bit only if all were equal), so
+        // every rank packed the same tensors at the same places and the sum is theirs.
+        let agreed = !spec.is_empty()
+            && (0..SPEC_SLOTS).all(|i| claims[i] | claims[SPEC_SLOTS + i] == u64::MAX);
+        let mut reduced = Vec::new();
+        if agreed {
+            ready.retain(|slot| spec.iter().all(|s| s.slot != *slot));
+            for s in &spec {
+                reduced.push(Response::Reduced {
+                    ready: self.cached_ready(s.slot)?,
+                    sum: sum[s.at..s.at + s.len].to_vec(),
+                });
+            }
+        }
+        Ok((ready, words[0] & 1 == 0, reduced))
+    }
+
+    /// Packs this rank's small ready cached f32 sums and averages (prescaled, at most
+    /// [`SPEC_SLOTS`] of them, [`SPEC_VALUES`] values in all, in slot order) into
+    /// `sum`, so that the cycle's agreement reduces them on the way: when every rank
+    /// packed the same slots, such an op costs one round of messages instead of two.
+    fn speculate(&self, sum: &mut [f32]) -> SmallVec<[Spec; SPEC_SLOTS]> {
+        let mut out = SmallVec::new();
+        let announced = &self.inbox.announced;
+        // A cycle with many ready ops is the fusion buffer's job, not latency-bound.
+        if announced.is_empty() || announced.len() > SPEC_SCAN {
+            return out;
+        }
+        let mut slots: SmallVec<[usize; SPEC_SCAN]> = announced.keys().copied().collect();
+        slots.sort_unstable();
+        let mut at = 0;
+        for slot in slots {
+            if out.len() == SPEC_SLOTS {
+                break;
+            }
+            let Some(req) = announced.get(&slot).and_then(|k| self.inbox.pending.get(k)) else {
+                continue;
+            };
+            let m = &req.meta;
+            let eligible = m.kind == OpKind::Allreduce
+                && m.device == Device::Cpu
+                && matches!(m.op, ReduceOp::Sum | ReduceOp::Average);
+            let Some(t) = req
+                .tensors
+                .first()
+                .filter(|t| eligible && t.dtype() == DType::F32)
+            else {
+                continue;
+            };
+            let n = t.len();
+            if n == 0 || at + n > sum.len() {
+                continue;
+            }
+            let dst: &mut [u8] = bytemuck::cast_slice_mut(&mut sum[at..at + n]);
+            dst.copy_from_slice(t.host_bytes());
+            scale_bytes(dst, DType::F32, m.prescale);
+            out.push(Spec { slot, at, len: n });
+            at += n;
+        }
+        out
     }
 
     /// Phase 2: every rank's new requests and flags, in rank order.
@@ -168,21 +260,25 @@ impl Negotiate<'_> {
 
     /// The responses of cache slots every rank agreed on.
     fn cached_responses(&mut self, slots: Vec<usize>) -> Result<Vec<Response>> {
-        let mut responses = Vec::with_capacity(slots.len());
-        for slot in slots {
-            let Some((metas, key, kind)) = self.control.cache.metas(slot).and_then(|metas| {
-                let first = metas.iter().flatten().next()?;
-                Some((metas.clone(), first.key.clone(), first.kind))
-            }) else {
-                return Err(Error::Internal(format!(
-                    "cache slot {slot} agreed but empty"
-                )));
-            };
-            self.control.cache.touch(slot);
-            self.inbox.announced.remove(&slot);
-            responses.push(Response::Run(negotiate::Ready { key, kind, metas }));
-        }
-        Ok(responses)
+        slots
+            .into_iter()
+            .map(|slot| self.cached_ready(slot).map(Response::Run))
+            .collect()
+    }
+
+    /// The response of cache slot `slot`, which every rank agreed on.
+    fn cached_ready(&mut self, slot: usize) -> Result<negotiate::Ready> {
+        let Some((metas, key, kind)) = self.control.cache.metas(slot).and_then(|metas| {
+            let first = metas.iter().flatten().next()?;
+            Some((metas.clone(), first.key.clone(), first.kind))
+        }) else {
+            return Err(Error::Internal(format!(
+                "cache slot {slot} agreed but empty"
+            )));
+        };
+        self.control.cache.touch(slot);
+        self.inbox.announced.remove(&slot);
+        Ok(negotiate::Ready { key, kind, metas })
     }
 
     /// Moves new requests that hit the cache from the full list to bits, and demotes
@@ -306,6 +402,17 @@ mod tests {
 
         /// Submits an f32 allreduce of `shape` under `key`.
         fn submit(&mut self, key: &str, shape: &[usize]) -> Handle<Tensor> {
+            let n = shape.iter().product();
+            self.submit_values(key, shape, vec![0.0; n])
+        }
+
+        /// Submits an f32 allreduce of `values` with `shape` under `key`.
+        fn submit_values(
+            &mut self,
+            key: &str,
+            shape: &[usize],
+            values: Vec<f32>,
+        ) -> Handle<Tensor> {
             let meta =
                 RequestMeta::for_test(key, OpKind::Allreduce, DType::F32, shape, ReduceOp::Sum);
             let names: Arc<dyn PendingNames> = self.inbox.queue.clone();
@@ -315,10 +422,10 @@ mod tests {
                 ("allreduce", self.inbox.rank),
                 handle::to_tensor,
             );
-            let n = shape.iter().product();
+            let n = values.len();
             self.inbox.accept(Command::Submit(Request {
                 meta,
-                tensors: smallvec::smallvec![Tensor::zeros(DType::F32, &[n])],
+                tensors: smallvec::smallvec![Tensor::from_vec(values, &[n]).unwrap()],
                 done,
                 submitted: Instant::now(),
             }));
@@ -327,7 +434,27 @@ mod tests {
 
         /// One negotiation: the keys ready to run (their requests leave the inbox, as
         /// the executor would take them), with the shape agreed for each.
+        /// A speculated op's key reads `<key> (summed)`.
         fn cycle(&mut self) -> Result<Vec<(String, Vec<usize>)>, Negotiation> {
+            Ok(self
+                .responses()?
+                .into_iter()
+                .map(|r| match r {
+                    Response::Run(ready) => {
+                        let shape = ready.first().tensors[0].shape.to_vec();
+                        (ready.key.to_string(), shape)
+                    }
+                    Response::Reduced { ready, .. } => {
+                        let shape = ready.first().tensors[0].shape.to_vec();
+                        (format!("{} (summed)", ready.key), shape)
+                    }
+                    other => panic!("unexpected response {other:?}"),
+                })
+                .collect())
+        }
+
+        /// One negotiation's responses (their requests leave the inbox).
+        fn responses(&mut self) -> Result<Vec<Response>, Negotiation> {
             let negotiated = self
                 .control
                 .negotiate(&mut self.t, &mut self.inbox, &mut None, &mut || {})
@@ -336,17 +463,12 @@ mod tests {
                 Negotiation::Ready { responses, .. } => responses,
                 left => return Err(left),
             };
-            Ok(responses
-                .into_iter()
-                .map(|r| match r {
-                    Response::Run(ready) => {
-                        self.inbox.pending.remove(&*ready.key);
-                        let shape = ready.first().tensors[0].shape.to_vec();
-                        (ready.key.to_string(), shape)
-                    }
-                    other => panic!("unexpected response {other:?}"),
-                })
-                .collect())
+            for r in &responses {
+                if let Response::Run(ready) | Response::Reduced { ready, .. } = r {
+                    self.inbox.pending.remove(&*ready.key);
+                }
+            }
+            Ok(responses)
         }
     }
 
@@ -419,10 +541,54 @@ mod tests {
         assert_eq!(out[0], out[1]);
         let (ready, calls) = &out[0];
         let x = |n: usize| vec![("x".to_string(), vec![n])];
-        assert_eq!(ready, &[x(4), x(4), vec![], x(4), x(5)]);
+        // Once cached, the small f32 sum is reduced within the agreement itself.
+        let summed = vec![("x (summed)".to_string(), vec![4])];
+        assert_eq!(ready, &[x(4), summed.clone(), vec![], summed, x(5)]);
         // A cycle is the bit agreement, plus the full exchange when some rank has a
         // request the cache cannot name.
         assert_eq!(calls, &[2, 1, 1, 1, 2]);
+    }
+
+    #[test]
+    fn small_cached_sums_are_reduced_in_the_agreement_only_when_every_rank_packed_the_same() {
+        let out = two_ranks(8, |r| {
+            let me = r.inbox.rank as f32;
+            let values = |k: f32| vec![1.0 + me, k * (1.0 + me), 0.1 * me];
+            r.submit_values("g", &[3], values(1.0));
+            r.submit_values("h", &[3], values(2.0));
+            r.cycle().unwrap(); // learns both in full
+            r.submit_values("g", &[3], values(3.0));
+            r.submit_values("h", &[3], values(4.0));
+            let both = r.responses().unwrap();
+            // Rank 0 has g and h ready, rank 1 only g: their packings differ, so
+            // nothing is speculated; g runs as usual.
+            r.submit_values("g", &[3], values(5.0));
+            if r.inbox.rank == 0 {
+                r.submit_values("h", &[3], values(6.0));
+            }
+            let differ = r.cycle().unwrap();
+            (both, differ)
+        });
+        let sums = |rs: &[Response]| -> Vec<(String, Vec<f32>)> {
+            rs.iter()
+                .map(|r| match r {
+                    Response::Reduced { ready, sum } => (ready.key.to_string(), sum.clone()),
+                    other => panic!("expected a speculated sum, got {other:?}"),
+                })
+                .collect()
+        };
+        let rank0 = sums(&out[0].0);
+        assert_eq!(rank0, sums(&out[1].0), "every rank has the same sums");
+        assert_eq!(
+            rank0,
+            vec![
+                ("g".to_string(), vec![3.0, 9.0, 0.1]),
+                ("h".to_string(), vec![3.0, 12.0, 0.1])
+            ]
+        );
+        for (_, differ) in &out {
+            assert_eq!(differ, &vec![("g".to_string(), vec![3])]);
+        }
     }
 
     #[test]

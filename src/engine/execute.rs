@@ -87,6 +87,31 @@ pub(crate) fn run(
     }
 }
 
+/// Completes an allreduce the cycle's agreement already summed (`sum`: the sum of
+/// every rank's prescaled tensor): applies the postscale, as [`reduce_bytes`] would,
+/// and writes the result into this rank's tensor.
+pub(crate) fn finish_speculated(
+    ready: &Ready,
+    mut local: Tensors,
+    sum: &mut [f32],
+    size: usize,
+) -> Result<Output> {
+    let mut tensor = take_tensor(ready, &mut local)?;
+    let bytes: &mut [u8] = bytemuck::cast_slice_mut(sum);
+    scale_bytes(bytes, DType::F32, post_factor(ready.first(), size));
+    let dst = tensor.host_bytes_mut();
+    if dst.len() != bytes.len() {
+        return Err(Error::Internal(format!(
+            "{:?}: a speculated sum of {} bytes for a tensor of {}",
+            ready.key,
+            bytes.len(),
+            dst.len()
+        )));
+    }
+    dst.copy_from_slice(bytes);
+    Ok(Output::Tensor(tensor))
+}
+
 fn allreduce(
     t: &mut dyn Transport,
     tensor: &mut Tensor,

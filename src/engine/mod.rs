@@ -306,7 +306,9 @@ fn hierarchical(requested: bool, t: &crate::transport::Topology, per_host: &[u64
 /// Bytes an allreduce response reduces, or an allgather gathers (what the autotuner
 /// scores).
 fn tuned_bytes(r: &Response) -> u64 {
-    let Response::Run(ready) = r else { return 0 };
+    let (Response::Run(ready) | Response::Reduced { ready, .. }) = r else {
+        return 0;
+    };
     let bytes = |m: &RequestMeta| -> u64 {
         m.tensors
             .iter()

@@ -45,8 +45,20 @@ impl Ready {
 #[derive(Debug)]
 pub(crate) enum Response {
     Run(Ready),
-    Fail { key: Key, error: Error },
-    JoinDone { last: usize },
+    /// A cached single-tensor f32 sum or average that every rank reduced in the
+    /// cycle's agreement itself: `sum` is the sum of the prescaled tensors; only the
+    /// postscale is left to apply.
+    Reduced {
+        ready: Ready,
+        sum: Vec<f32>,
+    },
+    Fail {
+        key: Key,
+        error: Error,
+    },
+    JoinDone {
+        last: usize,
+    },
 }
 
 /// The result of one cycle.
@@ -372,6 +384,7 @@ mod tests {
         rs.iter()
             .map(|r| match r {
                 Response::Run(ready) => ready.key.to_string(),
+                Response::Reduced { ready, .. } => format!("reduced:{}", ready.key),
                 Response::Fail { key, .. } => format!("fail:{key}"),
                 Response::JoinDone { last } => format!("join:{last}"),
             })

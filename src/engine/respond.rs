@@ -137,6 +137,17 @@ impl Executor {
                     tracing::warn!(key = %ready.key, error = %e, "op for a joined rank failed");
                 }
             }
+            Response::Reduced { ready, mut sum } => {
+                let Some(req) = pending.remove(&*ready.key) else {
+                    return;
+                };
+                self.trace_negotiation(&req.meta, req.submitted);
+                let started = Instant::now();
+                let size = t.topology().size;
+                let result = execute::finish_speculated(&ready, req.tensors, &mut sum, size);
+                self.trace_op(ready.first(), started);
+                req.done.complete(result);
+            }
             Response::Fail { key, error } => {
                 if let Some(req) = pending.remove(&*key) {
                     req.done.complete(Err(error));

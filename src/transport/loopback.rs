@@ -227,15 +227,26 @@ impl Transport for Loopback {
             .collect())
     }
 
-    fn agree_bits(&mut self, words: &mut [u64], idle: &mut dyn FnMut(Duration)) -> Result<()> {
-        let part = Part::of(bytemuck::cast_slice(words));
-        for p in self.meet(part, Some(idle))? {
-            let theirs: Vec<u64> = p
-                .bytes
-                .chunks_exact(8)
-                .map(|c| u64::from_ne_bytes(c.try_into().unwrap_or([0; 8])))
-                .collect();
-            words.iter_mut().zip(theirs).for_each(|(w, t)| *w &= t);
+    fn agree_bits(
+        &mut self,
+        words: &mut [u64],
+        sum: &mut [f32],
+        idle: &mut dyn FnMut(Duration),
+    ) -> Result<()> {
+        let mut mine: Vec<u8> = bytemuck::cast_slice(words).to_vec();
+        mine.extend_from_slice(bytemuck::cast_slice(sum));
+        let split = words.len() * 8;
+        let parts = self.meet(Part::of(&mine), Some(idle))?;
+        // Every rank combines in rank order: bit-identical sums everywhere.
+        for (r, p) in parts.iter().enumerate() {
+            let (w, s) = p.bytes.split_at(split.min(p.bytes.len()));
+            for (acc, c) in words.iter_mut().zip(w.chunks_exact(8)) {
+                *acc &= u64::from_ne_bytes(c.try_into().unwrap_or([0; 8]));
+            }
+            for (acc, c) in sum.iter_mut().zip(s.chunks_exact(4)) {
+                let x = f32::from_ne_bytes(c.try_into().unwrap_or([0; 4]));
+                *acc = if r == 0 { x } else { *acc + x };
+            }
         }
         Ok(())
     }

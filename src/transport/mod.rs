@@ -77,9 +77,16 @@ pub(crate) trait Transport: Send {
     /// ranks have not yet contributed, so that the engine can keep accepting work.
     fn exchange(&mut self, local: &[u8], idle: &mut dyn FnMut(Duration)) -> Result<Vec<Vec<u8>>>;
 
-    /// Control plane: bitwise AND of `words` across ranks, in place; `idle` as for
-    /// [`Transport::exchange`].
-    fn agree_bits(&mut self, words: &mut [u64], idle: &mut dyn FnMut(Duration)) -> Result<()>;
+    /// Control plane: bitwise AND of `words` across ranks, in place, and in the same
+    /// messages the sum of `sum` across ranks, in place (the engine's speculative
+    /// reduction of small ops; every rank gets a bit-identical sum). `sum` has the same
+    /// length on every rank, possibly 0. `idle` as for [`Transport::exchange`].
+    fn agree_bits(
+        &mut self,
+        words: &mut [u64],
+        sum: &mut [f32],
+        idle: &mut dyn FnMut(Duration),
+    ) -> Result<()>;
 
     /// From now on allreduce in three steps (within each host, across hosts, within
     /// each host) instead of flat. Every rank calls it with the same value, when its

@@ -735,33 +735,58 @@ impl Transport for MpiTransport {
     /// two emulated hosts against 41–48 µs for a blocking allreduce; point-to-point
     /// messages keep the wait non-blocking (idle callbacks, abort checks) at about
     /// the blocking cost.
-    fn agree_bits(&mut self, words: &mut [u64], idle: &mut dyn FnMut(Duration)) -> Result<()> {
+    fn agree_bits(
+        &mut self,
+        words: &mut [u64],
+        sum: &mut [f32],
+        idle: &mut dyn FnMut(Duration),
+    ) -> Result<()> {
         const CALL: &str = "MPI_Isend/MPI_Irecv (cycle agreement)";
         let (n, me) = (self.topology.size, self.topology.rank);
         if n == 1 {
             return Ok(());
         }
+        // One message per step: the words, then the f32 values two to a word.
+        let nw = words.len();
+        let mut mine = vec![0u64; nw + sum.len().div_ceil(2)];
+        mine[..nw].copy_from_slice(words);
+        bytemuck::cast_slice_mut::<u64, f32>(&mut mine[nw..])[..sum.len()].copy_from_slice(sum);
+        let mut theirs = vec![0u64; mine.len()];
+        let combine = |mine: &mut [u64], theirs: &[u64]| {
+            and_into(&mut mine[..nw], &theirs[..nw]);
+            let acc = bytemuck::cast_slice_mut::<u64, f32>(&mut mine[nw..]);
+            // Both partners add the same two values (x + y == y + x exactly), so every
+            // rank ends with the same bits.
+            for (a, b) in acc
+                .iter_mut()
+                .zip(bytemuck::cast_slice::<u64, f32>(&theirs[nw..]))
+            {
+                *a += *b;
+            }
+        };
         let p = 1usize << (usize::BITS - 1 - n.leading_zeros());
-        let mut theirs = vec![0u64; words.len()];
         if me >= p {
-            self.swap_words(CALL, me - p, Some(words), None, idle)?;
-            return self.swap_words(CALL, me - p, None, Some(words), idle);
+            self.swap_words(CALL, me - p, Some(&mine), None, idle)?;
+            self.swap_words(CALL, me - p, None, Some(&mut mine), idle)?;
+        } else {
+            if me + p < n {
+                self.swap_words(CALL, me + p, None, Some(&mut theirs), idle)?;
+                combine(&mut mine, &theirs);
+            }
+            let mut mask = 1;
+            while mask < p {
+                // `swap_words` completes the send before returning, so `mine` is only
+                // changed once the peer has it.
+                self.swap_words(CALL, me ^ mask, Some(&mine), Some(&mut theirs), idle)?;
+                combine(&mut mine, &theirs);
+                mask <<= 1;
+            }
+            if me + p < n {
+                self.swap_words(CALL, me + p, Some(&mine), None, idle)?;
+            }
         }
-        if me + p < n {
-            self.swap_words(CALL, me + p, None, Some(&mut theirs), idle)?;
-            and_into(words, &theirs);
-        }
-        let mut mask = 1;
-        while mask < p {
-            // `swap_words` completes the send before returning, so `words` is only
-            // changed once the peer has it.
-            self.swap_words(CALL, me ^ mask, Some(words), Some(&mut theirs), idle)?;
-            and_into(words, &theirs);
-            mask <<= 1;
-        }
-        if me + p < n {
-            self.swap_words(CALL, me + p, Some(words), None, idle)?;
-        }
+        words.copy_from_slice(&mine[..nw]);
+        sum.copy_from_slice(&bytemuck::cast_slice::<u64, f32>(&mine[nw..])[..sum.len()]);
         Ok(())
     }
 
