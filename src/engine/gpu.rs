@@ -202,7 +202,9 @@ impl Gpu {
         }
     }
 
-    /// After a failed op: waits for whatever it enqueued before freeing its buffers.
+    /// After a failed op: waits for whatever it enqueued before freeing its buffers. A
+    /// failed or timed-out NCCL call has aborted the communicator already, which ends
+    /// its kernels, so this wait cannot hang on a peer that never comes.
     fn settle(&mut self, keep: Vec<Tensor>) {
         if let Some(n) = &self.nccl {
             if let Err(e) = n.stream().synchronize() {
@@ -240,6 +242,7 @@ impl Gpu {
             .nccl
             .as_ref()
             .ok_or_else(|| Error::Internal("NCCL communicator missing".into()))?;
+        nccl.usable()?;
         if let Some(i) = wanted {
             if i != nccl.ordinal() {
                 return Err(Error::WrongDevice {

@@ -140,6 +140,9 @@ pub(crate) struct Nccl {
     size: usize,
     /// How long a call that returned `ncclInProgress` may take.
     timeout: Duration,
+    /// Set when a call failed or timed out and the communicator was aborted: what
+    /// went wrong. Every later call fails with it, and drop skips the teardown.
+    aborted: std::cell::OnceCell<String>,
 }
 
 impl Nccl {
@@ -192,20 +195,15 @@ impl Nccl {
             Ok(_) => Ok(()),
             Err(e) => Err(e.to_string()),
         };
-        let bytes = postcard::to_stdvec(&outcome)
-            .map_err(|e| Error::Internal(format!("encoding NCCL init outcome: {e}")))?;
-        let all = mpi.exchange(&bytes, &mut |_| {})?;
-        let outcomes = all
-            .iter()
-            .map(|b| postcard::from_bytes::<std::result::Result<(), String>>(b))
-            .collect::<std::result::Result<Vec<_>, _>>()
-            .map_err(|e| Error::Internal(format!("decoding NCCL init outcome: {e}")))?;
-        let comm = match (started, init_verdict(&outcomes)) {
+        let outcomes = exchange_outcome(mpi, &outcome);
+        let verdict = outcomes.and_then(|all| init_verdict(&all));
+        let comm = match (started, verdict) {
             (Ok(comm), Ok(())) => comm,
             (started, verdict) => {
                 if let Ok(comm) = started {
                     // SAFETY: a finished communicator no op has used; another rank's
-                    // failed, so it is never used.
+                    // init failed or the outcomes could not be shared, so it is
+                    // never used.
                     if let Err(e) = unsafe { nccl::comm_abort(comm) } {
                         tracing::warn!(error = ?e, "ncclCommAbort failed");
                     }
@@ -222,7 +220,38 @@ impl Nccl {
             rank: topo.rank,
             size: topo.size,
             timeout,
+            aborted: std::cell::OnceCell::new(),
         })
+    }
+
+    /// Fails when an earlier call aborted the communicator.
+    pub(crate) fn usable(&self) -> Result<()> {
+        match self.aborted.get() {
+            None => Ok(()),
+            Some(why) => Err(Error::CudaUnavailable(format!(
+                "the NCCL communicator was aborted after an earlier failure ({why}); GPU \
+                 collectives cannot continue in this job: restart it"
+            ))),
+        }
+    }
+
+    /// Whether an earlier call aborted the communicator.
+    pub(crate) fn is_aborted(&self) -> bool {
+        self.aborted.get().is_some()
+    }
+
+    /// Aborts the communicator after `e`: NCCL stops its kernels (so the stream can
+    /// be waited for and the buffers freed) and frees it; returns `e`.
+    fn abort(&self, e: Error) -> Error {
+        if self.aborted.set(e.to_string()).is_ok() {
+            // SAFETY: the communicator is never used after this (`usable` fails,
+            // drop skips it).
+            if let Err(a) = unsafe { nccl::comm_abort(self.comm) } {
+                tracing::warn!(error = ?a, "ncclCommAbort failed");
+            }
+            tracing::error!(error = %e, "NCCL call failed; communicator aborted");
+        }
+        e
     }
 
     /// This rank's local checks: libnccl, the device and a stream; rank 0 also makes
@@ -272,6 +301,7 @@ impl Nccl {
     /// A reduction op for `op` with every input multiplied by `f` first (NCCL's
     /// PreMulSum); `None` when no scaling is needed. Destroy with [`Self::release_op`].
     fn scaled_op(&self, dtype: DType, op: ReduceOp, f: f64) -> Result<Option<sys::ncclRedOp_t>> {
+        self.usable()?;
         if f == 1.0 {
             return Ok(None);
         }
@@ -303,6 +333,10 @@ impl Nccl {
     }
 
     fn release_op(&self, op: Option<sys::ncclRedOp_t>) -> Result<()> {
+        if self.is_aborted() {
+            // The abort freed it with the communicator.
+            return Ok(());
+        }
         if let Some(op) = op {
             // SAFETY: `op` was created on this communicator and every call using it
             // has been enqueued, which is all NCCL requires before destroying it.
@@ -340,8 +374,9 @@ impl Nccl {
                 self.cu_stream(),
             )
         };
-        self.release_op(custom)?;
-        self.settle("ncclAllReduce", r)
+        let settled = self.settle("ncclAllReduce", r);
+        let released = self.release_op(custom);
+        settled.and(released)
     }
 
     /// Broadcast of `count` elements at `buf` from `root`.
@@ -355,6 +390,7 @@ impl Nccl {
         dtype: DType,
         root: usize,
     ) -> Result<()> {
+        self.usable()?;
         let ptr = buf as *mut c_void;
         let root = i32::try_from(root).map_err(|_| Error::Internal("root > i32".into()))?;
         // SAFETY: the caller's contract.
@@ -502,27 +538,41 @@ impl Nccl {
             }
             Ok(())
         });
-        self.release_op(custom)?;
-        r
+        let released = self.release_op(custom);
+        r.and(released)
     }
 
     /// Runs `calls` between ncclGroupStart and ncclGroupEnd (the group is closed also
     /// when a call fails). No stream synchronisation may happen inside.
     pub(crate) fn group(&self, calls: impl FnOnce() -> Result<()>) -> Result<()> {
+        self.usable()?;
         nccl::group_start().map_err(nccl_err("ncclGroupStart"))?;
         let r = calls();
-        let end = self.settle("ncclGroupEnd", nccl::group_end());
-        r.and(end)
+        let end = nccl::group_end();
+        match r {
+            // The group is closed first; what it had enqueued is abandoned with the
+            // communicator.
+            Err(e) => Err(self.abort(e)),
+            Ok(()) => self.settle("ncclGroupEnd", end),
+        }
     }
 
     /// The outcome of a call on this (non-blocking) communicator: a call that returned
-    /// `ncclInProgress` is polled until it has finished, for at most the timeout.
+    /// `ncclInProgress` is polled until it has finished, for at most the timeout. A
+    /// call that failed or did not finish aborts the communicator: its kernels may
+    /// still be enqueued on the stream, waiting for a peer that will not come, and
+    /// only the abort lets them end before the op's buffers are freed.
     fn settle(&self, call: &'static str, r: NcclResult) -> Result<()> {
-        match r {
+        if self.is_aborted() {
+            // An earlier call in this group aborted it already.
+            return self.usable();
+        }
+        let outcome = match r {
             Ok(nccl::NcclStatus::InProgress) => wait_for(self.comm, call, self.timeout),
             Ok(_) => Ok(()),
             Err(e) => Err(nccl_err(call)(e)),
-        }
+        };
+        outcome.map_err(|e| self.abort(e))
     }
 }
 
@@ -563,6 +613,21 @@ impl ConfigV217 {
             split_share: UNDEF,
         }
     }
+}
+
+/// Shares this rank's outcome of creating its communicator; every rank's, in rank
+/// order.
+fn exchange_outcome(
+    mpi: &mut dyn Transport,
+    outcome: &std::result::Result<(), String>,
+) -> Result<Vec<std::result::Result<(), String>>> {
+    let bytes = postcard::to_stdvec(outcome)
+        .map_err(|e| Error::Internal(format!("encoding NCCL init outcome: {e}")))?;
+    let all = mpi.exchange(&bytes, &mut |_| {})?;
+    all.iter()
+        .map(|b| postcard::from_bytes::<std::result::Result<(), String>>(b))
+        .collect::<std::result::Result<Vec<_>, _>>()
+        .map_err(|e| Error::Internal(format!("decoding NCCL init outcome: {e}")))
 }
 
 /// Creates this rank's communicator without blocking and waits at most `timeout` for
@@ -672,6 +737,10 @@ pub(crate) fn init_verdict(outcomes: &[std::result::Result<(), String>]) -> Resu
 
 impl Drop for Nccl {
     fn drop(&mut self) {
+        if self.is_aborted() {
+            // The abort ended its kernels and freed it.
+            return;
+        }
         // Finish what was enqueued, then free the communicator.
         if let Err(e) = self.stream.synchronize() {
             tracing::warn!(error = %e, "waiting for NCCL work at shutdown failed");
