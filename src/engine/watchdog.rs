@@ -69,8 +69,8 @@ fn stuck_line(
 ) -> String {
     let who = match awaited {
         Some(r) => format!(
-            "rank {r} has not answered (waiting for its part of the cycle agreement): it is \
-             stopped or stuck, or its host is unreachable"
+            "rank {r} has not answered (waiting for its part of the cycle agreement): it, or \
+             a rank it waits for, is stopped or stuck, or its host is unreachable"
         ),
         None => "another rank is stopped or stuck, or its host is unreachable".to_string(),
     };
@@ -151,8 +151,8 @@ mod tests {
             line,
             "kolo: rank 0: its engine (kolo-engine) has made no progress for 2.1 s (after cycle \
              41; KOLO_COLLECTIVE_TIMEOUT_SECONDS is 2.0): rank 3 has not answered (waiting for \
-             its part of the cycle agreement): it is stopped or stuck, or its host is \
-             unreachable; aborting the whole job\n"
+             its part of the cycle agreement): it, or a rank it waits for, is stopped or \
+             stuck, or its host is unreachable; aborting the whole job\n"
         );
         let line = stuck_line(
             1,

@@ -279,7 +279,12 @@ const FAULTS: &[(&str, Case, &[usize], &str)] = &[
         "sigstop",
         faults::sigstop,
         &[2, 4],
-        "rank {last} has not answered (waiting for its part of the cycle agreement)",
+        // Only at np 2 is the silent peer always the stopped rank itself: at np 4 the
+        // first watchdog to fire may be rank 0's, waiting for rank 2, which waits for
+        // rank 3 (recursive doubling), and its abort can end the others before they
+        // print.
+        "has not answered (waiting for its part of the cycle agreement): it, or a rank it \
+         waits for, is stopped",
     ),
     ("late_start", faults::late_start, &[2], "rank 0 on "),
     (
