@@ -5,8 +5,9 @@
 //! rank leaves its CPU to training threads. The data plane runs only once every rank
 //! is known to be ready, so it uses the blocking collectives: Open MPI's tuned
 //! blocking algorithms were measured 1.7× faster than its non-blocking ones for a
-//! 64 MiB allreduce here (see benches/). Large sums use a pipelined, segmented ring
-//! over non-blocking point-to-point messages instead (`ring_allreduce`): from 32 MiB
+//! 64 MiB allreduce here (see benches/). Large sums use a ring over non-blocking
+//! point-to-point messages instead (`ring_allreduce`; pipelined in segments on one
+//! host, one message per step across hosts): from 32 MiB
 //! on one host (0.53–0.59× MPI_Allreduce's time there), from 1 MiB when the job spans
 //! hosts (see `RING_MIN_BYTES_ONE_HOST` and `RING_MIN_BYTES_HOSTS` for the
 //! measurements). The ring visits the ranks host
@@ -61,6 +62,9 @@ pub(crate) struct MpiTransport {
     /// Sums at least this large go through the ring: `RING_MIN_BYTES_HOSTS` when the
     /// job spans hosts, else `RING_MIN_BYTES_ONE_HOST` (the same on every rank).
     ring_min_bytes: usize,
+    /// The ring's segment size: `RING_SEGMENT_BYTES` on one host; across hosts, None
+    /// (each step's chunk is one message, see `ring_allreduce`).
+    ring_segment: Option<usize>,
     /// The thread support MPI gave: process sets (an engine thread each) need
     /// `MPI_THREAD_MULTIPLE`.
     threading: Threading,
@@ -172,6 +176,11 @@ impl MpiTransport {
                 RING_MIN_BYTES_HOSTS
             } else {
                 RING_MIN_BYTES_ONE_HOST
+            },
+            ring_segment: if multi_host {
+                None
+            } else {
+                Some(RING_SEGMENT_BYTES)
             },
             threading,
             job_ranks: (0..size).collect(),
@@ -511,7 +520,17 @@ const RING_MIN_BYTES_ONE_HOST: usize = 32 << 20;
 /// phases; the ring keeps both directions busy.
 const RING_MIN_BYTES_HOSTS: usize = 1 << 20;
 
-/// Segment size of the ring: bounds the reused scratch buffers and pipelines copies.
+/// Segment size of the ring on one host: bounds the reused scratch buffers and
+/// pipelines copies. Across hosts each step's chunk is one message instead (scratch of
+/// one chunk). Measured across 2 emulated hosts × 1 rank, one 64 MiB f32 sum, ring ÷
+/// a plain MPI program's MPI_Allreduce (alternating launches): at 1 Gbit/s, one
+/// message per chunk 1.00 (570 ms, line rate); 256 KiB segments, 4 in flight: 1.42–1.46
+/// (820–834 ms), and no better with 32 or 64 KiB segments 32 or 64 in flight, or
+/// 2, 4, 8 MiB segments one at a time (1.25–1.83). At 10 Gbit/s every variant beat
+/// MPI_Allreduce: one message 0.82–0.93 (68–71 ms), 256 KiB × 4 0.87 (66–67 ms). Each
+/// message is a rendezvous whose acknowledgement queues behind the other direction's
+/// data; a TCP link with a short queue (the emulation's tbf: 5 ms) then idles between
+/// segments or drops packets when many are in flight.
 const RING_SEGMENT_BYTES: usize = 256 << 10;
 
 /// Segments received ahead of the one being added (scratch buffers in use): the
@@ -595,7 +614,7 @@ impl MpiTransport {
         let result = reduce_scatter_on(local, buf, &mut shard, &shards, dtype, mpi_op)
             .and_then(|()| {
                 if ring {
-                    ring_allreduce(cross, &order, cross.rank, scratch, &mut shard, dtype)
+                    ring_allreduce(cross, &order, cross.rank, scratch, &mut shard, dtype, None)
                 } else {
                     allreduce_in_place(cross, &mut shard, dtype, mpi_op)
                 }
@@ -816,6 +835,7 @@ impl Transport for MpiTransport {
                 &mut self.ring_scratch,
                 buf,
                 dtype,
+                self.ring_segment,
             );
         }
         allreduce_in_place(self.world(), buf, dtype, self.reduce_op(op, dtype))
@@ -909,11 +929,13 @@ impl Transport for MpiTransport {
 /// In-place segmented ring allreduce (sum) over non-blocking point-to-point
 /// messages, with reused scratch segments: Open MPI allocates about half the
 /// message as scratch on every large MPI_Allreduce; this allocates nothing after
-/// the first call. In each reduce-scatter step up to `RING_WINDOW` segments are in
-/// flight each way: a segment is summed while the next ones arrive, and a new send
-/// and receive are posted as each completes (posting every send at once was
-/// slower: the receiver then handles unexpected rendezvous messages). The
-/// allgather receives straight into the buffer.
+/// the first call. With `segment` bytes, in each reduce-scatter step up to
+/// `RING_WINDOW` segments are in flight each way: a segment is summed while the next
+/// ones arrive, and a new send and receive are posted as each completes (posting
+/// every send at once was slower: the receiver then handles unexpected rendezvous
+/// messages). With None (across hosts) each step's chunk is one message, received
+/// into a chunk of scratch (see `RING_SEGMENT_BYTES`). The allgather receives
+/// straight into the buffer.
 ///
 /// `order[i]` is the rank of `g` at ring position `i`; this rank is at `pos`.
 /// `scratch` is kept between calls.
@@ -924,6 +946,7 @@ fn ring_allreduce(
     scratch: &mut Vec<u8>,
     buf: &mut [u8],
     dtype: DType,
+    segment: Option<usize>,
 ) -> Result<()> {
     use super::ring::{add_into, chunk, send_chunk};
     const SEND: &str = "MPI_Isend (ring allreduce)";
@@ -934,19 +957,22 @@ fn ring_allreduce(
     let left = count(RECV, order[(r + n - 1) % n])?;
     let es = dtype.size_of();
     let len = buf.len() / es;
-    let seg = (RING_SEGMENT_BYTES / es).max(1);
-    scratch.resize(RING_WINDOW * seg * es, 0);
-    let ty = datatype(dtype);
-    let comm = g.comm;
     // Checked once here, so that no count fails once messages are in flight: the
     // first chunk is the largest.
     let (c0, c1) = chunk(len, n, 0);
     count(SEND, c1 - c0)?;
+    let (seg, window) = match segment {
+        Some(bytes) => ((bytes / es).max(1), RING_WINDOW),
+        None => ((c1 - c0).max(1), 1),
+    };
+    scratch.resize(window * seg * es, 0);
+    let ty = datatype(dtype);
+    let comm = g.comm;
     // From here on the buffer is reached only through `base`: in-flight sends read
     // one chunk while the sum writes another.
     let base = buf.as_mut_ptr();
     let slots = scratch.as_mut_ptr();
-    let slot = |k: usize| slots.wrapping_add((k % RING_WINDOW) * seg * es);
+    let slot = |k: usize| slots.wrapping_add((k % window) * seg * es);
     // Element ranges [a, b) of a chunk cut into segments.
     let segments = |(a, b): (usize, usize)| {
         (a..b)
@@ -985,7 +1011,7 @@ fn ring_allreduce(
         for step in 0..n - 1 {
             let out = segments(chunk(len, n, send_chunk(r, step, n)));
             let inc = segments(chunk(len, n, send_chunk(r, step + 1, n)));
-            for k in 0..RING_WINDOW {
+            for k in 0..window {
                 if let Some(&s) = out.get(k) {
                     isend(&mut sends, s)?;
                 }
@@ -1007,13 +1033,13 @@ fn ring_allreduce(
                         )
                     };
                     add_into(acc, got, dtype);
-                    if let Some(&(na, nb)) = inc.get(k + RING_WINDOW) {
-                        irecv(&mut recvs, slot(k + RING_WINDOW), nb - na)?;
+                    if let Some(&(na, nb)) = inc.get(k + window) {
+                        irecv(&mut recvs, slot(k + window), nb - na)?;
                     }
                 }
                 if k < out.len() {
                     sends.wait(k)?;
-                    if let Some(&s) = out.get(k + RING_WINDOW) {
+                    if let Some(&s) = out.get(k + window) {
                         isend(&mut sends, s)?;
                     }
                 }
