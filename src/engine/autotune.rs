@@ -21,6 +21,7 @@ use std::time::{Duration, Instant};
 use nalgebra::{DMatrix, DVector};
 use serde::{Deserialize, Serialize};
 
+use super::fusion::MAX_FUSED_TENSOR_BYTES;
 use crate::config::Config;
 
 /// Samples whose median scores one configuration.
@@ -46,6 +47,9 @@ pub struct AutotuneState {
     pub finished: bool,
     /// The fusion threshold in effect, in bytes.
     pub fusion_threshold: usize,
+    /// Tensors larger than this many bytes are not fused (see
+    /// [`Config::fusion_max_tensor_bytes`](crate::Config::fusion_max_tensor_bytes)).
+    pub fusion_max_tensor: usize,
     /// The cycle time in effect.
     pub cycle_time: Duration,
     /// Whether the response cache is on.
@@ -66,6 +70,8 @@ pub struct AutotuneChange {
     pub cycle: u64,
     /// New fusion threshold in bytes.
     pub fusion_threshold: usize,
+    /// New limit on the size of a fused tensor, in bytes.
+    pub fusion_max_tensor: usize,
     /// New cycle time.
     pub cycle_time: Duration,
     /// Whether the response cache is on.
@@ -82,6 +88,8 @@ pub struct AutotuneChange {
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 pub(crate) struct Settings {
     pub(crate) fusion_threshold: usize,
+    /// Tensors above this many bytes are not fused.
+    pub(crate) fusion_max_tensor: usize,
     /// Cycle time in microseconds.
     pub(crate) cycle_time_us: u64,
     pub(crate) cache: bool,
@@ -103,6 +111,8 @@ impl Settings {
 #[derive(Debug, Clone, Copy)]
 struct Dims {
     threshold: bool,
+    /// Whether large tensors are fused (tried only where the job spans hosts).
+    large: bool,
     cycle: bool,
     cache: bool,
     hierarchical: bool,
@@ -113,6 +123,7 @@ impl Dims {
     fn count(&self) -> usize {
         [
             self.threshold,
+            self.large,
             self.cycle,
             self.cache,
             self.hierarchical,
@@ -220,21 +231,25 @@ pub(crate) struct Tuner {
 impl Tuner {
     /// A tuner starting from `start`, or `None` when every setting is fixed by the
     /// user (nothing to tune). Hierarchical allreduce is tuned where it `can_be_hierarchical`
-    /// (several hosts with the same number of ranks, more than one) unless the user set it.
+    /// (several hosts with the same number of ranks, more than one) unless the user set it;
+    /// fusing large tensors is tried where the job `spans_hosts` unless the user set
+    /// the limit.
     pub(crate) fn new(
         config: &Config,
         start: Settings,
         can_be_hierarchical: bool,
+        spans_hosts: bool,
     ) -> Option<Tuner> {
         let dims = Dims {
             threshold: !config.fusion_threshold_explicit,
+            large: spans_hosts && !config.fusion_max_tensor_explicit,
             cycle: !config.cycle_time_explicit,
             cache: !config.cache_capacity_explicit,
             hierarchical: can_be_hierarchical && !config.hierarchical_allreduce_explicit,
             hierarchical_allgather: can_be_hierarchical && !config.hierarchical_allgather_explicit,
         };
         if dims.count() == 0 {
-            tracing::warn!("KOLO_AUTOTUNE: fusion threshold, cycle time, cache capacity and hierarchical allreduce are all set explicitly or fixed; nothing to tune");
+            tracing::warn!("KOLO_AUTOTUNE: fusion threshold and tensor limit, cycle time, cache capacity and hierarchical allreduce are all set explicitly or fixed; nothing to tune");
             return None;
         }
         let log = config.autotune_log.as_deref().and_then(open_log);
@@ -313,6 +328,7 @@ impl Tuner {
             s.last = true;
             tracing::info!(
                 fusion_threshold = s.fusion_threshold,
+                fusion_max_tensor = s.fusion_max_tensor,
                 cycle_time_us = s.cycle_time_us,
                 cache = s.cache,
                 hierarchical = s.hierarchical,
@@ -337,6 +353,13 @@ impl Tuner {
         if self.dims.threshold {
             x.push(threshold_to_x(s.fusion_threshold));
         }
+        if self.dims.large {
+            x.push(if s.fusion_max_tensor > MAX_FUSED_TENSOR_BYTES {
+                1.0
+            } else {
+                0.0
+            });
+        }
         if self.dims.cycle {
             x.push(cycle_to_x(s.cycle_time_us));
         }
@@ -357,6 +380,13 @@ impl Tuner {
         let mut it = x.iter();
         if self.dims.threshold {
             s.fusion_threshold = x_to_threshold(it.next().copied().unwrap_or(0.0));
+        }
+        if self.dims.large {
+            s.fusion_max_tensor = if it.next().copied().unwrap_or(0.0) >= 0.5 {
+                usize::MAX
+            } else {
+                MAX_FUSED_TENSOR_BYTES
+            };
         }
         if self.dims.cycle {
             s.cycle_time_us = x_to_cycle(it.next().copied().unwrap_or(0.5));
@@ -423,8 +453,9 @@ impl Tuner {
         let (sample, s) = (self.sample, self.current);
         if let Some(f) = &mut self.log {
             let row = format!(
-                "{sample},{},{:.3},{},{},{},{score:.0},{kind}\n",
+                "{sample},{},{},{:.3},{},{},{},{score:.0},{kind}\n",
                 s.fusion_threshold,
+                s.fusion_max_tensor,
                 s.cycle_time_us as f64 / 1000.0,
                 u8::from(s.cache),
                 u8::from(s.hierarchical),
@@ -440,7 +471,7 @@ impl Tuner {
 
 fn open_log(path: &Path) -> Option<File> {
     let header =
-        "sample,fusion_threshold_bytes,cycle_time_ms,cache_enabled,hierarchical_allreduce,hierarchical_allgather,score_bytes_per_s,kind\n";
+        "sample,fusion_threshold_bytes,fusion_max_tensor_bytes,cycle_time_ms,cache_enabled,hierarchical_allreduce,hierarchical_allgather,score_bytes_per_s,kind\n";
     match File::create(path).and_then(|mut f| f.write_all(header.as_bytes()).map(|()| f)) {
         Ok(f) => Some(f),
         Err(e) => {
@@ -484,24 +515,57 @@ mod tests {
             .autotune(true);
         let start = Settings {
             fusion_threshold: 1 << 20,
+            fusion_max_tensor: MAX_FUSED_TENSOR_BYTES,
             cycle_time_us: 1000,
             cache: true,
             hierarchical: false,
             hierarchical_allgather: false,
             last: false,
         };
-        let dims =
-            |c: &Config, possible: bool| Tuner::new(c, start, possible).map(|t| t.dims.count());
+        let dims = |c: &Config, possible: bool| {
+            Tuner::new(c, start, possible, false).map(|t| t.dims.count())
+        };
         assert_eq!(dims(&fixed, true), Some(2));
         assert_eq!(dims(&fixed, false), None, "one host: nothing left to tune");
         let one = fixed.clone().hierarchical_allgather(false);
         assert_eq!(dims(&one, true), Some(1));
-        let t = Tuner::new(&one, start, true).unwrap();
+        let t = Tuner::new(&one, start, true, false).unwrap();
         let on = t.settings_at(&[1.0]);
         assert!(on.hierarchical && !on.hierarchical_allgather, "{on:?}");
         assert_eq!(t.point_of(&on), [1.0]);
         let neither = one.hierarchical_allreduce(true);
         assert_eq!(dims(&neither, true), None);
+    }
+
+    /// Fusing large tensors is tried only where the job spans hosts and the user left
+    /// the limit unset; on it means no limit, off the one-host default.
+    #[test]
+    fn large_tensor_fusion_is_tuned_across_hosts_unless_set() {
+        let fixed = Config::default()
+            .fusion_threshold_bytes(1 << 20)
+            .cycle_time(Duration::from_millis(1))
+            .cache_capacity(64)
+            .autotune(true);
+        let start = Settings {
+            fusion_threshold: 1 << 20,
+            fusion_max_tensor: MAX_FUSED_TENSOR_BYTES,
+            cycle_time_us: 1000,
+            cache: true,
+            hierarchical: false,
+            hierarchical_allgather: false,
+            last: false,
+        };
+        assert!(Tuner::new(&fixed, start, false, false).is_none());
+        let t = Tuner::new(&fixed, start, false, true).unwrap();
+        assert_eq!(t.dims.count(), 1);
+        assert_eq!(t.settings_at(&[1.0]).fusion_max_tensor, usize::MAX);
+        assert_eq!(
+            t.settings_at(&[0.0]).fusion_max_tensor,
+            MAX_FUSED_TENSOR_BYTES
+        );
+        assert_eq!(t.point_of(&t.settings_at(&[1.0])), [1.0]);
+        let set = fixed.fusion_max_tensor_bytes(1 << 30);
+        assert!(Tuner::new(&set, start, false, true).is_none());
     }
 
     /// The tuner finds the peak of a known score function of the threshold alone.
@@ -517,13 +581,14 @@ mod tests {
         config.autotune_max_samples = 12;
         let start = Settings {
             fusion_threshold: 0,
+            fusion_max_tensor: MAX_FUSED_TENSOR_BYTES,
             cycle_time_us: 1000,
             cache: true,
             hierarchical: false,
             hierarchical_allgather: false,
             last: false,
         };
-        let mut t = Tuner::new(&config, start, false).unwrap();
+        let mut t = Tuner::new(&config, start, false, false).unwrap();
         // Bytes per second peak at 1 MiB (x ≈ 0.64) and fall off on both sides.
         let score = |s: &Settings| {
             let x = threshold_to_x(s.fusion_threshold);

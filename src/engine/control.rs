@@ -390,6 +390,7 @@ mod tests {
             let topology = t.topology();
             let agreed = Agreed {
                 fusion_threshold: 1 << 20,
+                fusion_max_tensor: super::super::fusion::MAX_FUSED_TENSOR_BYTES,
                 cache_capacity,
                 autotune: false,
                 hierarchical_allreduce: false,

@@ -4,7 +4,7 @@
 
 use std::time::Instant;
 
-use super::fusion::{FusionBuffer, MAX_FUSED_TENSOR_BYTES};
+use super::fusion::FusionBuffer;
 use super::layout::{
     allgather_layout, alltoall_layout, first_tensor, fused_inputs, local_or_zeros, post_factor,
     reducescatter_layout, scale_bytes, take_tensor,
@@ -143,7 +143,7 @@ fn reduce_bytes(
 /// into the persistent fusion buffer, reduced once, and copied back into the caller's
 /// own tensors, which are handed back. A tensor above the fusion limit, or the only
 /// small one of its dtype, is reduced in place without a copy, for the reason given at
-/// [`MAX_FUSED_TENSOR_BYTES`]: a bandwidth-bound tensor loses more to the copies
+/// [`super::fusion::MAX_FUSED_TENSOR_BYTES`] (the buffer's `max_tensor`): a bandwidth-bound tensor loses more to the copies
 /// than it saves in latency (a Burn model's weight gradients go through here).
 fn grouped_allreduce(
     t: &mut dyn Transport,
@@ -162,7 +162,7 @@ fn grouped_allreduce(
     for dtype in dtypes {
         let mut members: Vec<&mut Tensor> = Vec::new();
         for x in tensors.iter_mut().filter(|x| x.dtype() == dtype) {
-            if x.num_bytes() > MAX_FUSED_TENSOR_BYTES {
+            if x.num_bytes() > buffer.max_tensor {
                 allreduce(t, x, meta, size)?;
             } else {
                 members.push(x);

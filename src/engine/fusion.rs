@@ -36,9 +36,13 @@ struct FuseKey {
 /// per-collective latency fusion saves (fusing every tensor up to 64 MiB made the set
 /// 2.6× slower than no fusion; fusing only the small ones matches no fusion on that set
 /// and is 2× faster than no fusion on 1000 small tensors).
+///
+/// Across hosts on a slow link the balance turns: there every collective pays a start-up
+/// on the network that copies at memory speed do not (`KOLO_FUSION_MAX_TENSOR_BYTES`
+/// raises this limit; the autotuner tries it where the job spans hosts).
 pub(crate) const MAX_FUSED_TENSOR_BYTES: usize = 64 << 10;
 
-fn fuse_key(r: &Response) -> Option<(FuseKey, usize)> {
+fn fuse_key(r: &Response, max_tensor: usize) -> Option<(FuseKey, usize)> {
     let Response::Run(ready) = r else { return None };
     let m = ready.first();
     let t = m.tensors.first()?;
@@ -56,7 +60,7 @@ fn fuse_key(r: &Response) -> Option<(FuseKey, usize)> {
         }
         _ => return None,
     };
-    if bytes > MAX_FUSED_TENSOR_BYTES {
+    if bytes > max_tensor {
         return None;
     }
     Some((
@@ -75,9 +79,11 @@ fn fuse_key(r: &Response) -> Option<(FuseKey, usize)> {
 /// Greedy fusion with look-ahead, as Horovod does: a batch starts at the first
 /// unassigned allreduce (always taken, even above the threshold) and takes every later
 /// matching allreduce that still fits, skipping non-matching responses rather than
-/// stopping at them. A threshold of 0 disables fusion.
-pub(crate) fn plan(responses: &[Response], threshold: usize) -> Vec<Step> {
-    let keys: Vec<Option<(FuseKey, usize)>> = responses.iter().map(fuse_key).collect();
+/// stopping at them. A threshold of 0 disables fusion; tensors above `max_tensor`
+/// bytes are never fused.
+pub(crate) fn plan(responses: &[Response], threshold: usize, max_tensor: usize) -> Vec<Step> {
+    let keys: Vec<Option<(FuseKey, usize)>> =
+        responses.iter().map(|r| fuse_key(r, max_tensor)).collect();
     let mut taken = vec![false; responses.len()];
     let mut steps = Vec::new();
     for i in 0..responses.len() {
@@ -117,9 +123,21 @@ pub(crate) fn plan(responses: &[Response], threshold: usize) -> Vec<Step> {
 /// The persistent fusion buffer: grows to the largest batch seen and is reused, so a
 /// steady-state step allocates nothing. Backed by `u64` so that every dtype's view of
 /// it is aligned.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub(crate) struct FusionBuffer {
     words: Vec<u64>,
+    /// Tensors larger than this are reduced in place, not copied in (the agreed
+    /// `KOLO_FUSION_MAX_TENSOR_BYTES`; see [`MAX_FUSED_TENSOR_BYTES`]).
+    pub(crate) max_tensor: usize,
+}
+
+impl Default for FusionBuffer {
+    fn default() -> Self {
+        FusionBuffer {
+            words: Vec::new(),
+            max_tensor: MAX_FUSED_TENSOR_BYTES,
+        }
+    }
 }
 
 impl FusionBuffer {
@@ -163,12 +181,15 @@ mod tests {
             allreduce("c", 10, DType::F32, ReduceOp::Sum),
         ];
         assert_eq!(
-            plan(&rs, 80),
+            plan(&rs, 80, MAX_FUSED_TENSOR_BYTES),
             vec![Step::Fused(vec![0, 1]), Step::Single(2)]
         );
-        assert_eq!(plan(&rs, 120), vec![Step::Fused(vec![0, 1, 2])]);
         assert_eq!(
-            plan(&rs, 0),
+            plan(&rs, 120, MAX_FUSED_TENSOR_BYTES),
+            vec![Step::Fused(vec![0, 1, 2])]
+        );
+        assert_eq!(
+            plan(&rs, 0, MAX_FUSED_TENSOR_BYTES),
             vec![Step::Single(0), Step::Single(1), Step::Single(2)]
         );
     }
@@ -206,11 +227,11 @@ mod tests {
         ];
         // Gathered sizes: 48, 48 and 64 bytes.
         assert_eq!(
-            plan(&rs, 1 << 20),
+            plan(&rs, 1 << 20, MAX_FUSED_TENSOR_BYTES),
             vec![Step::Fused(vec![0, 2, 4]), Step::Fused(vec![1, 3])]
         );
         assert_eq!(
-            plan(&rs, 100),
+            plan(&rs, 100, MAX_FUSED_TENSOR_BYTES),
             vec![
                 Step::Fused(vec![0, 2]),
                 Step::Fused(vec![1, 3]),
@@ -224,7 +245,11 @@ mod tests {
         joined.metas = std::sync::Arc::from([joined.metas[0].clone(), None]);
         let joined = Response::Run(joined);
         assert_eq!(
-            plan(&[allgather("g", &[1, 1]), joined], 1 << 20),
+            plan(
+                &[allgather("g", &[1, 1]), joined],
+                1 << 20,
+                MAX_FUSED_TENSOR_BYTES
+            ),
             vec![Step::Single(0), Step::Single(1)]
         );
     }
@@ -243,7 +268,7 @@ mod tests {
             allreduce("z", 4, DType::F64, ReduceOp::Sum),
         ];
         assert_eq!(
-            plan(&rs, 1 << 20),
+            plan(&rs, 1 << 20, MAX_FUSED_TENSOR_BYTES),
             vec![
                 Step::Fused(vec![0, 4]),
                 Step::Fused(vec![1, 5]),
@@ -259,7 +284,10 @@ mod tests {
             allreduce("big", 1000, DType::F32, ReduceOp::Sum),
             allreduce("small", 1, DType::F32, ReduceOp::Sum),
         ];
-        assert_eq!(plan(&rs, 16), vec![Step::Single(0), Step::Single(1)]);
+        assert_eq!(
+            plan(&rs, 16, MAX_FUSED_TENSOR_BYTES),
+            vec![Step::Single(0), Step::Single(1)]
+        );
     }
 
     #[test]
@@ -271,8 +299,17 @@ mod tests {
             allreduce("b", 4, DType::F32, ReduceOp::Sum),
         ];
         assert_eq!(
-            plan(&rs, 64 << 20),
+            plan(&rs, 64 << 20, MAX_FUSED_TENSOR_BYTES),
             vec![Step::Fused(vec![0, 2]), Step::Single(1)]
+        );
+        // A raised limit (slow links) fuses them up to the threshold.
+        assert_eq!(
+            plan(&rs, 64 << 20, usize::MAX),
+            vec![Step::Fused(vec![0, 1, 2])]
+        );
+        assert_eq!(
+            plan(&rs, big * 4 + 16, usize::MAX),
+            vec![Step::Fused(vec![0, 1]), Step::Single(2)]
         );
     }
 
@@ -282,8 +319,14 @@ mod tests {
             allreduce("a", 4, DType::F16, ReduceOp::Sum),
             allreduce("b", 4, DType::F16, ReduceOp::Sum),
         ];
-        assert_eq!(plan(&rs, 8), vec![Step::Single(0), Step::Single(1)]);
-        assert_eq!(plan(&rs, 16), vec![Step::Fused(vec![0, 1])]);
+        assert_eq!(
+            plan(&rs, 8, MAX_FUSED_TENSOR_BYTES),
+            vec![Step::Single(0), Step::Single(1)]
+        );
+        assert_eq!(
+            plan(&rs, 16, MAX_FUSED_TENSOR_BYTES),
+            vec![Step::Fused(vec![0, 1])]
+        );
     }
 
     #[test]

@@ -83,6 +83,7 @@ pub(crate) fn run(
     };
     let start_settings = Settings {
         fusion_threshold: agreed.fusion_threshold,
+        fusion_max_tensor: agreed.fusion_max_tensor,
         cycle_time_us: u64::try_from(config.cycle_time.as_micros()).unwrap_or(u64::MAX),
         cache: agreed.cache_capacity > 0,
         hierarchical: hierarchy.on,
@@ -90,7 +91,14 @@ pub(crate) fn run(
         last: false,
     };
     let tuner = (agreed.autotune && topology.rank == 0)
-        .then(|| Tuner::new(&config, start_settings, hierarchy.possible))
+        .then(|| {
+            Tuner::new(
+                &config,
+                start_settings,
+                hierarchy.possible,
+                topology.cross_size > 1,
+            )
+        })
         .flatten();
     {
         let mut state = autotune.lock().unwrap_or_else(PoisonError::into_inner);
@@ -98,6 +106,7 @@ pub(crate) fn run(
             enabled: agreed.autotune,
             finished: false,
             fusion_threshold: agreed.fusion_threshold,
+            fusion_max_tensor: agreed.fusion_max_tensor,
             cycle_time: config.cycle_time,
             cache_enabled: agreed.cache_capacity > 0,
             hierarchical_allreduce: hierarchy.on,
@@ -189,6 +198,8 @@ impl Drop for Abandon {
 #[derive(Debug, Clone, Copy, PartialEq, serde::Serialize, serde::Deserialize)]
 struct Agreed {
     fusion_threshold: usize,
+    /// Tensors above this many bytes are not fused.
+    fusion_max_tensor: usize,
     cache_capacity: usize,
     /// Rank 0 runs the autotuner; the others apply what it sends.
     autotune: bool,
@@ -213,6 +224,7 @@ struct HierarchyChoice {
 fn agree(t: &mut dyn Transport, config: &Config) -> Result<(Agreed, HierarchyChoice)> {
     let mine = Agreed {
         fusion_threshold: config.fusion_threshold,
+        fusion_max_tensor: config.fusion_max_tensor,
         cache_capacity: config.cache_capacity,
         autotune: config.autotune,
         hierarchical_allreduce: config.hierarchical_allreduce,
@@ -520,6 +532,7 @@ impl Control {
     /// go out in full in the next cycle.
     fn apply(&mut self, s: &Settings, capacity: usize, inbox: &mut Inbox) {
         self.agreed.fusion_threshold = s.fusion_threshold;
+        self.agreed.fusion_max_tensor = s.fusion_max_tensor;
         if s.cache != self.cache.enabled() {
             inbox.unannounce_all();
             self.cache = ResponseCache::new(if s.cache { capacity } else { 0 });
@@ -552,6 +565,7 @@ impl Tuning {
     fn record(&self, s: &Settings, cycle: u64) {
         let mut state = self.state.lock().unwrap_or_else(PoisonError::into_inner);
         state.fusion_threshold = s.fusion_threshold;
+        state.fusion_max_tensor = s.fusion_max_tensor;
         state.cycle_time = s.cycle_time();
         state.cache_enabled = s.cache;
         state.hierarchical_allreduce = s.hierarchical;
@@ -560,6 +574,7 @@ impl Tuning {
         state.changes.push(AutotuneChange {
             cycle,
             fusion_threshold: s.fusion_threshold,
+            fusion_max_tensor: s.fusion_max_tensor,
             cycle_time: s.cycle_time(),
             cache_enabled: s.cache,
             hierarchical_allreduce: s.hierarchical,
@@ -733,6 +748,7 @@ impl Engine {
             &mut self.inbox.pending,
             responses,
             self.control.agreed.fusion_threshold,
+            self.control.agreed.fusion_max_tensor,
         );
     }
 
@@ -769,6 +785,7 @@ impl Engine {
             rank = self.inbox.rank,
             cycle = self.cycles,
             fusion_threshold = s.fusion_threshold,
+            fusion_max_tensor = s.fusion_max_tensor,
             cycle_time_us = s.cycle_time_us,
             cache = s.cache,
             hierarchical = s.hierarchical,
@@ -878,6 +895,7 @@ mod tuning_tests {
     fn settings(threshold: usize, cache: bool, last: bool) -> Settings {
         Settings {
             fusion_threshold: threshold,
+            fusion_max_tensor: crate::engine::fusion::MAX_FUSED_TENSOR_BYTES,
             cycle_time_us: 500,
             cache,
             hierarchical: false,
@@ -928,7 +946,12 @@ mod tuning_tests {
         let mut config = Config::default().autotune(true);
         config.autotune_warmup_samples = 0;
         config.autotune_steps_per_sample = 1;
-        let mut tuned = tuning(Tuner::new(&config, settings(64 << 20, true, false), false));
+        let mut tuned = tuning(Tuner::new(
+            &config,
+            settings(64 << 20, true, false),
+            false,
+            false,
+        ));
         let mut cycles = 0;
         while tuned.pending.is_none() && cycles < 100 {
             cycles += 1;
@@ -938,7 +961,12 @@ mod tuning_tests {
         // A configuration is scored over three samples before the next is proposed.
         assert_eq!(cycles, 3);
         // A cycle that reduced nothing is not a sample.
-        let mut quiet = tuning(Tuner::new(&config, settings(64 << 20, true, false), false));
+        let mut quiet = tuning(Tuner::new(
+            &config,
+            settings(64 << 20, true, false),
+            false,
+            false,
+        ));
         for i in 0..10 {
             quiet.observe(0, start, start + Duration::from_millis(i + 1));
         }
@@ -957,6 +985,7 @@ mod tuning_tests {
         };
         let agreed = Agreed {
             fusion_threshold: 1 << 20,
+            fusion_max_tensor: crate::engine::fusion::MAX_FUSED_TENSOR_BYTES,
             cache_capacity: 8,
             autotune: true,
             hierarchical_allreduce: false,

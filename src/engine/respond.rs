@@ -21,16 +21,19 @@ pub(super) type Pending = FxHashMap<Key, Request>;
 
 impl Executor {
     /// Runs the agreed responses of a cycle, fused as the plan for `fusion_threshold`
-    /// says, completing the handles of this rank's requests.
+    /// and tensors up to `max_tensor` bytes says, completing the handles of this
+    /// rank's requests.
     pub(super) fn run(
         &mut self,
         t: &mut dyn Transport,
         pending: &mut Pending,
         responses: Vec<Response>,
         fusion_threshold: usize,
+        max_tensor: usize,
     ) {
         self.ready_at = Instant::now();
-        let steps = fusion::plan(&responses, fusion_threshold);
+        self.fusion_buffer.max_tensor = max_tensor;
+        let steps = fusion::plan(&responses, fusion_threshold, max_tensor);
         let mut responses: Vec<Option<Response>> = responses.into_iter().map(Some).collect();
         for step in steps {
             match step {
@@ -306,6 +309,7 @@ mod tests {
     use std::time::{Duration, Instant};
 
     use super::{Executor, Pending};
+    use crate::engine::fusion::MAX_FUSED_TENSOR_BYTES as MAX;
     use crate::engine::negotiate::{Ready, Response};
     use crate::engine::queue::Queue;
     use crate::engine::request::{OpKind, Request, RequestMeta};
@@ -373,7 +377,7 @@ mod tests {
                 let hb = submit(&mut pending, &b, &[10.0 * x, 5.0]);
                 let hc = submit(&mut pending, &c, &[x, x]);
                 let responses = vec![ready(&a, 2, &[]), ready(&c, 2, &[]), ready(&b, 2, &[])];
-                exec.run(t, &mut pending, responses, threshold);
+                exec.run(t, &mut pending, responses, threshold, MAX);
                 assert!(pending.is_empty(), "every response takes its request");
                 let buffered = exec.fusion_buffer.capacity();
                 (values(ha), values(hb), values(hc), buffered)
@@ -403,7 +407,7 @@ mod tests {
             // Rank 1 has joined for b: it has no request, the response says so.
             let hb = (rank == 0).then(|| submit(&mut pending, &b, &[7.0]));
             let responses = vec![ready(&a, 2, &[]), ready(&b, 2, &[1])];
-            exec.run(t, &mut pending, responses, 1 << 20);
+            exec.run(t, &mut pending, responses, 1 << 20, MAX);
             (values(ha), hb.map(values))
         });
         assert_eq!(out[0], (vec![2.0, 4.0], Some(vec![7.0])));
@@ -428,6 +432,7 @@ mod tests {
             &mut pending,
             vec![ready(&a, 2, &[]), ready(&b, 2, &[])],
             1 << 20,
+            MAX,
         );
         for h in [ha, hb] {
             match h.wait() {
@@ -459,6 +464,7 @@ mod tests {
             &mut pending,
             vec![ready(&a, 1, &[]), ready(&b, 1, &[])],
             1 << 20,
+            MAX,
         );
         assert_eq!(values(ha), [1.0, 2.0]);
         assert_eq!(values(hb), [3.0, 4.0]);

@@ -136,7 +136,7 @@ pub(crate) fn tune(k: &Kolo) -> Result<()> {
         let text = std::fs::read_to_string(&log)?;
         let mut lines = text.lines();
         ensure!(
-            lines.next() == Some("sample,fusion_threshold_bytes,cycle_time_ms,cache_enabled,hierarchical_allreduce,hierarchical_allgather,score_bytes_per_s,kind"),
+            lines.next() == Some("sample,fusion_threshold_bytes,fusion_max_tensor_bytes,cycle_time_ms,cache_enabled,hierarchical_allreduce,hierarchical_allgather,score_bytes_per_s,kind"),
             "log header: {text}"
         );
         let rows: Vec<&str> = lines.collect();
