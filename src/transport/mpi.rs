@@ -7,7 +7,7 @@
 //! blocking algorithms were measured 1.7× faster than its non-blocking ones for a
 //! 64 MiB allreduce here (see benches/). Large sums use a ring over non-blocking
 //! point-to-point messages instead (`ring_allreduce`; pipelined in segments on one
-//! host, one message per step across hosts): from 32 MiB
+//! host, one message per step when every hop crosses hosts): from 32 MiB
 //! on one host (0.53–0.59× MPI_Allreduce's time there), from 1 MiB when the job spans
 //! hosts (see `RING_MIN_BYTES_ONE_HOST` and `RING_MIN_BYTES_HOSTS` for the
 //! measurements). The ring visits the ranks host
@@ -62,8 +62,9 @@ pub(crate) struct MpiTransport {
     /// Sums at least this large go through the ring: `RING_MIN_BYTES_HOSTS` when the
     /// job spans hosts, else `RING_MIN_BYTES_ONE_HOST` (the same on every rank).
     ring_min_bytes: usize,
-    /// The ring's segment size: `RING_SEGMENT_BYTES` on one host; across hosts, None
-    /// (each step's chunk is one message, see `ring_allreduce`).
+    /// The ring's segment size: `RING_SEGMENT_BYTES`, or None (each step's chunk is one
+    /// message, see `ring_allreduce`) when the job has one rank per host, so that
+    /// every hop crosses the network.
     ring_segment: Option<usize>,
     /// The thread support MPI gave: process sets (an engine thread each) need
     /// `MPI_THREAD_MULTIPLE`.
@@ -153,6 +154,7 @@ impl MpiTransport {
         let hosts = Hosts::of(&hosts);
         let (ring, ring_pos) = hosts.ring(rank);
         let multi_host = hosts.members.len() > 1;
+        let one_per_host = hosts.members.iter().all(|m| m.len() == 1);
         tracing::debug!(
             rank,
             ?ring,
@@ -177,7 +179,8 @@ impl MpiTransport {
             } else {
                 RING_MIN_BYTES_ONE_HOST
             },
-            ring_segment: if multi_host {
+            // One message per step where every hop of the ring crosses hosts.
+            ring_segment: if multi_host && one_per_host {
                 None
             } else {
                 Some(RING_SEGMENT_BYTES)
@@ -527,7 +530,12 @@ const RING_MIN_BYTES_HOSTS: usize = 1 << 20;
 /// message per chunk 1.00 (570 ms, line rate); 256 KiB segments, 4 in flight: 1.42–1.46
 /// (820–834 ms), and no better with 32 or 64 KiB segments 32 or 64 in flight, or
 /// 2, 4, 8 MiB segments one at a time (1.25–1.83). At 10 Gbit/s every variant beat
-/// MPI_Allreduce: one message 0.82–0.93 (68–71 ms), 256 KiB × 4 0.87 (66–67 ms). Each
+/// MPI_Allreduce: one message 0.82–0.93 (68–71 ms), 256 KiB × 4 0.87 (66–67 ms). So
+/// do the hierarchical allreduce's cross-host ring and a flat ring of one rank per host
+/// (2 × 2 hierarchical, ResNet-50 set at 10 Gbit/s: 195–201 ms vs 219–224 with
+/// segments). A flat ring with several ranks per host keeps the segments: at 2 × 2 its
+/// one-message form was 8–13 % slower at 10 Gbit/s (196–210 vs 179–186 ms) and level
+/// at 1 Gbit/s (1321–1327 vs 1344–1381 ms). Each
 /// message is a rendezvous whose acknowledgement queues behind the other direction's
 /// data; a TCP link with a short queue (the emulation's tbf: 5 ms) then idles between
 /// segments or drops packets when many are in flight.
