@@ -395,6 +395,7 @@ mod tests {
                 autotune: false,
                 hierarchical_allreduce: false,
                 hierarchical_allgather: false,
+                grouped_ring: None,
             };
             let control = Control::new(&Config::default(), topology, agreed);
             let inbox = Inbox::new(Arc::new(Queue::default()), topology.rank);

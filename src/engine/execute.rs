@@ -264,6 +264,41 @@ pub(crate) fn run_fused(
     })
 }
 
+/// Reduces several allreduces too large to fuse (CPU sums of one dtype and scale
+/// factors, as `fusion::plan` groups them) each in its own tensor, with one call of
+/// the transport, which may move them together (`Transport::allreduce_many`): no copy
+/// into the fusion buffer. A joined rank contributes zeros, as in a fused batch.
+pub(crate) fn run_in_place_group(
+    t: &mut dyn Transport,
+    members: Vec<(&Ready, Option<Tensors>)>,
+) -> Result<(Vec<Option<Tensor>>, FusedTimes)> {
+    timed(t, members, |t, members, size, times| {
+        let meta = members[0].0.first().clone();
+        let dtype = first_tensor(&meta, 0)?.dtype;
+        let (mut tensors, local) = fused_inputs(members, |m| Ok(Tensor::zeros(m.dtype, &m.shape)))?;
+        for x in &mut tensors {
+            scale_bytes(x.host_bytes_mut(), dtype, meta.prescale);
+        }
+        times.copied_in = Instant::now();
+        let mut bufs: Vec<&mut [u8]> = tensors
+            .iter_mut()
+            .map(Tensor::host_bytes_mut)
+            .filter(|b| !b.is_empty())
+            .collect();
+        t.allreduce_many(&mut bufs, dtype, meta.op)?;
+        let post = post_factor(&meta, size);
+        for x in &mut tensors {
+            scale_bytes(x.host_bytes_mut(), dtype, post);
+        }
+        times.reduced = Instant::now();
+        Ok(tensors
+            .into_iter()
+            .zip(local)
+            .map(|(x, mine)| mine.then_some(x))
+            .collect())
+    })
+}
+
 /// Runs a fused collective's `body` (given the transport, the members, the number of
 /// ranks and the times to mark) and times it; no members, nothing to run.
 fn timed<'a>(

@@ -17,6 +17,9 @@ pub(crate) enum Step {
     /// Run these responses (all allreduces, or all allgathers) as one collective
     /// through the fusion buffer.
     Fused(Vec<usize>),
+    /// Run these allreduces (too large to fuse) each in its own buffer, handed to
+    /// the transport together (`Transport::allreduce_many`).
+    InPlace(Vec<usize>),
 }
 
 /// What must agree for two responses to share a buffer.
@@ -76,14 +79,55 @@ fn fuse_key(r: &Response, max_tensor: usize) -> Option<(FuseKey, usize)> {
     ))
 }
 
+/// What must agree for allreduces too large to fuse to go to the transport together:
+/// host sums (the ring's op) with the same dtype and scale factors.
+fn in_place_key(r: &Response, max_tensor: usize) -> Option<(FuseKey, usize)> {
+    let Response::Run(ready) = r else { return None };
+    let m = ready.first();
+    let t = m.tensors.first()?;
+    let bytes = t.shape.iter().product::<usize>() * t.dtype.size_of();
+    let eligible = ready.kind == OpKind::Allreduce
+        && m.device == Device::Cpu
+        && matches!(m.op, ReduceOp::Sum | ReduceOp::Average)
+        && bytes > max_tensor;
+    eligible.then(|| {
+        (
+            FuseKey {
+                kind: ready.kind,
+                device: m.device,
+                dtype: t.dtype,
+                op: m.op,
+                prescale: m.prescale.to_bits(),
+                postscale: m.postscale.to_bits(),
+            },
+            bytes,
+        )
+    })
+}
+
 /// Greedy fusion with look-ahead, as Horovod does: a batch starts at the first
 /// unassigned allreduce (always taken, even above the threshold) and takes every later
 /// matching allreduce that still fits, skipping non-matching responses rather than
 /// stopping at them. A threshold of 0 disables fusion; tensors above `max_tensor`
-/// bytes are never fused.
-pub(crate) fn plan(responses: &[Response], threshold: usize, max_tensor: usize) -> Vec<Step> {
-    let keys: Vec<Option<(FuseKey, usize)>> =
+/// bytes are never fused. With `in_place_group` > 0 (the transport's
+/// `in_place_group_bytes`, the same on every rank) the allreduces too large to fuse
+/// are grouped the same way, up to that many bytes, into [`Step::InPlace`] steps.
+pub(crate) fn plan(
+    responses: &[Response],
+    threshold: usize,
+    max_tensor: usize,
+    in_place_group: usize,
+) -> Vec<Step> {
+    let fused: Vec<Option<(FuseKey, usize)>> =
         responses.iter().map(|r| fuse_key(r, max_tensor)).collect();
+    let grouped: Vec<Option<(FuseKey, usize)>> = if threshold > 0 && in_place_group > 0 {
+        responses
+            .iter()
+            .map(|r| in_place_key(r, max_tensor))
+            .collect()
+    } else {
+        responses.iter().map(|_| None).collect()
+    };
     let mut taken = vec![false; responses.len()];
     let mut steps = Vec::new();
     for i in 0..responses.len() {
@@ -91,19 +135,24 @@ pub(crate) fn plan(responses: &[Response], threshold: usize, max_tensor: usize) 
             continue;
         }
         taken[i] = true;
-        let Some((key, bytes)) = &keys[i] else {
-            steps.push(Step::Single(i));
-            continue;
+        type Make = fn(Vec<usize>) -> Step;
+        let (key, mut total, keys, limit, step): (_, _, _, _, Make) = match (&fused[i], &grouped[i])
+        {
+            (Some((k, b)), _) => (k, *b, &fused, threshold, Step::Fused),
+            (None, Some((k, b))) => (k, *b, &grouped, in_place_group, Step::InPlace),
+            (None, None) => {
+                steps.push(Step::Single(i));
+                continue;
+            }
         };
         let mut batch = vec![i];
-        let mut total = *bytes;
-        if threshold > 0 {
+        if limit > 0 {
             for j in i + 1..responses.len() {
                 if taken[j] {
                     continue;
                 }
                 if let Some((k, b)) = &keys[j] {
-                    if k == key && total + b <= threshold {
+                    if k == key && total + b <= limit {
                         taken[j] = true;
                         total += b;
                         batch.push(j);
@@ -114,7 +163,7 @@ pub(crate) fn plan(responses: &[Response], threshold: usize, max_tensor: usize) 
         steps.push(if batch.len() == 1 {
             Step::Single(i)
         } else {
-            Step::Fused(batch)
+            step(batch)
         });
     }
     steps
@@ -181,16 +230,63 @@ mod tests {
             allreduce("c", 10, DType::F32, ReduceOp::Sum),
         ];
         assert_eq!(
-            plan(&rs, 80, MAX_FUSED_TENSOR_BYTES),
+            plan(&rs, 80, MAX_FUSED_TENSOR_BYTES, 0),
             vec![Step::Fused(vec![0, 1]), Step::Single(2)]
         );
         assert_eq!(
-            plan(&rs, 120, MAX_FUSED_TENSOR_BYTES),
+            plan(&rs, 120, MAX_FUSED_TENSOR_BYTES, 0),
             vec![Step::Fused(vec![0, 1, 2])]
         );
         assert_eq!(
-            plan(&rs, 0, MAX_FUSED_TENSOR_BYTES),
+            plan(&rs, 0, MAX_FUSED_TENSOR_BYTES, 0),
             vec![Step::Single(0), Step::Single(1), Step::Single(2)]
+        );
+    }
+
+    #[test]
+    fn groups_large_host_sums_only_where_the_transport_takes_groups() {
+        let big = MAX_FUSED_TENSOR_BYTES / 4 + 1;
+        let rs = vec![
+            allreduce("a", big, DType::F32, ReduceOp::Sum),
+            allreduce("small", 10, DType::F32, ReduceOp::Sum),
+            allreduce("max", big, DType::F32, ReduceOp::Max),
+            allreduce("b", big, DType::F32, ReduceOp::Sum),
+            allreduce("f64", big, DType::F64, ReduceOp::Sum),
+            allreduce("c", big, DType::F32, ReduceOp::Sum),
+            allreduce("avg", big, DType::F32, ReduceOp::Average),
+        ];
+        let m = MAX_FUSED_TENSOR_BYTES;
+        // Without groups (one host, or a transport that takes none) each runs alone.
+        assert_eq!(
+            plan(&rs, 1 << 20, m, 0),
+            (0..7).map(Step::Single).collect::<Vec<_>>()
+        );
+        // Sums of one dtype go together, looking past the others; Max never does.
+        assert_eq!(
+            plan(&rs, 1 << 20, m, 64 << 20),
+            vec![
+                Step::InPlace(vec![0, 3, 5]),
+                Step::Single(1),
+                Step::Single(2),
+                Step::Single(4),
+                Step::Single(6),
+            ]
+        );
+        // Up to the group limit (the first always goes in), and not with fusion off.
+        assert_eq!(
+            plan(&rs, 1 << 20, m, 2 * (big * 4)),
+            vec![
+                Step::InPlace(vec![0, 3]),
+                Step::Single(1),
+                Step::Single(2),
+                Step::Single(4),
+                Step::Single(5),
+                Step::Single(6),
+            ]
+        );
+        assert_eq!(
+            plan(&rs, 0, m, 64 << 20),
+            (0..7).map(Step::Single).collect::<Vec<_>>()
         );
     }
 
@@ -227,11 +323,11 @@ mod tests {
         ];
         // Gathered sizes: 48, 48 and 64 bytes.
         assert_eq!(
-            plan(&rs, 1 << 20, MAX_FUSED_TENSOR_BYTES),
+            plan(&rs, 1 << 20, MAX_FUSED_TENSOR_BYTES, 0),
             vec![Step::Fused(vec![0, 2, 4]), Step::Fused(vec![1, 3])]
         );
         assert_eq!(
-            plan(&rs, 100, MAX_FUSED_TENSOR_BYTES),
+            plan(&rs, 100, MAX_FUSED_TENSOR_BYTES, 0),
             vec![
                 Step::Fused(vec![0, 2]),
                 Step::Fused(vec![1, 3]),
@@ -248,7 +344,8 @@ mod tests {
             plan(
                 &[allgather("g", &[1, 1]), joined],
                 1 << 20,
-                MAX_FUSED_TENSOR_BYTES
+                MAX_FUSED_TENSOR_BYTES,
+                0
             ),
             vec![Step::Single(0), Step::Single(1)]
         );
@@ -268,7 +365,7 @@ mod tests {
             allreduce("z", 4, DType::F64, ReduceOp::Sum),
         ];
         assert_eq!(
-            plan(&rs, 1 << 20, MAX_FUSED_TENSOR_BYTES),
+            plan(&rs, 1 << 20, MAX_FUSED_TENSOR_BYTES, 0),
             vec![
                 Step::Fused(vec![0, 4]),
                 Step::Fused(vec![1, 5]),
@@ -285,7 +382,7 @@ mod tests {
             allreduce("small", 1, DType::F32, ReduceOp::Sum),
         ];
         assert_eq!(
-            plan(&rs, 16, MAX_FUSED_TENSOR_BYTES),
+            plan(&rs, 16, MAX_FUSED_TENSOR_BYTES, 0),
             vec![Step::Single(0), Step::Single(1)]
         );
     }
@@ -299,16 +396,16 @@ mod tests {
             allreduce("b", 4, DType::F32, ReduceOp::Sum),
         ];
         assert_eq!(
-            plan(&rs, 64 << 20, MAX_FUSED_TENSOR_BYTES),
+            plan(&rs, 64 << 20, MAX_FUSED_TENSOR_BYTES, 0),
             vec![Step::Fused(vec![0, 2]), Step::Single(1)]
         );
         // A raised limit (slow links) fuses them up to the threshold.
         assert_eq!(
-            plan(&rs, 64 << 20, usize::MAX),
+            plan(&rs, 64 << 20, usize::MAX, 0),
             vec![Step::Fused(vec![0, 1, 2])]
         );
         assert_eq!(
-            plan(&rs, big * 4 + 16, usize::MAX),
+            plan(&rs, big * 4 + 16, usize::MAX, 0),
             vec![Step::Fused(vec![0, 1]), Step::Single(2)]
         );
     }
@@ -320,11 +417,11 @@ mod tests {
             allreduce("b", 4, DType::F16, ReduceOp::Sum),
         ];
         assert_eq!(
-            plan(&rs, 8, MAX_FUSED_TENSOR_BYTES),
+            plan(&rs, 8, MAX_FUSED_TENSOR_BYTES, 0),
             vec![Step::Single(0), Step::Single(1)]
         );
         assert_eq!(
-            plan(&rs, 16, MAX_FUSED_TENSOR_BYTES),
+            plan(&rs, 16, MAX_FUSED_TENSOR_BYTES, 0),
             vec![Step::Fused(vec![0, 1])]
         );
     }

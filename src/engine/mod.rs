@@ -207,6 +207,8 @@ struct Agreed {
     hierarchical_allreduce: bool,
     /// Asked for a hierarchical allgather (likewise).
     hierarchical_allgather: bool,
+    /// Large sums across hosts in groups (None: measured at start).
+    grouped_ring: Option<bool>,
 }
 
 /// Whether allreduce and allgather run hierarchically, and whether they could (what
@@ -229,6 +231,7 @@ fn agree(t: &mut dyn Transport, config: &Config) -> Result<(Agreed, HierarchyCho
         autotune: config.autotune,
         hierarchical_allreduce: config.hierarchical_allreduce,
         hierarchical_allgather: config.hierarchical_allgather,
+        grouped_ring: config.grouped_ring,
     };
     let topology = t.topology();
     let bytes = postcard::to_stdvec(&(mine, topology.local_size as u64))
@@ -277,6 +280,8 @@ fn agree(t: &mut dyn Transport, config: &Config) -> Result<(Agreed, HierarchyCho
     };
     t.set_hierarchical_allreduce(choice.on);
     t.set_hierarchical_allgather(choice.allgather_on);
+    // Every rank, with rank 0's choice: the link probe behind `None` is collective.
+    t.choose_grouped_ring(first.grouped_ring)?;
     Ok((first, choice))
 }
 
@@ -990,6 +995,7 @@ mod tuning_tests {
             autotune: true,
             hierarchical_allreduce: false,
             hierarchical_allgather: false,
+            grouped_ring: None,
         };
         let mut control = Control::new(&Config::default(), topology, agreed);
         let mut inbox = Inbox::new(Arc::new(Queue::default()), 0);

@@ -33,7 +33,12 @@ impl Executor {
     ) {
         self.ready_at = Instant::now();
         self.fusion_buffer.max_tensor = max_tensor;
-        let steps = fusion::plan(&responses, fusion_threshold, max_tensor);
+        let steps = fusion::plan(
+            &responses,
+            fusion_threshold,
+            max_tensor,
+            t.in_place_group_bytes(),
+        );
         let mut responses: Vec<Option<Response>> = responses.into_iter().map(Some).collect();
         for step in steps {
             match step {
@@ -45,6 +50,10 @@ impl Executor {
                 Step::Fused(batch) => {
                     let members = batch.iter().filter_map(|&i| responses[i].take()).collect();
                     self.respond_fused(t, pending, members);
+                }
+                Step::InPlace(batch) => {
+                    let members = batch.iter().filter_map(|&i| responses[i].take()).collect();
+                    self.respond_in_place(t, pending, members);
                 }
             }
         }
@@ -244,6 +253,55 @@ impl Executor {
         complete_fused(dones, outputs);
     }
 
+    /// Runs a group of host allreduces too large to fuse, each in its own tensor, with
+    /// one call of the transport (`fusion::plan` made the group: CPU sums of one dtype
+    /// and scale factors).
+    fn respond_in_place(
+        &mut self,
+        t: &mut dyn Transport,
+        pending: &mut Pending,
+        members: Vec<Response>,
+    ) {
+        let mut readies = Vec::with_capacity(members.len());
+        let mut locals = Vec::with_capacity(members.len());
+        for m in members {
+            if let Response::Run(ready) = m {
+                let local = pending.remove(&*ready.key);
+                readies.push(ready);
+                locals.push(local);
+            }
+        }
+        let mut inputs = Vec::with_capacity(readies.len());
+        let mut dones = Vec::with_capacity(readies.len());
+        for (ready, local) in readies.iter().zip(locals) {
+            match local {
+                Some(req) => {
+                    self.trace_negotiation(&req.meta, req.submitted);
+                    inputs.push((ready, Some(req.tensors)));
+                    dones.push(Some(req.done));
+                }
+                None => {
+                    inputs.push((ready, None));
+                    dones.push(None);
+                }
+            }
+        }
+        tracing::debug!(tensors = inputs.len(), "grouped in-place allreduce");
+        self.simulate_collective_cost();
+        let result = execute::run_in_place_group(t, inputs);
+        let outputs = result.map(|(outputs, times)| {
+            if self.timeline.enabled() {
+                for ready in &readies {
+                    let args = trace_args(ready.first());
+                    self.timeline
+                        .span(&ready.key, "ALLREDUCE", times.start, times.reduced, &args);
+                }
+            }
+            outputs
+        });
+        complete_fused(dones, outputs);
+    }
+
     /// The three spans of each member of a fused collective: copy in, `phase`, copy out.
     fn trace_fused(
         &mut self,
@@ -389,6 +447,39 @@ mod tests {
                 // Fused: a and b (20 bytes) through the buffer; alone: in place.
                 let want = if threshold > 0 { 24 } else { 0 };
                 assert_eq!(buffered, want, "threshold {threshold}");
+            }
+        }
+    }
+
+    #[test]
+    fn large_sums_go_to_the_transport_as_one_group_in_their_own_buffers() {
+        let n = MAX / 4 + 1;
+        let big =
+            |key| RequestMeta::for_test(key, OpKind::Allreduce, DType::F32, &[n], ReduceOp::Sum);
+        let (a, b, c) = (big("a"), big("b"), big("c"));
+        for group in [0, 64 << 20] {
+            let out = on_loopback_ranks(2, |rank, t| {
+                let mut t = t.with_in_place_groups(group);
+                let mut exec = Executor::new(rank, false, Duration::ZERO);
+                let mut pending = Pending::default();
+                let x = rank as f32 + 1.0;
+                let ha = submit(&mut pending, &a, &vec![x; n]);
+                let hb = submit(&mut pending, &b, &vec![10.0 * x; n]);
+                // Rank 1 has joined for c: it contributes zeros.
+                let hc = (rank == 0).then(|| submit(&mut pending, &c, &vec![7.0; n]));
+                let responses = vec![ready(&a, 2, &[]), ready(&b, 2, &[]), ready(&c, 2, &[1])];
+                exec.run(&mut t, &mut pending, responses, 1 << 20, MAX);
+                let calls = t.calls();
+                let buffered = exec.fusion_buffer.capacity();
+                (values(ha), values(hb), hc.map(values), calls, buffered)
+            });
+            for (rank, (ra, rb, rc, calls, buffered)) in out.into_iter().enumerate() {
+                assert_eq!(ra, vec![3.0; n], "group {group}");
+                assert_eq!(rb, vec![30.0; n], "group {group}");
+                assert_eq!(rc, (rank == 0).then(|| vec![7.0; n]), "group {group}");
+                // One call for the group, one per tensor without; never the buffer.
+                assert_eq!(calls, if group > 0 { 1 } else { 3 }, "group {group}");
+                assert_eq!(buffered, 0, "group {group}");
             }
         }
     }

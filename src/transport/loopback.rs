@@ -58,6 +58,8 @@ pub(crate) struct Loopback {
     size: usize,
     next: u64,
     hub: Arc<Hub>,
+    /// What `in_place_group_bytes` answers (0 unless a test sets it).
+    in_place_group: usize,
 }
 
 impl Loopback {
@@ -70,8 +72,17 @@ impl Loopback {
                 size,
                 next: 0,
                 hub: hub.clone(),
+                in_place_group: 0,
             })
             .collect()
+    }
+
+    /// Takes groups of large allreduces of up to `bytes` (as the MPI transport does
+    /// across hosts with one rank each), each group in one call.
+    #[cfg(test)]
+    pub(crate) fn with_in_place_groups(mut self, bytes: usize) -> Self {
+        self.in_place_group = bytes;
+        self
     }
 
     /// How many collective calls this rank has made.
@@ -258,6 +269,22 @@ impl Transport for Loopback {
         buf.copy_from_slice(&parts[0].bytes);
         for p in &parts[1..] {
             combine(buf, &p.bytes, dtype, op);
+        }
+        Ok(())
+    }
+
+    fn in_place_group_bytes(&self) -> usize {
+        self.in_place_group
+    }
+
+    /// One call for the whole group: the buffers end to end.
+    fn allreduce_many(&mut self, bufs: &mut [&mut [u8]], dtype: DType, op: ReduceOp) -> Result<()> {
+        let mut all: Vec<u8> = bufs.iter().flat_map(|b| b.iter().copied()).collect();
+        self.allreduce(&mut all, dtype, op)?;
+        let mut at = 0;
+        for b in bufs.iter_mut() {
+            b.copy_from_slice(&all[at..at + b.len()]);
+            at += b.len();
         }
         Ok(())
     }

@@ -108,6 +108,31 @@ pub(crate) trait Transport: Send {
     /// In-place allreduce of `buf`.
     fn allreduce(&mut self, buf: &mut [u8], dtype: DType, op: ReduceOp) -> Result<()>;
 
+    /// Whether large sums go through [`Transport::allreduce_many`] in groups where that
+    /// can help (`Some`: as the user said; `None`: the transport decides, if need be by
+    /// timing the link, which is collective). Every rank calls it at start with the
+    /// same value. A transport without hosts ignores it.
+    fn choose_grouped_ring(&mut self, _choice: Option<bool>) -> Result<()> {
+        Ok(())
+    }
+
+    /// How many bytes of tensors too large to fuse the engine may hand to one
+    /// [`Transport::allreduce_many`] call; 0 (the default): none, each goes alone
+    /// through `allreduce`. The same on every rank.
+    fn in_place_group_bytes(&self) -> usize {
+        0
+    }
+
+    /// In-place allreduce of each buffer of `bufs` (all of `dtype`), with the result
+    /// `allreduce` would give each; the default does exactly that, one by one. Every
+    /// rank passes buffers of the same sizes in the same order.
+    fn allreduce_many(&mut self, bufs: &mut [&mut [u8]], dtype: DType, op: ReduceOp) -> Result<()> {
+        for buf in bufs.iter_mut() {
+            self.allreduce(buf, dtype, op)?;
+        }
+        Ok(())
+    }
+
     /// Rank `r` contributes `counts[r]` elements; `recv` receives them concatenated.
     fn allgatherv(
         &mut self,

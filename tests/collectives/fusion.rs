@@ -222,3 +222,89 @@ pub(crate) fn alltoall_repeated(k: &Kolo) -> Result<()> {
     }
     Ok(())
 }
+
+/// Many large async allreduces (above the fusion limit, so each is reduced in its own
+/// buffer; across hosts with one rank each they go to the ring together) of mixed
+/// dtypes, ops, scale factors and odd lengths, submitted in a per-rank shuffled order;
+/// every element is checked, and the f32 sums' bits must agree on every rank.
+pub(crate) fn large_async(k: &Kolo) -> Result<()> {
+    let (rank, size) = (k.rank(), k.size());
+    let mut rng = Rng::new(0x6a09_e667 + rank as u64);
+    for round in 0..2 {
+        let mut specs = Vec::new();
+        for i in 0..24 {
+            // 70 KiB .. 3 MiB of f32 and up, odd element counts for uneven chunks.
+            let n = [17_923, 80_001, 400_003, 786_431][i % 4] + round;
+            let dtype = [DType::F32, DType::F64, DType::I32, DType::F16][i % 4 / 2 + (i / 8) % 3];
+            let (op, pre, post) = match i % 6 {
+                0 | 3 => (ReduceOp::Sum, 1.0, 1.0),
+                1 => (ReduceOp::Average, 1.0, 1.0),
+                2 => (ReduceOp::Sum, 0.5, 4.0),
+                4 => (ReduceOp::Max, 1.0, 1.0),
+                _ => (ReduceOp::Sum, 2.0, 1.0),
+            };
+            specs.push((i, n, dtype, op, pre, post));
+        }
+        let mut order: Vec<usize> = (0..specs.len()).collect();
+        rng.shuffle(&mut order);
+        // Every rank's value at element j of tensor i: small even integers, so that
+        // scaled integers and every sum are exact.
+        let value = |r: usize, i: usize, j: usize| 2.0 * ((r * 7 + i * 3 + j) % 11) as f64 - 10.0;
+        let mut handles = Vec::new();
+        for &o in &order {
+            let (i, n, dtype, op, pre, post) = specs[o];
+            let v: Vec<f64> = (0..n).map(|j| value(rank, i, j)).collect();
+            let h = k
+                .allreduce(format!("big.{round}.{i}"), tensor(dtype, &v, &[n])?)
+                .op(op)
+                .prescale(pre)
+                .postscale(post)
+                .submit()?;
+            handles.push((o, h));
+        }
+        // Checked in one order on every rank: the bit comparison is a collective.
+        handles.sort_by_key(|(o, _)| *o);
+        for (o, h) in handles {
+            let (i, n, dtype, op, pre, post) = specs[o];
+            let out = h.wait()?;
+            ensure!(
+                out.shape() == [n],
+                "big.{round}.{i}: shape {:?}",
+                out.shape()
+            );
+            let got = to_f64(&out)?;
+            let want: Vec<f64> = (0..n)
+                .map(|j| {
+                    let each = (0..size).map(|r| value(r, i, j) * pre);
+                    let x = match op {
+                        ReduceOp::Max => each.fold(f64::MIN, f64::max),
+                        ReduceOp::Average => each.sum::<f64>() / size as f64,
+                        _ => each.sum(),
+                    };
+                    x * post
+                })
+                .collect();
+            if dtype == DType::I32 {
+                // Integers are scaled in f64 and rounded back.
+                let want: Vec<f64> = want.iter().map(|x| x.round()).collect();
+                assert_close(&format!("big.{round}.{i}"), dtype, &got, &want)?;
+            } else {
+                assert_close(&format!("big.{round}.{i}"), dtype, &got, &want)?;
+            }
+            if dtype == DType::F32 {
+                let bits: Vec<u32> = out
+                    .as_slice::<f32>()?
+                    .iter()
+                    .step_by(997)
+                    .map(|x| x.to_bits())
+                    .collect();
+                let all = k.allgather_object(format!("big.bits.{round}.{i}"), bits)?;
+                ensure!(
+                    all.iter().all(|b| b == &all[0]),
+                    "big.{round}.{i}: ranks hold different f32 sums"
+                );
+            }
+        }
+    }
+    Ok(())
+}

@@ -50,6 +50,7 @@ const CASES: &[(&str, Case, usize)] = &[
     ("cache_shape_change", fusion::shape_change, 1),
     ("soak_20000_ops", soak::soak, 2),
     ("large_sums_ring", fusion::large_sums, 1),
+    ("large_async", fusion::large_async, 1),
     ("process_sets", process_sets::collectives, 1),
     ("process_set_errors", process_sets::errors, 1),
     ("process_sets_independent", process_sets::independent, 4),
@@ -365,7 +366,17 @@ const PARTITION_TIMEOUT_S: u64 = 5;
 
 /// Runs `f` as a multi-host trial: ignored unless the emulated hosts are up.
 fn multinode_trial(name: &str, f: impl FnOnce() -> Result<(), Failed> + Send + 'static) -> Trial {
-    Trial::test(format!("multinode/{name}/2x2"), f)
+    multinode_trial_shaped(name, "2x2", f)
+}
+
+/// [`multinode_trial`] for a trial whose ranks are placed otherwise (`shape`: hosts ×
+/// ranks per host, as its name shows).
+fn multinode_trial_shaped(
+    name: &str,
+    shape: &str,
+    f: impl FnOnce() -> Result<(), Failed> + Send + 'static,
+) -> Trial {
+    Trial::test(format!("multinode/{name}/{shape}"), f)
         .with_ignored_flag(harness::multinode().is_none())
 }
 
@@ -525,6 +536,56 @@ fn multinode_faults() -> Vec<Trial> {
         }
         Ok(())
     }));
+    // One rank per host: large sums go to the ring in groups, exact in every element.
+    trials.push(multinode_trial_shaped("grouped_ring", "2x1", || {
+        let run = harness::mpirun_hosts_args(
+            "large_async",
+            &["-np", "2", "--map-by", "ppr:1:node"],
+            Duration::from_secs(180),
+            &[("KOLO_LOG_LEVEL", "debug"), ("KOLO_GROUPED_RING", "1")],
+        )?;
+        run.succeeded("large async sums, one rank per host")?;
+        if !run.output.contains("grouped in-place allreduce") {
+            return Err(format!("no group went to the ring:\n{}", run.output).into());
+        }
+        Ok(())
+    }));
+    // Left unset, kolo times the link at start: grouped on a 1 Gbit/s link, not on the
+    // unshaped one (about 9.5 Gbit/s here).
+    trials.push(multinode_trial_shaped(
+        "grouped_ring_chosen_by_link",
+        "2x1",
+        || {
+            let dir = harness::multinode().ok_or("the emulated hosts are not up")?;
+            let shape = |rate: &str| {
+                std::process::Command::new(dir.join("shape.sh"))
+                    .arg(rate)
+                    .status()
+                    .map_err(|e| format!("shape.sh {rate}: {e}"))
+            };
+            for (rate, want) in [
+                ("1gbit", "grouped_ring=true"),
+                ("clear", "grouped_ring=false"),
+            ] {
+                shape(rate)?;
+                let run = harness::mpirun_hosts_args(
+                    "topology",
+                    &["-np", "2", "--map-by", "ppr:1:node"],
+                    Duration::from_secs(120),
+                    &[("KOLO_LOG_LEVEL", "debug")],
+                );
+                shape("clear")?;
+                let run = run?;
+                run.succeeded("the link probe")?;
+                if !run.output.contains(want) {
+                    return Err(
+                        format!("at {rate}: the output lacks {want:?}:\n{}", run.output).into(),
+                    );
+                }
+            }
+            Ok(())
+        },
+    ));
     // The autotuner switching hierarchical allreduce on and off across hosts (the only
     // setting left to it).
     trials.push(multinode_trial("autotune_hierarchical", || {
