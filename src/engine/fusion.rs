@@ -42,7 +42,9 @@ struct FuseKey {
 ///
 /// Across hosts on a slow link the balance turns: there every collective pays a start-up
 /// on the network that copies at memory speed do not (`KOLO_FUSION_MAX_TENSOR_BYTES`
-/// raises this limit; the autotuner tries it where the job spans hosts).
+/// raises this limit; the autotuner tries it where the job spans hosts; with one rank
+/// per host the transport may take the larger tensors as one group instead, see
+/// [`Step::InPlace`]).
 pub(crate) const MAX_FUSED_TENSOR_BYTES: usize = 64 << 10;
 
 fn fuse_key(r: &Response, max_tensor: usize) -> Option<(FuseKey, usize)> {
