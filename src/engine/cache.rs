@@ -174,10 +174,17 @@ pub(crate) fn set_bit(words: &mut [u64], slot: usize) {
 
 /// The set bits of a bit vector, in increasing order.
 pub(crate) fn bits(words: &[u64]) -> impl Iterator<Item = usize> + '_ {
+    // Every cycle scans the whole vector (16 words at the default capacity): step from
+    // set bit to set bit rather than testing all 64 of each word.
     words.iter().enumerate().flat_map(|(i, &w)| {
-        (0..64)
-            .filter(move |b| w & (1 << b) != 0)
-            .map(move |b| i * 64 + b)
+        let mut rest = w;
+        std::iter::from_fn(move || {
+            (rest != 0).then(|| {
+                let b = rest.trailing_zeros() as usize;
+                rest &= rest - 1;
+                i * 64 + b
+            })
+        })
     })
 }
 
