@@ -637,33 +637,51 @@ impl MpiTransport {
         let width = dtype.size_of();
         let n = buf.len() / width;
         let (l, me) = (self.topology.local_size, self.topology.local_rank);
-        let shards: Vec<usize> = (0..l).map(|i| n / l + usize::from(i < n % l)).collect();
         let mpi_op = self.reduce_op(op, dtype);
         let (local, cross) = self.levels();
-        let mut shard = std::mem::take(&mut self.shard_scratch);
-        shard.clear();
-        shard.resize(shards[me] * width, 0);
-        // Across hosts, large shards take kolo's ring (as a flat sum would): on TCP it
-        // beats MPI_Allreduce called from the engine thread.
-        let ring = matches!(op, ReduceOp::Sum | ReduceOp::Average)
-            && shard.len() >= RING_MIN_BYTES_HOSTS
-            && cross.size > 1;
-        let order: Vec<usize> = if ring {
-            (0..cross.size).collect()
-        } else {
-            Vec::new()
-        };
-        let scratch = &mut self.ring_scratch;
-        let result = reduce_scatter_on(local, buf, &mut shard, &shards, dtype, mpi_op)
-            .and_then(|()| {
-                if ring {
-                    ring_allreduce(cross, &order, cross.rank, scratch, &mut shard, dtype, None)
-                } else {
-                    allreduce_in_place(cross, &mut shard, dtype, mpi_op)
-                }
-            })
-            .and_then(|()| allgatherv_on(local, &shard, buf, &shards, dtype));
-        self.shard_scratch = shard;
+        let sum = matches!(op, ReduceOp::Sum | ReduceOp::Average);
+        let mut scratch = std::mem::take(&mut self.shard_scratch);
+        // Large sums: a ring inside the host whose reduce-scatter leaves each local
+        // rank one chunk summed over the host, in place; that chunk is summed across
+        // hosts by kolo's ring (the same chunk on every host for the same local rank;
+        // on TCP the ring beats MPI_Allreduce called from the engine thread), and the
+        // local ring's allgather spreads it. MPI_Reduce_scatter, which this replaced,
+        // allocates a scratch of the message on every call: at 2 hosts × 2 ranks,
+        // 1 Gbit/s, it took 120-480 ms of a 890 ms allreduce of 64 MiB. The choice
+        // depends on nothing rank-specific, so every rank of the job makes it alike.
+        if sum && cross.size > 1 && n / l * width >= RING_MIN_BYTES_HOSTS {
+            let local_order: Vec<usize> = (0..l).collect();
+            let cross_order: Vec<usize> = (0..cross.size).collect();
+            let result = ring_allreduce_with(
+                local,
+                &local_order,
+                me,
+                &mut self.ring_scratch,
+                buf,
+                dtype,
+                Some(RING_SEGMENT_BYTES),
+                &mut |mine| {
+                    ring_allreduce(
+                        cross,
+                        &cross_order,
+                        cross.rank,
+                        &mut scratch,
+                        mine,
+                        dtype,
+                        None,
+                    )
+                },
+            );
+            self.shard_scratch = scratch;
+            return result;
+        }
+        let shards: Vec<usize> = (0..l).map(|i| n / l + usize::from(i < n % l)).collect();
+        scratch.clear();
+        scratch.resize(shards[me] * width, 0);
+        let result = reduce_scatter_on(local, buf, &mut scratch, &shards, dtype, mpi_op)
+            .and_then(|()| allreduce_in_place(cross, &mut scratch, dtype, mpi_op))
+            .and_then(|()| allgatherv_on(local, &scratch, buf, &shards, dtype));
+        self.shard_scratch = scratch;
         result
     }
 
@@ -1049,6 +1067,23 @@ fn ring_allreduce(
     dtype: DType,
     segment: Option<usize>,
 ) -> Result<()> {
+    ring_allreduce_with(g, order, pos, scratch, buf, dtype, segment, &mut |_| Ok(()))
+}
+
+/// [`ring_allreduce`] that hands the chunk this rank has summed to `between` once the
+/// reduce-scatter is done (no message in flight then), before the allgather passes it
+/// on: the hierarchical allreduce sums it across hosts there.
+#[allow(clippy::too_many_arguments)]
+fn ring_allreduce_with(
+    g: Group,
+    order: &[usize],
+    pos: usize,
+    scratch: &mut Vec<u8>,
+    buf: &mut [u8],
+    dtype: DType,
+    segment: Option<usize>,
+    between: &mut dyn FnMut(&mut [u8]) -> Result<()>,
+) -> Result<()> {
     use super::ring::{add_into, chunk, send_chunk};
     const SEND: &str = "MPI_Isend (ring allreduce)";
     const RECV: &str = "MPI_Irecv (ring allreduce)";
@@ -1148,6 +1183,9 @@ fn ring_allreduce(
             recvs.0.clear();
             sends.wait_all()?;
         }
+        let (oa, ob) = chunk(len, n, send_chunk(r, n - 1, n));
+        // SAFETY: [oa, ob) is this rank's chunk of `buf`; every request has completed.
+        between(unsafe { std::slice::from_raw_parts_mut(base.add(oa * es), (ob - oa) * es) })?;
         // Allgather: each summed chunk travels once around the ring.
         for step in 0..n - 1 {
             let (ra, rb) = chunk(len, n, send_chunk(r, step + n, n));

@@ -399,7 +399,10 @@ pub(crate) fn grouped(k: &Kolo) -> Result<()> {
 pub(crate) fn hierarchical(k: &Kolo) -> Result<()> {
     let (me, n) = (k.rank(), k.size());
     let mut rng = Rng::new(7 + me as u64);
-    for (i, &len) in [1usize, 2, 3, 5, 1000, 4099, 1 << 20].iter().enumerate() {
+    for (i, &len) in [1usize, 2, 3, 5, 1000, 4099, 1 << 20, (1 << 20) + 3]
+        .iter()
+        .enumerate()
+    {
         // Exact: integer values, whose sums no order can round.
         let mine: Vec<f32> = (0..len).map(|j| ((me * 7 + j) % 13) as f32).collect();
         let got: Vec<f32> = k
