@@ -632,7 +632,8 @@ impl MpiTransport {
     /// memory), allreduce of this rank's shard among the ranks with its local rank
     /// (one per host: only shards cross the network), allgather of the shards within
     /// the host. Each element is reduced once, by one cross-host allreduce, and
-    /// copied everywhere else, so every rank ends with the same bits.
+    /// copied everywhere else, so every rank ends with the same bits. Large sums take
+    /// kolo's rings for all three steps; other ops and small sums MPI's collectives.
     fn hierarchical_allreduce(&mut self, buf: &mut [u8], dtype: DType, op: ReduceOp) -> Result<()> {
         let width = dtype.size_of();
         let n = buf.len() / width;
