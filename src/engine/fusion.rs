@@ -4,7 +4,7 @@
 //! The plan is a pure function of the responses (identical on every rank) and the
 //! threshold (rank 0's, agreed at start-up), so every rank packs the same batches.
 
-use super::negotiate::Response;
+use super::negotiate::{Ready, Response};
 use super::request::{Device, OpKind};
 use crate::tensor::DType;
 use crate::vocab::ReduceOp;
@@ -31,6 +31,21 @@ struct FuseKey {
     op: ReduceOp,
     prescale: u64,
     postscale: u64,
+}
+
+impl FuseKey {
+    /// The key of a response with at least one tensor (its first one's dtype).
+    fn of(ready: &Ready) -> FuseKey {
+        let m = ready.first();
+        FuseKey {
+            kind: ready.kind,
+            device: m.device,
+            dtype: m.tensors.first().map_or(DType::U8, |t| t.dtype),
+            op: m.op,
+            prescale: m.prescale.to_bits(),
+            postscale: m.postscale.to_bits(),
+        }
+    }
 }
 
 /// Tensors larger than this are reduced in place, never copied into the fusion
@@ -65,20 +80,7 @@ fn fuse_key(r: &Response, max_tensor: usize) -> Option<(FuseKey, usize)> {
         }
         _ => return None,
     };
-    if bytes > max_tensor {
-        return None;
-    }
-    Some((
-        FuseKey {
-            kind: ready.kind,
-            device: m.device,
-            dtype: t.dtype,
-            op: m.op,
-            prescale: m.prescale.to_bits(),
-            postscale: m.postscale.to_bits(),
-        },
-        bytes,
-    ))
+    (bytes <= max_tensor).then(|| (FuseKey::of(ready), bytes))
 }
 
 /// What must agree for allreduces too large to fuse to go to the transport together:
@@ -92,19 +94,7 @@ fn in_place_key(r: &Response, max_tensor: usize) -> Option<(FuseKey, usize)> {
         && m.device == Device::Cpu
         && matches!(m.op, ReduceOp::Sum | ReduceOp::Average)
         && bytes > max_tensor;
-    eligible.then(|| {
-        (
-            FuseKey {
-                kind: ready.kind,
-                device: m.device,
-                dtype: t.dtype,
-                op: m.op,
-                prescale: m.prescale.to_bits(),
-                postscale: m.postscale.to_bits(),
-            },
-            bytes,
-        )
-    })
+    eligible.then(|| (FuseKey::of(ready), bytes))
 }
 
 /// Greedy fusion with look-ahead, as Horovod does: a batch starts at the first

@@ -6,8 +6,8 @@ use std::time::Instant;
 use rustc_hash::FxHashMap;
 
 use super::fusion::{self, Step};
-use super::negotiate::Response;
-use super::request::{self, Key, Request, RequestMeta};
+use super::negotiate::{Ready, Response};
+use super::request::{self, Key, Request, RequestMeta, Tensors};
 use super::{execute, Executor};
 #[cfg(not(feature = "nccl"))]
 use crate::error::Error;
@@ -181,15 +181,7 @@ impl Executor {
         pending: &mut Pending,
         members: Vec<Response>,
     ) {
-        let mut readies = Vec::with_capacity(members.len());
-        let mut locals = Vec::with_capacity(members.len());
-        for m in members {
-            if let Response::Run(ready) = m {
-                let local = pending.remove(&*ready.key);
-                readies.push(ready);
-                locals.push(local);
-            }
-        }
+        let (readies, locals) = take_members(pending, members);
         #[cfg(feature = "nccl")]
         if readies
             .first()
@@ -207,21 +199,7 @@ impl Executor {
             self.gpu.respond_fused(t, members);
             return;
         }
-        let mut inputs = Vec::with_capacity(readies.len());
-        let mut dones = Vec::with_capacity(readies.len());
-        for (ready, local) in readies.iter().zip(locals) {
-            match local {
-                Some(req) => {
-                    self.trace_negotiation(&req.meta, req.submitted);
-                    inputs.push((ready, Some(req.tensors)));
-                    dones.push(Some(req.done));
-                }
-                None => {
-                    inputs.push((ready, None));
-                    dones.push(None);
-                }
-            }
-        }
+        let (inputs, dones) = self.host_inputs(&readies, locals);
         let allgather = readies
             .first()
             .is_some_and(|r| r.kind == request::OpKind::Allgather);
@@ -262,15 +240,35 @@ impl Executor {
         pending: &mut Pending,
         members: Vec<Response>,
     ) {
-        let mut readies = Vec::with_capacity(members.len());
-        let mut locals = Vec::with_capacity(members.len());
-        for m in members {
-            if let Response::Run(ready) = m {
-                let local = pending.remove(&*ready.key);
-                readies.push(ready);
-                locals.push(local);
+        let (readies, locals) = take_members(pending, members);
+        let (inputs, dones) = self.host_inputs(&readies, locals);
+        tracing::debug!(tensors = inputs.len(), "grouped in-place allreduce");
+        self.simulate_collective_cost();
+        let result = execute::run_in_place_group(t, inputs);
+        let outputs = result.map(|(outputs, times)| {
+            if self.timeline.enabled() {
+                for ready in &readies {
+                    let args = trace_args(ready.first());
+                    self.timeline
+                        .span(&ready.key, "ALLREDUCE", times.start, times.reduced, &args);
+                }
             }
-        }
+            outputs
+        });
+        complete_fused(dones, outputs);
+    }
+
+    /// A batch's inputs (this rank's tensors, None on a joined rank) and handles, its
+    /// members' negotiation spans recorded.
+    #[allow(clippy::type_complexity)]
+    fn host_inputs<'r>(
+        &mut self,
+        readies: &'r [Ready],
+        locals: Vec<Option<Request>>,
+    ) -> (
+        Vec<(&'r Ready, Option<Tensors>)>,
+        Vec<Option<handle::Completer>>,
+    ) {
         let mut inputs = Vec::with_capacity(readies.len());
         let mut dones = Vec::with_capacity(readies.len());
         for (ready, local) in readies.iter().zip(locals) {
@@ -286,20 +284,7 @@ impl Executor {
                 }
             }
         }
-        tracing::debug!(tensors = inputs.len(), "grouped in-place allreduce");
-        self.simulate_collective_cost();
-        let result = execute::run_in_place_group(t, inputs);
-        let outputs = result.map(|(outputs, times)| {
-            if self.timeline.enabled() {
-                for ready in &readies {
-                    let args = trace_args(ready.first());
-                    self.timeline
-                        .span(&ready.key, "ALLREDUCE", times.start, times.reduced, &args);
-                }
-            }
-            outputs
-        });
-        complete_fused(dones, outputs);
+        (inputs, dones)
     }
 
     /// The three spans of each member of a fused collective: copy in, `phase`, copy out.
@@ -328,6 +313,24 @@ impl Executor {
             );
         }
     }
+}
+
+/// A batch's responses (all `Run`) and this rank's requests for them, taken out of
+/// `pending`.
+fn take_members(
+    pending: &mut Pending,
+    members: Vec<Response>,
+) -> (Vec<Ready>, Vec<Option<Request>>) {
+    let mut readies = Vec::with_capacity(members.len());
+    let mut locals = Vec::with_capacity(members.len());
+    for m in members {
+        if let Response::Run(ready) = m {
+            let local = pending.remove(&*ready.key);
+            readies.push(ready);
+            locals.push(local);
+        }
+    }
+    (readies, locals)
 }
 
 /// Completes the handles of a fused batch: each member its output, or every member
