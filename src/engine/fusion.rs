@@ -112,14 +112,14 @@ pub(crate) fn plan(
 ) -> Vec<Step> {
     let fused: Vec<Option<(FuseKey, usize)>> =
         responses.iter().map(|r| fuse_key(r, max_tensor)).collect();
-    let grouped: Vec<Option<(FuseKey, usize)>> = if threshold > 0 && in_place_group > 0 {
-        responses
-            .iter()
-            .map(|r| in_place_key(r, max_tensor))
-            .collect()
-    } else {
-        responses.iter().map(|_| None).collect()
-    };
+    // Made only where the transport takes groups: most cycles plan without them.
+    let grouped: Option<Vec<Option<(FuseKey, usize)>>> = (threshold > 0 && in_place_group > 0)
+        .then(|| {
+            responses
+                .iter()
+                .map(|r| in_place_key(r, max_tensor))
+                .collect()
+        });
     let mut taken = vec![false; responses.len()];
     let mut steps = Vec::new();
     for i in 0..responses.len() {
@@ -128,10 +128,10 @@ pub(crate) fn plan(
         }
         taken[i] = true;
         type Make = fn(Vec<usize>) -> Step;
-        let (key, mut total, keys, limit, step): (_, _, _, _, Make) = match (&fused[i], &grouped[i])
-        {
+        let group = grouped.as_deref().and_then(|g| Some((g[i].as_ref()?, g)));
+        let (key, mut total, keys, limit, step): (_, _, &[_], _, Make) = match (&fused[i], group) {
             (Some((k, b)), _) => (k, *b, &fused, threshold, Step::Fused),
-            (None, Some((k, b))) => (k, *b, &grouped, in_place_group, Step::InPlace),
+            (None, Some(((k, b), g))) => (k, *b, g, in_place_group, Step::InPlace),
             (None, None) => {
                 steps.push(Step::Single(i));
                 continue;
