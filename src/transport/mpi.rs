@@ -1090,8 +1090,7 @@ fn ring_allreduce_with(
     const RECV: &str = "MPI_Irecv (ring allreduce)";
     let n = g.size;
     let r = pos;
-    let right = count(SEND, order[(r + 1) % n])?;
-    let left = count(RECV, order[(r + n - 1) % n])?;
+    let (right, left) = ring_neighbours(order, r, SEND, RECV)?;
     let es = dtype.size_of();
     let len = buf.len() / es;
     // Checked once here, so that no count fails once messages are in flight: the
@@ -1199,6 +1198,21 @@ fn ring_allreduce_with(
     })()
 }
 
+/// The ranks this ring position sends to (the next position) and receives from (the
+/// previous one), as MPI counts; `send` and `recv` name the calls in an error.
+fn ring_neighbours(
+    order: &[usize],
+    pos: usize,
+    send: &'static str,
+    recv: &'static str,
+) -> Result<(c_int, c_int)> {
+    let n = order.len();
+    Ok((
+        count(send, order[(pos + 1) % n])?,
+        count(recv, order[(pos + n - 1) % n])?,
+    ))
+}
+
 /// Below this rate between hosts (bytes/s per rank, as [`MpiTransport::probe_link`]
 /// times it) large sums go through the ring in groups. Across 2 emulated hosts with one
 /// rank each, ResNet-50 gradient set: at 1 Gbit/s (timed at 0.65-0.93 Gbit/s) grouping
@@ -1239,8 +1253,7 @@ fn ring_allreduce_many(
     const RECV: &str = "MPI_Irecv (grouped ring allreduce)";
     let n = g.size;
     let r = pos;
-    let right = count(SEND, order[(r + 1) % n])?;
-    let left = count(RECV, order[(r + n - 1) % n])?;
+    let (right, left) = ring_neighbours(order, r, SEND, RECV)?;
     let es = dtype.size_of();
     let lens: Vec<usize> = bufs.iter().map(|b| b.len() / es).collect();
     // A buffer's first chunk is its largest: their sum bounds every step's message,
