@@ -4,6 +4,7 @@
 //! The protocol is written down in `README.md` beside this file; the responses of a
 //! cycle are run in `respond.rs`.
 
+mod agree;
 pub(crate) mod autotune;
 pub(crate) mod cache;
 mod control;
@@ -11,6 +12,7 @@ pub(crate) mod execute;
 pub(crate) mod fusion;
 #[cfg(feature = "nccl")]
 mod gpu;
+mod inbox;
 pub(crate) mod layout;
 pub(crate) mod negotiate;
 pub(crate) mod queue;
@@ -20,7 +22,6 @@ pub(crate) mod stall;
 pub(crate) mod timeline;
 mod watchdog;
 
-use rustc_hash::FxHashMap;
 use std::sync::mpsc::SyncSender;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
@@ -28,13 +29,15 @@ use std::time::{Duration, Instant};
 use crate::config::Config;
 use crate::error::{Error, Result};
 use crate::transport::{abort_requested, Topology, Transport};
+use agree::{agree, Agreed};
 use autotune::{AutotuneChange, AutotuneState, Settings, Tuner};
 use cache::ResponseCache;
 use control::Negotiation;
 use fusion::FusionBuffer;
+use inbox::{stopped, Inbox};
 use negotiate::{Negotiator, Response};
 use queue::Queue;
-use request::{Command, Key, RequestMeta};
+use request::{Command, RequestMeta};
 use stall::StallInspector;
 use timeline::Timeline;
 
@@ -193,133 +196,6 @@ impl Drop for Abandon {
     }
 }
 
-/// Settings every rank must share, because every rank plans the same fusion batches
-/// and cache slots: rank 0's values win.
-#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize, serde::Deserialize)]
-struct Agreed {
-    fusion_threshold: usize,
-    /// Tensors above this many bytes are not fused.
-    fusion_max_tensor: usize,
-    cache_capacity: usize,
-    /// Rank 0 runs the autotuner; the others apply what it sends.
-    autotune: bool,
-    /// Asked for a hierarchical allreduce (whether it runs depends on the hosts).
-    hierarchical_allreduce: bool,
-    /// Asked for a hierarchical allgather (likewise).
-    hierarchical_allgather: bool,
-    /// Large sums across hosts in groups (None: measured at start).
-    grouped_ring: Option<bool>,
-}
-
-/// Whether allreduce and allgather run hierarchically, and whether they could (what
-/// the autotuner may switch); the same on every rank.
-#[derive(Debug, Clone, Copy)]
-struct HierarchyChoice {
-    on: bool,
-    allgather_on: bool,
-    possible: bool,
-}
-
-/// Takes rank 0's shared settings, warning on ranks configured differently, and
-/// decides with every rank's number of ranks per host whether the transport
-/// allreduces hierarchically.
-fn agree(t: &mut dyn Transport, config: &Config) -> Result<(Agreed, HierarchyChoice)> {
-    let mine = Agreed {
-        fusion_threshold: config.fusion_threshold,
-        fusion_max_tensor: config.fusion_max_tensor,
-        cache_capacity: config.cache_capacity,
-        autotune: config.autotune,
-        hierarchical_allreduce: config.hierarchical_allreduce,
-        hierarchical_allgather: config.hierarchical_allgather,
-        grouped_ring: config.grouped_ring,
-    };
-    let topology = t.topology();
-    let bytes = postcard::to_stdvec(&(mine, topology.local_size as u64))
-        .map_err(|e| Error::Internal(format!("encoding settings: {e}")))?;
-    let all = t.exchange(&bytes, &mut |_| {})?;
-    let all: Vec<(Agreed, u64)> = all
-        .iter()
-        .map(|b| postcard::from_bytes(b))
-        .collect::<std::result::Result<_, _>>()
-        .map_err(|e| Error::Internal(format!("decoding another rank's settings: {e}")))?;
-    let (first, _) = *all
-        .first()
-        .ok_or_else(|| Error::Internal("rank 0 sent no settings".into()))?;
-    if first != mine {
-        tracing::warn!(
-            rank = topology.rank,
-            "this rank's shared settings ({mine:?}) differ from rank 0's; using rank 0's {first:?}"
-        );
-    }
-    let per_host: Vec<u64> = all.iter().map(|&(_, l)| l).collect();
-    let reduce = hierarchical(first.hierarchical_allreduce, &topology, &per_host);
-    let gather = hierarchical(first.hierarchical_allgather, &topology, &per_host);
-    if topology.rank == 0 {
-        for (asked, shape, op) in [
-            (first.hierarchical_allreduce, &reduce, "allreduce"),
-            (first.hierarchical_allgather, &gather, "allgather"),
-        ] {
-            match shape {
-                Hierarchy::Flat(why) if asked => tracing::warn!(
-                    "KOLO_HIERARCHICAL_{} is set, but {why}: {op} stays flat",
-                    op.to_ascii_uppercase()
-                ),
-                Hierarchy::On => tracing::debug!(
-                    hosts = topology.cross_size,
-                    ranks_per_host = topology.local_size,
-                    "hierarchical {op} on"
-                ),
-                Hierarchy::Flat(_) => {}
-            }
-        }
-    }
-    let choice = HierarchyChoice {
-        on: reduce == Hierarchy::On,
-        allgather_on: gather == Hierarchy::On,
-        possible: hierarchical(true, &topology, &per_host) == Hierarchy::On,
-    };
-    t.set_hierarchical_allreduce(choice.on);
-    t.set_hierarchical_allgather(choice.allgather_on);
-    // Every rank, with rank 0's choice: the link probe behind `None` is collective.
-    t.choose_grouped_ring(first.grouped_ring)?;
-    Ok((first, choice))
-}
-
-/// Whether allreduce runs hierarchically, or why not.
-#[derive(Debug, PartialEq)]
-enum Hierarchy {
-    On,
-    Flat(String),
-}
-
-/// Decides the allreduce's shape from the request, this rank's topology and every
-/// rank's number of ranks on its host (the same on every rank: every input is).
-fn hierarchical(requested: bool, t: &crate::transport::Topology, per_host: &[u64]) -> Hierarchy {
-    if !requested {
-        return Hierarchy::Flat("it was not asked for".into());
-    }
-    if t.cross_size <= 1 {
-        return Hierarchy::Flat("every rank is on one host".into());
-    }
-    if per_host.iter().all(|&l| l <= 1) {
-        return Hierarchy::Flat("every host has one rank".into());
-    }
-    if per_host.iter().any(|&l| l != per_host[0]) {
-        let mut sizes: Vec<u64> = per_host.to_vec();
-        sizes.sort_unstable();
-        sizes.dedup();
-        return Hierarchy::Flat(format!(
-            "hosts have different numbers of ranks ({})",
-            sizes
-                .iter()
-                .map(|s| s.to_string())
-                .collect::<Vec<_>>()
-                .join(", ")
-        ));
-    }
-    Hierarchy::On
-}
-
 /// Bytes an allreduce response reduces, or an allgather gathers (what the autotuner
 /// scores).
 fn tuned_bytes(r: &Response) -> u64 {
@@ -337,110 +213,6 @@ fn tuned_bytes(r: &Response) -> u64 {
         request::OpKind::Allgather => ready.metas.iter().flatten().map(|m| bytes(m)).sum(),
         _ => 0,
     }
-}
-
-/// This rank's queue: requests accepted from framework threads and not yet finished.
-struct Inbox {
-    queue: Arc<Queue>,
-    /// The commands last taken from the queue (a buffer swapped with the queue's).
-    taken: Vec<Command>,
-    /// Requests by negotiation key, waiting to be negotiated or run.
-    pending: respond::Pending,
-    /// Keys of the requests to announce in full in the next cycle (their requests are
-    /// in `pending`; copied only if they really go out in full).
-    outgoing: Vec<Key>,
-    /// Requests announced by their response-cache slot: slot → key.
-    announced: FxHashMap<usize, Key>,
-    shutting_down: bool,
-    rank: usize,
-    /// Timeline start (Some path) / stop (None) requests, with where to answer.
-    timeline_requests: Vec<(Option<std::path::PathBuf>, SyncSender<Result<()>>)>,
-}
-
-impl Inbox {
-    fn new(queue: Arc<Queue>, rank: usize) -> Self {
-        Inbox {
-            queue,
-            taken: Vec::new(),
-            pending: FxHashMap::default(),
-            outgoing: Vec::new(),
-            announced: FxHashMap::default(),
-            shutting_down: false,
-            rank,
-            timeline_requests: Vec::new(),
-        }
-    }
-
-    fn accept(&mut self, cmd: Command) {
-        match cmd {
-            Command::Submit(req) => {
-                if self.shutting_down {
-                    let err = stopped(&req.meta, self.rank, "this rank is shutting down");
-                    req.done.complete(Err(err));
-                    return;
-                }
-                self.outgoing.push(req.meta.key.clone());
-                self.pending.insert(req.meta.key.clone(), req);
-            }
-            Command::Shutdown => self.shutting_down = true,
-            Command::Timeline { path, reply } => self.timeline_requests.push((path, reply)),
-        }
-    }
-
-    /// Takes every command already queued, without blocking.
-    fn drain(&mut self) {
-        self.take(Some(Duration::ZERO));
-    }
-
-    /// Waits up to `timeout` for a command, then takes every queued one.
-    fn wait_for_work(&mut self, timeout: Duration) {
-        self.take(Some(timeout));
-    }
-
-    fn take(&mut self, timeout: Option<Duration>) {
-        let mut taken = std::mem::take(&mut self.taken);
-        self.queue.take(&mut taken, timeout);
-        for cmd in taken.drain(..) {
-            self.accept(cmd);
-        }
-        self.taken = taken;
-    }
-
-    /// Takes the request announced by cache `slot` (if any) back into the next cycle's
-    /// full announcements.
-    fn announce_in_full(&mut self, slot: usize) {
-        if let Some(key) = self.announced.remove(&slot) {
-            if self.pending.contains_key(&key) {
-                self.outgoing.push(key);
-            }
-        }
-    }
-
-    /// Without the cache (disabled, or a rank has joined) every pending request is
-    /// announced in full.
-    fn unannounce_all(&mut self) {
-        let slots: Vec<usize> = self.announced.keys().copied().collect();
-        for slot in slots {
-            self.announce_in_full(slot);
-        }
-    }
-
-    fn has_work(&self) -> bool {
-        !self.pending.is_empty() || !self.outgoing.is_empty()
-    }
-
-    fn fail_all(&mut self, error: impl Fn(&RequestMeta) -> Error) {
-        self.outgoing.clear();
-        self.announced.clear();
-        for (_, req) in self.pending.drain() {
-            let err = error(&req.meta);
-            req.done.complete(Err(err));
-        }
-    }
-}
-
-fn stopped(meta: &RequestMeta, rank: usize, reason: &str) -> Error {
-    Error::engine_stopped(meta.kind.name(), &*meta.key, rank, reason)
 }
 
 /// One rank's engine: the inbox of local requests, the negotiation state, the
@@ -852,37 +624,6 @@ impl Engine {
                 }
             }
         }
-    }
-}
-
-#[cfg(test)]
-mod hierarchy_tests {
-    use super::{hierarchical, Hierarchy};
-    use crate::transport::Topology;
-
-    fn at(local_size: usize, cross_size: usize) -> Topology {
-        Topology {
-            rank: 0,
-            size: local_size * cross_size,
-            local_rank: 0,
-            local_size,
-            cross_rank: 0,
-            cross_size,
-        }
-    }
-
-    #[test]
-    fn hierarchical_only_where_it_can_help_and_hosts_are_alike() {
-        assert_eq!(hierarchical(true, &at(2, 2), &[2, 2, 2, 2]), Hierarchy::On);
-        let flat = |h| match h {
-            Hierarchy::Flat(why) => why,
-            Hierarchy::On => panic!("hierarchical"),
-        };
-        assert!(flat(hierarchical(false, &at(2, 2), &[2; 4])).contains("not asked"));
-        assert!(flat(hierarchical(true, &at(4, 1), &[4; 4])).contains("one host"));
-        assert!(flat(hierarchical(true, &at(1, 3), &[1; 3])).contains("one rank"));
-        let why = flat(hierarchical(true, &at(2, 2), &[2, 2, 1]));
-        assert!(why.contains("different numbers of ranks (1, 2)"), "{why}");
     }
 }
 
