@@ -1,0 +1,443 @@
+//! The sum rings over point-to-point messages: one buffer (`ring_allreduce`,
+//! pipelined in segments on one host), or several at once in one message per step
+//! (`ring_allreduce_many`, where every hop crosses hosts). The chunk arithmetic is in
+//! `transport/ring.rs`; the thresholds that choose a ring are measured below.
+
+use std::ffi::c_int;
+
+use mpi::ffi;
+
+use super::hosts::Group;
+use super::types::{check, count, datatype, null_request};
+use crate::error::{Error, Result};
+use crate::tensor::DType;
+
+/// Sums at least this large use the segmented ring instead of MPI_Allreduce, on one
+/// host. Measured there (Open MPI 4.1.4, 2 cores), ten in-place f32 sums per size,
+/// both ways in the same run, ring time / MPI_Allreduce time: np 2: 1.01–1.08 at
+/// 1 MiB, 0.98–1.06 from 2.25 to 28 MiB, 0.58–0.59 at 32 MiB; np 4: 0.91–0.98 at
+/// 1 MiB, 0.94–1.25 from 2.25 to 20 MiB, 1.00–1.06 at 24–28 MiB, 0.53–0.55 at 32 MiB.
+/// Open MPI's own algorithm slows down between 28 and 32 MiB here; below that the ring
+/// gains nothing.
+pub(super) const RING_MIN_BYTES_ONE_HOST: usize = 32 << 20;
+
+/// The same threshold when the job spans hosts. Measured across 2 emulated hosts × 1
+/// rank (TCP over veth, `scripts/multinode`), ResNet-50 gradient set, kolo with the
+/// ring from this size / plain MPI program's per-tensor loop: at 10 Gbit/s, 0.90–0.93
+/// from 256 KiB or 1 MiB, 1.07–1.10 from 4 MiB, 1.26–1.38 from 32 MiB (blocking
+/// segment exchanges); the windowed ring below from 1 MiB: 0.95–0.98 at 10 Gbit/s,
+/// 0.94–1.02 at 1 Gbit/s. Open MPI's TCP allreduce leaves the link idle between its
+/// phases; the ring keeps both directions busy.
+pub(super) const RING_MIN_BYTES_HOSTS: usize = 1 << 20;
+
+/// Segment size of the ring on one host: bounds the reused scratch buffers and
+/// pipelines copies. Across hosts each step's chunk is one message instead (scratch of
+/// one chunk). Measured across 2 emulated hosts × 1 rank, one 64 MiB f32 sum, ring ÷
+/// a plain MPI program's MPI_Allreduce (alternating launches): at 1 Gbit/s, one
+/// message per chunk 1.00 (570 ms, line rate); 256 KiB segments, 4 in flight: 1.42–1.46
+/// (820–834 ms), and no better with 32 or 64 KiB segments 32 or 64 in flight, or
+/// 2, 4, 8 MiB segments one at a time (1.25–1.83). At 10 Gbit/s every variant beat
+/// MPI_Allreduce: one message 0.82–0.93 (68–71 ms), 256 KiB × 4 0.87 (66–67 ms). So
+/// do the hierarchical allreduce's cross-host ring and a flat ring of one rank per host
+/// (2 × 2 hierarchical, ResNet-50 set at 10 Gbit/s: 195–201 ms vs 219–224 with
+/// segments). A flat ring with several ranks per host keeps the segments: at 2 × 2 its
+/// one-message form was 8–13 % slower at 10 Gbit/s (196–210 vs 179–186 ms) and level
+/// at 1 Gbit/s (1321–1327 vs 1344–1381 ms). Each
+/// message is a rendezvous whose acknowledgement queues behind the other direction's
+/// data; a TCP link with a short queue (the emulation's tbf: 5 ms) then idles between
+/// segments or drops packets when many are in flight.
+pub(super) const RING_SEGMENT_BYTES: usize = 256 << 10;
+
+/// Segments received ahead of the one being added (scratch buffers in use): the
+/// network keeps receiving while a segment is summed.
+const RING_WINDOW: usize = 4;
+
+/// Non-blocking requests of one ring step, completed together.
+struct Requests(Vec<ffi::MPI_Request>);
+
+impl Requests {
+    const CALL: &'static str = "MPI_Waitall (ring allreduce)";
+
+    /// Waits for every request (blocking: the data plane runs once all ranks are ready).
+    fn wait_all(&mut self) -> Result<()> {
+        if self.0.is_empty() {
+            return Ok(());
+        }
+        let n = count(Self::CALL, self.0.len())?;
+        // SAFETY: every request came from MPI_Isend/MPI_Irecv on buffers the ring keeps
+        // alive and untouched until this returns.
+        let rc = unsafe { ffi::MPI_Waitall(n, self.0.as_mut_ptr(), ffi::RSMPI_STATUSES_IGNORE) };
+        self.0.clear();
+        check(Self::CALL, rc)
+    }
+
+    fn post(
+        &mut self,
+        call: &'static str,
+        f: impl FnOnce(&mut ffi::MPI_Request) -> c_int,
+    ) -> Result<()> {
+        let mut req = null_request();
+        check(call, f(&mut req))?;
+        self.0.push(req);
+        Ok(())
+    }
+
+    /// Waits for request `i` only (then MPI_REQUEST_NULL, which wait_all skips).
+    fn wait(&mut self, i: usize) -> Result<()> {
+        // SAFETY: as in `wait_all`.
+        check(Self::CALL, unsafe {
+            ffi::MPI_Wait(&mut self.0[i], ffi::RSMPI_STATUS_IGNORE)
+        })
+    }
+}
+
+impl Drop for Requests {
+    /// A step left early (an MPI error) must not let MPI write into a buffer the caller
+    /// gets back: finish what is in flight first.
+    fn drop(&mut self) {
+        let _ = self.wait_all();
+    }
+}
+
+/// In-place segmented ring allreduce (sum) over non-blocking point-to-point
+/// messages, with reused scratch segments: Open MPI allocates about half the
+/// message as scratch on every large MPI_Allreduce; this allocates nothing after
+/// the first call. With `segment` bytes, in each reduce-scatter step up to
+/// `RING_WINDOW` segments are in flight each way: a segment is summed while the next
+/// ones arrive, and a new send and receive are posted as each completes (posting
+/// every send at once was slower: the receiver then handles unexpected rendezvous
+/// messages). With None (across hosts) each step's chunk is one message, received
+/// into a chunk of scratch (see `RING_SEGMENT_BYTES`). The allgather receives
+/// straight into the buffer.
+///
+/// `order[i]` is the rank of `g` at ring position `i`; this rank is at `pos`.
+/// `scratch` is kept between calls.
+pub(super) fn ring_allreduce(
+    g: Group,
+    order: &[usize],
+    pos: usize,
+    scratch: &mut Vec<u8>,
+    buf: &mut [u8],
+    dtype: DType,
+    segment: Option<usize>,
+) -> Result<()> {
+    ring_allreduce_with(g, order, pos, scratch, buf, dtype, segment, &mut |_| Ok(()))
+}
+
+/// [`ring_allreduce`] that hands the chunk this rank has summed to `between` once the
+/// reduce-scatter is done (no message in flight then), before the allgather passes it
+/// on: the hierarchical allreduce sums it across hosts there.
+#[allow(clippy::too_many_arguments)]
+pub(super) fn ring_allreduce_with(
+    g: Group,
+    order: &[usize],
+    pos: usize,
+    scratch: &mut Vec<u8>,
+    buf: &mut [u8],
+    dtype: DType,
+    segment: Option<usize>,
+    between: &mut dyn FnMut(&mut [u8]) -> Result<()>,
+) -> Result<()> {
+    use crate::transport::ring::{add_into, chunk, send_chunk};
+    const SEND: &str = "MPI_Isend (ring allreduce)";
+    const RECV: &str = "MPI_Irecv (ring allreduce)";
+    let n = g.size;
+    let r = pos;
+    let (right, left) = ring_neighbours(order, r, SEND, RECV)?;
+    let es = dtype.size_of();
+    let len = buf.len() / es;
+    // Checked once here, so that no count fails once messages are in flight: the
+    // first chunk is the largest.
+    let (c0, c1) = chunk(len, n, 0);
+    count(SEND, c1 - c0)?;
+    let (seg, window) = match segment {
+        Some(bytes) => ((bytes / es).max(1), RING_WINDOW),
+        None => ((c1 - c0).max(1), 1),
+    };
+    scratch.resize(window * seg * es, 0);
+    let ty = datatype(dtype);
+    let comm = g.comm;
+    // From here on the buffer is reached only through `base`: in-flight sends read
+    // one chunk while the sum writes another.
+    let base = buf.as_mut_ptr();
+    let slots = scratch.as_mut_ptr();
+    let slot = |k: usize| slots.wrapping_add((k % window) * seg * es);
+    // Element ranges [a, b) of a chunk cut into segments.
+    let segments = |(a, b): (usize, usize)| {
+        (a..b)
+            .step_by(seg)
+            .map(move |s| (s, (s + seg).min(b)))
+            .collect::<Vec<_>>()
+    };
+    let isend = |reqs: &mut Requests, (a, b): (usize, usize)| {
+        // SAFETY: [a, b) lies in `buf` (a chunk range), which nothing writes until
+        // this request completes; b - a fits in c_int (the largest chunk does).
+        reqs.post(SEND, |req| unsafe {
+            ffi::MPI_Isend(
+                base.add(a * es).cast_const().cast(),
+                (b - a) as c_int,
+                ty,
+                right,
+                7,
+                comm,
+                req,
+            )
+        })
+    };
+    let irecv = |reqs: &mut Requests, into: *mut u8, elems: usize| {
+        // SAFETY: `into` is valid for `elems` elements (a scratch slot, or a chunk
+        // range of `buf`) and nothing reads or writes it until this request
+        // completes; `elems` fits in c_int (at most one chunk).
+        reqs.post(RECV, |req| unsafe {
+            ffi::MPI_Irecv(into.cast(), elems as c_int, ty, left, 7, comm, req)
+        })
+    };
+    (|| {
+        let mut sends = Requests(Vec::new());
+        let mut recvs = Requests(Vec::new());
+        // Reduce-scatter: after n - 1 steps this rank holds the full sum of one chunk.
+        // The left neighbour sends, segment by segment, the chunk received here.
+        for step in 0..n - 1 {
+            let out = segments(chunk(len, n, send_chunk(r, step, n)));
+            let inc = segments(chunk(len, n, send_chunk(r, step + 1, n)));
+            for k in 0..window {
+                if let Some(&s) = out.get(k) {
+                    isend(&mut sends, s)?;
+                }
+                if let Some(&(a, b)) = inc.get(k) {
+                    irecv(&mut recvs, slot(k), b - a)?;
+                }
+            }
+            for k in 0..out.len().max(inc.len()) {
+                if let Some(&(a, b)) = inc.get(k) {
+                    recvs.wait(k)?;
+                    let bytes = (b - a) * es;
+                    // SAFETY: the slot holds the segment just received and no
+                    // receive into it is posted until after the sum; [a, b) is in
+                    // the incoming chunk, which no in-flight send reads.
+                    let (acc, got) = unsafe {
+                        (
+                            std::slice::from_raw_parts_mut(base.add(a * es), bytes),
+                            std::slice::from_raw_parts(slot(k), bytes),
+                        )
+                    };
+                    add_into(acc, got, dtype);
+                    if let Some(&(na, nb)) = inc.get(k + window) {
+                        irecv(&mut recvs, slot(k + window), nb - na)?;
+                    }
+                }
+                if k < out.len() {
+                    sends.wait(k)?;
+                    if let Some(&s) = out.get(k + window) {
+                        isend(&mut sends, s)?;
+                    }
+                }
+            }
+            recvs.0.clear();
+            sends.wait_all()?;
+        }
+        let (oa, ob) = chunk(len, n, send_chunk(r, n - 1, n));
+        // SAFETY: [oa, ob) is this rank's chunk of `buf`; every request has completed.
+        between(unsafe { std::slice::from_raw_parts_mut(base.add(oa * es), (ob - oa) * es) })?;
+        // Allgather: each summed chunk travels once around the ring.
+        for step in 0..n - 1 {
+            let (ra, rb) = chunk(len, n, send_chunk(r, step + n, n));
+            irecv(&mut recvs, base.wrapping_add(ra * es), rb - ra)?;
+            isend(&mut sends, chunk(len, n, send_chunk(r, step + n - 1, n)))?;
+            recvs.wait_all()?;
+            sends.wait_all()?;
+        }
+        Ok(())
+    })()
+}
+
+/// The ranks this ring position sends to (the next position) and receives from (the
+/// previous one), as MPI counts; `send` and `recv` name the calls in an error.
+fn ring_neighbours(
+    order: &[usize],
+    pos: usize,
+    send: &'static str,
+    recv: &'static str,
+) -> Result<(c_int, c_int)> {
+    let n = order.len();
+    Ok((
+        count(send, order[(pos + 1) % n])?,
+        count(recv, order[(pos + n - 1) % n])?,
+    ))
+}
+
+/// Below this rate between hosts (bytes/s per rank, as [`MpiTransport::probe_link`]
+/// times it) large sums go through the ring in groups. Across 2 emulated hosts with one
+/// rank each, ResNet-50 gradient set: at 1 Gbit/s (timed at 0.65-0.93 Gbit/s) grouping
+/// is 1.3× faster (870 vs 1120-1180 ms per step, as fast as one pre-packed
+/// MPI_Allreduce); at 10 Gbit/s (timed at 7.1-7.9; unshaped, 9.5-9.7) it is 1.2-1.4×
+/// slower, because MPI gathers each step's message from the tensors with copies, and
+/// the emulated hosts share two cores with their TCP stacks.
+pub(super) const GROUPED_RING_BELOW_BYTES_PER_S: f64 = 2e9 / 8.0;
+
+/// The bytes each rank sends per probe of the link between hosts.
+pub(super) const PROBE_BYTES: usize = 4 << 20;
+
+/// The most bytes of large tensors one [`ring_allreduce_many`] takes (Horovod's fusion
+/// threshold); its scratch is the group's size over the number of ranks.
+pub(super) const IN_PLACE_GROUP_BYTES: usize = 128 << 20;
+
+/// The sum ring of [`ring_allreduce`] over several buffers at once, each in place: at
+/// every step one message carries the chunk of every buffer (an MPI datatype of blocks
+/// at their addresses, so nothing is copied into a fusion buffer first), and the
+/// received chunks land end to end in scratch before they are added in. Where each
+/// hop crosses hosts, a tensor's own ring leaves the link idle between its steps and
+/// between tensors; a group's ring streams like one pre-packed message. One message
+/// per step rather than one per buffer: with many rendezvous messages in flight both
+/// ways, each side's clear-to-send replies queue behind its own data, and the two
+/// directions can end up taking turns (measured: the ResNet-50 set at 1 Gbit/s took
+/// 860 or 1700 ms per step from one launch to the next). Each buffer's chunks and
+/// summation order are those of its own ring, so all ranks end bit-identical.
+pub(super) fn ring_allreduce_many(
+    g: Group,
+    order: &[usize],
+    pos: usize,
+    scratch: &mut Vec<u8>,
+    bufs: &mut [&mut [u8]],
+    dtype: DType,
+) -> Result<()> {
+    use crate::transport::ring::{add_into, chunk, send_chunk};
+    const SEND: &str = "MPI_Isend (grouped ring allreduce)";
+    const RECV: &str = "MPI_Irecv (grouped ring allreduce)";
+    let n = g.size;
+    let r = pos;
+    let (right, left) = ring_neighbours(order, r, SEND, RECV)?;
+    let es = dtype.size_of();
+    let lens: Vec<usize> = bufs.iter().map(|b| b.len() / es).collect();
+    // A buffer's first chunk is its largest: their sum bounds every step's message,
+    // checked once here so that no count fails once messages are in flight.
+    let largest: usize = lens.iter().map(|&len| chunk(len, n, 0).1).sum();
+    count(RECV, largest)?;
+    scratch.resize(largest * es, 0);
+    let ty = datatype(dtype);
+    let comm = g.comm;
+    // From here on the buffers are reached only through `bases`: an in-flight send
+    // reads one chunk of a buffer while the sum writes another.
+    let bases: Vec<*mut u8> = bufs.iter_mut().map(|b| b.as_mut_ptr()).collect();
+    let origin = bases.iter().copied().min().unwrap_or(std::ptr::null_mut());
+    let slots = scratch.as_mut_ptr();
+    // Chunk `c(len)` of every buffer as one datatype at `origin`.
+    let blocks = |call: &'static str, c: &dyn Fn(usize) -> (usize, usize)| {
+        let parts: Vec<(usize, usize)> = bases
+            .iter()
+            .zip(&lens)
+            .map(|(&base, &len)| {
+                let (a, b) = c(len);
+                (base as usize - origin as usize + a * es, b - a)
+            })
+            .collect();
+        Blocks::new(call, ty, &parts)
+    };
+    (|| {
+        let mut sends = Requests(Vec::new());
+        let mut recvs = Requests(Vec::new());
+        for step in 0..n - 1 {
+            let incoming = |len| chunk(len, n, send_chunk(r, step + 1, n));
+            let outgoing = blocks(SEND, &|len| chunk(len, n, send_chunk(r, step, n)))?;
+            let elems: usize = lens
+                .iter()
+                .map(|&len| incoming(len))
+                .map(|(a, b)| b - a)
+                .sum();
+            // SAFETY: the scratch holds `largest` >= `elems` elements and nothing
+            // touches it until the receive completes; `elems` fits in c_int.
+            recvs.post(RECV, |req| unsafe {
+                ffi::MPI_Irecv(slots.cast(), elems as c_int, ty, left, 7, comm, req)
+            })?;
+            // SAFETY: the datatype's blocks are chunks of the buffers, which nothing
+            // writes until this send completes.
+            sends.post(SEND, |req| unsafe {
+                ffi::MPI_Isend(
+                    origin.cast_const().cast(),
+                    1,
+                    outgoing.0,
+                    right,
+                    7,
+                    comm,
+                    req,
+                )
+            })?;
+            recvs.wait_all()?;
+            let mut at = 0;
+            for (&base, &len) in bases.iter().zip(&lens) {
+                let (a, b) = incoming(len);
+                let bytes = (b - a) * es;
+                // SAFETY: the scratch at `at` holds this buffer's incoming chunk, just
+                // received; [a, b) is that chunk of the buffer, which no in-flight
+                // send reads.
+                let (acc, got) = unsafe {
+                    (
+                        std::slice::from_raw_parts_mut(base.add(a * es), bytes),
+                        std::slice::from_raw_parts(slots.add(at), bytes),
+                    )
+                };
+                add_into(acc, got, dtype);
+                at += bytes;
+            }
+            sends.wait_all()?;
+        }
+        // Allgather: each summed chunk travels once around the ring, straight into
+        // its buffer.
+        for step in 0..n - 1 {
+            let into = blocks(RECV, &|len| chunk(len, n, send_chunk(r, step + n, n)))?;
+            let from = blocks(SEND, &|len| chunk(len, n, send_chunk(r, step + n - 1, n)))?;
+            // SAFETY: the datatype's blocks are the chunks of the buffers this step
+            // fills, which nothing else reads or writes until the receive completes.
+            recvs.post(RECV, |req| unsafe {
+                ffi::MPI_Irecv(origin.cast(), 1, into.0, left, 7, comm, req)
+            })?;
+            // SAFETY: as for the reduce-scatter's send.
+            sends.post(SEND, |req| unsafe {
+                ffi::MPI_Isend(origin.cast_const().cast(), 1, from.0, right, 7, comm, req)
+            })?;
+            recvs.wait_all()?;
+            sends.wait_all()?;
+        }
+        Ok(())
+    })()
+}
+
+/// A committed MPI datatype of blocks of one element type at byte offsets (one
+/// message over several buffers, without copying them together); freed on drop.
+struct Blocks(ffi::MPI_Datatype);
+
+impl Blocks {
+    /// Blocks of `(byte offset, elements)` of `ty`.
+    fn new(call: &'static str, ty: ffi::MPI_Datatype, parts: &[(usize, usize)]) -> Result<Blocks> {
+        let n = count(call, parts.len())?;
+        let lens = parts
+            .iter()
+            .map(|&(_, elems)| count(call, elems))
+            .collect::<Result<Vec<c_int>>>()?;
+        let offsets = parts
+            .iter()
+            .map(|&(at, _)| {
+                ffi::MPI_Aint::try_from(at)
+                    .map_err(|_| Error::Internal(format!("{call}: offset {at} out of range")))
+            })
+            .collect::<Result<Vec<ffi::MPI_Aint>>>()?;
+        let mut t = ty;
+        // SAFETY: `lens` and `offsets` hold `n` entries each; `t` receives the new type.
+        check(call, unsafe {
+            ffi::MPI_Type_create_hindexed(n, lens.as_ptr(), offsets.as_ptr(), ty, &mut t)
+        })?;
+        let mut blocks = Blocks(t);
+        // SAFETY: a type just created, committed once.
+        check(call, unsafe { ffi::MPI_Type_commit(&mut blocks.0) })?;
+        Ok(blocks)
+    }
+}
+
+impl Drop for Blocks {
+    fn drop(&mut self) {
+        // SAFETY: a type this struct created; MPI lets operations that use it finish.
+        unsafe {
+            ffi::MPI_Type_free(&mut self.0);
+        }
+    }
+}
