@@ -47,6 +47,7 @@ mod handle;
 mod logging;
 #[cfg(test)]
 mod loopback_tests;
+mod objects;
 mod ops;
 mod optimizer;
 mod process_set;
