@@ -30,7 +30,7 @@ impl Kolo {
         let name = name.into();
         const OP: &str = "broadcast_object";
         if root >= self.size() {
-            return Err(self.bad_root(OP, &name, root));
+            return Err(crate::validate::bad_root(OP, &name, root, self.size()));
         }
         let mut failure = None;
         let bytes = if self.rank() == root {

@@ -626,10 +626,6 @@ impl Kolo {
         engine.shutdown()
     }
 
-    pub(crate) fn bad_root(&self, op: &'static str, name: &str, root: usize) -> Error {
-        crate::validate::bad_root(op, name, root, self.size())
-    }
-
     /// Validates and queues a request; the handle converts the engine's output.
     pub(crate) fn submit<T>(
         &self,

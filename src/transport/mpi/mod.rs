@@ -14,10 +14,12 @@
 //! by host, so it crosses each host boundary once whatever the rank placement.
 //!
 //! Here: start-up, the cycle exchange and the `Transport` ops. Beside it: `rings.rs`
-//! (kolo's sum rings and the measured thresholds that choose them), `hosts.rs` (the
-//! ranks of each host, the communicator levels, the hierarchical allreduce and
-//! allgather helpers) and `types.rs` (MPI datatypes and ops, checked counts).
+//! (kolo's sum rings and the measured thresholds that choose them), `group.rs` (a
+//! communicator and the blocking collectives on it), `hosts.rs` (the ranks of each
+//! host, the hierarchical allreduce and its levels) and `types.rs` (MPI datatypes and
+//! ops, checked counts).
 
+mod group;
 mod hosts;
 mod rings;
 mod types;
@@ -31,7 +33,8 @@ use mpi::raw::AsRaw;
 use mpi::topology::{Color, Communicator, SimpleCommunicator};
 use mpi::Threading;
 
-use hosts::{allgatherv_on, allreduce_in_place, reduce_scatter_on, Group, Hosts};
+use group::{allgatherv_on, allreduce_in_place, reduce_scatter_on, Group};
+use hosts::Hosts;
 use rings::{
     ring_allreduce, ring_allreduce_many, GROUPED_RING_BELOW_BYTES_PER_S, IN_PLACE_GROUP_BYTES,
     PROBE_BYTES, RING_MIN_BYTES_HOSTS, RING_MIN_BYTES_ONE_HOST, RING_SEGMENT_BYTES,

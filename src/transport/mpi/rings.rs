@@ -7,7 +7,7 @@ use std::ffi::c_int;
 
 use mpi::ffi;
 
-use super::hosts::Group;
+use super::group::Group;
 use super::types::{check, count, datatype, null_request};
 use crate::error::{Error, Result};
 use crate::tensor::DType;
