@@ -63,6 +63,8 @@ pub enum Error {
         name: String,
         /// What differs and which ranks sent what.
         message: String,
+        /// This rank's tensors, handed back: nothing was sent ([`Error::into_tensors`]).
+        tensors: Vec<Tensor>,
     },
 
     /// The op cannot run because a rank has called [`join`](crate::Kolo::join) and only
@@ -86,6 +88,9 @@ pub enum Error {
         name: String,
         /// The rank that left first.
         rank: usize,
+        /// This rank's tensors, handed back when the op never ran
+        /// ([`Error::into_tensors`]).
+        tensors: Vec<Tensor>,
     },
 
     /// Some ranks never submitted a request others were waiting for, for longer than
@@ -95,6 +100,9 @@ pub enum Error {
     Stalled {
         /// Which requests are missing from which ranks.
         report: String,
+        /// This rank's tensors of the failed op, handed back: it never ran
+        /// ([`Error::into_tensors`]).
+        tensors: Vec<Tensor>,
     },
 
     /// The engine is not running (after `shutdown`, or it failed). For a submit, the
@@ -120,6 +128,9 @@ pub enum Error {
         expected: DType,
         /// The type the tensor holds.
         actual: DType,
+        /// The tensor, handed back by a conversion that took it by value
+        /// ([`Tensor::into_vec`]; [`Error::into_tensors`]); empty otherwise.
+        tensors: Vec<Tensor>,
     },
 
     /// The number of elements does not match the shape.
@@ -131,6 +142,15 @@ pub enum Error {
         expected: usize,
         /// The data length.
         actual: usize,
+    },
+
+    /// A shape whose element count or byte size does not fit in `usize`.
+    #[error("shape {shape:?} of {dtype} elements is too large: its size in bytes overflows usize")]
+    ShapeOverflow {
+        /// The shape given.
+        shape: Vec<usize>,
+        /// The element type.
+        dtype: DType,
     },
 
     /// An object could not be (de)serialised for `broadcast_object` / `allgather_object`.
@@ -189,6 +209,9 @@ pub enum Error {
         expected: Device,
         /// Where it is.
         actual: Device,
+        /// The tensor, handed back by a conversion that took it by value
+        /// ([`Tensor::into_vec`]; [`Error::into_tensors`]); empty otherwise.
+        tensors: Vec<Tensor>,
     },
 
     /// A bug in kolo: please report it with the message.
@@ -197,16 +220,46 @@ pub enum Error {
 }
 
 impl Error {
-    /// Takes back the tensors of a refused submit — an invalid argument, a duplicate
-    /// name, an engine that had stopped — so that nothing the caller handed over is
-    /// lost (as crossbeam's `SendError<T>` does). Empty for every other error.
-    pub fn into_tensors(self) -> Vec<Tensor> {
+    /// Takes back the tensors of an op whose data was never sent — a refused submit
+    /// (an invalid argument, a duplicate name, an engine that had stopped), or an
+    /// accepted op that failed before any collective ran (a mismatch between ranks, a
+    /// rank that left, a stall, the engine stopping) — so that nothing the caller
+    /// handed over is lost (as crossbeam's `SendError<T>` does). They come in the
+    /// order the caller gave them. Empty for every other error (the op ran, or failed
+    /// while running, and its buffers cannot be trusted).
+    pub fn into_tensors(mut self) -> Vec<Tensor> {
+        self.take_tensors()
+    }
+
+    /// Takes the tensors [`into_tensors`](Self::into_tensors) would give, leaving
+    /// the error otherwise as it was (to return it after putting them back).
+    pub fn take_tensors(&mut self) -> Vec<Tensor> {
+        self.tensors_mut().map(std::mem::take).unwrap_or_default()
+    }
+
+    /// The tensors this error can hand back, where its kind can hold them.
+    fn tensors_mut(&mut self) -> Option<&mut Vec<Tensor>> {
         match self {
             Error::EngineStopped { tensors, .. }
             | Error::InvalidArgument { tensors, .. }
-            | Error::DuplicateName { tensors, .. } => tensors,
-            _ => Vec::new(),
+            | Error::DuplicateName { tensors, .. }
+            | Error::Mismatch { tensors, .. }
+            | Error::RankLeft { tensors, .. }
+            | Error::Stalled { tensors, .. }
+            | Error::DTypeMismatch { tensors, .. }
+            | Error::WrongDevice { tensors, .. } => Some(tensors),
+            _ => None,
         }
+    }
+
+    /// Puts the handed-back tensors of a group (submitted in sorted order) back into
+    /// the caller's order.
+    pub(crate) fn reorder_tensors(mut self, order: &[u32]) -> Self {
+        if let Some(tensors) = self.tensors_mut() {
+            let sorted = std::mem::take(tensors);
+            *tensors = crate::engine::request::unsort(Some(order), sorted);
+        }
+        self
     }
 
     /// The same error (kind and fields) for another request of a fused batch that
@@ -240,23 +293,28 @@ impl Error {
                 rank: *rank,
                 tensors: Vec::new(),
             },
-            Error::Mismatch { op, name, message } => Error::Mismatch {
+            Error::Mismatch {
+                op, name, message, ..
+            } => Error::Mismatch {
                 op,
                 name: name.clone(),
                 message: message.clone(),
+                tensors: Vec::new(),
             },
             Error::Joined { op, name, ranks } => Error::Joined {
                 op,
                 name: name.clone(),
                 ranks: ranks.clone(),
             },
-            Error::RankLeft { op, name, rank } => Error::RankLeft {
+            Error::RankLeft { op, name, rank, .. } => Error::RankLeft {
                 op,
                 name: name.clone(),
                 rank: *rank,
+                tensors: Vec::new(),
             },
-            Error::Stalled { report } => Error::Stalled {
+            Error::Stalled { report, .. } => Error::Stalled {
                 report: report.clone(),
+                tensors: Vec::new(),
             },
             Error::EngineStopped {
                 op,
@@ -271,9 +329,12 @@ impl Error {
                 reason: reason.clone(),
                 tensors: Vec::new(),
             },
-            Error::DTypeMismatch { expected, actual } => Error::DTypeMismatch {
+            Error::DTypeMismatch {
+                expected, actual, ..
+            } => Error::DTypeMismatch {
                 expected: *expected,
                 actual: *actual,
+                tensors: Vec::new(),
             },
             Error::ShapeMismatch {
                 shape,
@@ -283,6 +344,10 @@ impl Error {
                 shape: shape.clone(),
                 expected: *expected,
                 actual: *actual,
+            },
+            Error::ShapeOverflow { shape, dtype } => Error::ShapeOverflow {
+                shape: shape.clone(),
+                dtype: *dtype,
             },
             Error::Serialization {
                 op,
@@ -311,10 +376,12 @@ impl Error {
                 what,
                 expected,
                 actual,
+                ..
             } => Error::WrongDevice {
                 what,
                 expected: *expected,
                 actual: *actual,
+                tensors: Vec::new(),
             },
             Error::Internal(m) => Error::Internal(m.clone()),
         }
@@ -337,15 +404,84 @@ impl Error {
         }
     }
 
-    /// Puts a refused submit's tensors into the error that refused it.
+    /// Puts the tensors of an op that never ran into the error that ended it.
     pub(crate) fn handing_back(mut self, back: Vec<Tensor>) -> Self {
-        if let Error::EngineStopped { tensors, .. }
-        | Error::InvalidArgument { tensors, .. }
-        | Error::DuplicateName { tensors, .. } = &mut self
-        {
+        if let Some(tensors) = self.tensors_mut() {
             *tensors = back;
         }
         self
+    }
+}
+
+/// A conversion that failed, holding the value it was given so that nothing is lost
+/// (as crossbeam's `SendError<T>` holds the message): a buffer
+/// [`Tensor::from_host_buffer`] refused, or a tensor a device copy could not convert
+/// (feature `nccl`). `?` turns it into an [`Error`] (dropping the value);
+/// [`into_inner`](Self::into_inner) takes the value back. ([`Tensor::into_vec`]
+/// returns a plain [`Error`] holding the tensor instead: [`Error::into_tensors`].)
+///
+/// ```
+/// struct Bytes(Vec<u8>);
+/// impl kolo::HostBuffer for Bytes {
+///     fn bytes(&self) -> &[u8] { &self.0 }
+///     fn bytes_mut(&mut self) -> &mut [u8] { &mut self.0 }
+/// }
+/// let err = kolo::Tensor::from_host_buffer(Bytes(vec![7; 3]), kolo::DType::U8, &[4])
+///     .unwrap_err();
+/// assert_eq!(err.to_string(), "shape [4] needs 4 elements but 3 were given");
+/// assert_eq!(err.into_inner().0, [7, 7, 7]);    // the buffer, unchanged
+/// ```
+pub struct ConversionError<T> {
+    error: Error,
+    value: T,
+}
+
+impl<T> ConversionError<T> {
+    pub(crate) fn new(error: Error, value: T) -> Self {
+        ConversionError { error, value }
+    }
+
+    /// What went wrong.
+    pub fn error(&self) -> &Error {
+        &self.error
+    }
+
+    /// The value the conversion was given, unchanged.
+    pub fn into_inner(self) -> T {
+        self.value
+    }
+
+    /// The error and the value.
+    pub fn into_parts(self) -> (Error, T) {
+        (self.error, self.value)
+    }
+}
+
+impl<T> std::fmt::Debug for ConversionError<T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // The value may be large (a tensor): only its type is shown.
+        f.debug_struct("ConversionError")
+            .field("error", &self.error)
+            .field("value", &std::any::type_name::<T>())
+            .finish()
+    }
+}
+
+impl<T> std::fmt::Display for ConversionError<T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        std::fmt::Display::fmt(&self.error, f)
+    }
+}
+
+impl<T> std::error::Error for ConversionError<T> {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        std::error::Error::source(&self.error)
+    }
+}
+
+impl<T> From<ConversionError<T>> for Error {
+    fn from(e: ConversionError<T>) -> Error {
+        e.error
     }
 }
 
@@ -369,11 +505,13 @@ mod tests {
                 op: "allreduce",
                 name: "w".into(),
                 message: "shape mismatch: rank 0 sent [2], rank 1 sent [3]".into(),
+                tensors: Vec::new(),
             },
             Error::WrongDevice {
                 what: "fused NCCL allreduce",
                 expected: Device::Cuda(0),
                 actual: Device::Cuda(1),
+                tensors: Vec::new(),
             },
             Error::Transport {
                 call: "MPI_Allreduce",
@@ -383,6 +521,7 @@ mod tests {
                 op: "allreduce",
                 name: "w".into(),
                 rank: 3,
+                tensors: Vec::new(),
             },
             Error::Serialization {
                 op: "allgather_object",

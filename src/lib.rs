@@ -59,7 +59,7 @@ mod vocab;
 
 pub use config::{Config, DEFAULT_FUSION_THRESHOLD};
 pub use engine::autotune::{AutotuneChange, AutotuneState};
-pub use error::{Error, Result};
+pub use error::{ConversionError, Error, Result};
 pub use handle::Handle;
 pub use ops::{
     AllgatherBuilder, AllreduceBuilder, AlltoallBuilder, BroadcastBuilder, GroupedAllreduceBuilder,

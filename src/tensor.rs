@@ -5,7 +5,7 @@ use std::fmt;
 use half::{bf16, f16};
 use serde::{Deserialize, Serialize};
 
-use crate::error::{Error, Result};
+use crate::error::{ConversionError, Error, Result};
 
 /// The element type of a [`Tensor`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -337,7 +337,7 @@ impl Tensor {
     /// # Errors
     /// [`Error::ShapeMismatch`] when `data.len()` is not the product of `shape`.
     pub fn from_vec<T: Element>(data: Vec<T>, shape: &[usize]) -> Result<Tensor> {
-        let expected: usize = shape.iter().product();
+        let expected = checked_len(shape, T::DTYPE)?;
         if expected != data.len() {
             return Err(Error::ShapeMismatch {
                 shape: shape.to_vec(),
@@ -349,24 +349,61 @@ impl Tensor {
     }
 
     /// A tensor of zeros.
+    ///
+    /// # Panics
+    /// When the size of `shape` in bytes overflows `usize` (as `vec!` does on a
+    /// capacity overflow); [`Tensor::try_zeros`] returns an error instead.
     pub fn zeros(dtype: DType, shape: &[usize]) -> Tensor {
-        Tensor::from_parts(
-            Storage::zeros(dtype, shape.iter().product()),
+        match Tensor::try_zeros(dtype, shape) {
+            Ok(t) => t,
+            Err(e) => panic!("Tensor::zeros: {e}"),
+        }
+    }
+
+    /// A tensor of zeros, or an error for a shape too large to address.
+    ///
+    /// # Errors
+    /// [`Error::ShapeOverflow`] when the size of `shape` in bytes overflows `usize`.
+    pub fn try_zeros(dtype: DType, shape: &[usize]) -> Result<Tensor> {
+        let len = checked_len(shape, dtype)?;
+        Ok(Tensor::from_parts(
+            Storage::zeros(dtype, len),
             shape.to_vec(),
-        )
+        ))
     }
 
     /// Gives back the elements without copying (a tensor made with
     /// [`from_host_buffer`](Self::from_host_buffer) is copied into a new `Vec`).
     ///
     /// # Errors
-    /// [`Error::DTypeMismatch`] when `T` is not the tensor's element type.
+    /// [`Error::DTypeMismatch`] when `T` is not the tensor's element type,
+    /// [`Error::WrongDevice`] for a CUDA tensor. The error holds the tensor, unchanged:
+    /// [`Error::into_tensors`].
+    ///
+    /// ```
+    /// let t = kolo::Tensor::from_vec(vec![1.0f32, 2.0], &[2])?;
+    /// let err = t.into_vec::<f64>().unwrap_err();
+    /// assert_eq!(err.to_string(), "tensor holds F32 elements, not F64");
+    /// let t = err.into_tensors().remove(0);          // the tensor, unchanged
+    /// assert_eq!(t.into_vec::<f32>()?, [1.0, 2.0]);
+    /// # Ok::<(), kolo::Error>(())
+    /// ```
     pub fn into_vec<T: Element>(self) -> Result<Vec<T>> {
-        self.require_cpu("Tensor::into_vec")?;
-        let t = self.into_owned();
-        T::from_storage(t.data).map_err(|s| Error::DTypeMismatch {
+        if let Err(e) = self.require_cpu("Tensor::into_vec") {
+            return Err(e.handing_back(vec![self]));
+        }
+        let mismatch = |actual| Error::DTypeMismatch {
             expected: T::DTYPE,
-            actual: s.dtype(),
+            actual,
+            tensors: Vec::new(),
+        };
+        if self.dtype() != T::DTYPE {
+            return Err(mismatch(self.dtype()).handing_back(vec![self]));
+        }
+        let t = self.into_owned();
+        T::from_storage(t.data).map_err(|data| {
+            // The dtype was checked above; hand the data back all the same.
+            mismatch(data.dtype()).handing_back(vec![Tensor::from_parts(data, t.shape)])
         })
     }
 
@@ -376,28 +413,16 @@ impl Tensor {
     ///
     /// # Errors
     /// [`Error::ShapeMismatch`] when the buffer does not hold exactly the elements of
-    /// `shape`; [`Error::InvalidArgument`] when it is not aligned for `dtype`.
+    /// `shape`, [`Error::ShapeOverflow`] for a shape too large to address,
+    /// [`Error::InvalidArgument`] when the buffer is not aligned for `dtype`. The error
+    /// holds the buffer, unchanged ([`ConversionError::into_inner`]).
     pub fn from_host_buffer<B: HostBuffer>(
         buffer: B,
         dtype: DType,
         shape: &[usize],
-    ) -> Result<Tensor> {
-        let expected: usize = shape.iter().product();
-        let bytes = buffer.bytes();
-        if bytes.len() != expected * dtype.size_of() {
-            return Err(Error::ShapeMismatch {
-                shape: shape.to_vec(),
-                expected,
-                actual: bytes.len() / dtype.size_of(),
-            });
-        }
-        if !(bytes.as_ptr() as usize).is_multiple_of(dtype.size_of()) {
-            return Err(Error::InvalidArgument {
-                op: "Tensor::from_host_buffer",
-                name: String::new(),
-                message: format!("the buffer is not aligned for {dtype} elements"),
-                tensors: Vec::new(),
-            });
+    ) -> std::result::Result<Tensor, ConversionError<B>> {
+        if let Err(e) = Self::check_host_buffer(buffer.bytes(), dtype, shape) {
+            return Err(ConversionError::new(e, buffer));
         }
         let mut t = Tensor::from_parts(Storage::zeros(dtype, 0), shape.to_vec());
         t.external = Some(Box::new(buffer));
@@ -429,6 +454,27 @@ impl Tensor {
         }
     }
 
+    /// Why `bytes` cannot hold a `dtype` tensor of `shape`, if it cannot.
+    fn check_host_buffer(bytes: &[u8], dtype: DType, shape: &[usize]) -> Result<()> {
+        let expected = checked_len(shape, dtype)?;
+        if bytes.len() != expected * dtype.size_of() {
+            return Err(Error::ShapeMismatch {
+                shape: shape.to_vec(),
+                expected,
+                actual: bytes.len() / dtype.size_of(),
+            });
+        }
+        if !(bytes.as_ptr() as usize).is_multiple_of(dtype.size_of()) {
+            return Err(Error::InvalidArgument {
+                op: "Tensor::from_host_buffer",
+                name: String::new(),
+                message: format!("the buffer is not aligned for {dtype} elements"),
+                tensors: Vec::new(),
+            });
+        }
+        Ok(())
+    }
+
     /// The same tensor with its data in a `Vec` (copied out of a [`HostBuffer`]).
     fn into_owned(self) -> Tensor {
         if self.external.is_none() {
@@ -451,12 +497,14 @@ impl Tensor {
                 false => Err(Error::DTypeMismatch {
                     expected: T::DTYPE,
                     actual: self.dtype(),
+                    tensors: Vec::new(),
                 }),
             };
         }
         T::slice(&self.data).ok_or(Error::DTypeMismatch {
             expected: T::DTYPE,
             actual: self.dtype(),
+            tensors: Vec::new(),
         })
     }
 
@@ -473,12 +521,14 @@ impl Tensor {
                 false => Err(Error::DTypeMismatch {
                     expected: T::DTYPE,
                     actual,
+                    tensors: Vec::new(),
                 }),
             };
         }
         T::slice_mut(&mut self.data).ok_or(Error::DTypeMismatch {
             expected: T::DTYPE,
             actual,
+            tensors: Vec::new(),
         })
     }
 
@@ -494,6 +544,7 @@ impl Tensor {
 
     /// The number of elements.
     pub fn len(&self) -> usize {
+        // Every constructor checked that the shape's size in bytes fits in usize.
         self.shape.iter().product()
     }
 
@@ -513,6 +564,7 @@ impl Tensor {
                 what,
                 expected: Device::Cpu,
                 actual,
+                tensors: Vec::new(),
             }),
         }
     }
@@ -572,6 +624,19 @@ impl Tensor {
     }
 }
 
+/// The element count of `shape`, checked so that its size in bytes as `dtype` fits in
+/// `usize` (so that `len` and `num_bytes` of any tensor cannot overflow).
+pub(crate) fn checked_len(shape: &[usize], dtype: DType) -> Result<usize> {
+    shape
+        .iter()
+        .try_fold(1usize, |n, &d| n.checked_mul(d))
+        .filter(|n| n.checked_mul(dtype.size_of()).is_some())
+        .ok_or_else(|| Error::ShapeOverflow {
+            shape: shape.to_vec(),
+            dtype,
+        })
+}
+
 /// CUDA tensors (feature `nccl`).
 #[cfg(feature = "nccl")]
 impl Tensor {
@@ -584,7 +649,7 @@ impl Tensor {
         slice: cudarc::driver::CudaSlice<T>,
         shape: &[usize],
     ) -> Result<Tensor> {
-        let expected: usize = shape.iter().product();
+        let expected = checked_len(shape, T::DTYPE)?;
         if expected != slice.len() {
             return Err(Error::ShapeMismatch {
                 shape: shape.to_vec(),
@@ -619,18 +684,30 @@ impl Tensor {
     ///
     /// # Errors
     /// [`Error::WrongDevice`] for a CPU tensor, [`Error::DTypeMismatch`] when `T` is not
-    /// the element type.
-    pub fn into_cuda<T: Element>(self) -> Result<cudarc::driver::CudaSlice<T>> {
+    /// the element type; the error holds the tensor, unchanged.
+    #[allow(clippy::result_large_err)]
+    pub fn into_cuda<T: Element>(
+        mut self,
+    ) -> std::result::Result<cudarc::driver::CudaSlice<T>, ConversionError<Tensor>> {
         let actual = self.dtype();
-        match self.cuda {
-            None => Err(Error::WrongDevice {
-                what: "Tensor::into_cuda",
-                expected: Device::Cuda(0),
-                actual: Device::Cpu,
-            }),
-            Some(c) => T::from_cuda_data(c).map_err(|_| Error::DTypeMismatch {
-                expected: T::DTYPE,
-                actual,
+        match self.cuda.take() {
+            None => {
+                let e = Error::WrongDevice {
+                    what: "Tensor::into_cuda",
+                    expected: Device::Cuda(0),
+                    actual: Device::Cpu,
+                    tensors: Vec::new(),
+                };
+                Err(ConversionError::new(e, self))
+            }
+            Some(c) => T::from_cuda_data(c).map_err(|c| {
+                self.cuda = Some(c);
+                let e = Error::DTypeMismatch {
+                    expected: T::DTYPE,
+                    actual,
+                    tensors: Vec::new(),
+                };
+                ConversionError::new(e, self)
             }),
         }
     }
@@ -640,27 +717,44 @@ impl Tensor {
     ///
     /// # Errors
     /// [`Error::CudaUnavailable`] without a CUDA driver ("CUDA driver library not
-    /// found") or without that device; [`Error::Cuda`] when the copy fails.
-    pub fn to_cuda(self, ordinal: usize) -> Result<Tensor> {
+    /// found") or without that device; [`Error::Cuda`] when the copy fails. The error
+    /// holds the tensor, unchanged.
+    #[allow(clippy::result_large_err)]
+    pub fn to_cuda(self, ordinal: usize) -> std::result::Result<Tensor, ConversionError<Tensor>> {
         if self.device() == Device::Cuda(ordinal) {
             return Ok(self);
         }
-        let host = self.to_cpu()?.into_owned();
-        let data = crate::device::CudaData::upload(&host.data, ordinal)?;
-        Ok(Tensor::from_cuda_parts(host.dtype(), data, host.shape))
+        let upload = match &self.cuda {
+            // Another device: through the host, the source kept until both copies worked.
+            Some(c) => c
+                .download()
+                .and_then(|host| crate::device::CudaData::upload(&host, ordinal)),
+            None if self.external.is_some() => {
+                let host = Storage::from_bytes(self.dtype(), self.host_bytes());
+                crate::device::CudaData::upload(&host, ordinal)
+            }
+            None => crate::device::CudaData::upload(&self.data, ordinal),
+        };
+        match upload {
+            Ok(data) => Ok(Tensor::from_cuda_parts(self.dtype(), data, self.shape)),
+            Err(e) => Err(ConversionError::new(e, self)),
+        }
     }
 
     /// Copies a CUDA tensor to host memory (waits for the copy); a CPU tensor is
     /// returned as it is.
     ///
     /// # Errors
-    /// [`Error::Cuda`] when the copy fails.
-    pub fn to_cpu(self) -> Result<Tensor> {
+    /// [`Error::Cuda`] when the copy fails; the error holds the tensor, unchanged.
+    #[allow(clippy::result_large_err)]
+    pub fn to_cpu(self) -> std::result::Result<Tensor, ConversionError<Tensor>> {
         let Some(c) = &self.cuda else {
             return Ok(self);
         };
-        let data = c.download()?;
-        Ok(Tensor::from_parts(data, self.shape))
+        match c.download() {
+            Ok(data) => Ok(Tensor::from_parts(data, self.shape)),
+            Err(e) => Err(ConversionError::new(e, self)),
+        }
     }
 
     /// The device data of a CUDA tensor.
@@ -735,6 +829,56 @@ mod tests {
         );
         let owned = Tensor::from_vec(vec![1.0f32], &[1]).unwrap();
         assert!(owned.into_host_buffer::<Foreign>().is_err());
+    }
+
+    /// Issue 31 item 6: a refused conversion hands its input back, unchanged.
+    #[test]
+    fn refused_conversions_hand_the_value_back() {
+        let t = Tensor::from_vec(vec![1.5f32, 2.5], &[2]).unwrap();
+        let err = t.into_vec::<f64>().unwrap_err();
+        assert_eq!(err.to_string(), "tensor holds F32 elements, not F64");
+        let mut back = err.into_tensors();
+        assert_eq!(back.len(), 1);
+        assert_eq!(back.remove(0).into_vec::<f32>().unwrap(), [1.5, 2.5]);
+
+        // A buffer of the wrong length comes back with its contents.
+        let err = Tensor::from_host_buffer(Foreign(vec![9; 3]), DType::F32, &[2, 2]).unwrap_err();
+        assert_eq!(
+            err.error().to_string(),
+            "shape [2, 2] needs 4 elements but 6 were given"
+        );
+        assert_eq!(err.into_inner().0, [9, 9, 9]);
+        // `?` still gives kolo's Error.
+        let as_error: Error = Tensor::from_host_buffer(Foreign(vec![0; 1]), DType::F64, &[2])
+            .unwrap_err()
+            .into();
+        assert!(matches!(as_error, Error::ShapeMismatch { .. }));
+    }
+
+    /// Issue 31 item 11: shape products that overflow are errors, not a wrapped length
+    /// (release) or a panic (debug).
+    #[test]
+    fn overflowing_shapes_are_refused() {
+        let huge = [1usize << 32, 1 << 32];
+        let err = Tensor::from_vec(Vec::<f32>::new(), &huge).unwrap_err();
+        assert!(matches!(err, Error::ShapeOverflow { .. }), "{err}");
+        assert_eq!(
+            err.to_string(),
+            "shape [4294967296, 4294967296] of f32 elements is too large: its size in bytes overflows usize"
+        );
+        // The element count fits, its size in bytes does not.
+        let bytes_only = [usize::MAX / 2];
+        assert!(Tensor::from_vec(Vec::<u8>::new(), &bytes_only).is_err());
+        assert!(Tensor::try_zeros(DType::F64, &bytes_only).is_err());
+        let err = Tensor::from_host_buffer(Foreign(vec![]), DType::F32, &huge).unwrap_err();
+        assert!(matches!(err.error(), Error::ShapeOverflow { .. }));
+        // A zero dimension makes any shape empty, not an overflow.
+        assert_eq!(
+            Tensor::try_zeros(DType::F32, &[0, usize::MAX])
+                .unwrap()
+                .len(),
+            0
+        );
     }
 
     #[test]

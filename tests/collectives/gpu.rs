@@ -7,17 +7,17 @@
 //! (README "GPU"); the no-GPU case runs in CI.
 
 use anyhow::{ensure, Context, Result};
-use kolo::{DType, Device, Kolo, ReduceOp, Tensor};
+use kolo::{DType, Device, Error, Kolo, ReduceOp, Tensor};
 
 use crate::util::{assert_close, expect_err, tensor, to_f64, values, Rng, DTYPES};
 
 /// Without a CUDA driver (CI): CUDA entry points fail with a clear error, never a
 /// panic, and CPU collectives keep working.
-pub(crate) fn no_gpu(k: &Kolo) -> Result<()> {
+pub(crate) fn nodriver(k: &Kolo) -> Result<()> {
     ensure!(kolo::build_info().nccl, "built without the nccl feature");
     let t = Tensor::from_vec(vec![1.0f32, 2.0], &[2])?;
     ensure!(t.device() == Device::Cpu);
-    let msg = expect_err("to_cuda", t.clone().to_cuda(0), &[])?;
+    let msg = expect_err("to_cuda", t.clone().to_cuda(0).map_err(Error::from), &[])?;
     ensure!(
         msg == "CUDA is not available: CUDA driver library not found (libcuda.so); install the NVIDIA driver or use CPU tensors",
         "to_cuda error: {msg}"
@@ -34,9 +34,20 @@ pub(crate) fn no_gpu(k: &Kolo) -> Result<()> {
     )?;
     expect_err(
         "into_cuda of a CPU tensor",
-        t.clone().into_cuda::<f32>(),
+        t.clone().into_cuda::<f32>().map_err(Error::from),
         &["Tensor::into_cuda: the tensor is on cpu, but this needs a tensor on cuda:0"],
     )?;
+    // Issue 31 item 6: a refused device conversion hands the tensor back, unchanged.
+    let back = match t.clone().to_cuda(0) {
+        Ok(_) => anyhow::bail!("to_cuda without a driver succeeded"),
+        Err(e) => e.into_inner(),
+    };
+    ensure!(back == t, "to_cuda handed back {back:?}");
+    let back = match t.clone().into_cuda::<f32>() {
+        Ok(_) => anyhow::bail!("into_cuda of a CPU tensor succeeded"),
+        Err(e) => e.into_inner(),
+    };
+    ensure!(back == t, "into_cuda handed back {back:?}");
     // A CPU tensor passes through to_cpu untouched.
     ensure!(t.clone().to_cpu()? == t);
     let sum = k
@@ -274,13 +285,13 @@ pub(crate) fn errors(k: &Kolo) -> Result<()> {
     expect_err("as_bytes on CUDA", cuda.as_bytes(), &["Tensor::as_bytes"])?;
     expect_err(
         "into_cuda wrong dtype",
-        cuda.clone().into_cuda::<f64>(),
+        cuda.clone().into_cuda::<f64>().map_err(Error::from),
         &["F32"],
     )?;
     let n = kolo::cuda_device_count()?;
     expect_err(
         "missing device",
-        cpu.clone().to_cuda(n + 3),
+        cpu.clone().to_cuda(n + 3).map_err(Error::from),
         &[&format!("no CUDA device cuda:{}", n + 3)],
     )?;
     // from_cuda / into_cuda keep the allocation; a shape that does not fit is refused.

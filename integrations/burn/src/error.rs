@@ -68,5 +68,13 @@ pub enum Error {
     },
 }
 
+/// A kolo conversion that failed (`into_vec`, `from_host_buffer`, …); the value it
+/// held back is dropped here, so match on the conversion's own error to keep it.
+impl<T> From<kolo::ConversionError<T>> for Error {
+    fn from(e: kolo::ConversionError<T>) -> Self {
+        Error::Kolo(e.into())
+    }
+}
+
 /// `Result` with kolo-burn's [`Error`].
 pub type Result<T, E = Error> = std::result::Result<T, E>;
