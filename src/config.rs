@@ -593,12 +593,24 @@ fn parse_duration(var: &str, value: &str, unit_seconds: f64, unit: &str) -> Resu
             &format!("expected a non-negative number of {unit}"),
         ));
     }
-    Ok(Duration::from_secs_f64(v * unit_seconds))
+    // Beyond `Duration::MAX` (about 5.8e11 years) there is no duration to hold it: say
+    // so, and how to ask for "never" where a variable has it, rather than panic.
+    Duration::try_from_secs_f64(v * unit_seconds).map_err(|_| {
+        bad(
+            var,
+            value,
+            &format!(
+                "{v} {unit} is larger than the longest duration kolo can wait                  ({} seconds); the timeouts (KOLO_COLLECTIVE_TIMEOUT_SECONDS,                  KOLO_START_TIMEOUT, KOLO_STALL_SHUTDOWN_TIME_SECONDS) take 0 for never",
+                Duration::MAX.as_secs()
+            ),
+        )
+    })
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use proptest::strategy::Strategy;
     use std::collections::HashMap;
 
     fn config(vars: &[(&str, &str)]) -> Result<Config> {
@@ -762,5 +774,81 @@ mod tests {
         assert!(err.to_string().contains("KOLO_LOG_LEVEL=\"loud\""), "{err}");
         let err = config(&[("KOLO_STALL_CHECK_TIME_SECONDS", "-3")]).unwrap_err();
         assert!(err.to_string().contains("non-negative"), "{err}");
+    }
+
+    /// Issue 31 item 12: a duration beyond `Duration::MAX` (1e20 s, or 1e25 of any
+    /// unit) is a clear error naming the variable and how to say "never", not a panic.
+    #[test]
+    fn huge_durations_are_errors_not_panics() {
+        for var in [
+            "KOLO_COLLECTIVE_TIMEOUT_SECONDS",
+            "KOLO_START_TIMEOUT",
+            "KOLO_STALL_SHUTDOWN_TIME_SECONDS",
+            "KOLO_STALL_CHECK_TIME_SECONDS",
+            "KOLO_CYCLE_TIME",
+        ] {
+            let err = config(&[(var, "1e25")]).unwrap_err().to_string();
+            assert!(err.contains(&format!("{var}=\"1e25\"")), "{err}");
+            assert!(err.contains("take 0 for never"), "{err}");
+        }
+        let err = config(&[("KOLO_COLLECTIVE_TIMEOUT_SECONDS", "1e20")]).unwrap_err();
+        assert!(
+            err.to_string().contains("larger than the longest duration"),
+            "{err}"
+        );
+        // The largest representable values are taken.
+        let c = config(&[("KOLO_COLLECTIVE_TIMEOUT_SECONDS", "1e18")]).unwrap();
+        assert_eq!(
+            c.collective_timeout,
+            Duration::from_secs(1_000_000_000_000_000_000)
+        );
+    }
+
+    const VARIABLES: &[&str] = &[
+        "KOLO_AUTOTUNE",
+        "KOLO_AUTOTUNE_BAYES_OPT_MAX_SAMPLES",
+        "KOLO_AUTOTUNE_GAUSSIAN_PROCESS_NOISE",
+        "KOLO_AUTOTUNE_LOG",
+        "KOLO_AUTOTUNE_STEPS_PER_SAMPLE",
+        "KOLO_AUTOTUNE_WARMUP_SAMPLES",
+        "KOLO_CACHE_CAPACITY",
+        "KOLO_COLLECTIVE_TIMEOUT_SECONDS",
+        "KOLO_CYCLE_TIME",
+        "KOLO_FUSION_MAX_TENSOR_BYTES",
+        "KOLO_FUSION_THRESHOLD",
+        "KOLO_GROUPED_RING",
+        "KOLO_HIERARCHICAL_ALLGATHER",
+        "KOLO_HIERARCHICAL_ALLREDUCE",
+        "KOLO_LOG_LEVEL",
+        "KOLO_SIMULATED_COLLECTIVE_COST_US",
+        "KOLO_STALL_CHECK_DISABLE",
+        "KOLO_STALL_CHECK_TIME_SECONDS",
+        "KOLO_STALL_SHUTDOWN_TIME_SECONDS",
+        "KOLO_START_TIMEOUT",
+        "KOLO_TIMELINE",
+        "KOLO_TIMELINE_MARK_CYCLES",
+        "HOROVOD_FUSION_THRESHOLD",
+        "HOROVOD_CYCLE_TIME",
+    ];
+
+    proptest::proptest! {
+        /// Any text in any variable gives a configuration or an error naming that
+        /// variable: never a panic, never another variable blamed.
+        #[test]
+        fn any_value_is_taken_or_refused_by_name(
+            var in proptest::sample::select(VARIABLES),
+            value in proptest::prop_oneof![
+                proptest::string::string_regex("[-+0-9.eE_a-z ]{0,24}").unwrap(),
+                proptest::num::f64::ANY.prop_map(|v| v.to_string()),
+                proptest::num::u64::ANY.prop_map(|v| v.to_string()),
+                proptest::num::i64::ANY.prop_map(|v| v.to_string()),
+                ".*",
+            ],
+        ) {
+            if let Err(e) = config(&[(var, &value)]) {
+                let text = e.to_string();
+                proptest::prop_assert!(text.contains(var), "{var}={value:?}: {text}");
+            }
+        }
     }
 }

@@ -8,6 +8,7 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
 use std::task::{Context, Poll, Waker};
 use std::time::{Duration, Instant};
 
+use crate::engine::request::unsort;
 use crate::error::{Error, Result};
 use crate::tensor::Tensor;
 use crate::vocab::{AlltoallOutput, Key};
@@ -84,6 +85,8 @@ pub(crate) struct Completer {
     /// Dropped without completing (the engine stopped): the op and rank for the
     /// "engine stopped" error, built only then.
     on_drop: Option<(&'static str, usize)>,
+    /// A group submitted in sorted order: the caller's order, restored on completion.
+    order: Option<Box<[u32]>>,
 }
 
 impl fmt::Debug for Completer {
@@ -105,6 +108,12 @@ impl Completer {
     pub(crate) fn disarm(mut self) {
         self.on_drop = None;
         self.released = true;
+    }
+
+    /// Makes the handle give a group's outputs (and any tensors an error hands back)
+    /// in the caller's order: see `Submission::order`.
+    pub(crate) fn set_order(&mut self, order: Option<Box<[u32]>>) {
+        self.order = order;
     }
 
     /// Completes the handle with `result`.
@@ -133,6 +142,12 @@ impl Completer {
     /// Returns the slot when a thread is blocked on it and must be signalled.
     fn store(&mut self, result: Result<Output>) -> Option<Arc<Slot>> {
         self.on_drop = None;
+        let result = match (self.order.take(), result) {
+            (None, r) => r,
+            (Some(order), Ok(Output::Tensors(ts))) => Ok(Output::Tensors(unsort(Some(&order), ts))),
+            (Some(order), Err(e)) => Err(e.reorder_tensors(&order)),
+            (Some(_), r) => r,
+        };
         let mut state = self.slot.lock();
         if state.done {
             return None;
@@ -183,21 +198,36 @@ pub(crate) fn complete_all(mut batch: Vec<(Completer, Result<Output>)>) {
     }
 }
 
+impl Completer {
+    /// Fails an op the engine never took in (it stopped first), handing `tensors`
+    /// back with the "engine stopped" error.
+    pub(crate) fn abandon(mut self, tensors: Vec<Tensor>) {
+        if let Some(err) = self.stopped_error() {
+            self.finish(Err(err.handing_back(tensors)));
+        }
+    }
+
+    /// The error of a completer dropped without completing.
+    fn stopped_error(&mut self) -> Option<Error> {
+        let (op, rank) = self.on_drop.take()?;
+        // `submit` puts the negotiation key first.
+        let name = self
+            .names
+            .first()
+            .map(|k| k.to_string())
+            .unwrap_or_default();
+        Some(Error::engine_stopped(
+            op,
+            name,
+            rank,
+            "the engine stopped before this op completed",
+        ))
+    }
+}
+
 impl Drop for Completer {
     fn drop(&mut self) {
-        if let Some((op, rank)) = self.on_drop {
-            // `submit` puts the negotiation key first.
-            let name = self
-                .names
-                .first()
-                .map(|k| k.to_string())
-                .unwrap_or_default();
-            let err = Error::engine_stopped(
-                op,
-                name,
-                rank,
-                "the engine stopped before this op completed",
-            );
+        if let Some(err) = self.stopped_error() {
             self.finish(Err(err));
         }
     }
@@ -295,6 +325,7 @@ pub(crate) fn pair<T>(
             released: false,
             pending,
             on_drop: Some(on_drop),
+            order: None,
         },
     )
 }

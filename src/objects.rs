@@ -41,6 +41,8 @@ impl Kolo {
         } else {
             Vec::new()
         };
+        // Only its bytes are needed from here: an object of gigabytes is not held twice.
+        drop(object);
         // The length goes first so that every rank can size its buffer; -1 tells the
         // others that the root could not serialise, so nobody waits for bytes.
         let len = if failure.is_some() {

@@ -178,13 +178,14 @@ impl<'k> GroupedAllreduceBuilder<'k> {
     /// # Errors
     /// Submit-time errors: an empty group, an empty or duplicate name, engine not running.
     pub fn submit(self) -> Result<Handle<Vec<Tensor>>> {
-        let key = group_key(&self.tensors);
-        let tensors = self
-            .tensors
+        let (members, order) = sorted_members(self.tensors);
+        let key = group_key(&members);
+        let tensors = members
             .into_iter()
             .map(|(n, t)| (Key::from(n), t))
             .collect();
         let mut s = Submission::new(OpKind::GroupedAllreduce, Key::from(key), tensors);
+        s.order = order;
         self.reduce.apply(&mut s);
         submit(self.kolo, self.refused, s, handle::to_tensors)
     }
@@ -198,8 +199,32 @@ impl<'k> GroupedAllreduceBuilder<'k> {
     }
 }
 
-/// The negotiation key of a group: its member names, so that two different groups
-/// never collide and the same group matches on every rank.
+/// A group's members: (name, tensor) pairs.
+type Members = Vec<(String, Tensor)>;
+
+/// A group's members sorted by name, and the caller's order where it differs
+/// (`order[i]`: where the caller's member `i` went). Every rank then negotiates,
+/// checks and fuses the members in one order, whatever order each rank listed them in
+/// (a list built from a `HashMap` differs from process to process); the handle gives
+/// the results back in the caller's order.
+fn sorted_members(mut tensors: Members) -> (Members, Option<Box<[u32]>>) {
+    if tensors.windows(2).all(|w| w[0].0 <= w[1].0) {
+        return (tensors, None);
+    }
+    let mut idx: Vec<usize> = (0..tensors.len()).collect();
+    idx.sort_by(|&a, &b| tensors[a].0.cmp(&tensors[b].0));
+    let mut order = vec![0u32; tensors.len()];
+    for (sorted_pos, &caller) in idx.iter().enumerate() {
+        // A group has far fewer than 2^32 members (each is a submitted tensor).
+        order[caller] = u32::try_from(sorted_pos).unwrap_or(u32::MAX);
+    }
+    let mut slots: Vec<Option<(String, Tensor)>> = tensors.drain(..).map(Some).collect();
+    let sorted = idx.iter().filter_map(|&i| slots[i].take()).collect();
+    (sorted, Some(order.into_boxed_slice()))
+}
+
+/// The negotiation key of a group: its member names (sorted, see [`sorted_members`]),
+/// so that two different groups never collide and the same group matches on every rank.
 fn group_key(tensors: &[(String, Tensor)]) -> String {
     // Quoted (Rust string syntax), so that names holding ", " or quotes cannot make two
     // different groups share a key; in kolo's reserved key space.

@@ -11,7 +11,7 @@ use std::collections::{BTreeMap, HashMap};
 use crate::error::{Error, Result};
 use crate::handle::Handle;
 use crate::runtime::Kolo;
-use crate::tensor::{DType, Tensor};
+use crate::tensor::{DType, Device, Tensor};
 use crate::vocab::ReduceOp;
 
 /// Reduced gradients by parameter name.
@@ -58,6 +58,9 @@ struct Param {
     shape: Vec<usize>,
     dtype: DType,
     group: Option<usize>,
+    /// Where this parameter's gradients live, from its first gradient on this rank:
+    /// a gradient missing from a window is replaced by zeros there.
+    device: Option<Device>,
 }
 
 /// Builder for [`DistributedOptimizer`]: register every parameter (name, shape, dtype),
@@ -188,6 +191,7 @@ impl<O: GradientStep> DistributedOptimizerBuilder<O> {
                     shape,
                     dtype,
                     group: None,
+                    device: None,
                 },
             );
         }
@@ -220,6 +224,7 @@ impl<O: GradientStep> DistributedOptimizerBuilder<O> {
             handles: Vec::new(),
             reduced: Gradients::new(),
             skip_next_sync: false,
+            device: None,
         })
     }
 }
@@ -267,6 +272,9 @@ pub struct DistributedOptimizer<O> {
     handles: Vec<Pending>,
     reduced: Gradients,
     skip_next_sync: bool,
+    /// The device of the last gradient handed in on this rank (any parameter): where
+    /// zeros go for a parameter that never had a gradient here.
+    device: Option<Device>,
 }
 
 impl<O> std::fmt::Debug for DistributedOptimizer<O> {
@@ -310,50 +318,75 @@ impl<O: GradientStep> DistributedOptimizer<O> {
     /// window is complete its reduction starts at once, in the background.
     ///
     /// # Errors
-    /// An unknown name, a shape or dtype other than registered, a gradient produced
-    /// more often than `backward_passes_per_step` before `step`, or a submit error.
+    /// An unknown name, a shape, dtype or device other than registered or seen
+    /// before, a gradient produced more often than `backward_passes_per_step` before
+    /// `step`, a gradient that cannot be accumulated locally (with
+    /// `backward_passes_per_step` > 1: f32 or f64 on the CPU only), or a submit error.
+    /// The optimizer's state is unchanged by a refused gradient, and the gradient
+    /// comes back in the error ([`Error::into_tensors`]).
     pub fn submit_gradient(&mut self, name: &str, grad: Tensor) -> Result<()> {
-        let invalid = |message: String| Error::InvalidArgument {
+        let invalid = |message: String, grad: Tensor| Error::InvalidArgument {
             op: "submit_gradient",
             name: name.to_string(),
             message,
-            tensors: Vec::new(),
+            tensors: vec![grad],
         };
-        let param = self
-            .params
-            .get(name)
-            .ok_or_else(|| invalid("not a registered parameter".into()))?;
+        let Some(param) = self.params.get(name) else {
+            return Err(invalid("not a registered parameter".into(), grad));
+        };
         if grad.shape() != param.shape.as_slice() || grad.dtype() != param.dtype {
-            return Err(invalid(format!(
+            let message = format!(
                 "gradient is {} {:?} but the parameter was registered as {} {:?}",
                 grad.dtype(),
                 grad.shape(),
                 param.dtype,
                 param.shape
-            )));
+            );
+            return Err(invalid(message, grad));
         }
-        let count = self.counts.entry(name.to_string()).or_insert(0);
-        if *count >= self.passes {
-            return Err(invalid(format!(
+        let device = grad.device();
+        if let Some(d) = param.device.filter(|&d| d != device) {
+            let message = format!(
+                "gradient is on {device} but earlier gradients of this parameter were on {d}"
+            );
+            return Err(invalid(message, grad));
+        }
+        let count = self.counts.get(name).copied().unwrap_or(0);
+        if count >= self.passes {
+            let message = format!(
                 "gradient produced {} times before step(); backward_passes_per_step is {}",
-                *count + 1,
+                count + 1,
                 self.passes
-            )));
+            );
+            return Err(invalid(message, grad));
         }
-        *count += 1;
-        let count = *count;
-        let total = match self.accum.remove(name) {
-            Some(mut sum) => {
-                add_into(&mut sum, &grad).map_err(invalid)?;
-                sum
+        if self.passes > 1 {
+            if let Err(message) = accumulable(&grad) {
+                return Err(invalid(message, grad));
             }
-            None => grad,
-        };
-        if count < self.passes {
-            self.accum.insert(name.to_string(), total);
+        }
+        // Checked above: nothing below fails before the state is updated.
+        if let Some(sum) = self.accum.get_mut(name) {
+            if let Err(message) = add_into(sum, &grad) {
+                return Err(invalid(message, grad));
+            }
+        } else {
+            self.accum.insert(name.to_string(), grad);
+        }
+        if let Some(p) = self.params.get_mut(name) {
+            p.device = Some(device);
+        }
+        self.device = Some(device);
+        self.counts.insert(name.to_string(), count + 1);
+        if count + 1 < self.passes {
             return Ok(());
         }
-        self.dispatch(name.to_string(), total)
+        match self.accum.remove(name) {
+            Some(total) => self.dispatch(name.to_string(), total),
+            None => Err(Error::Internal(format!(
+                "{name:?}: accumulated gradient missing"
+            ))),
+        }
     }
 
     /// Sends a finished window's gradient, or holds it until its group is complete.
@@ -413,13 +446,16 @@ impl<O: GradientStep> DistributedOptimizer<O> {
             .iter()
             .filter(|(n, _)| self.counts.get(*n).copied().unwrap_or(0) < self.passes)
             .map(|(n, p)| {
-                let t = self
-                    .accum
-                    .remove(n)
-                    .unwrap_or_else(|| Tensor::zeros(p.dtype, &p.shape));
-                (n.clone(), t)
+                let t = match self.accum.remove(n) {
+                    Some(t) => t,
+                    None => {
+                        let device = p.device.or(self.device).unwrap_or(Device::Cpu);
+                        zeros_on(p.dtype, &p.shape, device)?
+                    }
+                };
+                Ok((n.clone(), t))
             })
-            .collect();
+            .collect::<Result<_>>()?;
         for (name, t) in missing {
             self.dispatch(name, t)?;
         }
@@ -477,6 +513,32 @@ impl<O: GradientStep> DistributedOptimizer<O> {
         let result = self.inner.step(&self.reduced);
         self.reduced.clear();
         result.map_err(|source| Error::Optimizer { source })
+    }
+}
+
+/// Why `g` cannot be summed locally over a window of backward passes, if it cannot.
+fn accumulable(g: &Tensor) -> std::result::Result<(), String> {
+    match (g.dtype(), g.device()) {
+        (DType::F32 | DType::F64, Device::Cpu) => Ok(()),
+        (dtype, device) => Err(format!(
+            "backward_passes_per_step > 1 sums gradients locally, which supports f32 and \
+             f64 gradients on the CPU, not {dtype} on {device}; use one pass per step or \
+             accumulate in the framework"
+        )),
+    }
+}
+
+/// Zeros of `dtype` and `shape` on `device`.
+fn zeros_on(dtype: DType, shape: &[usize], device: Device) -> Result<Tensor> {
+    let zeros = Tensor::try_zeros(dtype, shape)?;
+    match device {
+        Device::Cpu => Ok(zeros),
+        #[cfg(feature = "nccl")]
+        Device::Cuda(ordinal) => Ok(zeros.to_cuda(ordinal)?),
+        #[cfg(not(feature = "nccl"))]
+        Device::Cuda(_) => Err(Error::CudaUnavailable(
+            "kolo was built without the \"nccl\" feature".into(),
+        )),
     }
 }
 
@@ -557,7 +619,11 @@ fn decompress(t: Tensor, dtype: DType) -> Result<Tensor> {
 ///
 /// # Errors
 /// The errors of [`Kolo::broadcast`]; shapes or dtypes that differ between ranks are
-/// reported naming the parameter.
+/// reported naming the parameter. Every broadcast is waited for before the first
+/// error is returned, and no entry of `params` is lost: a parameter whose broadcast
+/// failed before it ran (a mismatch, a refused submit, a rank that left) keeps its
+/// own tensor. One that failed while running is left out, since its buffer may be
+/// half-written; the error names it.
 pub fn broadcast_parameters(
     kolo: &Kolo,
     params: &mut BTreeMap<String, Tensor>,
@@ -565,16 +631,33 @@ pub fn broadcast_parameters(
 ) -> Result<()> {
     let names: Vec<String> = params.keys().cloned().collect();
     let mut handles = Vec::with_capacity(names.len());
+    let mut first_err = None;
     for name in &names {
-        if let Some(t) = params.remove(name) {
-            handles.push((
-                name.clone(),
-                kolo.broadcast(format!("param.{name}"), t, root).submit()?,
-            ));
+        let Some(t) = params.remove(name) else {
+            continue;
+        };
+        match kolo.broadcast(format!("param.{name}"), t, root).submit() {
+            Ok(h) => handles.push((name.clone(), h)),
+            Err(mut e) => {
+                if let Some(t) = e.take_tensors().pop() {
+                    params.insert(name.clone(), t);
+                }
+                first_err.get_or_insert(e);
+            }
         }
     }
     for (name, h) in handles {
-        params.insert(name, h.wait()?);
+        match h.wait() {
+            Ok(t) => {
+                params.insert(name, t);
+            }
+            Err(mut e) => {
+                if let Some(t) = e.take_tensors().pop() {
+                    params.insert(name, t);
+                }
+                first_err.get_or_insert(e);
+            }
+        }
     }
-    Ok(())
+    first_err.map_or(Ok(()), Err)
 }

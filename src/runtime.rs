@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 use crate::config::Config;
 use crate::engine::autotune::AutotuneState;
 use crate::engine::queue::{Queue, Refused};
-use crate::engine::request::{self, Command, Named, OpKind, Request, Submission};
+use crate::engine::request::{self, unsort, Command, Named, OpKind, Request, Submission, Tensors};
 use crate::error::{Error, Result};
 use crate::handle::{self, Handle, Output};
 use crate::ops::{
@@ -159,25 +159,148 @@ pub(crate) struct Inner {
     /// The settings, for the engines of process sets made from this one.
     config: Config,
     /// Process sets made from this engine: stopped before it.
-    sets: Mutex<Vec<Weak<Inner>>>,
+    sets: Mutex<Sets>,
+    /// Signalled when a starting set is registered (or failed to start).
+    sets_changed: std::sync::Condvar,
+    /// Held for the whole of a shutdown, so that a second one (another thread, or a
+    /// drop) waits for the first instead of finalising MPI under its set engines.
+    stopping: Mutex<()>,
+    /// Marked when this engine's thread has been joined (for the engine it was made
+    /// from, which must not finalise MPI before).
+    stopped: Arc<Stopped>,
     /// A process set's engine keeps the engine it was made from (and so MPI) running.
     _parent: Option<Arc<Inner>>,
     /// The last process set id given out (0 is the set of all ranks).
     last_set: AtomicUsize,
 }
 
+/// The process sets' engines of one engine, and whether it is shutting down. A set's
+/// engine is started and registered under this lock, and shutdown closes it under the
+/// same lock, so no set's engine can start unseen by the shutdown that then finalises
+/// MPI.
+#[derive(Default)]
+struct Sets {
+    /// Each set's engine, and its flag of having stopped: a set whose last handle is
+    /// being dropped on another thread cannot be upgraded any more, but its engine may
+    /// still be stopping (calling MPI), so shutdown waits for the flag.
+    engines: Vec<(Weak<Inner>, Arc<Stopped>)>,
+    /// Shutdown has begun: no new set.
+    closed: bool,
+    /// `add_process_set` calls between their announcement and their set's
+    /// registration: shutdown waits for them ([`StartingSet`]).
+    starting: usize,
+}
+
+/// An `add_process_set` in progress, counted in [`Sets::starting`] until dropped.
+struct StartingSet<'a>(&'a Inner);
+
+impl<'a> StartingSet<'a> {
+    /// Counts one more set starting, unless shutdown has begun.
+    fn enter(inner: &'a Inner) -> Option<Self> {
+        let mut sets = inner.sets();
+        if sets.closed {
+            return None;
+        }
+        sets.starting += 1;
+        Some(StartingSet(inner))
+    }
+}
+
+impl Drop for StartingSet<'_> {
+    fn drop(&mut self) {
+        self.0.sets().starting -= 1;
+        self.0.sets_changed.notify_all();
+    }
+}
+
+/// Set once an engine's thread has ended and been joined.
+#[derive(Default)]
+struct Stopped {
+    done: Mutex<bool>,
+    changed: std::sync::Condvar,
+}
+
+impl Stopped {
+    fn mark(&self) {
+        *self.done.lock().unwrap_or_else(PoisonError::into_inner) = true;
+        self.changed.notify_all();
+    }
+
+    /// Waits until marked, or until `deadline`; whether it was marked.
+    fn wait(&self, deadline: Option<Instant>) -> bool {
+        let mut done = self.done.lock().unwrap_or_else(PoisonError::into_inner);
+        while !*done {
+            done = match deadline {
+                None => self
+                    .changed
+                    .wait(done)
+                    .unwrap_or_else(PoisonError::into_inner),
+                Some(d) => {
+                    let left = d.saturating_duration_since(Instant::now());
+                    if left.is_zero() {
+                        return false;
+                    }
+                    self.changed
+                        .wait_timeout(done, left)
+                        .unwrap_or_else(PoisonError::into_inner)
+                        .0
+                }
+            };
+        }
+        true
+    }
+}
+
 impl Inner {
+    fn sets(&self) -> std::sync::MutexGuard<'_, Sets> {
+        self.sets.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
     /// Stops the engines of this engine's process sets (they use MPI, so they must
     /// end before MPI is finalised); with a `deadline`, each gets what is left of it.
+    /// No set can be added afterwards.
     fn stop_sets(&self, deadline: Option<Instant>) {
-        let sets = std::mem::take(&mut *self.sets.lock().unwrap_or_else(PoisonError::into_inner));
-        for set in sets.iter().filter_map(Weak::upgrade) {
+        let sets = {
+            let mut sets = self.sets();
+            sets.closed = true;
+            // Sets announced before now start (their collectives need every member)
+            // and are registered; then they are stopped with the rest.
+            while sets.starting > 0 {
+                sets = match deadline {
+                    None => self
+                        .sets_changed
+                        .wait(sets)
+                        .unwrap_or_else(PoisonError::into_inner),
+                    Some(d) => {
+                        let left = d.saturating_duration_since(Instant::now());
+                        if left.is_zero() {
+                            tracing::error!(
+                                "a process set still starting at the shutdown deadline"
+                            );
+                            break;
+                        }
+                        self.sets_changed
+                            .wait_timeout(sets, left)
+                            .unwrap_or_else(PoisonError::into_inner)
+                            .0
+                    }
+                };
+            }
+            std::mem::take(&mut sets.engines)
+        };
+        for set in sets.iter().filter_map(|(set, _)| set.upgrade()) {
             let stopped = match deadline {
                 Some(d) => set.shutdown_timeout(d.saturating_duration_since(Instant::now())),
                 None => set.shutdown(),
             };
             if let Err(e) = stopped {
                 tracing::error!(error = %e, "stopping a process set's engine failed");
+            }
+        }
+        // Sets being dropped on other threads stop there; MPI must outlive them too.
+        for (_, stopped) in &sets {
+            if !stopped.wait(deadline) {
+                tracing::error!("a process set's engine did not stop before the deadline");
             }
         }
     }
@@ -192,16 +315,21 @@ impl Inner {
     }
 
     fn shutdown(&self) -> Result<()> {
+        let _one_at_a_time = self.stopping.lock().unwrap_or_else(PoisonError::into_inner);
         self.stop_sets(None);
-        self.stop_engine().map_or(Ok(()), join_engine)
+        let joined = self.stop_engine().map_or(Ok(()), join_engine);
+        self.stopped.mark();
+        joined
     }
 
     /// [`Inner::shutdown`] with a bound: past `timeout` the job is aborted.
     fn shutdown_timeout(&self, timeout: Duration) -> Result<()> {
         // One bound for the sets' engines and this one together.
-        let deadline = Instant::now() + timeout;
+        let deadline = deadline_after(timeout);
+        let _one_at_a_time = self.stopping.lock().unwrap_or_else(PoisonError::into_inner);
         self.stop_sets(Some(deadline));
         let Some(engine) = self.stop_engine() else {
+            self.stopped.mark();
             return Ok(());
         };
         if !finished_within(&engine, deadline.saturating_duration_since(Instant::now())) {
@@ -219,13 +347,23 @@ impl Inner {
                 std::process::abort();
             }
         }
-        join_engine(engine)
+        let joined = join_engine(engine);
+        self.stopped.mark();
+        joined
     }
+}
+
+/// `after` from now, or a century from now for a longer (or unrepresentable) bound: a
+/// timeout of `Duration::MAX` means "never", not a panic in `Instant + Duration`.
+pub(crate) fn deadline_after(after: Duration) -> Instant {
+    const CENTURY: Duration = Duration::from_secs(100 * 365 * 24 * 3600);
+    let now = Instant::now();
+    now.checked_add(after.min(CENTURY)).unwrap_or(now)
 }
 
 /// Waits up to `limit` for the engine thread to end; whether it did.
 fn finished_within(engine: &JoinHandle<()>, limit: Duration) -> bool {
-    let deadline = Instant::now() + limit;
+    let deadline = deadline_after(limit);
     while !engine.is_finished() && Instant::now() < deadline {
         std::thread::sleep(Duration::from_millis(5));
     }
@@ -352,7 +490,10 @@ pub(crate) fn spawn_engine(
             engine: Mutex::new(Some(engine)),
             autotune,
             config: kept_config,
-            sets: Mutex::new(Vec::new()),
+            sets: Mutex::new(Sets::default()),
+            sets_changed: std::sync::Condvar::new(),
+            stopping: Mutex::new(()),
+            stopped: Arc::new(Stopped::default()),
             _parent: parent,
             last_set: AtomicUsize::new(0),
         }),
@@ -568,6 +709,18 @@ impl Kolo {
     /// lists), an empty list, a rank out of range or listed twice; MPI without
     /// MPI_THREAD_MULTIPLE. The errors of a collective otherwise (a rank left).
     pub fn add_process_set(&self, ranks: &[usize]) -> Result<ProcessSet> {
+        // Announced before the collective, so that a shutdown waits for this set's
+        // engine to start (on every rank of the set, or fail on all) and then stops
+        // it; once shutdown has begun, new sets are refused here, before any rank
+        // could start one.
+        let _starting = StartingSet::enter(&self.inner).ok_or_else(|| {
+            Error::engine_stopped(
+                "add_process_set",
+                format!("{ranks:?}"),
+                self.rank(),
+                "kolo is shutting down on this rank",
+            )
+        })?;
         let id = self.inner.last_set.fetch_add(1, Ordering::SeqCst) + 1;
         let mut sorted = ranks.to_vec();
         sorted.sort_unstable();
@@ -598,10 +751,9 @@ impl Kolo {
                     move || Ok(t),
                 )?;
                 self.inner
-                    .sets
-                    .lock()
-                    .unwrap_or_else(PoisonError::into_inner)
-                    .push(Arc::downgrade(&set.inner));
+                    .sets()
+                    .engines
+                    .push((Arc::downgrade(&set.inner), set.inner.stopped.clone()));
                 Some(set)
             }
             None => None,
@@ -619,22 +771,23 @@ impl Kolo {
             return Ok(());
         };
         self.inner
-            .sets
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .retain(|w| !std::ptr::eq(w.as_ptr(), Arc::as_ptr(&engine.inner)));
+            .sets()
+            .engines
+            .retain(|(w, _)| !std::ptr::eq(w.as_ptr(), Arc::as_ptr(&engine.inner)));
         engine.shutdown()
     }
 
     /// Validates and queues a request; the handle converts the engine's output.
     pub(crate) fn submit<T>(
         &self,
-        s: Submission,
+        mut s: Submission,
         convert: fn(Output) -> Result<T>,
     ) -> Result<Handle<T>> {
+        let order = s.order.take();
+        let back = |tensors: Tensors| unsort(order.as_deref(), tensors.into_vec());
         if let Err(e) = crate::validate::validate(&s, self.size()) {
             let (_, tensors) = s.into_parts();
-            return Err(e.handing_back(tensors.into_vec()));
+            return Err(e.handing_back(back(tensors)));
         }
         let rank = self.rank();
         let op = s.kind.name();
@@ -648,7 +801,8 @@ impl Kolo {
         }
         let on_drop = (op, rank);
         let (meta, tensors) = s.into_parts();
-        let (handle, done) = handle::pair(names, self.inner.queue.clone(), on_drop, convert);
+        let (handle, mut done) = handle::pair(names, self.inner.queue.clone(), on_drop, convert);
+        done.set_order(order.clone());
         let request = Request {
             meta,
             tensors,
@@ -664,7 +818,7 @@ impl Kolo {
                     op,
                     name: name.to_string(),
                     rank,
-                    tensors: tensors.into_vec(),
+                    tensors: back(tensors),
                 });
             }
             Err(Refused::Closed(request)) => {
@@ -682,7 +836,7 @@ impl Kolo {
                     rank,
                     "kolo has been shut down on this rank",
                 )
-                .handing_back(tensors.into_vec()));
+                .handing_back(back(tensors)));
             }
         }
         Ok(handle)

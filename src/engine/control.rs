@@ -111,12 +111,16 @@ impl Negotiate<'_> {
                         op: m.kind.name(),
                         name: m.key.to_string(),
                         rank: left,
+                        tensors: Vec::new(),
                     });
                     return Ok(Negotiation::RankLeft(left));
                 }
                 Outcome::Stalled(report) => {
                     tracing::error!(rank = self.inbox.rank, "{report}");
-                    return Err(Error::Stalled { report });
+                    return Err(Error::Stalled {
+                        report,
+                        tensors: Vec::new(),
+                    });
                 }
                 Outcome::Responses(negotiated) => {
                     let cache_new = use_cache && !self.control.negotiator.any_joined();
@@ -304,7 +308,9 @@ impl Negotiate<'_> {
         let now = Instant::now();
         if self.control.stall.enabled() && now >= self.control.next_demotion_scan {
             let limit = self.control.stall.after() / 2;
-            self.control.next_demotion_scan = now + limit / 4;
+            // Capped, so that a stall time near `Duration::MAX` cannot overflow the Instant.
+            let every = (limit / 4).min(std::time::Duration::from_secs(3600));
+            self.control.next_demotion_scan = now.checked_add(every).unwrap_or(now);
             let old: Vec<usize> = self
                 .inbox
                 .announced

@@ -249,6 +249,7 @@ impl Gpu {
                     what: "NCCL collective",
                     expected: crate::tensor::Device::Cuda(nccl.ordinal()),
                     actual: crate::tensor::Device::Cuda(i),
+                    tensors: Vec::new(),
                 });
             }
         }
@@ -340,6 +341,7 @@ impl Gpu {
                 what: "fused NCCL allreduce",
                 expected: on,
                 actual: t.device(),
+                tensors: Vec::new(),
             });
         }
         order_after(&stream, &tensors)?;

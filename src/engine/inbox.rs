@@ -48,7 +48,7 @@ impl Inbox {
             Command::Submit(req) => {
                 if self.shutting_down {
                     let err = stopped(&req.meta, self.rank, "this rank is shutting down");
-                    req.done.complete(Err(err));
+                    req.fail(err);
                     return;
                 }
                 self.outgoing.push(req.meta.key.clone());
@@ -106,7 +106,7 @@ impl Inbox {
         self.announced.clear();
         for (_, req) in self.pending.drain() {
             let err = error(&req.meta);
-            req.done.complete(Err(err));
+            req.fail(err);
         }
     }
 }

@@ -393,11 +393,12 @@ impl Engine {
                 }
                 Ok(None) if leaving => return,
                 Ok(None) => {}
-                Err(Error::Stalled { report }) => {
+                Err(Error::Stalled { report, .. }) => {
                     // Every rank saw the same stall abort in the same cycle: fail
                     // everything with the report and stop communicating.
                     self.inbox.fail_all(|_| Error::Stalled {
                         report: report.clone(),
+                        tensors: Vec::new(),
                     });
                     self.serve_stopped(&report);
                     return;
@@ -587,6 +588,7 @@ impl Engine {
             op: meta.kind.name(),
             name: meta.key.to_string(),
             rank: left,
+            tensors: Vec::new(),
         });
     }
 
@@ -615,7 +617,7 @@ impl Engine {
                 match cmd {
                     Command::Submit(req) => {
                         let err = fail(&req.meta);
-                        req.done.complete(Err(err));
+                        req.fail(err);
                     }
                     Command::Shutdown => return,
                     Command::Timeline { path, reply } => {

@@ -105,8 +105,13 @@ impl Queue {
             state.closed = true;
             std::mem::take(&mut state.commands)
         };
-        // Dropped outside the lock: a dropped handle releases its names through it.
-        drop(left);
+        // Failed outside the lock: a handle releases its names through it. Each
+        // request's tensors go back to its caller with the error.
+        for cmd in left {
+            if let Command::Submit(req) = cmd {
+                req.done.abandon(req.tensors.into_vec());
+            }
+        }
     }
 
     fn signal(&self, state: MutexGuard<'_, State>) {

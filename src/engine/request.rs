@@ -155,6 +155,27 @@ pub(crate) struct Submission {
     pub(crate) postscale: f64,
     pub(crate) root: usize,
     pub(crate) splits: Option<Vec<usize>>,
+    /// A group's members are submitted sorted by name, so that every rank negotiates
+    /// and fuses them in one order whatever order each caller listed them in; this is
+    /// the caller's order (`order[i]`: the sorted position of the caller's member `i`),
+    /// restored when the results are handed back.
+    pub(crate) order: Option<Box<[u32]>>,
+}
+
+/// Puts `items`, in a group's sorted order, back into the caller's order (see
+/// [`Submission::order`]); `None` means they already are.
+pub(crate) fn unsort<T>(order: Option<&[u32]>, items: Vec<T>) -> Vec<T> {
+    let Some(order) = order else {
+        return items;
+    };
+    if order.len() != items.len() {
+        return items;
+    }
+    let mut slots: Vec<Option<T>> = items.into_iter().map(Some).collect();
+    order
+        .iter()
+        .filter_map(|&i| slots.get_mut(i as usize).and_then(Option::take))
+        .collect()
 }
 
 impl Submission {
@@ -168,6 +189,7 @@ impl Submission {
             postscale: 1.0,
             root: 0,
             splits: None,
+            order: None,
         }
     }
 
@@ -220,6 +242,15 @@ pub(crate) struct Request {
     pub(crate) done: Completer,
     /// When it was submitted (for the stall inspector).
     pub(crate) submitted: std::time::Instant,
+}
+
+impl Request {
+    /// Fails a request that never ran: its tensors go back to the caller inside
+    /// `error` (nothing of them was sent, so the caller may use them again).
+    pub(crate) fn fail(self, error: crate::error::Error) {
+        self.done
+            .complete(Err(error.handing_back(self.tensors.into_vec())));
+    }
 }
 
 /// Messages from framework threads to the engine.

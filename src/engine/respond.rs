@@ -162,7 +162,7 @@ impl Executor {
             }
             Response::Fail { key, error } => {
                 if let Some(req) = pending.remove(&*key) {
-                    req.done.complete(Err(error));
+                    req.fail(error);
                 }
             }
             Response::JoinDone { last } => {

@@ -5,7 +5,7 @@
 use mpi::ffi;
 
 use super::kolo_mpi_in_place;
-use super::types::{check, count, counts, datatype, per_rank, sized};
+use super::types::{check, count, counts, datatype, per_rank, sized, MAX_ELEMS_PER_CALL};
 use crate::error::Result;
 use crate::tensor::DType;
 
@@ -26,19 +26,23 @@ pub(super) fn allreduce_in_place(
     op: ffi::MPI_Op,
 ) -> Result<()> {
     const CALL: &str = "MPI_Allreduce";
-    let n = count(CALL, buf.len() / dtype.size_of())?;
-    // SAFETY: `buf` is valid for the call; MPI_IN_PLACE comes from the MPI header
-    // through the C shim.
-    check(CALL, unsafe {
-        ffi::MPI_Allreduce(
-            kolo_mpi_in_place(),
-            buf.as_mut_ptr().cast(),
-            n,
-            datatype(dtype),
-            op,
-            g.comm,
-        )
-    })
+    // Element-wise, so 2^31 elements or more can go in chunks (MPI counts are C ints).
+    for chunk in buf.chunks_mut(MAX_ELEMS_PER_CALL * dtype.size_of()) {
+        let n = count(CALL, chunk.len() / dtype.size_of())?;
+        // SAFETY: `chunk` is valid for the call; MPI_IN_PLACE comes from the MPI
+        // header through the C shim.
+        check(CALL, unsafe {
+            ffi::MPI_Allreduce(
+                kolo_mpi_in_place(),
+                chunk.as_mut_ptr().cast(),
+                n,
+                datatype(dtype),
+                op,
+                g.comm,
+            )
+        })?;
+    }
+    Ok(())
 }
 
 /// MPI_Allgatherv over `g`: rank `r` gives `counts_[r]` elements.

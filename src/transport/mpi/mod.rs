@@ -41,7 +41,7 @@ use rings::{
 };
 use types::{
     check, count, counts, datatype, null_request, per_rank, predefined_op, sized, to_c_int,
-    to_usize, HalfOps,
+    to_usize, HalfOps, MAX_ELEMS_PER_CALL,
 };
 
 use super::{abort_requested, Awaited, Topology, Transport};
@@ -99,6 +99,10 @@ pub(crate) struct MpiTransport {
     job_ranks: Vec<usize>,
     /// The peer the cycle agreement is waiting for (job numbering).
     awaited: Awaited,
+    /// Test-only fault: every broadcast names a root outside the communicator
+    /// (`KOLO_FAULT_MPI_BAD_ROOT=1`).
+    #[cfg(feature = "fault-injection")]
+    fault_bad_root: bool,
     // Dropped last: finalises MPI after the communicators are gone (the job's first
     // transport only; a process set's transport frees just its communicator).
     _universe: Option<mpi::environment::Universe>,
@@ -169,6 +173,17 @@ impl MpiTransport {
             cross_size: to_usize(cross.size()),
         };
         let comm = parent.duplicate();
+        // Errors come back as return codes on kolo's communicators (and on the process
+        // sets' split from them), so that `check` turns them into `Error::Transport`
+        // for the op's handle instead of MPI aborting the job (the default handler,
+        // MPI_ERRORS_ARE_FATAL). rsmpi's safe calls above ignore return codes, so the
+        // parent keeps its handler.
+        for c in [comm.as_raw(), local.as_raw(), cross.as_raw()] {
+            // SAFETY: `c` is a valid communicator; MPI_ERRORS_RETURN is predefined.
+            check("MPI_Comm_set_errhandler", unsafe {
+                ffi::MPI_Comm_set_errhandler(c, ffi::RSMPI_ERRORS_RETURN)
+            })?;
+        }
         let half_ops = HalfOps::create()?;
         // Each host is named by its lowest rank (local rank 0, as `split_shared` keys by
         // rank); every rank learns every rank's host, which orders the ring.
@@ -214,6 +229,8 @@ impl MpiTransport {
             threading,
             job_ranks: (0..size).collect(),
             awaited: Awaited::default(),
+            #[cfg(feature = "fault-injection")]
+            fault_bad_root: std::env::var("KOLO_FAULT_MPI_BAD_ROOT").is_ok_and(|v| v == "1"),
             _universe: universe,
         })
     }
@@ -654,16 +671,30 @@ impl Transport for MpiTransport {
 
     fn broadcast(&mut self, buf: &mut [u8], root: usize, dtype: DType) -> Result<()> {
         const CALL: &str = "MPI_Bcast";
-        // SAFETY: `buf` is valid for the call.
-        check(CALL, unsafe {
-            ffi::MPI_Bcast(
-                buf.as_mut_ptr().cast(),
-                count(CALL, buf.len() / dtype.size_of())?,
-                datatype(dtype),
-                count(CALL, root)?,
-                self.comm(),
-            )
-        })
+        // Test-only (feature fault-injection): a root no rank has, so that MPI itself
+        // fails the call and the error must reach the handle.
+        #[cfg(feature = "fault-injection")]
+        let root = if self.fault_bad_root {
+            self.topology.size
+        } else {
+            root
+        };
+        let root = count(CALL, root)?;
+        // MPI counts are C ints: a buffer of 2^31 elements or more goes in chunks (the
+        // same chunks on every rank, since every rank has the same length).
+        for chunk in buf.chunks_mut(MAX_ELEMS_PER_CALL * dtype.size_of()) {
+            // SAFETY: `chunk` is valid for the call.
+            check(CALL, unsafe {
+                ffi::MPI_Bcast(
+                    chunk.as_mut_ptr().cast(),
+                    count(CALL, chunk.len() / dtype.size_of())?,
+                    datatype(dtype),
+                    root,
+                    self.comm(),
+                )
+            })?;
+        }
+        Ok(())
     }
 
     fn alltoallv(

@@ -23,6 +23,11 @@ pub(super) fn to_usize(v: c_int) -> usize {
     usize::try_from(v).unwrap_or(0)
 }
 
+/// The most elements one MPI call of kolo's takes where it splits a buffer into
+/// several calls: MPI counts are C ints (2^31 - 1); a power of two keeps chunks of
+/// every dtype aligned.
+pub(super) const MAX_ELEMS_PER_CALL: usize = 1 << 30;
+
 pub(super) fn count(call: &'static str, n: usize) -> Result<c_int> {
     c_int::try_from(n).map_err(|_| Error::Transport {
         call,
