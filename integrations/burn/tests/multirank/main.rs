@@ -3,6 +3,7 @@
 
 #[path = "../../../../tests/collectives/harness.rs"]
 mod harness;
+mod issue31;
 mod supervised;
 
 use std::time::Duration;
@@ -898,6 +899,17 @@ const CASES: &[(&str, Case, &[usize])] = &[
     ("supervised_training", supervised::supervised, &[2, 3]),
     ("overlap", overlap, &[1, 2, 3]),
     ("process_set", process_set, &[3]),
+    (
+        "issue31_broadcast_root_failure",
+        issue31::broadcast_root_failure,
+        &[2, 3],
+    ),
+    (
+        "issue31_rank_local_failure",
+        issue31::rank_local_failure,
+        &[2, 3],
+    ),
+    ("issue31_resume_positions", issue31::resume_positions, &[2]),
 ];
 
 fn main() {
