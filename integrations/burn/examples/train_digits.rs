@@ -3,16 +3,23 @@
 //!
 //! ```sh
 //! mpirun -np 2 --bind-to none target/release/examples/train_digits [--epochs 30] \
-//!     [--checkpoint DIR [--resume]] [--bench]
+//!     [--scale-lr [--warmup-epochs 2]] [--checkpoint DIR [--resume]] [--bench] \
+//!     [--min-accuracy 0.95]
 //! ```
 //!
 //! Rank 0 prints one line per epoch with the loss and test accuracy averaged over all
 //! ranks, and the total throughput at the end.
+//!
+//! Each rank trains on `--batch-size` samples per step, so N ranks take steps on a
+//! global batch N times as large at the same learning rate: more ranks need more
+//! epochs. `--scale-lr` applies the linear scaling rule that Horovod advises (Goyal et
+//! al., "Accurate, Large Minibatch SGD", 2017): the learning rate times the number of
+//! ranks, reached by a linear warm-up from `--lr` over `--warmup-epochs`.
 
 use std::path::PathBuf;
 use std::time::Instant;
 
-use anyhow::{ensure, Context};
+use anyhow::{bail, Context};
 use burn::module::Module;
 use burn::nn::loss::{CrossEntropyLoss, CrossEntropyLossConfig};
 use burn::nn::{Linear, LinearConfig, Relu};
@@ -34,9 +41,21 @@ struct Args {
     /// Samples per rank per step.
     #[arg(long, default_value_t = 32)]
     batch_size: usize,
-    /// Adam's learning rate.
+    /// Adam's learning rate (per rank's batch; see --scale-lr).
     #[arg(long, default_value_t = 3e-3)]
     lr: f64,
+    /// Multiply the learning rate by the number of ranks (the linear scaling rule:
+    /// N ranks step on an N times larger global batch), after a linear warm-up.
+    #[arg(long)]
+    scale_lr: bool,
+    /// Epochs over which --scale-lr raises the learning rate linearly from --lr to
+    /// --lr × ranks.
+    #[arg(long, default_value_t = 2.0)]
+    warmup_epochs: f64,
+    /// Exit with an error unless the final test accuracy reaches this fraction (the
+    /// tests pass 0.95); without it the accuracy is only printed.
+    #[arg(long)]
+    min_accuracy: Option<f64>,
     /// Hidden units.
     #[arg(long, default_value_t = 256)]
     hidden: usize,
@@ -147,6 +166,20 @@ fn evaluate(
     Ok((correct, shard.len()))
 }
 
+/// The learning rate at `progress` epochs into training: `lr`, or with `--scale-lr`
+/// rising linearly from `lr` to `lr × ranks` over the warm-up, then staying there.
+fn learning_rate(args: &Args, ranks: usize, progress: f64) -> f64 {
+    if !args.scale_lr {
+        return args.lr;
+    }
+    let warm = if args.warmup_epochs > 0.0 {
+        (progress / args.warmup_epochs).min(1.0)
+    } else {
+        1.0
+    };
+    args.lr * (1.0 + (ranks as f64 - 1.0) * warm)
+}
+
 fn main() -> anyhow::Result<()> {
     let args = Args::parse();
     let kolo = kolo::init()?;
@@ -175,6 +208,20 @@ fn main() -> anyhow::Result<()> {
             data.test.len(),
             args.batch_size
         );
+        if args.scale_lr {
+            println!(
+                "learning rate {} × {size} ranks = {} after a {}-epoch warm-up (--scale-lr)",
+                args.lr,
+                learning_rate(&args, size, f64::INFINITY),
+                args.warmup_epochs
+            );
+        } else if size > 1 {
+            println!(
+                "learning rate {} on a global batch of {} (--scale-lr scales it with the ranks)",
+                args.lr,
+                args.batch_size * size
+            );
+        }
     }
     let reducer = GradientReducer::new(&kolo);
     let loss_fn: CrossEntropyLoss = CrossEntropyLossConfig::new().init(&device);
@@ -198,14 +245,15 @@ fn main() -> anyhow::Result<()> {
             ProgressBar::hidden()
         };
         let mut loss_sum = 0.0;
-        for idx in shard.chunks(args.batch_size) {
+        for (i, idx) in shard.chunks(args.batch_size).enumerate() {
+            let lr = learning_rate(&args, size, epoch as f64 + i as f64 / steps as f64);
             let ids: Vec<usize> = idx.iter().map(|&i| data.train[i]).collect();
             let (x, y) = batch(&data, &ids, &device);
             let loss = loss_fn.forward(model.forward(x), y);
             loss_sum += scalar(loss.clone())? * ids.len() as f64;
             let grads = GradientsParams::from_grads(loss.backward(), &model);
             let grads = reducer.reduce(&model, grads)?;
-            model = optim.step(args.lr, model, grads);
+            model = optim.step(lr, model, grads);
             samples += ids.len();
             bar.inc(1);
         }
@@ -252,13 +300,20 @@ fn main() -> anyhow::Result<()> {
             }
         );
     }
-    if !args.bench && start < args.epochs {
-        ensure!(
-            last_acc >= 0.95,
-            "test accuracy {:.2}% is below 95%",
-            100.0 * last_acc
-        );
-    }
     kolo.shutdown()?;
+    // The check is for the tests (--min-accuracy 0.95); a short run's lower accuracy
+    // is a result, not an error.
+    if let Some(min) = args
+        .min_accuracy
+        .filter(|_| !args.bench && start < args.epochs)
+    {
+        if last_acc < min {
+            bail!(
+                "test accuracy {:.2}% is below --min-accuracy {:.2}%",
+                100.0 * last_acc,
+                100.0 * min
+            );
+        }
+    }
     Ok(())
 }

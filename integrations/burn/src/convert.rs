@@ -53,7 +53,7 @@ impl HostBuffer for BurnBytes {
 }
 
 /// kolo's element type for a float gradient.
-fn kolo_dtype(name: &str, dtype: DType) -> Result<kolo::DType> {
+pub(crate) fn kolo_dtype(name: &str, dtype: DType) -> Result<kolo::DType> {
     Ok(match dtype {
         // Burn's flexible f32 is stored as f32 on the host.
         DType::F32 | DType::Flex32 => kolo::DType::F32,
@@ -74,29 +74,53 @@ pub(crate) fn to_kolo<const D: usize>(
     let dims = grad.dims();
     let dtype = kolo_dtype(name, grad.dtype())?;
     let (bytes, _, _) = grad.into_data().into_parts();
-    let exact = bytes.len() == dims.iter().product::<usize>() * dtype.size_of();
+    from_bytes(name, bytes, dtype, &dims, copied)
+}
+
+/// A gradient's bytes as a kolo tensor: lent as they are when they are exactly the
+/// tensor's size and aligned for its element type, else the tensor's bytes (the
+/// buffer's first `elements × size` bytes) copied once and counted in `copied`.
+fn from_bytes(
+    name: &str,
+    bytes: Bytes,
+    dtype: kolo::DType,
+    dims: &[usize],
+    copied: &Copied,
+) -> Result<kolo::Tensor> {
+    let len = dims
+        .iter()
+        .try_fold(dtype.size_of(), |n, &d| n.checked_mul(d))
+        .ok_or_else(|| Error::Data {
+            name: name.to_string(),
+            message: format!("shape {dims:?} of {dtype} holds more bytes than memory can"),
+        })?;
+    if bytes.len() < len {
+        return Err(Error::Data {
+            name: name.to_string(),
+            message: format!(
+                "its buffer holds {} bytes, but shape {dims:?} of {dtype} needs {len}",
+                bytes.len()
+            ),
+        });
+    }
     let aligned = (bytes.as_ptr() as usize).is_multiple_of(dtype.size_of());
-    if exact && aligned {
+    if bytes.len() == len && aligned {
         return Ok(kolo::Tensor::from_host_buffer(
             BurnBytes(bytes),
             dtype,
-            &dims,
+            dims,
         )?);
     }
-    copied.add(bytes.len());
+    copied.add(len);
+    let data = &bytes[..len];
     use bytemuck::pod_collect_to_vec as copy;
     let t = match dtype {
-        kolo::DType::F64 => kolo::Tensor::from_vec(copy::<u8, f64>(&bytes), &dims),
-        kolo::DType::F16 => kolo::Tensor::from_vec(copy::<u8, f16>(&bytes), &dims),
-        kolo::DType::BF16 => kolo::Tensor::from_vec(copy::<u8, bf16>(&bytes), &dims),
-        _ => kolo::Tensor::from_vec(copy::<u8, f32>(&bytes), &dims),
+        kolo::DType::F64 => kolo::Tensor::from_vec(copy::<u8, f64>(data), dims),
+        kolo::DType::F16 => kolo::Tensor::from_vec(copy::<u8, f16>(data), dims),
+        kolo::DType::BF16 => kolo::Tensor::from_vec(copy::<u8, bf16>(data), dims),
+        _ => kolo::Tensor::from_vec(copy::<u8, f32>(data), dims),
     };
     Ok(t?)
-}
-
-/// Zeros standing in for a gradient this rank does not have.
-pub(crate) fn zeros(name: &str, dtype: DType, dims: &[usize]) -> Result<kolo::Tensor> {
-    Ok(kolo::Tensor::zeros(kolo_dtype(name, dtype)?, dims))
 }
 
 /// A reduced kolo tensor as a Burn tensor of `dtype` on `device`, in the same memory.
@@ -130,4 +154,72 @@ pub(crate) fn to_burn<const D: usize>(
         }
     };
     Ok(Tensor::from_data(data, device))
+}
+
+#[cfg(test)]
+mod tests {
+    use burn::tensor::{Bytes, DType, Device, Tensor, TensorData};
+
+    use super::{from_bytes, to_kolo, Copied};
+
+    fn f32_bytes(values: &[f32]) -> Vec<u8> {
+        values.iter().flat_map(|v| v.to_ne_bytes()).collect()
+    }
+
+    /// A buffer longer than the tensor (as a backend may hand out, with the tensor at
+    /// its start) is copied: the tensor's bytes, counted; issue 31, item 4.
+    #[test]
+    fn issue31_an_oversized_buffer_is_copied() {
+        let copied = Copied::default();
+        let bytes = Bytes::from_bytes_vec(f32_bytes(&[1.0, 2.0, 3.0, 4.0, 5.0]));
+        let t = from_bytes("w", bytes, kolo::DType::F32, &[2, 2], &copied);
+        let t = t.map_err(|e| e.to_string());
+        let t = t.and_then(|t| t.into_vec::<f32>().map_err(|e| e.to_string()));
+        assert_eq!(t, Ok(vec![1.0, 2.0, 3.0, 4.0]));
+        assert_eq!(copied.get(), 16);
+    }
+
+    /// A buffer shorter than the tensor is refused, naming the gradient and both sizes.
+    #[test]
+    fn a_short_buffer_is_refused() {
+        let copied = Copied::default();
+        let bytes = Bytes::from_bytes_vec(f32_bytes(&[1.0, 2.0, 3.0]));
+        let err = from_bytes("fc1.weight", bytes, kolo::DType::F32, &[2, 2], &copied)
+            .map(|_| ())
+            .map_err(|e| e.to_string());
+        assert_eq!(
+            err,
+            Err(
+                "reading gradient \"fc1.weight\": its buffer holds 12 bytes, but shape \
+                 [2, 2] of f32 needs 16"
+                    .into()
+            )
+        );
+        assert_eq!(copied.get(), 0);
+    }
+
+    /// A gradient whose bytes are a misaligned window of a shared buffer (a real Burn
+    /// tensor: `Bytes::view` of a shared allocation, as memory-mapped records are) is
+    /// copied; a uniquely owned gradient is lent without a copy.
+    #[test]
+    fn a_misaligned_gradient_is_copied_and_an_owned_one_lent() {
+        let copied = Copied::default();
+        let mut raw = vec![0u8];
+        raw.extend(f32_bytes(&[1.5, -2.0, 3.25]));
+        let shared = Bytes::from_bytes_vec(raw).shared();
+        let window = shared.view(1, 13).map_err(|e| format!("{e:?}"));
+        let window = window.unwrap_or_else(|e| panic!("a view of a shared buffer: {e}"));
+        assert_ne!(window.as_ptr() as usize % 4, 0, "the window is misaligned");
+        let grad = Tensor::<1>::from_data(
+            TensorData::from_bytes(window, [3], DType::F32),
+            &Device::flex(),
+        );
+        let t = to_kolo("w", grad, &copied).map_err(|e| e.to_string());
+        let t = t.and_then(|t| t.into_vec::<f32>().map_err(|e| e.to_string()));
+        assert_eq!(t, Ok(vec![1.5, -2.0, 3.25]));
+        assert_eq!(copied.get(), 12);
+        let owned = Tensor::<1>::from_data(TensorData::new(vec![1.0f32; 4], [4]), &Device::flex());
+        assert!(to_kolo("v", owned, &copied).is_ok());
+        assert_eq!(copied.get(), 12, "an owned gradient is lent, not copied");
+    }
 }

@@ -19,6 +19,20 @@ pub enum Error {
         message: String,
     },
 
+    /// Another rank failed its part of an operation that every rank takes part in (the
+    /// root of a broadcast could not serialise what it sends, a rank could not hand its
+    /// gradients to the reduction). Every other rank reports this, so that no rank
+    /// waits for a collective that will not come; the failing rank reports its own error.
+    #[error("rank {rank} could not {what}: {message}")]
+    OtherRank {
+        /// The rank that failed.
+        rank: usize,
+        /// What it could not do.
+        what: &'static str,
+        /// Its error.
+        message: String,
+    },
+
     /// The ranks' models differ: another parameter, shape or dtype at the same place.
     #[error("the ranks' models differ at parameter #{index} ({parameter:?}): {ranks}")]
     ModelMismatch {

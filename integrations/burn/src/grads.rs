@@ -10,7 +10,7 @@ use kolo::{Kolo, ReduceOp};
 
 use crate::convert::{self, Copied};
 use crate::error::{Error, Result};
-use crate::layout::{Layout, Slot};
+use crate::layout::Layout;
 
 /// Reduces all gradients of a step across ranks, then hands them back in a
 /// [`GradientsParams`] for Burn's optimizer.
@@ -31,7 +31,9 @@ use crate::layout::{Layout, Slot};
 /// f16 and bf16 gradients travel as 2-byte values, f64 as f64.
 ///
 /// A parameter without a gradient on this rank contributes zeros, so ranks whose graph
-/// skipped a parameter still take part.
+/// skipped a parameter still take part. A step fails on every rank or on none: a rank
+/// that cannot hand a gradient over still takes part, and one tiny collective per step
+/// (beside the buckets) tells every rank whether any failed.
 ///
 /// Use it between `backward` and `ModuleOptimizer::step` in a hand-written loop, or
 /// from an overridden `TrainStep::optimize` in burn-train's Learner. Clones share the
@@ -141,7 +143,11 @@ impl GradientReducer {
     ///   parameters;
     /// - [`Error::ModelMismatch`] on every rank when the ranks' models differ (checked
     ///   when the layout is learned), naming the parameter and what each rank has;
-    /// - [`Error::Data`]: a gradient of a non-float dtype;
+    /// - [`Error::Data`]: a parameter of a dtype kolo cannot reduce (on every rank, when
+    ///   the layout is learned), or a gradient this rank cannot hand over (e.g. a
+    ///   quantized gradient): this rank still takes part in the step with zeros in its
+    ///   place, and every other rank fails the step with [`Error::OtherRank`] naming
+    ///   this rank and the cause, so nobody waits and nobody steps alone;
     /// - [`Error::Kolo`]: a failed collective (a rank that left, …).
     pub fn reduce<M: Module>(
         &self,
@@ -164,10 +170,7 @@ impl GradientReducer {
             error,
             ..
         } = take;
-        if let Some(e) = error {
-            return Err(e);
-        }
-        let reduced = self.allreduce(&layout, tensors)?;
+        let reduced = self.allreduce(&layout, tensors, error)?;
         self.give(&layout, module, reduced, &devices)
     }
 
@@ -250,56 +253,122 @@ impl GradientReducer {
         if let Some(l) = slot.as_ref().filter(|l| l.fits(module, self.bucket_bytes)) {
             return Ok(Arc::clone(l));
         }
-        let layout = Layout::learn(module, &self.prefix, self.bucket_bytes)?;
-        layout.agree(&self.kolo, &format!("{}.layout", self.prefix))?;
-        let layout = Arc::new(layout);
+        let layout = Arc::new(Layout::learn(
+            module,
+            &self.kolo,
+            &self.prefix,
+            self.bucket_bytes,
+        )?);
         *slot = Some(Arc::clone(&layout));
         Ok(layout)
     }
 
-    /// Submits every bucket, then waits for all of them; the results by slot.
+    /// Submits every bucket, then settles the step (see [`settle`](Self::settle)).
     fn allreduce(
         &self,
         layout: &Layout,
         mut tensors: Vec<Option<kolo::Tensor>>,
+        local: Option<Error>,
     ) -> Result<Vec<Option<kolo::Tensor>>> {
         let handles = (0..layout.buckets.len())
             .map(|b| self.submit_bucket(layout, b, &mut tensors))
             .collect::<Result<Vec<_>>>()?;
-        wait_buckets(layout, handles, &mut tensors)?;
-        Ok(tensors)
+        self.settle(layout, handles, local)
     }
-}
 
-/// Waits for each bucket's collective (one handle per bucket, in order) and puts its
-/// results in their slots.
-pub(crate) fn wait_buckets(
-    layout: &Layout,
-    handles: Vec<kolo::Handle<Vec<kolo::Tensor>>>,
-    slots: &mut [Option<kolo::Tensor>],
-) -> Result<()> {
-    for (bucket, h) in layout.buckets.iter().zip(handles) {
-        for (&i, t) in bucket.iter().zip(h.wait()?) {
-            slots[i] = Some(t);
+    /// Ends a step whose buckets are all submitted (one handle per bucket, in order):
+    /// waits for each and returns the results by slot, unless a rank failed.
+    ///
+    /// `local` is this rank's failure before the reduction (a gradient it could not
+    /// hand over, a wrong layer given to `Overlap`): such a rank has still submitted
+    /// every bucket, with zeros in place of what it could not provide, so that nobody
+    /// waits for it. Every rank then says whether it failed in one small collective
+    /// (Max of a flag) beside the buckets; when any did, they exchange their errors, the
+    /// failing ranks return their own and the others [`Error::OtherRank`], so the step
+    /// fails on every rank and no rank applies gradients the others threw away.
+    pub(crate) fn settle(
+        &self,
+        layout: &Layout,
+        handles: Vec<kolo::Handle<Vec<kolo::Tensor>>>,
+        local: Option<Error>,
+    ) -> Result<Vec<Option<kolo::Tensor>>> {
+        let flag = kolo::Tensor::from_vec(vec![if local.is_some() { 1.0f32 } else { 0.0 }], &[1])?;
+        let verdict = self
+            .kolo
+            .allreduce(format!("{}.failed", self.prefix), flag)
+            .op(ReduceOp::Max)
+            .submit();
+        let mut slots: Vec<Option<kolo::Tensor>> = (0..layout.slots.len()).map(|_| None).collect();
+        let mut failed: Option<Error> = None;
+        for (bucket, h) in layout.buckets.iter().zip(handles) {
+            match h.wait() {
+                Ok(reduced) => {
+                    for (&i, t) in bucket.iter().zip(reduced) {
+                        slots[i] = Some(t);
+                    }
+                }
+                Err(e) => {
+                    failed.get_or_insert(e.into());
+                }
+            }
+        }
+        let any_failed = match verdict
+            .and_then(|h| h.wait())
+            .and_then(|t| t.into_vec::<f32>())
+        {
+            Ok(v) => v.first().is_some_and(|&f| f > 0.0),
+            Err(e) => return Err(local.or(failed).unwrap_or(e.into())),
+        };
+        if any_failed {
+            let mine = local.as_ref().map(ToString::to_string);
+            let all: Vec<Option<String>> = self
+                .kolo
+                .allgather_object(format!("{}.failures", self.prefix), mine)?;
+            return Err(local.unwrap_or_else(|| other_rank(all)));
+        }
+        match failed {
+            Some(e) => Err(e),
+            None => Ok(slots),
         }
     }
-    Ok(())
 }
 
-/// A parameter's gradient as a kolo tensor (zeros of its shape when this rank has
-/// none), and the device the reduced gradient goes back to.
+/// The error of a rank whose own step went well while another failed: the first
+/// failing rank and its message.
+fn other_rank(all: Vec<Option<String>>) -> Error {
+    let (rank, message) = all
+        .into_iter()
+        .enumerate()
+        .find_map(|(rank, m)| Some((rank, m?)))
+        .unwrap_or((0, "(no message)".into()));
+    Error::OtherRank {
+        rank,
+        what: "hand its gradients to the reduction, so no rank has reduced gradients for \
+               this step",
+        message,
+    }
+}
+
+/// A parameter's gradient as a kolo tensor, and the device the reduced gradient goes
+/// back to. Zeros stand in for a gradient this rank does not have, and for one it
+/// cannot convert (the error is returned beside them: the rank must still take part).
 pub(crate) fn as_kolo<const D: usize>(
     grad: Option<Tensor<D>>,
     param: &Param<Tensor<D>>,
-    slot: &Slot,
+    layout: &Layout,
+    slot: usize,
     copied: &Copied,
-) -> (Device, Result<kolo::Tensor>) {
+) -> (Device, kolo::Tensor, Option<Error>) {
+    let (s, wire) = (&layout.slots[slot], &layout.wires[slot]);
     match grad {
-        Some(g) => (g.device(), convert::to_kolo(&slot.path, g, copied)),
-        None => (
-            param.val().device().inner(),
-            convert::zeros(&slot.path, slot.dtype, &slot.dims),
-        ),
+        Some(g) => {
+            let device = g.device();
+            match convert::to_kolo(&s.path, g, copied) {
+                Ok(t) => (device, t, None),
+                Err(e) => (device, wire.zeros(s), Some(e)),
+            }
+        }
+        None => (param.val().device().inner(), wire.zeros(s), None),
     }
 }
 
@@ -315,17 +384,16 @@ struct Take<'a> {
 
 impl ModuleVisitor for Take<'_> {
     fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
-        let Some(slot) = self.layout.slots.get(self.tensors.len()) else {
+        let slot = self.tensors.len();
+        if slot >= self.layout.slots.len() {
             return;
-        };
-        let (device, taken) = as_kolo(self.grads.remove::<D>(param.id), param, slot, self.copied);
+        }
+        let grad = self.grads.remove::<D>(param.id);
+        let (device, t, error) = as_kolo(grad, param, self.layout, slot, self.copied);
         self.devices.push(device);
-        match taken {
-            Ok(t) => self.tensors.push(Some(t)),
-            Err(e) => {
-                self.tensors.push(None);
-                self.error.get_or_insert(e);
-            }
+        self.tensors.push(Some(t));
+        if let Some(e) = error {
+            self.error.get_or_insert(e);
         }
     }
 }

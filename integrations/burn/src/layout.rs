@@ -5,6 +5,7 @@ use burn::module::{Module, ModuleVisitor, Param, ParamId};
 use burn::tensor::{DType, Tensor};
 use kolo::Kolo;
 
+use crate::convert;
 use crate::error::{Error, Result};
 
 /// One float parameter of the model.
@@ -23,6 +24,20 @@ impl Slot {
     }
 }
 
+/// The slot's gradient as it travels, and zeros standing in for it: the parameter's
+/// dtype, which [`Layout::learn`] has checked kolo can reduce.
+#[derive(Debug)]
+pub(crate) struct Wire {
+    pub(crate) dtype: kolo::DType,
+}
+
+impl Wire {
+    /// Zeros of `slot`'s shape, for a rank without a usable gradient.
+    pub(crate) fn zeros(&self, slot: &Slot) -> kolo::Tensor {
+        kolo::Tensor::zeros(self.dtype, &slot.dims)
+    }
+}
+
 /// Parameters in module order and the buckets that reduce them.
 #[derive(Debug)]
 pub(crate) struct Layout {
@@ -33,16 +48,24 @@ pub(crate) struct Layout {
     /// Slot indices per bucket, in the order backward produces gradients (reverse
     /// module order), each bucket at most `bucket_bytes` unless one gradient is larger.
     pub(crate) buckets: Vec<Vec<usize>>,
+    /// How each slot travels.
+    pub(crate) wires: Vec<Wire>,
     bucket_bytes: usize,
 }
 
 impl Layout {
-    /// The layout of `module`'s float parameters.
+    /// The layout of `module`'s float parameters, agreed by every rank: one allgather
+    /// of each rank's parameters, then every check on what all ranks sent, so that an
+    /// error is the same on every rank and no rank is left waiting for another.
     ///
     /// # Errors
-    /// A module without float parameters.
+    /// - [`Error::ModelMismatch`]: the ranks' parameters differ;
+    /// - [`Error::InvalidArgument`]: a module without float parameters;
+    /// - [`Error::Data`]: a parameter of a dtype kolo cannot reduce (quantized);
+    /// - [`Error::Kolo`]: the allgather failed.
     pub(crate) fn learn<M: Module>(
         module: &M,
+        kolo: &Kolo,
         prefix: &str,
         bucket_bytes: usize,
     ) -> Result<Layout> {
@@ -52,6 +75,7 @@ impl Layout {
         };
         module.visit(&mut visit);
         let slots = visit.slots;
+        agree(&slots, kolo, &format!("{prefix}.layout"))?;
         if slots.is_empty() {
             return Err(Error::InvalidArgument {
                 what: "GradientReducer::reduce",
@@ -59,6 +83,10 @@ impl Layout {
                     .into(),
             });
         }
+        let wires = slots
+            .iter()
+            .map(|s| convert::kolo_dtype(&s.path, s.dtype).map(|dtype| Wire { dtype }))
+            .collect::<Result<Vec<_>>>()?;
         let names = slots
             .iter()
             .map(|s| format!("{prefix}.{}", s.path))
@@ -79,6 +107,7 @@ impl Layout {
             slots,
             names,
             buckets,
+            wires,
             bucket_bytes,
         })
     }
@@ -94,49 +123,48 @@ impl Layout {
         module.visit(&mut visit);
         visit.same && visit.next == self.slots.len() && bucket_bytes == self.bucket_bytes
     }
+}
 
-    /// Checks that every rank has the same parameters, in the same order, with the same
-    /// shapes and dtypes (one allgather, when the layout is learned).
-    ///
-    /// # Errors
-    /// [`Error::ModelMismatch`] on every rank, naming the first parameter that differs
-    /// and what each rank has there.
-    pub(crate) fn agree(&self, kolo: &Kolo, name: &str) -> Result<()> {
-        let mine: Vec<(String, Vec<usize>, String)> = self
-            .slots
-            .iter()
-            .map(|s| (s.path.clone(), s.dims.clone(), format!("{:?}", s.dtype)))
-            .collect();
-        let all = kolo.allgather_object(name, mine)?;
-        let longest = all.iter().map(Vec::len).max().unwrap_or(0);
-        for i in 0..longest {
-            let first = all[0].get(i);
-            if all.iter().all(|r| r.get(i) == first) {
-                continue;
-            }
-            let parameter = all
-                .iter()
-                .find_map(|r| r.get(i))
-                .map_or_else(String::new, |p| p.0.clone());
-            let ranks = all
-                .iter()
-                .enumerate()
-                .map(|(rank, r)| match r.get(i) {
-                    Some((path, dims, dtype)) => {
-                        format!("rank {rank} has {path:?} {dims:?} {dtype}")
-                    }
-                    None => format!("rank {rank} has no parameter #{i}"),
-                })
-                .collect::<Vec<_>>()
-                .join(", ");
-            return Err(Error::ModelMismatch {
-                index: i,
-                parameter,
-                ranks,
-            });
+/// Checks that every rank has the same parameters, in the same order, with the same
+/// shapes and dtypes (one allgather, when the layout is learned).
+///
+/// # Errors
+/// [`Error::ModelMismatch`] on every rank, naming the first parameter that differs
+/// and what each rank has there.
+fn agree(slots: &[Slot], kolo: &Kolo, name: &str) -> Result<()> {
+    let mine: Vec<(String, Vec<usize>, String)> = slots
+        .iter()
+        .map(|s| (s.path.clone(), s.dims.clone(), format!("{:?}", s.dtype)))
+        .collect();
+    let all = kolo.allgather_object(name, mine)?;
+    let longest = all.iter().map(Vec::len).max().unwrap_or(0);
+    for i in 0..longest {
+        let first = all[0].get(i);
+        if all.iter().all(|r| r.get(i) == first) {
+            continue;
         }
-        Ok(())
+        let parameter = all
+            .iter()
+            .find_map(|r| r.get(i))
+            .map_or_else(String::new, |p| p.0.clone());
+        let ranks = all
+            .iter()
+            .enumerate()
+            .map(|(rank, r)| match r.get(i) {
+                Some((path, dims, dtype)) => {
+                    format!("rank {rank} has {path:?} {dims:?} {dtype}")
+                }
+                None => format!("rank {rank} has no parameter #{i}"),
+            })
+            .collect::<Vec<_>>()
+            .join(", ");
+        return Err(Error::ModelMismatch {
+            index: i,
+            parameter,
+            ranks,
+        });
     }
+    Ok(())
 }
 
 struct Learn {

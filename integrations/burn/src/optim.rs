@@ -20,7 +20,11 @@ use crate::convert::{self, Copied};
 /// naming the parameter. The wrapper numbers each parameter by its position the first
 /// time it is stepped and keeps that number in the parameter's optimizer state
 /// ([`DistributedState`]), so every later step reduces it under the same name
-/// (`kolo_burn.param.<position>`) and kolo's response cache serves it. Every rank must
+/// (`kolo_burn.param.<position>`) and kolo's response cache serves it. A state restored
+/// from a record (a checkpoint, [`broadcast_optimizer_state`](crate::broadcast_optimizer_state))
+/// keeps its position, and positions handed out later in the process start above every
+/// restored one, so a parameter stepped for the first time after a resume never takes
+/// a restored parameter's name. Every rank must
 /// step the same parameters in the same order: Burn skips a parameter that has no
 /// gradient, so a parameter unused on one rank puts the ranks out of step (a shape
 /// mismatch error, or for equal shapes wrong sums). Use
@@ -64,6 +68,16 @@ impl<O: fmt::Debug> fmt::Debug for DistributedOptimizer<O> {
     }
 }
 
+/// One past the highest position restored from an optimizer record in this process.
+///
+/// Burn restores a state through `RecordState::state_unflatten`, which sees neither the
+/// optimizer nor its counter; new positions are handed out above this mark instead, so
+/// that they never repeat a restored one. Process-wide, it only ever grows: a record
+/// loaded for another optimizer leaves a gap in the numbers, which costs nothing. Every
+/// rank loads the same records (`load_checkpoint` and the broadcasts load them on every
+/// rank), so the mark, and the names, agree across ranks.
+static RESTORED_ABOVE: AtomicUsize = AtomicUsize::new(0);
+
 /// The wrapped optimizer's state of one parameter, and the parameter's position (its
 /// collective's name). Saved and restored with the optimizer record, so a resumed run
 /// keeps its names.
@@ -87,6 +101,7 @@ impl<S: RecordState> RecordState for DistributedState<S> {
     fn state_unflatten(prefix: &str, src: &mut StateSource, device: &Device) -> Option<Self> {
         let position = src.take_tensor(prefix, "kolo_position")?;
         let position = usize::try_from(*position.as_slice::<i64>().ok()?.first()?).ok()?;
+        RESTORED_ABOVE.fetch_max(position.saturating_add(1), Ordering::Relaxed);
         let inner = S::state_unflatten(&join_path(prefix, "inner"), src, device);
         Some(DistributedState { position, inner })
     }
@@ -118,6 +133,14 @@ impl<O: Optimizer> DistributedOptimizer<O> {
         self
     }
 
+    /// The position of a parameter stepped for the first time: the next one of this
+    /// optimizer (and its clones), above every position restored in this process.
+    fn next_position(&self) -> usize {
+        self.positions
+            .fetch_max(RESTORED_ABOVE.load(Ordering::Relaxed), Ordering::Relaxed);
+        self.positions.fetch_add(1, Ordering::Relaxed)
+    }
+
     fn reduce<const D: usize>(&self, position: usize, grad: Tensor<D>) -> crate::Result<Tensor<D>> {
         let name = format!("kolo_burn.param.{position}");
         let device = grad.device();
@@ -143,8 +166,13 @@ impl<O: Optimizer> Optimizer for DistributedOptimizer<O> {
         state: Option<Self::State<D>>,
     ) -> (Tensor<D>, Option<Self::State<D>>) {
         let (position, inner_state) = match state {
-            Some(s) => (s.position, s.inner),
-            None => (self.positions.fetch_add(1, Ordering::Relaxed), None),
+            Some(s) => {
+                // A restored position: later ones go above it.
+                self.positions
+                    .fetch_max(s.position.saturating_add(1), Ordering::Relaxed);
+                (s.position, s.inner)
+            }
+            None => (self.next_position(), None),
         };
         let dims = grad.dims();
         let grad = match self.reduce(position, grad) {
@@ -174,7 +202,9 @@ mod tests {
     use burn::optim::{RecordState, StateSink, StateSource};
     use burn::tensor::Device;
 
-    use super::DistributedState;
+    use std::sync::atomic::Ordering;
+
+    use super::{DistributedState, RESTORED_ABOVE};
 
     /// The position survives a save and load of the optimizer record, so a resumed run
     /// reduces each parameter under the name it had.
@@ -193,6 +223,8 @@ mod tests {
         let back = DistributedState::<()>::state_unflatten("p", &mut source, &Device::flex());
         let back = back.map(|s| (s.position, s.inner));
         assert_eq!(back, Some((7, Some(()))));
+        // Positions handed out from now on start above the restored one (issue 31).
+        assert!(RESTORED_ABOVE.load(Ordering::Relaxed) >= 8);
         let mut empty = StateSource::new(BTreeMap::new());
         assert!(
             DistributedState::<()>::state_unflatten("p", &mut empty, &Device::flex()).is_none()

@@ -30,7 +30,7 @@ use burn::tensor::{Device, Tensor};
 
 use crate::convert;
 use crate::error::{Error, Result};
-use crate::grads::{as_kolo, wait_buckets, GradientReducer};
+use crate::grads::{as_kolo, GradientReducer};
 use crate::layout::Layout;
 
 /// One overlapped step of a [`GradientReducer`]: made by
@@ -165,8 +165,12 @@ impl Overlap {
     /// zeros), waits for every bucket and returns the averaged gradients of `model`.
     ///
     /// # Errors
-    /// A hook or collective failed ([`Error::Kolo`], [`Error::Data`]), or `model` is
-    /// not the model the step was made for ([`Error::InvalidArgument`]).
+    /// A hook or collective failed ([`Error::Kolo`], [`Error::Data`]), a layer given to
+    /// [`layer`](Self::layer) is not part of the model or was hooked twice, or `model`
+    /// is not the model the step was made for ([`Error::InvalidArgument`]). Such a
+    /// failure on one rank fails the step on every rank: the failing rank still submits
+    /// every bucket, and the others return [`Error::OtherRank`] naming it and the cause
+    /// (as [`GradientReducer::reduce`]).
     pub fn finish<M: Module>(
         self,
         model: &M,
@@ -174,47 +178,56 @@ impl Overlap {
     ) -> Result<GradientsParams> {
         let step = &self.step;
         let (reducer, layout) = (&step.reducer, &step.layout);
-        if !layout.fits(model, reducer.bucket_bytes()) {
-            return Err(Error::InvalidArgument {
+        let mut state = step.lock();
+        // A failure on this rank (here or in a hook) does not return before the
+        // buckets are submitted: `settle` makes the step fail on every rank instead.
+        let mut local = state.error.take();
+        if layout.fits(model, reducer.bucket_bytes()) {
+            let mut earlier = step.earlier().take();
+            let mut rest = Rest {
+                grads: &mut grads,
+                earlier: earlier.as_mut(),
+                layout,
+                state: &mut state,
+                reducer,
+                next: 0,
+                error: None,
+            };
+            model.visit(&mut rest);
+            if let Some(e) = rest.error {
+                local.get_or_insert(e);
+            }
+        } else {
+            local.get_or_insert(Error::InvalidArgument {
                 what: "Overlap::finish",
                 message: "the model differs from the one given to GradientReducer::overlap".into(),
             });
         }
-        let mut state = step.lock();
-        if let Some(e) = state.error.take() {
-            return Err(e);
-        }
-        let mut earlier = step.earlier().take();
-        let mut rest = Rest {
-            grads: &mut grads,
-            earlier: earlier.as_mut(),
-            layout,
-            state: &mut state,
-            reducer,
-            next: 0,
-            error: None,
-        };
-        model.visit(&mut rest);
-        if let Some(e) = rest.error {
-            return Err(e);
-        }
-        // Buckets the hooks submitted, and the rest now.
+        // Buckets the hooks submitted, and the rest now; zeros for any slot nothing
+        // filled (a model that does not fit), so that this rank submits every bucket.
         let st = &mut *state;
+        for (b, bucket) in layout.buckets.iter().enumerate() {
+            if st.handles[b].is_some() {
+                continue;
+            }
+            for &i in bucket {
+                let zeros = || layout.wires[i].zeros(&layout.slots[i]);
+                st.tensors[i].get_or_insert_with(zeros);
+            }
+        }
         let handles = (0..layout.buckets.len())
             .map(|b| match st.handles[b].take() {
                 Some(h) => Ok(h),
                 None => reducer.submit_bucket(layout, b, &mut st.tensors),
             })
             .collect::<Result<Vec<_>>>()?;
-        let mut reduced: Vec<Option<kolo::Tensor>> =
-            (0..layout.slots.len()).map(|_| None).collect();
-        wait_buckets(layout, handles, &mut reduced)?;
         let devices: Vec<Device> = state
             .devices
             .iter()
             .map(|d| d.clone().unwrap_or_default())
             .collect();
         drop(state);
+        let reduced = reducer.settle(layout, handles, local)?;
         reducer.give(layout, model, reduced, &devices)
     }
 }
@@ -247,10 +260,7 @@ impl ModuleVisitor for Rest<'_, '_> {
     fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
         let i = self.next;
         self.next += 1;
-        let Some(slot) = self.layout.slots.get(i) else {
-            return;
-        };
-        if self.state.devices[i].is_some() {
+        if i >= self.layout.slots.len() || self.state.devices[i].is_some() {
             return; // a hook took it
         }
         let earlier = self.earlier.as_mut().and_then(|e| e.remove::<D>(param.id));
@@ -258,13 +268,11 @@ impl ModuleVisitor for Rest<'_, '_> {
             (Some(g), Some(e)) => Some(g + e),
             (g, e) => g.or(e),
         };
-        let (device, taken) = as_kolo(grad, param, slot, self.reducer.copied());
+        let (device, t, error) = as_kolo(grad, param, self.layout, i, self.reducer.copied());
         self.state.devices[i] = Some(device);
-        match taken {
-            Ok(t) => self.state.tensors[i] = Some(t),
-            Err(e) => {
-                self.error.get_or_insert(e);
-            }
+        self.state.tensors[i] = Some(t);
+        if let Some(e) = error {
+            self.error.get_or_insert(e);
         }
     }
 }
@@ -391,7 +399,15 @@ impl Step {
             None => grad,
         };
         let device = grad.device();
-        let taken = convert::to_kolo(path, grad, self.reducer.copied());
+        // A gradient this rank cannot hand over still arrives, as zeros: its bucket is
+        // submitted as on every other rank, and `finish` fails the step everywhere.
+        let (t, error) = match convert::to_kolo(path, grad, self.reducer.copied()) {
+            Ok(t) => (t, None),
+            Err(e) => (
+                self.layout.wires[slot].zeros(&self.layout.slots[slot]),
+                Some(e),
+            ),
+        };
         let mut state = self.lock();
         if state.devices[slot].is_some() {
             state.error.get_or_insert(Error::InvalidArgument {
@@ -405,12 +421,9 @@ impl Step {
             return;
         }
         state.devices[slot] = Some(device);
-        match taken {
-            Ok(t) => state.tensors[slot] = Some(t),
-            Err(e) => {
-                state.error.get_or_insert(e);
-                return;
-            }
+        state.tensors[slot] = Some(t);
+        if let Some(e) = error {
+            state.error.get_or_insert(e);
         }
         let b = self.bucket_of[slot];
         state.arrived[b] += 1;

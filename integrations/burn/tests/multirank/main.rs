@@ -3,6 +3,7 @@
 
 #[path = "../../../../tests/collectives/harness.rs"]
 mod harness;
+mod issue31;
 mod supervised;
 
 use std::time::Duration;
@@ -898,10 +899,61 @@ const CASES: &[(&str, Case, &[usize])] = &[
     ("supervised_training", supervised::supervised, &[2, 3]),
     ("overlap", overlap, &[1, 2, 3]),
     ("process_set", process_set, &[3]),
+    (
+        "issue31_broadcast_root_failure",
+        issue31::broadcast_root_failure,
+        &[2, 3],
+    ),
+    (
+        "issue31_rank_local_failure",
+        issue31::rank_local_failure,
+        &[2, 3],
+    ),
+    ("issue31_resume_positions", issue31::resume_positions, &[2]),
 ];
+
+/// The digits example (`examples/train_digits.rs`) as a user runs it, with the accuracy
+/// check the example only makes when asked: name, arguments, rank counts. Ten epochs
+/// reach 95% at 2 ranks; at 4 ranks the global batch is twice as large, and
+/// `--scale-lr` (the linear scaling rule) reaches it in the same ten epochs.
+const EXAMPLES: &[(&str, &[&str], &[usize])] = &[
+    (
+        "digits_example",
+        &["--epochs", "10", "--min-accuracy", "0.95"],
+        &[2],
+    ),
+    (
+        "digits_example_scale_lr",
+        &["--epochs", "10", "--scale-lr", "--min-accuracy", "0.95"],
+        &[4],
+    ),
+];
+
+/// Worker side of an example case: becomes the example binary (built beside this test
+/// by `cargo test`), before MPI starts here, so that it is this rank.
+fn exec_example(args: &[&str]) -> ! {
+    use std::os::unix::process::CommandExt;
+    let example = std::env::current_exe()
+        .ok()
+        .and_then(|exe| Some(exe.parent()?.parent()?.join("examples/train_digits")))
+        .filter(|p| p.exists());
+    let Some(example) = example else {
+        eprintln!(
+            "target/release/examples/train_digits is missing: \
+             cargo build --release -p kolo-burn --example train_digits"
+        );
+        std::process::exit(2);
+    };
+    let err = std::process::Command::new(&example).args(args).exec();
+    eprintln!("cannot run {}: {err}", example.display());
+    std::process::exit(2);
+}
 
 fn main() {
     if let Ok(case) = std::env::var("KOLO_TEST_CASE") {
+        if let Some((_, args, _)) = EXAMPLES.iter().find(|(n, _, _)| *n == case) {
+            exec_example(args);
+        }
         let cases: Vec<(&str, Case)> = CASES.iter().map(|(n, f, _)| (*n, *f)).collect();
         harness::run_worker(&case, &cases);
     }
@@ -913,6 +965,16 @@ fn main() {
                 name,
                 np,
                 Duration::from_secs(180),
+                &[("RAYON_NUM_THREADS", "1")],
+            ));
+        }
+    }
+    for &(name, _, nps) in EXAMPLES {
+        for &np in nps {
+            trials.push(harness::trial(
+                name,
+                np,
+                Duration::from_secs(300),
                 &[("RAYON_NUM_THREADS", "1")],
             ));
         }
