@@ -257,7 +257,7 @@ impl Error {
     pub(crate) fn reorder_tensors(mut self, order: &[u32]) -> Self {
         if let Some(tensors) = self.tensors_mut() {
             let sorted = std::mem::take(tensors);
-            *tensors = crate::engine::request::unsort(Some(order), sorted);
+            *tensors = crate::order::unsort(Some(order), sorted);
         }
         self
     }

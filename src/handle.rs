@@ -8,8 +8,8 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
 use std::task::{Context, Poll, Waker};
 use std::time::{Duration, Instant};
 
-use crate::engine::request::unsort;
 use crate::error::{Error, Result};
+use crate::order::unsort;
 use crate::tensor::Tensor;
 use crate::vocab::{AlltoallOutput, Key};
 

@@ -50,6 +50,7 @@ mod loopback_tests;
 mod objects;
 mod ops;
 mod optimizer;
+mod order;
 mod process_set;
 mod runtime;
 mod tensor;

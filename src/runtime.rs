@@ -9,13 +9,14 @@ use std::time::{Duration, Instant};
 use crate::config::Config;
 use crate::engine::autotune::AutotuneState;
 use crate::engine::queue::{Queue, Refused};
-use crate::engine::request::{self, unsort, Command, Named, OpKind, Request, Submission, Tensors};
+use crate::engine::request::{self, Command, Named, OpKind, Request, Submission, Tensors};
 use crate::error::{Error, Result};
 use crate::handle::{self, Handle, Output};
 use crate::ops::{
     AllgatherBuilder, AllreduceBuilder, AlltoallBuilder, BroadcastBuilder, GroupedAllreduceBuilder,
     ReducescatterBuilder,
 };
+use crate::order::unsort;
 use crate::process_set::ProcessSet;
 use crate::tensor::Tensor;
 use crate::transport::Topology;

@@ -162,22 +162,6 @@ pub(crate) struct Submission {
     pub(crate) order: Option<Box<[u32]>>,
 }
 
-/// Puts `items`, in a group's sorted order, back into the caller's order (see
-/// [`Submission::order`]); `None` means they already are.
-pub(crate) fn unsort<T>(order: Option<&[u32]>, items: Vec<T>) -> Vec<T> {
-    let Some(order) = order else {
-        return items;
-    };
-    if order.len() != items.len() {
-        return items;
-    }
-    let mut slots: Vec<Option<T>> = items.into_iter().map(Some).collect();
-    order
-        .iter()
-        .filter_map(|&i| slots.get_mut(i as usize).and_then(Option::take))
-        .collect()
-}
-
 impl Submission {
     pub(crate) fn new(kind: OpKind, key: Key, tensors: Named) -> Self {
         Submission {
