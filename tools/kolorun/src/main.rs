@@ -14,10 +14,16 @@
 //! kolorun -np 2 --dry-run ./train --epochs 3
 //! ```
 
+mod hosts;
+mod supervise;
+
 use std::collections::BTreeSet;
 use std::process::Command;
 
 use clap::Parser;
+
+use hosts::{check_hosts, flag_hosts, hostfile_hosts, remote_agent};
+use supervise::{supervise, ABORT_GRACE};
 
 #[derive(Parser, Debug)]
 #[command(
@@ -213,34 +219,6 @@ fn kolo_env(a: &Args) -> Vec<(String, String)> {
         set("LOG_LEVEL", l.clone());
     }
     env
-}
-
-/// Hosts and their slots in an OpenMPI hostfile (`host slots=N`, `#` comments; a
-/// host without `slots=` counts 1).
-fn hostfile_hosts(text: &str) -> Vec<(String, usize)> {
-    text.lines()
-        .filter_map(|l| {
-            let mut words = l.split('#').next()?.split_whitespace();
-            let host = words.next()?.to_string();
-            let slots = words
-                .find_map(|w| w.strip_prefix("slots=").or(w.strip_prefix("max_slots=")))
-                .and_then(|n| n.parse().ok())
-                .unwrap_or(1);
-            Some((host, slots))
-        })
-        .collect()
-}
-
-/// Hosts and their slots in `-H host1:2,host2:2` (a host without `:N` counts 1).
-fn flag_hosts(hosts: &str) -> Vec<(String, usize)> {
-    hosts
-        .split(',')
-        .filter(|h| !h.is_empty())
-        .map(|h| match h.rsplit_once(':') {
-            Some((name, n)) => (name.to_string(), n.parse().unwrap_or(1)),
-            None => (h.to_string(), 1),
-        })
-        .collect()
 }
 
 /// Compute threads per rank: the flag, else the user's `RAYON_NUM_THREADS`, else
@@ -464,88 +442,6 @@ fn check_build() {
     }
 }
 
-/// How mpirun reaches other hosts: `--mca plm_rsh_agent` in `--mpi-args`, else
-/// `OMPI_MCA_plm_rsh_agent`, else ssh (without prompts).
-fn remote_agent(mpi_args: &[String], env: &[(String, String)]) -> Vec<String> {
-    let from_args = mpi_args
-        .windows(2)
-        .find(|w| w[0] == "plm_rsh_agent")
-        .map(|w| w[1].clone());
-    let from_env = || {
-        env.iter()
-            .find(|(k, _)| k == "OMPI_MCA_plm_rsh_agent")
-            .map(|(_, v)| v.clone())
-    };
-    match from_args.or_else(from_env) {
-        // OpenMPI's agent lists alternatives ("ssh : rsh"): the first is tried first.
-        Some(a) => a
-            .split(':')
-            .next()
-            .unwrap_or("ssh")
-            .split_whitespace()
-            .map(String::from)
-            .collect(),
-        None => ["ssh", "-o", "BatchMode=yes", "-o", "ConnectTimeout=10"]
-            .map(String::from)
-            .to_vec(),
-    }
-}
-
-/// Runs `agent host true` on every host other than this one, in parallel, as
-/// horovodrun does before a launch: a host that does not answer within `timeout`
-/// would otherwise make mpirun wait for ever for its daemon. Returns one line per
-/// host that failed.
-fn check_hosts(hosts: &[String], agent: &[String], timeout: std::time::Duration) -> Vec<String> {
-    use std::time::Instant;
-    let this = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default();
-    let local = |h: &str| h == "localhost" || h == "127.0.0.1" || h == this.trim();
-    let Some((program, first)) = agent.split_first() else {
-        return vec!["no remote agent to reach the hosts with".into()];
-    };
-    let mut running = Vec::new();
-    let mut failed = Vec::new();
-    for h in hosts.iter().filter(|h| !local(h)) {
-        let mut cmd = Command::new(program);
-        cmd.args(first)
-            .args([h.as_str(), "true"])
-            .stdin(std::process::Stdio::null())
-            .stdout(std::process::Stdio::null())
-            .stderr(std::process::Stdio::null());
-        std::os::unix::process::CommandExt::process_group(&mut cmd, 0);
-        match cmd.spawn() {
-            Ok(child) => running.push((h.clone(), child)),
-            Err(e) => failed.push(format!("{h}: cannot run {program}: {e}")),
-        }
-    }
-    let start = Instant::now();
-    while !running.is_empty() {
-        running.retain_mut(|(h, child)| match child.try_wait() {
-            Ok(Some(status)) if status.success() => false,
-            Ok(Some(status)) => {
-                failed.push(format!(
-                    "{h}: `{} {h} true` failed ({status})",
-                    agent.join(" ")
-                ));
-                false
-            }
-            Ok(None) if start.elapsed() < timeout => true,
-            Ok(None) | Err(_) => {
-                failed.push(format!(
-                    "{h}: `{} {h} true` did not answer within {:.0} s",
-                    agent.join(" "),
-                    timeout.as_secs_f64()
-                ));
-                // SAFETY: signalling the process group made for this child.
-                unsafe { libc::killpg(child.id() as i32, libc::SIGKILL) };
-                let _ = child.wait();
-                false
-            }
-        });
-        std::thread::sleep(std::time::Duration::from_millis(20));
-    }
-    failed
-}
-
 fn fail(msg: &str) -> ! {
     eprintln!("kolorun: {msg}");
     std::process::exit(2);
@@ -635,64 +531,6 @@ fn main() {
             );
             std::process::exit(127);
         }
-    }
-}
-
-/// How long mpirun gets to end the job once it has been aborted.
-/// (A normal abort ends in 1–3 s; the bound the collective timeout promises is the
-/// timeout plus 10 s, of which detection takes up to a quarter of the timeout.)
-const ABORT_GRACE: std::time::Duration = std::time::Duration::from_secs(8);
-
-/// Whether a line of the job's stderr says the job is being aborted (by a kolo rank,
-/// by MPI_Abort, or by mpirun after a rank failed).
-fn aborting(line: &str) -> bool {
-    line.contains("aborting the whole job")
-        || line.contains("MPI_ABORT was invoked")
-        || line.contains("the job has been aborted")
-}
-
-/// Runs mpirun, passing its stderr through, and returns its exit code. Once the job
-/// is being aborted, mpirun waits for every host's daemon to confirm; a host that is
-/// unreachable (a partition) never does, and mpirun would wait for ever: after
-/// `grace` kolorun ends it and says so.
-fn supervise(mut cmd: Command, grace: std::time::Duration) -> std::io::Result<i32> {
-    use std::io::{BufRead, Write};
-    use std::sync::{Arc, Mutex};
-    use std::time::Instant;
-    let mut child = cmd.stderr(std::process::Stdio::piped()).spawn()?;
-    let aborted_at: Arc<Mutex<Option<Instant>>> = Arc::default();
-    if let Some(stderr) = child.stderr.take() {
-        let aborted_at = aborted_at.clone();
-        std::thread::spawn(move || {
-            let mut out = std::io::stderr();
-            for line in std::io::BufReader::new(stderr).split(b'\n') {
-                let Ok(line) = line else { break };
-                let _ = out.write_all(&line);
-                let _ = out.write_all(b"\n");
-                if aborting(&String::from_utf8_lossy(&line)) {
-                    let mut at = aborted_at.lock().unwrap_or_else(|p| p.into_inner());
-                    at.get_or_insert_with(Instant::now);
-                }
-            }
-        });
-    }
-    loop {
-        if let Some(status) = child.try_wait()? {
-            return Ok(status.code().unwrap_or(1));
-        }
-        let since = *aborted_at.lock().unwrap_or_else(|p| p.into_inner());
-        if since.is_some_and(|at| at.elapsed() > grace) {
-            eprintln!(
-                "kolorun: mpirun has not ended the job {} s after it was aborted: a host's \
-                 daemon does not answer (unreachable or partitioned away); ending mpirun. \
-                 Processes may be left on that host.",
-                grace.as_secs()
-            );
-            let _ = child.kill();
-            let _ = child.wait();
-            return Ok(1);
-        }
-        std::thread::sleep(std::time::Duration::from_millis(50));
     }
 }
 
@@ -891,55 +729,6 @@ mod tests {
             "OMPI_MCA_btl_tcp_if_include",
             "127.0.0.1"
         ));
-    }
-
-    #[test]
-    fn hosts_are_checked_through_mpiruns_agent() {
-        let args = ["--mca", "plm_rsh_agent", "/x/agent.sh"].map(String::from);
-        assert_eq!(remote_agent(&args, &[]), ["/x/agent.sh"]);
-        let e = env(&[("OMPI_MCA_plm_rsh_agent", "ssh -p 2222 : rsh")]);
-        assert_eq!(remote_agent(&[], &e), ["ssh", "-p", "2222"]);
-        assert_eq!(remote_agent(&[], &[])[0], "ssh");
-        // An agent that answers, one that fails, one that hangs (cut at the timeout).
-        let script = |body: &str| ["sh", "-c", body, "agent"].map(String::from).to_vec();
-        let t = std::time::Duration::from_millis(500);
-        let hosts = ["a".to_string(), "localhost".into()];
-        assert!(check_hosts(&hosts, &script("exit 0"), t).is_empty());
-        let failed = check_hosts(&hosts, &script("exit 3"), t);
-        assert_eq!(failed.len(), 1, "{failed:?}");
-        assert!(
-            failed[0].starts_with("a: ") && failed[0].contains("failed"),
-            "{failed:?}"
-        );
-        let start = std::time::Instant::now();
-        let failed = check_hosts(&hosts, &script("sleep 30"), t);
-        assert!(failed[0].contains("did not answer within"), "{failed:?}");
-        assert!(start.elapsed() < std::time::Duration::from_secs(5));
-    }
-
-    #[test]
-    fn an_aborted_job_that_does_not_end_is_ended() {
-        assert!(aborting(
-            "[1,0]<stderr>:kolo: rank 0: its engine ... aborting the whole job"
-        ));
-        assert!(aborting(
-            "MPI_ABORT was invoked on rank 1 in communicator MPI_COMM_WORLD"
-        ));
-        assert!(!aborting("[1,0]<stderr>:epoch 3 loss 0.2"));
-        let short = std::time::Duration::from_millis(300);
-        // An mpirun stand-in that reports an abort and then hangs is ended.
-        let mut hang = Command::new("sh");
-        hang.args([
-            "-c",
-            "echo 'MPI_ABORT was invoked on rank 0' >&2; exec sleep 30",
-        ]);
-        let start = std::time::Instant::now();
-        assert_eq!(supervise(hang, short).unwrap(), 1);
-        assert!(start.elapsed() < std::time::Duration::from_secs(5));
-        // Exit codes pass through; a job that only prints is left alone.
-        let mut ok = Command::new("sh");
-        ok.args(["-c", "echo working >&2; sleep 0.5; exit 3"]);
-        assert_eq!(supervise(ok, short).unwrap(), 3);
     }
 
     #[test]
