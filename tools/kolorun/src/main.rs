@@ -469,13 +469,14 @@ fn main() {
         .as_ref()
         .map(|f| match std::fs::read_to_string(f) {
             Ok(text) => match hostfile_hosts(&text) {
-                hosts if hosts.is_empty() => fail(&format!("--hostfile {f} names no host")),
-                hosts => hosts,
+                Ok(hosts) if hosts.is_empty() => fail(&format!("--hostfile {f} names no host")),
+                Ok(hosts) => hosts,
+                Err(e) => fail(&format!("--hostfile {f}: {e}")),
             },
             Err(e) => fail(&format!("cannot read --hostfile {f}: {e}")),
         });
     let hosts = match (&args.hosts, hostfile) {
-        (Some(h), _) => flag_hosts(h),
+        (Some(h), _) => flag_hosts(h).unwrap_or_else(|e| fail(&e)),
         (None, Some(hosts)) => hosts,
         (None, None) => Vec::new(),
     };
@@ -619,12 +620,12 @@ mod tests {
         };
         assert_eq!(
             flag_hosts("a:2,b:3,c"),
-            pairs(&[("a", 2), ("b", 3), ("c", 1)])
+            Ok(pairs(&[("a", 2), ("b", 3), ("c", 1)]))
         );
         let text = "# cluster\nnode1 slots=4\n\nnode2 slots=2 # small\nnode3\n";
         assert_eq!(
             hostfile_hosts(text),
-            pairs(&[("node1", 4), ("node2", 2), ("node3", 1)])
+            Ok(pairs(&[("node1", 4), ("node2", 2), ("node3", 1)]))
         );
         let a = parse(&["-np", "8", "--hostfile", "hosts.txt", "x"]).unwrap();
         assert_eq!(threads_per_rank(&a, 8, 16, &[4, 2, 1], None), "4");

@@ -109,3 +109,45 @@ fn missing_program_is_an_error() {
     assert_eq!(out.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&out.stderr).contains("no program given"));
 }
+
+/// A scratch directory for one test, removed when dropped.
+struct Scratch(std::path::PathBuf);
+
+impl Scratch {
+    fn new(name: &str) -> Scratch {
+        let dir = std::env::temp_dir().join(format!("kolorun-{name}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).expect("scratch directory");
+        Scratch(dir)
+    }
+}
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+#[test]
+fn issue31_a_host_that_ssh_would_read_as_an_option_runs_nothing() {
+    let dir = Scratch::new("inject");
+    let marker = dir.0.join("x");
+    let hostfile = dir.0.join("hosts");
+    std::fs::write(
+        &hostfile,
+        format!("-oProxyCommand=touch${{IFS}}{} slots=1\n", marker.display()),
+    )
+    .expect("write hostfile");
+    let out = run(kolorun()
+        .args(["-np", "1", "--start-timeout", "5", "--hostfile"])
+        .arg(&hostfile)
+        .arg("true"));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!marker.exists(), "the host name ran a command: {stderr}");
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(
+        stderr.contains("hostfile line 1 (")
+            && stderr.contains("begins with \"-\", which ssh would read as an option"),
+        "{stderr}"
+    );
+}
