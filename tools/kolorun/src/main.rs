@@ -399,19 +399,58 @@ fn command_line(p: &Plan) -> String {
 }
 
 /// `-np` is horovodrun's (and mpirun's) spelling; clap's short flags are one letter,
-/// so the first `-np` becomes `--np` before parsing (later ones belong to the program).
+/// so `-np` (or `-np=N`) among kolorun's own arguments becomes `--np` before parsing.
+/// Those end at the program (the first word that is neither an option nor an option's
+/// value) or at `--`: everything from there on is the program's and passes unchanged
+/// (`kolorun -n 1 prog -np 8` runs `prog -np 8`). Which options take a value is read
+/// from clap's own definition of the flags, so the two cannot disagree.
 fn normalize(argv: impl IntoIterator<Item = String>) -> Vec<String> {
-    let mut seen = false;
-    argv.into_iter()
-        .map(|a| {
-            if a == "-np" && !seen {
-                seen = true;
-                "--np".to_string()
-            } else {
-                a
-            }
+    use clap::CommandFactory;
+    let cmd = Args::command();
+    let options: Vec<&clap::Arg> = cmd.get_opts().collect();
+    let long_takes_value = |name: &str| {
+        options.iter().any(|a| {
+            a.get_action().takes_values()
+                && (a.get_long() == Some(name)
+                    || a.get_all_aliases().is_some_and(|v| v.contains(&name)))
         })
-        .collect()
+    };
+    let short_takes_value = |c: char| {
+        options
+            .iter()
+            .any(|a| a.get_action().takes_values() && a.get_short() == Some(c))
+    };
+    let mut argv = argv.into_iter();
+    let mut out: Vec<String> = argv.next().into_iter().collect();
+    let mut value_next = false;
+    for a in argv.by_ref() {
+        if std::mem::take(&mut value_next) {
+            out.push(a);
+        } else if a == "--" {
+            out.push(a);
+            break;
+        } else if a == "-np" {
+            out.push("--np".into());
+            value_next = true;
+        } else if let Some(n) = a.strip_prefix("-np=") {
+            out.push(format!("--np={n}"));
+        } else if let Some(long) = a.strip_prefix("--") {
+            value_next = !long.contains('=') && long_takes_value(long);
+            out.push(a);
+        } else if let Some(shorts) = a.strip_prefix('-').filter(|s| !s.is_empty()) {
+            // A cluster such as `-vn 2` or `-vn2`: the first letter taking a value
+            // takes the rest of the word, or the next word when the rest is empty.
+            if let Some((i, c)) = shorts.char_indices().find(|&(_, c)| short_takes_value(c)) {
+                value_next = i + c.len_utf8() == shorts.len();
+            }
+            out.push(a);
+        } else {
+            out.push(a);
+            break;
+        }
+    }
+    out.extend(argv);
+    out
 }
 
 fn check_build() {
@@ -754,6 +793,95 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(e.contains("--fusion-threshold-mb"), "{e}");
+    }
+
+    #[test]
+    fn issue31_the_programs_own_np_is_left_alone() {
+        for argv in [
+            &["-n", "1", "prog", "-np", "8"][..],
+            &["--num-proc", "1", "prog", "-np", "8"],
+            &["--np=1", "prog", "-np", "8"],
+            &["-np=1", "prog", "-np", "8"],
+            &["-vn", "1", "prog", "-np", "8"],
+            &["-n", "1", "--mpi-args", "-np 3", "prog", "-np", "8"],
+            &["-n", "1", "-H", "a:1", "--verbose", "prog", "-np", "8"],
+            &["-n", "1", "--", "prog", "-np", "8"],
+        ] {
+            let a = parse(argv).unwrap_or_else(|e| panic!("{argv:?}: {e}"));
+            assert_eq!(a.np, Some(1), "{argv:?}");
+            assert_eq!(a.command, ["prog", "-np", "8"], "{argv:?}");
+        }
+        assert_eq!(
+            normalize(["kolorun", "-np", "2", "prog", "-np", "8"].map(String::from)),
+            ["kolorun", "--np", "2", "prog", "-np", "8"]
+        );
+        // `-np` as another flag's value is that value.
+        let a = parse(&["-np", "2", "--timeline-filename", "-np", "prog"]).unwrap();
+        assert_eq!(a.timeline_filename.as_deref(), Some("-np"));
+    }
+
+    /// Options kolorun knows, each with a valid value where it takes one, each at most
+    /// once, the number of processes in any of its spellings.
+    fn kolorun_options() -> impl proptest::strategy::Strategy<Value = Vec<String>> {
+        use proptest::prelude::*;
+        let np: &[&[&str]] = &[&["-np", "2"], &["-n", "3"], &["--np=4"], &["-np=4"]];
+        let others: &[&[&str]] = &[
+            &["-v"],
+            &["--oversubscribe"],
+            &["-H", "a:1,b"],
+            &["--mpi-args", "--mca btl tcp -np 9"],
+            &["--cycle-time-ms", "0.5"],
+            &["--fusion-threshold-mb=8"],
+            &["--timeline-filename", "-np"],
+            &["--log-level", "info"],
+            &["--threads-per-rank", "2"],
+        ];
+        (
+            proptest::option::of(proptest::sample::select(np)),
+            proptest::sample::subsequence(others, 0..5).prop_shuffle(),
+        )
+            .prop_map(|(np, others)| {
+                np.into_iter()
+                    .chain(others)
+                    .flat_map(|w| w.iter().map(|s| s.to_string()))
+                    .collect()
+            })
+    }
+
+    proptest::proptest! {
+        // kolorun's options, then a program and its arguments (any words, `-np` and
+        // kolorun's own flags among them): the program's part comes back unchanged.
+        #[test]
+        fn the_program_and_its_arguments_pass_unchanged(
+            ours in kolorun_options(),
+            tail in proptest::collection::vec(
+                "-np|--np|-n|--|-H|-v|--verbose|[-a-z0-9=.]{0,6}", 0..6),
+        ) {
+            let mut argv = vec!["kolorun".to_string()];
+            argv.extend(ours);
+            argv.push("prog".into());
+            argv.extend(tail.iter().cloned());
+            let a = Args::try_parse_from(normalize(argv.clone()));
+            let a = a.map_err(|e| proptest::test_runner::TestCaseError::fail(format!("{argv:?}: {e}")))?;
+            let mut want = vec!["prog".to_string()];
+            want.extend(tail);
+            proptest::prop_assert_eq!(a.command, want);
+        }
+
+        // Any words at all: a value or clap's error, never a panic; the normalised
+        // words differ from the given ones only where `-np` became `--np`.
+        #[test]
+        fn any_arguments_parse_or_fail_cleanly(
+            words in proptest::collection::vec("-np|-np=[0-9]|-[a-zA-Z]{1,3}|--[a-z-]{1,12}(=[a-z0-9]{0,3})?|[a-z0-9:,.]{0,5}", 0..8),
+        ) {
+            let argv: Vec<String> = std::iter::once("kolorun".to_string()).chain(words).collect();
+            let normal = normalize(argv.clone());
+            proptest::prop_assert_eq!(normal.len(), argv.len());
+            for (n, a) in normal.iter().zip(&argv) {
+                proptest::prop_assert!(n == a || (n.starts_with("--np") && a.starts_with("-np")));
+            }
+            let _ = Args::try_parse_from(normal);
+        }
     }
 
     #[test]
