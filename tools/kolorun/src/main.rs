@@ -23,7 +23,7 @@ use std::process::Command;
 use clap::Parser;
 
 use hosts::{check_hosts, flag_hosts, hostfile_hosts, remote_agent};
-use supervise::{supervise, ABORT_GRACE};
+use supervise::{catch_signals, supervise, ABORT_GRACE};
 
 #[derive(Parser, Debug)]
 #[command(
@@ -563,7 +563,8 @@ fn main() {
     for u in &plan.unset {
         cmd.env_remove(u);
     }
-    match supervise(cmd, ABORT_GRACE) {
+    catch_signals();
+    match supervise(cmd, ABORT_GRACE, std::io::stderr()) {
         Ok(code) => std::process::exit(code),
         Err(e) => {
             eprintln!(
