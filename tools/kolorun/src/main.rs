@@ -15,6 +15,7 @@
 //! ```
 
 mod hosts;
+mod nic;
 mod supervise;
 
 use std::collections::BTreeSet;
@@ -285,7 +286,11 @@ struct Plan {
 
 /// Plans the launch of `np` ranks: `root` whether we run as root, `threads` the
 /// compute threads per rank, `env` kolorun's environment, `mpi_args` the split
-/// `--mpi-args`.
+/// `--mpi-args`, `local` this machine's interfaces and addresses (for a subnet in
+/// `--network-interface`, see [`nic::nccl_interfaces`]).
+///
+/// # Errors
+/// A `--network-interface` entry that is neither an interface name nor a subnet.
 fn plan(
     a: &Args,
     np: u32,
@@ -293,7 +298,8 @@ fn plan(
     threads: &str,
     env: &[(String, String)],
     mpi_args: &[String],
-) -> Plan {
+    local: &[(String, std::net::IpAddr)],
+) -> Result<Plan, String> {
     let mut p = Plan::default();
     let v = &mut p.argv;
     v.extend(["-np".to_string(), np.to_string()]);
@@ -315,10 +321,17 @@ fn plan(
     let mca = |v: &mut Vec<String>, k: &str, val: &str| {
         v.extend(["--mca".into(), k.into(), val.into()]);
     };
+    let mut nccl_ifname = None;
     if let Some(nics) = &a.network_interface {
+        // Open MPI takes subnets as they are; NCCL only interface names.
         mca(v, "btl_tcp_if_include", nics);
         mca(v, "oob_tcp_if_include", nics);
-        v.extend(["-x".into(), format!("NCCL_SOCKET_IFNAME={nics}")]);
+        let nccl = nic::nccl_interfaces(nics, local)?;
+        p.notes.extend(nccl.notes);
+        if let Some(names) = nccl.ifname {
+            v.extend(["-x".into(), format!("NCCL_SOCKET_IFNAME={names}")]);
+            nccl_ifname = Some(names);
+        }
     }
     if spans_hosts {
         // Settings inherited from a single-machine set-up would make the ranks on
@@ -351,7 +364,9 @@ fn plan(
     }
     let mut named: BTreeSet<String> = ours.iter().map(|(k, _)| k.clone()).collect();
     named.insert("RAYON_NUM_THREADS".into());
-    named.insert("NCCL_SOCKET_IFNAME".into());
+    if nccl_ifname.is_some() {
+        named.insert("NCCL_SOCKET_IFNAME".into());
+    }
     for (k, val) in ours {
         v.extend(["-x".into(), format!("{k}={val}")]);
     }
@@ -370,7 +385,7 @@ fn plan(
     }
     v.extend(mpi_args.iter().cloned());
     v.extend(a.command.iter().cloned());
-    p
+    Ok(p)
 }
 
 fn shell_quote(s: &str) -> String {
@@ -533,7 +548,16 @@ fn main() {
     let env: Vec<(String, String)> = std::env::vars_os()
         .filter_map(|(k, v)| Some((k.into_string().ok()?, v.into_string().ok()?)))
         .collect();
-    let plan = plan(&args, np, root, &threads, &env, &mpi_args);
+    let plan = plan(
+        &args,
+        np,
+        root,
+        &threads,
+        &env,
+        &mpi_args,
+        &nic::local_addresses(),
+    )
+    .unwrap_or_else(|e| fail(&e));
     for n in &plan.notes {
         eprintln!("{n}");
     }
@@ -586,6 +610,18 @@ mod tests {
         Args::try_parse_from(normalize(argv))
     }
 
+    /// The plan on a machine with no network interfaces.
+    fn plan_here(
+        a: &Args,
+        np: u32,
+        root: bool,
+        threads: &str,
+        env: &[(String, String)],
+        mpi_args: &[String],
+    ) -> Plan {
+        plan(a, np, root, threads, env, mpi_args, &[]).unwrap()
+    }
+
     fn env(pairs: &[(&str, &str)]) -> Vec<(String, String)> {
         pairs
             .iter()
@@ -618,7 +654,7 @@ mod tests {
             "3",
         ])
         .unwrap();
-        let line = plan(&a, 4, true, "3", &[], &[]).argv.join(" ");
+        let line = plan_here(&a, 4, true, "3", &[], &[]).argv.join(" ");
         assert!(
             line.starts_with(
                 "-np 4 -H a:2,b:2 --allow-run-as-root --oversubscribe --bind-to none --tag-output"
@@ -640,7 +676,7 @@ mod tests {
         assert!(line.contains("-x KOLO_HIERARCHICAL_ALLGATHER=1"), "{line}");
         assert!(line.ends_with("./train --epochs 3"), "{line}");
         assert!(line.contains("-x RAYON_NUM_THREADS=3"), "{line}");
-        assert!(!plan(&a, 4, false, "1", &[], &[])
+        assert!(!plan_here(&a, 4, false, "1", &[], &[])
             .argv
             .contains(&"--allow-run-as-root".to_string()));
         // Threads per rank: cores ÷ the most ranks on one node, the user's value, or the flag.
@@ -669,7 +705,7 @@ mod tests {
         );
         let a = parse(&["-np", "8", "--hostfile", "hosts.txt", "x"]).unwrap();
         assert_eq!(threads_per_rank(&a, 8, 16, &[4, 2, 1], None), "4");
-        let line = plan(&a, 8, false, "4", &[], &[]).argv.join(" ");
+        let line = plan_here(&a, 8, false, "4", &[], &[]).argv.join(" ");
         assert!(line.starts_with("-np 8 --hostfile hosts.txt "), "{line}");
         let e = parse(&["-np", "2", "-H", "a:1", "--hostfile", "h", "x"])
             .unwrap_err()
@@ -680,7 +716,7 @@ mod tests {
     #[test]
     fn one_machine_stays_on_loopback() {
         let a = parse(&["-np", "2", "x"]).unwrap();
-        let line = plan(&a, 2, false, "1", &[], &[]).argv.join(" ");
+        let line = plan_here(&a, 2, false, "1", &[], &[]).argv.join(" ");
         assert!(
             line.contains("--mca btl self,vader --mca oob_tcp_if_include lo"),
             "{line}"
@@ -693,7 +729,7 @@ mod tests {
             "oob_tcp_if_include".into(),
             "eth1".into(),
         ];
-        let line = plan(&a, 2, false, "1", &e, &mpi).argv.join(" ");
+        let line = plan_here(&a, 2, false, "1", &e, &mpi).argv.join(" ");
         assert!(!line.contains("--mca btl "), "{line}");
         assert!(!line.contains("oob_tcp_if_include lo"), "{line}");
         assert!(line.ends_with("--mca oob_tcp_if_include eth1 x"), "{line}");
@@ -725,7 +761,7 @@ mod tests {
             ("BASH_FUNC_f%%", "() { :; }"),
             ("RAYON_NUM_THREADS", "7"),
         ]);
-        let p = plan(&a, 4, false, "1", &e, &[]);
+        let p = plan_here(&a, 4, false, "1", &e, &[]);
         assert_eq!(p.unset, ["OMPI_MCA_btl", "OMPI_MCA_oob_tcp_if_include"]);
         assert!(
             p.notes[0].contains("OMPI_MCA_btl=self,vader"),
@@ -758,7 +794,7 @@ mod tests {
         );
         // The default start-up deadline across hosts is horovodrun's 30 s.
         let b = parse(&["-np", "2", "-H", "a,b", "x"]).unwrap();
-        let line = plan(&b, 2, false, "1", &[], &[]).argv.join(" ");
+        let line = plan_here(&b, 2, false, "1", &[], &[]).argv.join(" ");
         assert!(line.contains("-x KOLO_START_TIMEOUT=30"), "{line}");
         assert!(single_machine_setting("OMPI_MCA_btl", "vader,self"));
         assert!(!single_machine_setting("OMPI_MCA_btl", "^openib"));
@@ -883,6 +919,64 @@ mod tests {
             }
             let _ = Args::try_parse_from(normal);
         }
+    }
+
+    #[test]
+    fn issue31_a_subnet_is_given_to_open_mpi_as_is_and_to_nccl_as_an_interface() {
+        let a = parse(&[
+            "-np",
+            "2",
+            "-H",
+            "a,b",
+            "--network-interface",
+            "10.0.0.0/24",
+            "x",
+        ])
+        .unwrap();
+        let here = [("eth1".to_string(), "10.0.0.5".parse().unwrap())];
+        let p = plan(&a, 2, false, "1", &[], &[], &here).unwrap();
+        let line = p.argv.join(" ");
+        assert!(
+            line.contains(
+                "--mca btl_tcp_if_include 10.0.0.0/24 --mca oob_tcp_if_include 10.0.0.0/24 \
+                 -x NCCL_SOCKET_IFNAME=eth1 "
+            ),
+            "{line}"
+        );
+        assert!(
+            p.notes.iter().any(|n| n.contains("gets eth1")),
+            "{:?}",
+            p.notes
+        );
+        // Not on this machine: NCCL is not told (it takes names), the user is.
+        let p = plan(
+            &a,
+            2,
+            false,
+            "1",
+            &env(&[("NCCL_SOCKET_IFNAME", "ib0")]),
+            &[],
+            &[],
+        )
+        .unwrap();
+        let line = p.argv.join(" ");
+        assert!(
+            !line.contains("NCCL_SOCKET_IFNAME=") && line.contains("-x NCCL_SOCKET_IFNAME "),
+            "{line}"
+        );
+        assert!(
+            p.notes
+                .iter()
+                .any(|n| n.contains("no interface of this machine")),
+            "{:?}",
+            p.notes
+        );
+        let bad = parse(&["-np", "2", "--network-interface", "10.0.0.0/40", "x"]).unwrap();
+        let e = plan(&bad, 2, false, "1", &[], &[], &here).unwrap_err();
+        assert!(
+            e.contains("\"10.0.0.0/40\": the prefix length must be 0 to 32"),
+            "{e}"
+        );
     }
 
     #[test]
