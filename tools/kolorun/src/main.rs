@@ -37,7 +37,7 @@ struct Args {
     #[arg(short = 'n', long = "num-proc", visible_alias = "np", value_name = "N", value_parser = clap::value_parser!(u32).range(1..))]
     np: Option<u32>,
 
-    /// Hosts and slots, e.g. host1:2,host2:2 (default: this machine).
+    /// Hosts and slots, e.g. host1:2,host2:2 or [fe80::1]:2 (default: this machine).
     #[arg(
         short = 'H',
         long = "hosts",
@@ -46,14 +46,15 @@ struct Args {
     )]
     hosts: Option<String>,
 
-    /// OpenMPI hostfile: one host per line, `host slots=N`.
+    /// OpenMPI hostfile: one host per line, `host slots=N [max_slots=M]`, `#` comments.
     #[arg(long, value_name = "FILE")]
     hostfile: Option<String>,
 
     /// Network interface(s) for traffic between hosts, e.g. eth0 or eth0,eth1 (or a
     /// subnet, 10.0.0.0/24): pins OpenMPI's control and TCP data traffic and NCCL's
-    /// sockets to it. Needed where every host has an interface with the same address
-    /// (a docker bridge), on which OpenMPI otherwise hangs while connecting.
+    /// sockets to it (NCCL takes names: a subnet becomes this machine's interface in
+    /// it). Needed where every host has an interface with the same address (a docker
+    /// bridge), on which OpenMPI otherwise hangs while connecting.
     #[arg(long, value_name = "NICS")]
     network_interface: Option<String>,
 
@@ -79,7 +80,9 @@ struct Args {
     #[arg(long, value_name = "MB")]
     fusion_threshold_mb: Option<u64>,
 
-    /// Longest the engine waits to batch work, in milliseconds.
+    /// Milliseconds between negotiation cycles while a rank only waits for the others'
+    /// submissions; new local work starts a cycle at once (`KOLO_CYCLE_TIME`,
+    /// default 1).
     #[arg(long, value_name = "MS", value_parser = positive_f64)]
     cycle_time_ms: Option<f64>,
 
@@ -133,8 +136,9 @@ struct Args {
     collective_timeout_seconds: Option<f64>,
 
     /// Compute threads per rank (`RAYON_NUM_THREADS`, which Burn's CPU backend and
-    /// other rayon users follow). Default: `RAYON_NUM_THREADS` if set, else this
-    /// machine's cores ÷ the ranks per node, at least 1.
+    /// other rayon users follow). Default: `RAYON_NUM_THREADS` if set, else the cores of
+    /// the machine kolorun runs on ÷ the most ranks on one host, at least 1; across
+    /// hosts with other core counts, set it.
     #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..))]
     threads_per_rank: Option<u32>,
 
@@ -976,6 +980,21 @@ mod tests {
         assert!(
             e.contains("\"10.0.0.0/40\": the prefix length must be 0 to 32"),
             "{e}"
+        );
+    }
+
+    #[test]
+    fn issue31_help_says_what_cycle_time_and_the_thread_default_mean() {
+        use clap::CommandFactory;
+        let help = Args::command().render_long_help().to_string();
+        assert!(
+            help.contains("between negotiation cycles while a rank only waits for the others'")
+                && help.contains("new local work starts a cycle at once"),
+            "{help}"
+        );
+        assert!(
+            help.contains("the cores of the machine kolorun runs on"),
+            "{help}"
         );
     }
 
