@@ -14,10 +14,17 @@
 //! kolorun -np 2 --dry-run ./train --epochs 3
 //! ```
 
+mod hosts;
+mod nic;
+mod supervise;
+
 use std::collections::BTreeSet;
 use std::process::Command;
 
 use clap::Parser;
+
+use hosts::{check_hosts, flag_hosts, hostfile_hosts, remote_agent};
+use supervise::{catch_signals, supervise, ABORT_GRACE};
 
 #[derive(Parser, Debug)]
 #[command(
@@ -30,7 +37,7 @@ struct Args {
     #[arg(short = 'n', long = "num-proc", visible_alias = "np", value_name = "N", value_parser = clap::value_parser!(u32).range(1..))]
     np: Option<u32>,
 
-    /// Hosts and slots, e.g. host1:2,host2:2 (default: this machine).
+    /// Hosts and slots, e.g. host1:2,host2:2 or [fe80::1]:2 (default: this machine).
     #[arg(
         short = 'H',
         long = "hosts",
@@ -39,14 +46,15 @@ struct Args {
     )]
     hosts: Option<String>,
 
-    /// OpenMPI hostfile: one host per line, `host slots=N`.
+    /// OpenMPI hostfile: one host per line, `host slots=N [max_slots=M]`, `#` comments.
     #[arg(long, value_name = "FILE")]
     hostfile: Option<String>,
 
     /// Network interface(s) for traffic between hosts, e.g. eth0 or eth0,eth1 (or a
     /// subnet, 10.0.0.0/24): pins OpenMPI's control and TCP data traffic and NCCL's
-    /// sockets to it. Needed where every host has an interface with the same address
-    /// (a docker bridge), on which OpenMPI otherwise hangs while connecting.
+    /// sockets to it (NCCL takes names: a subnet becomes this machine's interface in
+    /// it). Needed where every host has an interface with the same address (a docker
+    /// bridge), on which OpenMPI otherwise hangs while connecting.
     #[arg(long, value_name = "NICS")]
     network_interface: Option<String>,
 
@@ -72,7 +80,9 @@ struct Args {
     #[arg(long, value_name = "MB")]
     fusion_threshold_mb: Option<u64>,
 
-    /// Longest the engine waits to batch work, in milliseconds.
+    /// Milliseconds between negotiation cycles while a rank only waits for the others'
+    /// submissions; new local work starts a cycle at once (`KOLO_CYCLE_TIME`,
+    /// default 1).
     #[arg(long, value_name = "MS", value_parser = positive_f64)]
     cycle_time_ms: Option<f64>,
 
@@ -126,8 +136,9 @@ struct Args {
     collective_timeout_seconds: Option<f64>,
 
     /// Compute threads per rank (`RAYON_NUM_THREADS`, which Burn's CPU backend and
-    /// other rayon users follow). Default: `RAYON_NUM_THREADS` if set, else this
-    /// machine's cores ÷ the ranks per node, at least 1.
+    /// other rayon users follow). Default: `RAYON_NUM_THREADS` if set, else the cores of
+    /// the machine kolorun runs on ÷ the most ranks on one host, at least 1; across
+    /// hosts with other core counts, set it.
     #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..))]
     threads_per_rank: Option<u32>,
 
@@ -215,34 +226,6 @@ fn kolo_env(a: &Args) -> Vec<(String, String)> {
     env
 }
 
-/// Hosts and their slots in an OpenMPI hostfile (`host slots=N`, `#` comments; a
-/// host without `slots=` counts 1).
-fn hostfile_hosts(text: &str) -> Vec<(String, usize)> {
-    text.lines()
-        .filter_map(|l| {
-            let mut words = l.split('#').next()?.split_whitespace();
-            let host = words.next()?.to_string();
-            let slots = words
-                .find_map(|w| w.strip_prefix("slots=").or(w.strip_prefix("max_slots=")))
-                .and_then(|n| n.parse().ok())
-                .unwrap_or(1);
-            Some((host, slots))
-        })
-        .collect()
-}
-
-/// Hosts and their slots in `-H host1:2,host2:2` (a host without `:N` counts 1).
-fn flag_hosts(hosts: &str) -> Vec<(String, usize)> {
-    hosts
-        .split(',')
-        .filter(|h| !h.is_empty())
-        .map(|h| match h.rsplit_once(':') {
-            Some((name, n)) => (name.to_string(), n.parse().unwrap_or(1)),
-            None => (h.to_string(), 1),
-        })
-        .collect()
-}
-
 /// Compute threads per rank: the flag, else the user's `RAYON_NUM_THREADS`, else
 /// `cores` (of this machine; nodes are assumed alike) ÷ the most ranks on one node
 /// (`per_host`: slots of each host, empty for this machine only).
@@ -307,7 +290,11 @@ struct Plan {
 
 /// Plans the launch of `np` ranks: `root` whether we run as root, `threads` the
 /// compute threads per rank, `env` kolorun's environment, `mpi_args` the split
-/// `--mpi-args`.
+/// `--mpi-args`, `local` this machine's interfaces and addresses (for a subnet in
+/// `--network-interface`, see [`nic::nccl_interfaces`]).
+///
+/// # Errors
+/// A `--network-interface` entry that is neither an interface name nor a subnet.
 fn plan(
     a: &Args,
     np: u32,
@@ -315,7 +302,8 @@ fn plan(
     threads: &str,
     env: &[(String, String)],
     mpi_args: &[String],
-) -> Plan {
+    local: &[(String, std::net::IpAddr)],
+) -> Result<Plan, String> {
     let mut p = Plan::default();
     let v = &mut p.argv;
     v.extend(["-np".to_string(), np.to_string()]);
@@ -337,10 +325,17 @@ fn plan(
     let mca = |v: &mut Vec<String>, k: &str, val: &str| {
         v.extend(["--mca".into(), k.into(), val.into()]);
     };
+    let mut nccl_ifname = None;
     if let Some(nics) = &a.network_interface {
+        // Open MPI takes subnets as they are; NCCL only interface names.
         mca(v, "btl_tcp_if_include", nics);
         mca(v, "oob_tcp_if_include", nics);
-        v.extend(["-x".into(), format!("NCCL_SOCKET_IFNAME={nics}")]);
+        let nccl = nic::nccl_interfaces(nics, local)?;
+        p.notes.extend(nccl.notes);
+        if let Some(names) = nccl.ifname {
+            v.extend(["-x".into(), format!("NCCL_SOCKET_IFNAME={names}")]);
+            nccl_ifname = Some(names);
+        }
     }
     if spans_hosts {
         // Settings inherited from a single-machine set-up would make the ranks on
@@ -373,7 +368,9 @@ fn plan(
     }
     let mut named: BTreeSet<String> = ours.iter().map(|(k, _)| k.clone()).collect();
     named.insert("RAYON_NUM_THREADS".into());
-    named.insert("NCCL_SOCKET_IFNAME".into());
+    if nccl_ifname.is_some() {
+        named.insert("NCCL_SOCKET_IFNAME".into());
+    }
     for (k, val) in ours {
         v.extend(["-x".into(), format!("{k}={val}")]);
     }
@@ -392,7 +389,7 @@ fn plan(
     }
     v.extend(mpi_args.iter().cloned());
     v.extend(a.command.iter().cloned());
-    p
+    Ok(p)
 }
 
 fn shell_quote(s: &str) -> String {
@@ -421,19 +418,58 @@ fn command_line(p: &Plan) -> String {
 }
 
 /// `-np` is horovodrun's (and mpirun's) spelling; clap's short flags are one letter,
-/// so the first `-np` becomes `--np` before parsing (later ones belong to the program).
+/// so `-np` (or `-np=N`) among kolorun's own arguments becomes `--np` before parsing.
+/// Those end at the program (the first word that is neither an option nor an option's
+/// value) or at `--`: everything from there on is the program's and passes unchanged
+/// (`kolorun -n 1 prog -np 8` runs `prog -np 8`). Which options take a value is read
+/// from clap's own definition of the flags, so the two cannot disagree.
 fn normalize(argv: impl IntoIterator<Item = String>) -> Vec<String> {
-    let mut seen = false;
-    argv.into_iter()
-        .map(|a| {
-            if a == "-np" && !seen {
-                seen = true;
-                "--np".to_string()
-            } else {
-                a
-            }
+    use clap::CommandFactory;
+    let cmd = Args::command();
+    let options: Vec<&clap::Arg> = cmd.get_opts().collect();
+    let long_takes_value = |name: &str| {
+        options.iter().any(|a| {
+            a.get_action().takes_values()
+                && (a.get_long() == Some(name)
+                    || a.get_all_aliases().is_some_and(|v| v.contains(&name)))
         })
-        .collect()
+    };
+    let short_takes_value = |c: char| {
+        options
+            .iter()
+            .any(|a| a.get_action().takes_values() && a.get_short() == Some(c))
+    };
+    let mut argv = argv.into_iter();
+    let mut out: Vec<String> = argv.next().into_iter().collect();
+    let mut value_next = false;
+    for a in argv.by_ref() {
+        if std::mem::take(&mut value_next) {
+            out.push(a);
+        } else if a == "--" {
+            out.push(a);
+            break;
+        } else if a == "-np" {
+            out.push("--np".into());
+            value_next = true;
+        } else if let Some(n) = a.strip_prefix("-np=") {
+            out.push(format!("--np={n}"));
+        } else if let Some(long) = a.strip_prefix("--") {
+            value_next = !long.contains('=') && long_takes_value(long);
+            out.push(a);
+        } else if let Some(shorts) = a.strip_prefix('-').filter(|s| !s.is_empty()) {
+            // A cluster such as `-vn 2` or `-vn2`: the first letter taking a value
+            // takes the rest of the word, or the next word when the rest is empty.
+            if let Some((i, c)) = shorts.char_indices().find(|&(_, c)| short_takes_value(c)) {
+                value_next = i + c.len_utf8() == shorts.len();
+            }
+            out.push(a);
+        } else {
+            out.push(a);
+            break;
+        }
+    }
+    out.extend(argv);
+    out
 }
 
 fn check_build() {
@@ -464,88 +500,6 @@ fn check_build() {
     }
 }
 
-/// How mpirun reaches other hosts: `--mca plm_rsh_agent` in `--mpi-args`, else
-/// `OMPI_MCA_plm_rsh_agent`, else ssh (without prompts).
-fn remote_agent(mpi_args: &[String], env: &[(String, String)]) -> Vec<String> {
-    let from_args = mpi_args
-        .windows(2)
-        .find(|w| w[0] == "plm_rsh_agent")
-        .map(|w| w[1].clone());
-    let from_env = || {
-        env.iter()
-            .find(|(k, _)| k == "OMPI_MCA_plm_rsh_agent")
-            .map(|(_, v)| v.clone())
-    };
-    match from_args.or_else(from_env) {
-        // OpenMPI's agent lists alternatives ("ssh : rsh"): the first is tried first.
-        Some(a) => a
-            .split(':')
-            .next()
-            .unwrap_or("ssh")
-            .split_whitespace()
-            .map(String::from)
-            .collect(),
-        None => ["ssh", "-o", "BatchMode=yes", "-o", "ConnectTimeout=10"]
-            .map(String::from)
-            .to_vec(),
-    }
-}
-
-/// Runs `agent host true` on every host other than this one, in parallel, as
-/// horovodrun does before a launch: a host that does not answer within `timeout`
-/// would otherwise make mpirun wait for ever for its daemon. Returns one line per
-/// host that failed.
-fn check_hosts(hosts: &[String], agent: &[String], timeout: std::time::Duration) -> Vec<String> {
-    use std::time::Instant;
-    let this = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default();
-    let local = |h: &str| h == "localhost" || h == "127.0.0.1" || h == this.trim();
-    let Some((program, first)) = agent.split_first() else {
-        return vec!["no remote agent to reach the hosts with".into()];
-    };
-    let mut running = Vec::new();
-    let mut failed = Vec::new();
-    for h in hosts.iter().filter(|h| !local(h)) {
-        let mut cmd = Command::new(program);
-        cmd.args(first)
-            .args([h.as_str(), "true"])
-            .stdin(std::process::Stdio::null())
-            .stdout(std::process::Stdio::null())
-            .stderr(std::process::Stdio::null());
-        std::os::unix::process::CommandExt::process_group(&mut cmd, 0);
-        match cmd.spawn() {
-            Ok(child) => running.push((h.clone(), child)),
-            Err(e) => failed.push(format!("{h}: cannot run {program}: {e}")),
-        }
-    }
-    let start = Instant::now();
-    while !running.is_empty() {
-        running.retain_mut(|(h, child)| match child.try_wait() {
-            Ok(Some(status)) if status.success() => false,
-            Ok(Some(status)) => {
-                failed.push(format!(
-                    "{h}: `{} {h} true` failed ({status})",
-                    agent.join(" ")
-                ));
-                false
-            }
-            Ok(None) if start.elapsed() < timeout => true,
-            Ok(None) | Err(_) => {
-                failed.push(format!(
-                    "{h}: `{} {h} true` did not answer within {:.0} s",
-                    agent.join(" "),
-                    timeout.as_secs_f64()
-                ));
-                // SAFETY: signalling the process group made for this child.
-                unsafe { libc::killpg(child.id() as i32, libc::SIGKILL) };
-                let _ = child.wait();
-                false
-            }
-        });
-        std::thread::sleep(std::time::Duration::from_millis(20));
-    }
-    failed
-}
-
 fn fail(msg: &str) -> ! {
     eprintln!("kolorun: {msg}");
     std::process::exit(2);
@@ -573,13 +527,14 @@ fn main() {
         .as_ref()
         .map(|f| match std::fs::read_to_string(f) {
             Ok(text) => match hostfile_hosts(&text) {
-                hosts if hosts.is_empty() => fail(&format!("--hostfile {f} names no host")),
-                hosts => hosts,
+                Ok(hosts) if hosts.is_empty() => fail(&format!("--hostfile {f} names no host")),
+                Ok(hosts) => hosts,
+                Err(e) => fail(&format!("--hostfile {f}: {e}")),
             },
             Err(e) => fail(&format!("cannot read --hostfile {f}: {e}")),
         });
     let hosts = match (&args.hosts, hostfile) {
-        (Some(h), _) => flag_hosts(h),
+        (Some(h), _) => flag_hosts(h).unwrap_or_else(|e| fail(&e)),
         (None, Some(hosts)) => hosts,
         (None, None) => Vec::new(),
     };
@@ -597,7 +552,16 @@ fn main() {
     let env: Vec<(String, String)> = std::env::vars_os()
         .filter_map(|(k, v)| Some((k.into_string().ok()?, v.into_string().ok()?)))
         .collect();
-    let plan = plan(&args, np, root, &threads, &env, &mpi_args);
+    let plan = plan(
+        &args,
+        np,
+        root,
+        &threads,
+        &env,
+        &mpi_args,
+        &nic::local_addresses(),
+    )
+    .unwrap_or_else(|e| fail(&e));
     for n in &plan.notes {
         eprintln!("{n}");
     }
@@ -627,7 +591,8 @@ fn main() {
     for u in &plan.unset {
         cmd.env_remove(u);
     }
-    match supervise(cmd, ABORT_GRACE) {
+    catch_signals();
+    match supervise(cmd, ABORT_GRACE, std::io::stderr()) {
         Ok(code) => std::process::exit(code),
         Err(e) => {
             eprintln!(
@@ -635,64 +600,6 @@ fn main() {
             );
             std::process::exit(127);
         }
-    }
-}
-
-/// How long mpirun gets to end the job once it has been aborted.
-/// (A normal abort ends in 1–3 s; the bound the collective timeout promises is the
-/// timeout plus 10 s, of which detection takes up to a quarter of the timeout.)
-const ABORT_GRACE: std::time::Duration = std::time::Duration::from_secs(8);
-
-/// Whether a line of the job's stderr says the job is being aborted (by a kolo rank,
-/// by MPI_Abort, or by mpirun after a rank failed).
-fn aborting(line: &str) -> bool {
-    line.contains("aborting the whole job")
-        || line.contains("MPI_ABORT was invoked")
-        || line.contains("the job has been aborted")
-}
-
-/// Runs mpirun, passing its stderr through, and returns its exit code. Once the job
-/// is being aborted, mpirun waits for every host's daemon to confirm; a host that is
-/// unreachable (a partition) never does, and mpirun would wait for ever: after
-/// `grace` kolorun ends it and says so.
-fn supervise(mut cmd: Command, grace: std::time::Duration) -> std::io::Result<i32> {
-    use std::io::{BufRead, Write};
-    use std::sync::{Arc, Mutex};
-    use std::time::Instant;
-    let mut child = cmd.stderr(std::process::Stdio::piped()).spawn()?;
-    let aborted_at: Arc<Mutex<Option<Instant>>> = Arc::default();
-    if let Some(stderr) = child.stderr.take() {
-        let aborted_at = aborted_at.clone();
-        std::thread::spawn(move || {
-            let mut out = std::io::stderr();
-            for line in std::io::BufReader::new(stderr).split(b'\n') {
-                let Ok(line) = line else { break };
-                let _ = out.write_all(&line);
-                let _ = out.write_all(b"\n");
-                if aborting(&String::from_utf8_lossy(&line)) {
-                    let mut at = aborted_at.lock().unwrap_or_else(|p| p.into_inner());
-                    at.get_or_insert_with(Instant::now);
-                }
-            }
-        });
-    }
-    loop {
-        if let Some(status) = child.try_wait()? {
-            return Ok(status.code().unwrap_or(1));
-        }
-        let since = *aborted_at.lock().unwrap_or_else(|p| p.into_inner());
-        if since.is_some_and(|at| at.elapsed() > grace) {
-            eprintln!(
-                "kolorun: mpirun has not ended the job {} s after it was aborted: a host's \
-                 daemon does not answer (unreachable or partitioned away); ending mpirun. \
-                 Processes may be left on that host.",
-                grace.as_secs()
-            );
-            let _ = child.kill();
-            let _ = child.wait();
-            return Ok(1);
-        }
-        std::thread::sleep(std::time::Duration::from_millis(50));
     }
 }
 
@@ -705,6 +612,18 @@ mod tests {
             .chain(argv.iter().copied())
             .map(String::from);
         Args::try_parse_from(normalize(argv))
+    }
+
+    /// The plan on a machine with no network interfaces.
+    fn plan_here(
+        a: &Args,
+        np: u32,
+        root: bool,
+        threads: &str,
+        env: &[(String, String)],
+        mpi_args: &[String],
+    ) -> Plan {
+        plan(a, np, root, threads, env, mpi_args, &[]).unwrap()
     }
 
     fn env(pairs: &[(&str, &str)]) -> Vec<(String, String)> {
@@ -739,7 +658,7 @@ mod tests {
             "3",
         ])
         .unwrap();
-        let line = plan(&a, 4, true, "3", &[], &[]).argv.join(" ");
+        let line = plan_here(&a, 4, true, "3", &[], &[]).argv.join(" ");
         assert!(
             line.starts_with(
                 "-np 4 -H a:2,b:2 --allow-run-as-root --oversubscribe --bind-to none --tag-output"
@@ -761,7 +680,7 @@ mod tests {
         assert!(line.contains("-x KOLO_HIERARCHICAL_ALLGATHER=1"), "{line}");
         assert!(line.ends_with("./train --epochs 3"), "{line}");
         assert!(line.contains("-x RAYON_NUM_THREADS=3"), "{line}");
-        assert!(!plan(&a, 4, false, "1", &[], &[])
+        assert!(!plan_here(&a, 4, false, "1", &[], &[])
             .argv
             .contains(&"--allow-run-as-root".to_string()));
         // Threads per rank: cores ÷ the most ranks on one node, the user's value, or the flag.
@@ -781,16 +700,16 @@ mod tests {
         };
         assert_eq!(
             flag_hosts("a:2,b:3,c"),
-            pairs(&[("a", 2), ("b", 3), ("c", 1)])
+            Ok(pairs(&[("a", 2), ("b", 3), ("c", 1)]))
         );
         let text = "# cluster\nnode1 slots=4\n\nnode2 slots=2 # small\nnode3\n";
         assert_eq!(
             hostfile_hosts(text),
-            pairs(&[("node1", 4), ("node2", 2), ("node3", 1)])
+            Ok(pairs(&[("node1", 4), ("node2", 2), ("node3", 1)]))
         );
         let a = parse(&["-np", "8", "--hostfile", "hosts.txt", "x"]).unwrap();
         assert_eq!(threads_per_rank(&a, 8, 16, &[4, 2, 1], None), "4");
-        let line = plan(&a, 8, false, "4", &[], &[]).argv.join(" ");
+        let line = plan_here(&a, 8, false, "4", &[], &[]).argv.join(" ");
         assert!(line.starts_with("-np 8 --hostfile hosts.txt "), "{line}");
         let e = parse(&["-np", "2", "-H", "a:1", "--hostfile", "h", "x"])
             .unwrap_err()
@@ -801,7 +720,7 @@ mod tests {
     #[test]
     fn one_machine_stays_on_loopback() {
         let a = parse(&["-np", "2", "x"]).unwrap();
-        let line = plan(&a, 2, false, "1", &[], &[]).argv.join(" ");
+        let line = plan_here(&a, 2, false, "1", &[], &[]).argv.join(" ");
         assert!(
             line.contains("--mca btl self,vader --mca oob_tcp_if_include lo"),
             "{line}"
@@ -814,7 +733,7 @@ mod tests {
             "oob_tcp_if_include".into(),
             "eth1".into(),
         ];
-        let line = plan(&a, 2, false, "1", &e, &mpi).argv.join(" ");
+        let line = plan_here(&a, 2, false, "1", &e, &mpi).argv.join(" ");
         assert!(!line.contains("--mca btl "), "{line}");
         assert!(!line.contains("oob_tcp_if_include lo"), "{line}");
         assert!(line.ends_with("--mca oob_tcp_if_include eth1 x"), "{line}");
@@ -846,7 +765,7 @@ mod tests {
             ("BASH_FUNC_f%%", "() { :; }"),
             ("RAYON_NUM_THREADS", "7"),
         ]);
-        let p = plan(&a, 4, false, "1", &e, &[]);
+        let p = plan_here(&a, 4, false, "1", &e, &[]);
         assert_eq!(p.unset, ["OMPI_MCA_btl", "OMPI_MCA_oob_tcp_if_include"]);
         assert!(
             p.notes[0].contains("OMPI_MCA_btl=self,vader"),
@@ -879,7 +798,7 @@ mod tests {
         );
         // The default start-up deadline across hosts is horovodrun's 30 s.
         let b = parse(&["-np", "2", "-H", "a,b", "x"]).unwrap();
-        let line = plan(&b, 2, false, "1", &[], &[]).argv.join(" ");
+        let line = plan_here(&b, 2, false, "1", &[], &[]).argv.join(" ");
         assert!(line.contains("-x KOLO_START_TIMEOUT=30"), "{line}");
         assert!(single_machine_setting("OMPI_MCA_btl", "vader,self"));
         assert!(!single_machine_setting("OMPI_MCA_btl", "^openib"));
@@ -891,55 +810,6 @@ mod tests {
             "OMPI_MCA_btl_tcp_if_include",
             "127.0.0.1"
         ));
-    }
-
-    #[test]
-    fn hosts_are_checked_through_mpiruns_agent() {
-        let args = ["--mca", "plm_rsh_agent", "/x/agent.sh"].map(String::from);
-        assert_eq!(remote_agent(&args, &[]), ["/x/agent.sh"]);
-        let e = env(&[("OMPI_MCA_plm_rsh_agent", "ssh -p 2222 : rsh")]);
-        assert_eq!(remote_agent(&[], &e), ["ssh", "-p", "2222"]);
-        assert_eq!(remote_agent(&[], &[])[0], "ssh");
-        // An agent that answers, one that fails, one that hangs (cut at the timeout).
-        let script = |body: &str| ["sh", "-c", body, "agent"].map(String::from).to_vec();
-        let t = std::time::Duration::from_millis(500);
-        let hosts = ["a".to_string(), "localhost".into()];
-        assert!(check_hosts(&hosts, &script("exit 0"), t).is_empty());
-        let failed = check_hosts(&hosts, &script("exit 3"), t);
-        assert_eq!(failed.len(), 1, "{failed:?}");
-        assert!(
-            failed[0].starts_with("a: ") && failed[0].contains("failed"),
-            "{failed:?}"
-        );
-        let start = std::time::Instant::now();
-        let failed = check_hosts(&hosts, &script("sleep 30"), t);
-        assert!(failed[0].contains("did not answer within"), "{failed:?}");
-        assert!(start.elapsed() < std::time::Duration::from_secs(5));
-    }
-
-    #[test]
-    fn an_aborted_job_that_does_not_end_is_ended() {
-        assert!(aborting(
-            "[1,0]<stderr>:kolo: rank 0: its engine ... aborting the whole job"
-        ));
-        assert!(aborting(
-            "MPI_ABORT was invoked on rank 1 in communicator MPI_COMM_WORLD"
-        ));
-        assert!(!aborting("[1,0]<stderr>:epoch 3 loss 0.2"));
-        let short = std::time::Duration::from_millis(300);
-        // An mpirun stand-in that reports an abort and then hangs is ended.
-        let mut hang = Command::new("sh");
-        hang.args([
-            "-c",
-            "echo 'MPI_ABORT was invoked on rank 0' >&2; exec sleep 30",
-        ]);
-        let start = std::time::Instant::now();
-        assert_eq!(supervise(hang, short).unwrap(), 1);
-        assert!(start.elapsed() < std::time::Duration::from_secs(5));
-        // Exit codes pass through; a job that only prints is left alone.
-        let mut ok = Command::new("sh");
-        ok.args(["-c", "echo working >&2; sleep 0.5; exit 3"]);
-        assert_eq!(supervise(ok, short).unwrap(), 3);
     }
 
     #[test]
@@ -964,6 +834,168 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(e.contains("--fusion-threshold-mb"), "{e}");
+    }
+
+    #[test]
+    fn issue31_the_programs_own_np_is_left_alone() {
+        for argv in [
+            &["-n", "1", "prog", "-np", "8"][..],
+            &["--num-proc", "1", "prog", "-np", "8"],
+            &["--np=1", "prog", "-np", "8"],
+            &["-np=1", "prog", "-np", "8"],
+            &["-vn", "1", "prog", "-np", "8"],
+            &["-n", "1", "--mpi-args", "-np 3", "prog", "-np", "8"],
+            &["-n", "1", "-H", "a:1", "--verbose", "prog", "-np", "8"],
+            &["-n", "1", "--", "prog", "-np", "8"],
+        ] {
+            let a = parse(argv).unwrap_or_else(|e| panic!("{argv:?}: {e}"));
+            assert_eq!(a.np, Some(1), "{argv:?}");
+            assert_eq!(a.command, ["prog", "-np", "8"], "{argv:?}");
+        }
+        assert_eq!(
+            normalize(["kolorun", "-np", "2", "prog", "-np", "8"].map(String::from)),
+            ["kolorun", "--np", "2", "prog", "-np", "8"]
+        );
+        // `-np` as another flag's value is that value.
+        let a = parse(&["-np", "2", "--timeline-filename", "-np", "prog"]).unwrap();
+        assert_eq!(a.timeline_filename.as_deref(), Some("-np"));
+    }
+
+    /// Options kolorun knows, each with a valid value where it takes one, each at most
+    /// once, the number of processes in any of its spellings.
+    fn kolorun_options() -> impl proptest::strategy::Strategy<Value = Vec<String>> {
+        use proptest::prelude::*;
+        let np: &[&[&str]] = &[&["-np", "2"], &["-n", "3"], &["--np=4"], &["-np=4"]];
+        let others: &[&[&str]] = &[
+            &["-v"],
+            &["--oversubscribe"],
+            &["-H", "a:1,b"],
+            &["--mpi-args", "--mca btl tcp -np 9"],
+            &["--cycle-time-ms", "0.5"],
+            &["--fusion-threshold-mb=8"],
+            &["--timeline-filename", "-np"],
+            &["--log-level", "info"],
+            &["--threads-per-rank", "2"],
+        ];
+        (
+            proptest::option::of(proptest::sample::select(np)),
+            proptest::sample::subsequence(others, 0..5).prop_shuffle(),
+        )
+            .prop_map(|(np, others)| {
+                np.into_iter()
+                    .chain(others)
+                    .flat_map(|w| w.iter().map(|s| s.to_string()))
+                    .collect()
+            })
+    }
+
+    proptest::proptest! {
+        // kolorun's options, then a program and its arguments (any words, `-np` and
+        // kolorun's own flags among them): the program's part comes back unchanged.
+        #[test]
+        fn the_program_and_its_arguments_pass_unchanged(
+            ours in kolorun_options(),
+            tail in proptest::collection::vec(
+                "-np|--np|-n|--|-H|-v|--verbose|[-a-z0-9=.]{0,6}", 0..6),
+        ) {
+            let mut argv = vec!["kolorun".to_string()];
+            argv.extend(ours);
+            argv.push("prog".into());
+            argv.extend(tail.iter().cloned());
+            let a = Args::try_parse_from(normalize(argv.clone()));
+            let a = a.map_err(|e| proptest::test_runner::TestCaseError::fail(format!("{argv:?}: {e}")))?;
+            let mut want = vec!["prog".to_string()];
+            want.extend(tail);
+            proptest::prop_assert_eq!(a.command, want);
+        }
+
+        // Any words at all: a value or clap's error, never a panic; the normalised
+        // words differ from the given ones only where `-np` became `--np`.
+        #[test]
+        fn any_arguments_parse_or_fail_cleanly(
+            words in proptest::collection::vec("-np|-np=[0-9]|-[a-zA-Z]{1,3}|--[a-z-]{1,12}(=[a-z0-9]{0,3})?|[a-z0-9:,.]{0,5}", 0..8),
+        ) {
+            let argv: Vec<String> = std::iter::once("kolorun".to_string()).chain(words).collect();
+            let normal = normalize(argv.clone());
+            proptest::prop_assert_eq!(normal.len(), argv.len());
+            for (n, a) in normal.iter().zip(&argv) {
+                proptest::prop_assert!(n == a || (n.starts_with("--np") && a.starts_with("-np")));
+            }
+            let _ = Args::try_parse_from(normal);
+        }
+    }
+
+    #[test]
+    fn issue31_a_subnet_is_given_to_open_mpi_as_is_and_to_nccl_as_an_interface() {
+        let a = parse(&[
+            "-np",
+            "2",
+            "-H",
+            "a,b",
+            "--network-interface",
+            "10.0.0.0/24",
+            "x",
+        ])
+        .unwrap();
+        let here = [("eth1".to_string(), "10.0.0.5".parse().unwrap())];
+        let p = plan(&a, 2, false, "1", &[], &[], &here).unwrap();
+        let line = p.argv.join(" ");
+        assert!(
+            line.contains(
+                "--mca btl_tcp_if_include 10.0.0.0/24 --mca oob_tcp_if_include 10.0.0.0/24 \
+                 -x NCCL_SOCKET_IFNAME=eth1 "
+            ),
+            "{line}"
+        );
+        assert!(
+            p.notes.iter().any(|n| n.contains("gets eth1")),
+            "{:?}",
+            p.notes
+        );
+        // Not on this machine: NCCL is not told (it takes names), the user is.
+        let p = plan(
+            &a,
+            2,
+            false,
+            "1",
+            &env(&[("NCCL_SOCKET_IFNAME", "ib0")]),
+            &[],
+            &[],
+        )
+        .unwrap();
+        let line = p.argv.join(" ");
+        assert!(
+            !line.contains("NCCL_SOCKET_IFNAME=") && line.contains("-x NCCL_SOCKET_IFNAME "),
+            "{line}"
+        );
+        assert!(
+            p.notes
+                .iter()
+                .any(|n| n.contains("no interface of this machine")),
+            "{:?}",
+            p.notes
+        );
+        let bad = parse(&["-np", "2", "--network-interface", "10.0.0.0/40", "x"]).unwrap();
+        let e = plan(&bad, 2, false, "1", &[], &[], &here).unwrap_err();
+        assert!(
+            e.contains("\"10.0.0.0/40\": the prefix length must be 0 to 32"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn issue31_help_says_what_cycle_time_and_the_thread_default_mean() {
+        use clap::CommandFactory;
+        let help = Args::command().render_long_help().to_string();
+        assert!(
+            help.contains("between negotiation cycles while a rank only waits for the others'")
+                && help.contains("new local work starts a cycle at once"),
+            "{help}"
+        );
+        assert!(
+            help.contains("the cores of the machine kolorun runs on"),
+            "{help}"
+        );
     }
 
     #[test]

@@ -109,3 +109,116 @@ fn missing_program_is_an_error() {
     assert_eq!(out.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&out.stderr).contains("no program given"));
 }
+
+/// A scratch directory for one test, removed when dropped.
+struct Scratch(std::path::PathBuf);
+
+impl Scratch {
+    fn new(name: &str) -> Scratch {
+        let dir = std::env::temp_dir().join(format!("kolorun-{name}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).expect("scratch directory");
+        Scratch(dir)
+    }
+}
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+#[test]
+fn issue31_a_host_that_ssh_would_read_as_an_option_runs_nothing() {
+    let dir = Scratch::new("inject");
+    let marker = dir.0.join("x");
+    let hostfile = dir.0.join("hosts");
+    std::fs::write(
+        &hostfile,
+        format!("-oProxyCommand=touch${{IFS}}{} slots=1\n", marker.display()),
+    )
+    .expect("write hostfile");
+    let out = run(kolorun()
+        .args(["-np", "1", "--start-timeout", "5", "--hostfile"])
+        .arg(&hostfile)
+        .arg("true"));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!marker.exists(), "the host name ran a command: {stderr}");
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(
+        stderr.contains("hostfile line 1 (")
+            && stderr.contains("begins with \"-\", which ssh would read as an option"),
+        "{stderr}"
+    );
+}
+
+/// Polls `done` every 20 ms for up to `limit`; whether it became true.
+fn within(limit: Duration, mut done: impl FnMut() -> bool) -> bool {
+    let start = Instant::now();
+    while start.elapsed() < limit {
+        if done() {
+            return true;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    done()
+}
+
+/// Whether process `pid` is gone (or a zombie, which runs nothing).
+fn gone(pid: i32) -> bool {
+    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        Err(_) => true,
+        Ok(stat) => stat
+            .rfind(')')
+            .and_then(|i| stat[i + 1..].split_whitespace().next())
+            .is_some_and(|state| state == "Z" || state == "X"),
+    }
+}
+
+#[test]
+fn issue31_sigterm_to_kolorun_alone_ends_the_job() {
+    let dir = Scratch::new("sigterm");
+    let pidfile = dir.0.join("rank.pid");
+    let mut child = kolorun()
+        .args(["-np", "1", "sh", "-c"])
+        .arg(format!("echo $$ > {}; exec sleep 60", pidfile.display()))
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("start kolorun");
+    let rank = || -> Option<i32> { std::fs::read_to_string(&pidfile).ok()?.trim().parse().ok() };
+    let started = within(Duration::from_secs(60), || rank().is_some());
+    let rank = rank();
+    // The signal goes to kolorun's pid only, as Popen.terminate() or a scheduler sends it.
+    // SAFETY: kill(2) on the kolorun we started.
+    unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
+    let mut status = None;
+    let ended = within(Duration::from_secs(30), || {
+        status = child.try_wait().expect("wait");
+        status.is_some()
+    });
+    if !ended {
+        let _ = child.kill();
+    }
+    let rank_gone = rank.is_some_and(|pid| within(Duration::from_secs(20), || gone(pid)));
+    if let Some(pid) = rank.filter(|&pid| !gone(pid)) {
+        // SAFETY: kill(2) on the rank this test started, left behind by a failure.
+        unsafe { libc::kill(pid, libc::SIGKILL) };
+    }
+    let _ = child.wait();
+    let mut stderr = String::new();
+    if let Some(mut e) = child.stderr.take() {
+        let _ = e.read_to_string(&mut stderr);
+    }
+    assert!(started, "the rank did not start: {stderr}");
+    assert!(
+        ended,
+        "kolorun did not end within 30 s of SIGTERM: {stderr}"
+    );
+    assert_eq!(
+        status.and_then(|s| s.code()),
+        Some(143),
+        "{status:?}: {stderr}"
+    );
+    assert!(rank_gone, "the rank outlived kolorun: {stderr}");
+}
