@@ -19,9 +19,9 @@ use std::path::Path;
 use std::time::{Duration, Instant};
 
 use nalgebra::{DMatrix, DVector};
-use serde::{Deserialize, Serialize};
 
 use super::fusion::MAX_FUSED_TENSOR_BYTES;
+use super::request::Settings;
 use crate::config::Config;
 
 /// Samples whose median scores one configuration.
@@ -82,29 +82,6 @@ pub struct AutotuneChange {
     pub hierarchical_allgather: bool,
     /// The final settings.
     pub last: bool,
-}
-
-/// Engine settings the tuner changes; identical on every rank once applied.
-#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
-pub(crate) struct Settings {
-    pub(crate) fusion_threshold: usize,
-    /// Tensors above this many bytes are not fused.
-    pub(crate) fusion_max_tensor: usize,
-    /// Cycle time in microseconds.
-    pub(crate) cycle_time_us: u64,
-    pub(crate) cache: bool,
-    /// Allreduce hierarchically (only ever on where it can run).
-    pub(crate) hierarchical: bool,
-    /// Allgather hierarchically (likewise).
-    pub(crate) hierarchical_allgather: bool,
-    /// The tuner is done: these are the settings it keeps.
-    pub(crate) last: bool,
-}
-
-impl Settings {
-    pub(crate) fn cycle_time(&self) -> Duration {
-        Duration::from_micros(self.cycle_time_us)
-    }
 }
 
 /// Which settings are tuned (those not fixed by the user).

@@ -6,10 +6,10 @@ use std::time::{Duration, Instant};
 
 use smallvec::SmallVec;
 
-use super::autotune::Settings;
 use super::cache::{self, ResponseCache};
 use super::layout::scale_bytes;
 use super::negotiate::{self, Outcome, Response};
+use super::request::Settings;
 use super::request::{CycleMsg, Device, OpKind};
 use super::{Control, Inbox};
 use crate::error::{Error, Result};

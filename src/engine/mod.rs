@@ -30,14 +30,14 @@ use crate::config::Config;
 use crate::error::{Error, Result};
 use crate::transport::{abort_requested, Topology, Transport};
 use agree::{agree, Agreed};
-use autotune::{AutotuneChange, AutotuneState, Settings, Tuner};
+use autotune::{AutotuneChange, AutotuneState, Tuner};
 use cache::ResponseCache;
 use control::Negotiation;
 use fusion::FusionBuffer;
 use inbox::{stopped, Inbox};
 use negotiate::{Negotiator, Response};
 use queue::Queue;
-use request::{Command, RequestMeta};
+use request::{Command, RequestMeta, Settings};
 use stall::StallInspector;
 use timeline::Timeline;
 
@@ -634,8 +634,9 @@ mod tuning_tests {
     use std::sync::{Arc, Mutex};
     use std::time::{Duration, Instant};
 
-    use super::autotune::{AutotuneState, Settings, Tuner};
+    use super::autotune::{AutotuneState, Tuner};
     use super::queue::Queue;
+    use super::request::Settings;
     use super::{Agreed, Control, Inbox, Tuning};
     use crate::config::Config;
     use crate::transport::Topology;

@@ -1,6 +1,8 @@
 //! What framework threads put on the engine's queue, and what ranks tell each other
 //! about it during negotiation.
 
+use std::time::Duration;
+
 use serde::{Deserialize, Serialize};
 use smallvec::SmallVec;
 
@@ -265,5 +267,28 @@ pub(crate) struct CycleMsg {
     pub(crate) stall_abort: bool,
     /// New engine settings from rank 0's autotuner, applied by every rank at the end
     /// of this cycle.
-    pub(crate) tuning: Option<super::autotune::Settings>,
+    pub(crate) tuning: Option<Settings>,
+}
+
+/// Engine settings the tuner changes; identical on every rank once applied.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub(crate) struct Settings {
+    pub(crate) fusion_threshold: usize,
+    /// Tensors above this many bytes are not fused.
+    pub(crate) fusion_max_tensor: usize,
+    /// Cycle time in microseconds.
+    pub(crate) cycle_time_us: u64,
+    pub(crate) cache: bool,
+    /// Allreduce hierarchically (only ever on where it can run).
+    pub(crate) hierarchical: bool,
+    /// Allgather hierarchically (likewise).
+    pub(crate) hierarchical_allgather: bool,
+    /// The tuner is done: these are the settings it keeps.
+    pub(crate) last: bool,
+}
+
+impl Settings {
+    pub(crate) fn cycle_time(&self) -> Duration {
+        Duration::from_micros(self.cycle_time_us)
+    }
 }
