@@ -390,6 +390,18 @@ impl Drop for Inner {
     }
 }
 
+impl Config {
+    /// Initialises MPI and starts the engine with these settings. See [`crate::init`].
+    ///
+    /// # Errors
+    /// [`Error::Init`] when MPI cannot start or kolo was already initialised in this
+    /// process.
+    pub fn init(self) -> Result<Kolo> {
+        self.validate()?;
+        start(self)
+    }
+}
+
 /// Starts the engine thread; MPI is initialised on it, so that only that thread ever
 /// calls MPI. All-or-nothing: on any failure the thread is joined before returning.
 pub(crate) fn start(config: Config) -> Result<Kolo> {

@@ -20,9 +20,9 @@ use std::time::{Duration, Instant};
 
 use nalgebra::{DMatrix, DVector};
 
-use super::fusion::MAX_FUSED_TENSOR_BYTES;
 use super::request::Settings;
 use crate::config::Config;
+use crate::config::MAX_FUSED_TENSOR_BYTES;
 
 /// Samples whose median scores one configuration.
 const SAMPLES_PER_CONFIG: usize = 3;

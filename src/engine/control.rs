@@ -396,7 +396,7 @@ mod tests {
             let topology = t.topology();
             let agreed = Agreed {
                 fusion_threshold: 1 << 20,
-                fusion_max_tensor: super::super::fusion::MAX_FUSED_TENSOR_BYTES,
+                fusion_max_tensor: crate::config::MAX_FUSED_TENSOR_BYTES,
                 cache_capacity,
                 autotune: false,
                 hierarchical_allreduce: false,

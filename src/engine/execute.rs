@@ -143,7 +143,7 @@ fn reduce_bytes(
 /// into the persistent fusion buffer, reduced once, and copied back into the caller's
 /// own tensors, which are handed back. A tensor above the fusion limit, or the only
 /// small one of its dtype, is reduced in place without a copy, for the reason given at
-/// [`super::fusion::MAX_FUSED_TENSOR_BYTES`] (the buffer's `max_tensor`): a bandwidth-bound tensor loses more to the copies
+/// `config::MAX_FUSED_TENSOR_BYTES` (the buffer's `max_tensor`): a bandwidth-bound tensor loses more to the copies
 /// than it saves in latency (a Burn model's weight gradients go through here).
 fn grouped_allreduce(
     t: &mut dyn Transport,

@@ -6,6 +6,7 @@
 
 use super::negotiate::{Ready, Response};
 use super::request::{Device, OpKind};
+use crate::config::MAX_FUSED_TENSOR_BYTES;
 use crate::tensor::DType;
 use crate::vocab::ReduceOp;
 
@@ -47,20 +48,6 @@ impl FuseKey {
         }
     }
 }
-
-/// Tensors larger than this are reduced in place, never copied into the fusion
-/// buffer. Measured on one node (benches/, ResNet-50 gradient set): above a few tens of
-/// KiB an allreduce is bandwidth-bound, so the copy in and out costs more than the
-/// per-collective latency fusion saves (fusing every tensor up to 64 MiB made the set
-/// 2.6× slower than no fusion; fusing only the small ones matches no fusion on that set
-/// and is 2× faster than no fusion on 1000 small tensors).
-///
-/// Across hosts on a slow link the balance turns: there every collective pays a start-up
-/// on the network that copies at memory speed do not (`KOLO_FUSION_MAX_TENSOR_BYTES`
-/// raises this limit; the autotuner tries it where the job spans hosts; with one rank
-/// per host the transport may take the larger tensors as one group instead, see
-/// [`Step::InPlace`]).
-pub(crate) const MAX_FUSED_TENSOR_BYTES: usize = 64 << 10;
 
 fn fuse_key(r: &Response, max_tensor: usize) -> Option<(FuseKey, usize)> {
     let Response::Run(ready) = r else { return None };
@@ -168,7 +155,7 @@ pub(crate) fn plan(
 pub(crate) struct FusionBuffer {
     words: Vec<u64>,
     /// Tensors larger than this are reduced in place, not copied in (the agreed
-    /// `KOLO_FUSION_MAX_TENSOR_BYTES`; see [`MAX_FUSED_TENSOR_BYTES`]).
+    /// `KOLO_FUSION_MAX_TENSOR_BYTES`; see `config::MAX_FUSED_TENSOR_BYTES`).
     pub(crate) max_tensor: usize,
 }
 

@@ -644,7 +644,7 @@ mod tuning_tests {
     fn settings(threshold: usize, cache: bool, last: bool) -> Settings {
         Settings {
             fusion_threshold: threshold,
-            fusion_max_tensor: crate::engine::fusion::MAX_FUSED_TENSOR_BYTES,
+            fusion_max_tensor: crate::config::MAX_FUSED_TENSOR_BYTES,
             cycle_time_us: 500,
             cache,
             hierarchical: false,
@@ -734,7 +734,7 @@ mod tuning_tests {
         };
         let agreed = Agreed {
             fusion_threshold: 1 << 20,
-            fusion_max_tensor: crate::engine::fusion::MAX_FUSED_TENSOR_BYTES,
+            fusion_max_tensor: crate::config::MAX_FUSED_TENSOR_BYTES,
             cache_capacity: 8,
             autotune: true,
             hierarchical_allreduce: false,

@@ -370,7 +370,7 @@ mod tests {
     use std::time::{Duration, Instant};
 
     use super::{Executor, Pending};
-    use crate::engine::fusion::MAX_FUSED_TENSOR_BYTES as MAX;
+    use crate::config::MAX_FUSED_TENSOR_BYTES as MAX;
     use crate::engine::negotiate::{Ready, Response};
     use crate::engine::queue::Queue;
     use crate::engine::request::{OpKind, Request, RequestMeta};
