@@ -6,13 +6,83 @@
 //! (unlike Horovod, kolo never invents names: per-process counters diverge between
 //! ranks and cause stalls).
 
-use crate::engine::request::{Key, OpKind, Submission};
+use crate::engine::request::{self, Key, Named, OpKind, Submission};
 use crate::error::Result;
 use crate::handle::{self, Handle};
 use crate::process_set::ProcessSet;
 use crate::runtime::Kolo;
 use crate::tensor::Tensor;
 use crate::vocab::{AlltoallOutput, ReduceOp};
+
+/// The collectives: each returns a builder (or, for barrier and join, blocks).
+impl Kolo {
+    /// Reduces `tensor` over all ranks (default [`ReduceOp::Average`](crate::ReduceOp::Average)). Every rank must
+    /// submit a tensor of the same name, dtype and shape.
+    pub fn allreduce(&self, name: impl Into<String>, tensor: Tensor) -> AllreduceBuilder<'_> {
+        AllreduceBuilder::new(self, name.into(), tensor)
+    }
+
+    /// Reduces several named tensors as one unit: negotiated together; on the CPU the
+    /// small ones (up to 64 KiB) reduced in one buffer per dtype, larger ones in place;
+    /// on CUDA each in place, their NCCL calls issued as one NCCL group (one by one when
+    /// an integer scale factor has to be applied on the host). Results come back in
+    /// input order, in the tensors that were given.
+    pub fn grouped_allreduce(&self, tensors: Vec<(String, Tensor)>) -> GroupedAllreduceBuilder<'_> {
+        GroupedAllreduceBuilder::new(self, tensors)
+    }
+
+    /// Concatenates every rank's tensor on dim 0, in rank order.
+    pub fn allgather(&self, name: impl Into<String>, tensor: Tensor) -> AllgatherBuilder<'_> {
+        AllgatherBuilder::new(self, name.into(), tensor)
+    }
+
+    /// Sends `root`'s tensor to every rank.
+    pub fn broadcast(
+        &self,
+        name: impl Into<String>,
+        tensor: Tensor,
+        root: usize,
+    ) -> BroadcastBuilder<'_> {
+        BroadcastBuilder::new(self, name.into(), tensor, root)
+    }
+
+    /// Scatters rows of dim 0 to every rank and gathers what they send here.
+    pub fn alltoall(&self, name: impl Into<String>, tensor: Tensor) -> AlltoallBuilder<'_> {
+        AlltoallBuilder::new(self, name.into(), tensor)
+    }
+
+    /// Reduces over all ranks and leaves block `rank` of dim 0 on each rank.
+    pub fn reducescatter(
+        &self,
+        name: impl Into<String>,
+        tensor: Tensor,
+    ) -> ReducescatterBuilder<'_> {
+        ReducescatterBuilder::new(self, name.into(), tensor)
+    }
+
+    /// Blocks until every rank has reached the barrier. Ops submitted before it may
+    /// still be running.
+    ///
+    /// # Errors
+    /// The engine is not running, or a rank left.
+    pub fn barrier(&self) -> Result<()> {
+        let s = Submission::new(OpKind::Barrier, request::BARRIER_KEY.into(), Named::new());
+        self.submit(s, handle::to_unit)?.wait()
+    }
+
+    /// Declares that this rank has no more data this epoch (uneven data across ranks).
+    /// Until every rank has joined, this rank takes part in the other ranks'
+    /// allreduces with zeros (Average still divides by the full size); other
+    /// collectives fail while a rank is joined. Returns the last rank to join, the
+    /// same on every rank.
+    ///
+    /// # Errors
+    /// The engine is not running, or a rank left.
+    pub fn join(&self) -> Result<usize> {
+        let s = Submission::new(OpKind::Join, request::JOIN_KEY.into(), Named::new());
+        self.submit(s, handle::to_rank)?.wait()
+    }
+}
 
 /// The options shared by the reducing builders (allreduce, grouped allreduce,
 /// reducescatter).

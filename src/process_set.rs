@@ -1,5 +1,8 @@
 //! [`ProcessSet`]: a subset of the job's ranks that runs collectives on its own.
 
+use crate::engine::request::{self, Named, OpKind, Submission};
+use crate::error::{Error, Result};
+use crate::handle;
 use crate::runtime::Kolo;
 
 /// A subset of the job's ranks, made by [`Kolo::add_process_set`] (Horovod's process
@@ -87,5 +90,83 @@ impl ProcessSet {
 
     pub(crate) fn into_engine(self) -> Option<Kolo> {
         self.engine
+    }
+}
+
+/// Process sets: made and removed on every rank.
+impl Kolo {
+    /// Makes a process set of `ranks` (Horovod's `add_process_set`): collectives given
+    /// `.process_set(&set)` then run among those ranks only, negotiated, fused and
+    /// checked for stalls on their own, so that sets progress independently. Every
+    /// rank must call it, with the same ranks (in any order), in the same order
+    /// relative to its other process set calls; ranks outside the set get a
+    /// [`ProcessSet`] they cannot submit to.
+    ///
+    /// Each set runs its own engine thread on its own MPI communicator (this needs
+    /// MPI_THREAD_MULTIPLE, which Open MPI and MPICH give). A set keeps the job's engine
+    /// running while it lives; shutting kolo down stops every set first.
+    ///
+    /// ```no_run
+    /// # let kolo = kolo::init()?;
+    /// let evens = kolo.add_process_set(&[0, 2])?;
+    /// if evens.includes(kolo.rank()) {
+    ///     let t = kolo::Tensor::from_vec(vec![1.0f32], &[1])?;
+    ///     let sum = kolo.allreduce("x", t).op(kolo::ReduceOp::Sum).process_set(&evens).wait()?;
+    ///     assert_eq!(sum.into_vec::<f32>()?, vec![2.0]);
+    /// }
+    /// kolo.remove_process_set(evens)?;
+    /// # Ok::<(), kolo::Error>(())
+    /// ```
+    ///
+    /// # Errors
+    /// On every rank: ranks that asked for different sets (naming them and their
+    /// lists), an empty list, a rank out of range or listed twice; MPI without
+    /// MPI_THREAD_MULTIPLE. The errors of a collective otherwise (a rank left).
+    pub fn add_process_set(&self, ranks: &[usize]) -> Result<ProcessSet> {
+        // Announced before the collective, so that a shutdown waits for this set's
+        // engine to start (on every rank of the set, or fail on all) and then stops
+        // it; once shutdown has begun, new sets are refused here, before any rank
+        // could start one.
+        let _starting = self.starting_set().ok_or_else(|| {
+            Error::engine_stopped(
+                "add_process_set",
+                format!("{ranks:?}"),
+                self.rank(),
+                "kolo is shutting down on this rank",
+            )
+        })?;
+        let id = self.next_set_id();
+        let mut sorted = ranks.to_vec();
+        sorted.sort_unstable();
+        let mut s = Submission::new(
+            OpKind::AddProcessSet,
+            format!("{}process_set[{id}]", request::RESERVED_PREFIX).into(),
+            Named::new(),
+        );
+        s.splits = Some(sorted.clone());
+        let made = self.submit(s, handle::to_detached)?.wait()?;
+        let transport = made
+            .downcast::<Option<Box<dyn crate::transport::Transport>>>()
+            .map_err(|_| {
+                Error::Internal("add_process_set: the engine returned no transport".into())
+            })?;
+        let kolo = match *transport {
+            Some(t) => Some(self.start_set_engine(id, t)?),
+            None => None,
+        };
+        Ok(ProcessSet::new(id, sorted, self.rank(), kolo))
+    }
+
+    /// Removes a process set: on its ranks, its engine stops (its pending ops fail) and
+    /// its communicator is freed. Every rank should call it.
+    ///
+    /// # Errors
+    /// [`Error::Internal`] if the set's engine thread had panicked.
+    pub fn remove_process_set(&self, set: ProcessSet) -> Result<()> {
+        let Some(engine) = set.into_engine() else {
+            return Ok(());
+        };
+        self.forget_set(&engine);
+        engine.shutdown()
     }
 }

@@ -9,16 +9,10 @@ use std::time::{Duration, Instant};
 use crate::config::Config;
 use crate::engine::autotune::AutotuneState;
 use crate::engine::queue::{Queue, Refused};
-use crate::engine::request::{self, Command, Named, OpKind, Request, Submission, Tensors};
+use crate::engine::request::{Command, Request, Submission, Tensors};
 use crate::error::{Error, Result};
 use crate::handle::{self, Handle, Output};
-use crate::ops::{
-    AllgatherBuilder, AllreduceBuilder, AlltoallBuilder, BroadcastBuilder, GroupedAllreduceBuilder,
-    ReducescatterBuilder,
-};
 use crate::order::unsort;
-use crate::process_set::ProcessSet;
-use crate::tensor::Tensor;
 use crate::transport::Topology;
 
 /// MPI can be initialised once per process; so can kolo.
@@ -193,7 +187,7 @@ struct Sets {
 }
 
 /// An `add_process_set` in progress, counted in [`Sets::starting`] until dropped.
-struct StartingSet<'a>(&'a Inner);
+pub(crate) struct StartingSet<'a>(&'a Inner);
 
 impl<'a> StartingSet<'a> {
     /// Counts one more set starting, unless shutdown has begun.
@@ -567,73 +561,6 @@ impl Kolo {
         self.inner.topology.cross_size
     }
 
-    /// Reduces `tensor` over all ranks (default [`ReduceOp::Average`](crate::ReduceOp::Average)). Every rank must
-    /// submit a tensor of the same name, dtype and shape.
-    pub fn allreduce(&self, name: impl Into<String>, tensor: Tensor) -> AllreduceBuilder<'_> {
-        AllreduceBuilder::new(self, name.into(), tensor)
-    }
-
-    /// Reduces several named tensors as one unit: negotiated together; on the CPU the
-    /// small ones (up to 64 KiB) reduced in one buffer per dtype, larger ones in place;
-    /// on CUDA each in place, their NCCL calls issued as one NCCL group (one by one when
-    /// an integer scale factor has to be applied on the host). Results come back in
-    /// input order, in the tensors that were given.
-    pub fn grouped_allreduce(&self, tensors: Vec<(String, Tensor)>) -> GroupedAllreduceBuilder<'_> {
-        GroupedAllreduceBuilder::new(self, tensors)
-    }
-
-    /// Concatenates every rank's tensor on dim 0, in rank order.
-    pub fn allgather(&self, name: impl Into<String>, tensor: Tensor) -> AllgatherBuilder<'_> {
-        AllgatherBuilder::new(self, name.into(), tensor)
-    }
-
-    /// Sends `root`'s tensor to every rank.
-    pub fn broadcast(
-        &self,
-        name: impl Into<String>,
-        tensor: Tensor,
-        root: usize,
-    ) -> BroadcastBuilder<'_> {
-        BroadcastBuilder::new(self, name.into(), tensor, root)
-    }
-
-    /// Scatters rows of dim 0 to every rank and gathers what they send here.
-    pub fn alltoall(&self, name: impl Into<String>, tensor: Tensor) -> AlltoallBuilder<'_> {
-        AlltoallBuilder::new(self, name.into(), tensor)
-    }
-
-    /// Reduces over all ranks and leaves block `rank` of dim 0 on each rank.
-    pub fn reducescatter(
-        &self,
-        name: impl Into<String>,
-        tensor: Tensor,
-    ) -> ReducescatterBuilder<'_> {
-        ReducescatterBuilder::new(self, name.into(), tensor)
-    }
-
-    /// Blocks until every rank has reached the barrier. Ops submitted before it may
-    /// still be running.
-    ///
-    /// # Errors
-    /// The engine is not running, or a rank left.
-    pub fn barrier(&self) -> Result<()> {
-        let s = Submission::new(OpKind::Barrier, request::BARRIER_KEY.into(), Named::new());
-        self.submit(s, handle::to_unit)?.wait()
-    }
-
-    /// Declares that this rank has no more data this epoch (uneven data across ranks).
-    /// Until every rank has joined, this rank takes part in the other ranks'
-    /// allreduces with zeros (Average still divides by the full size); other
-    /// collectives fail while a rank is joined. Returns the last rank to join, the
-    /// same on every rank.
-    ///
-    /// # Errors
-    /// The engine is not running, or a rank left.
-    pub fn join(&self) -> Result<usize> {
-        let s = Submission::new(OpKind::Join, request::JOIN_KEY.into(), Named::new());
-        self.submit(s, handle::to_rank)?.wait()
-    }
-
     /// Starts writing this rank's timeline (Chrome Trace Event JSON, for Perfetto or
     /// chrome://tracing) to `path`, replacing any timeline being written. Unlike
     /// `KOLO_TIMELINE`, the path is used as given on every rank that calls this.
@@ -694,100 +621,50 @@ impl Kolo {
         self.inner.shutdown_timeout(timeout)
     }
 
-    /// Makes a process set of `ranks` (Horovod's `add_process_set`): collectives given
-    /// `.process_set(&set)` then run among those ranks only, negotiated, fused and
-    /// checked for stalls on their own, so that sets progress independently. Every
-    /// rank must call it, with the same ranks (in any order), in the same order
-    /// relative to its other process set calls; ranks outside the set get a
-    /// [`ProcessSet`] they cannot submit to.
-    ///
-    /// Each set runs its own engine thread on its own MPI communicator (this needs
-    /// MPI_THREAD_MULTIPLE, which Open MPI and MPICH give). A set keeps the job's engine
-    /// running while it lives; shutting kolo down stops every set first.
-    ///
-    /// ```no_run
-    /// # let kolo = kolo::init()?;
-    /// let evens = kolo.add_process_set(&[0, 2])?;
-    /// if evens.includes(kolo.rank()) {
-    ///     let t = kolo::Tensor::from_vec(vec![1.0f32], &[1])?;
-    ///     let sum = kolo.allreduce("x", t).op(kolo::ReduceOp::Sum).process_set(&evens).wait()?;
-    ///     assert_eq!(sum.into_vec::<f32>()?, vec![2.0]);
-    /// }
-    /// kolo.remove_process_set(evens)?;
-    /// # Ok::<(), kolo::Error>(())
-    /// ```
-    ///
-    /// # Errors
-    /// On every rank: ranks that asked for different sets (naming them and their
-    /// lists), an empty list, a rank out of range or listed twice; MPI without
-    /// MPI_THREAD_MULTIPLE. The errors of a collective otherwise (a rank left).
-    pub fn add_process_set(&self, ranks: &[usize]) -> Result<ProcessSet> {
-        // Announced before the collective, so that a shutdown waits for this set's
-        // engine to start (on every rank of the set, or fail on all) and then stops
-        // it; once shutdown has begun, new sets are refused here, before any rank
-        // could start one.
-        let _starting = StartingSet::enter(&self.inner).ok_or_else(|| {
-            Error::engine_stopped(
-                "add_process_set",
-                format!("{ranks:?}"),
-                self.rank(),
-                "kolo is shutting down on this rank",
-            )
-        })?;
-        let id = self.inner.last_set.fetch_add(1, Ordering::SeqCst) + 1;
-        let mut sorted = ranks.to_vec();
-        sorted.sort_unstable();
-        let mut s = Submission::new(
-            OpKind::AddProcessSet,
-            format!("{}process_set[{id}]", request::RESERVED_PREFIX).into(),
-            Named::new(),
-        );
-        s.splits = Some(sorted.clone());
-        let made = self.submit(s, handle::to_detached)?.wait()?;
-        let transport = made
-            .downcast::<Option<Box<dyn crate::transport::Transport>>>()
-            .map_err(|_| {
-                Error::Internal("add_process_set: the engine returned no transport".into())
-            })?;
-        let kolo = match *transport {
-            Some(t) => {
-                let mut config = self.inner.config.clone();
-                // The job's engine writes the timeline and runs the tuner.
-                config.timeline = None;
-                config.autotune = false;
-                config.autotune_log = None;
-                config.unknown_horovod.clear();
-                let set = spawn_engine(
-                    config,
-                    format!("kolo-engine-set{id}"),
-                    Some(self.inner.clone()),
-                    move || Ok(t),
-                )?;
-                self.inner
-                    .sets()
-                    .engines
-                    .push((Arc::downgrade(&set.inner), set.inner.stopped.clone()));
-                Some(set)
-            }
-            None => None,
-        };
-        Ok(ProcessSet::new(id, sorted, self.rank(), kolo))
+    /// Counts an `add_process_set` as starting until the guard is dropped (shutdown
+    /// waits for it); `None` once shutdown has begun.
+    pub(crate) fn starting_set(&self) -> Option<StartingSet<'_>> {
+        StartingSet::enter(&self.inner)
     }
 
-    /// Removes a process set: on its ranks, its engine stops (its pending ops fail) and
-    /// its communicator is freed. Every rank should call it.
-    ///
-    /// # Errors
-    /// [`Error::Internal`] if the set's engine thread had panicked.
-    pub fn remove_process_set(&self, set: ProcessSet) -> Result<()> {
-        let Some(engine) = set.into_engine() else {
-            return Ok(());
-        };
+    /// The next process set id (1 for the first set; the same on every rank, since
+    /// every rank adds sets in the same order).
+    pub(crate) fn next_set_id(&self) -> usize {
+        self.inner.last_set.fetch_add(1, Ordering::SeqCst) + 1
+    }
+
+    /// Starts the engine of process set `id` on its transport `t` and registers it, so
+    /// that shutdown stops it before MPI is finalised.
+    pub(crate) fn start_set_engine(
+        &self,
+        id: usize,
+        t: Box<dyn crate::transport::Transport>,
+    ) -> Result<Kolo> {
+        let mut config = self.inner.config.clone();
+        // The job's engine writes the timeline and runs the tuner.
+        config.timeline = None;
+        config.autotune = false;
+        config.autotune_log = None;
+        config.unknown_horovod.clear();
+        let set = spawn_engine(
+            config,
+            format!("kolo-engine-set{id}"),
+            Some(self.inner.clone()),
+            move || Ok(t),
+        )?;
+        self.inner
+            .sets()
+            .engines
+            .push((Arc::downgrade(&set.inner), set.inner.stopped.clone()));
+        Ok(set)
+    }
+
+    /// Forgets a process set's engine (it is being removed and stopped by the caller).
+    pub(crate) fn forget_set(&self, engine: &Kolo) {
         self.inner
             .sets()
             .engines
             .retain(|(w, _)| !std::ptr::eq(w.as_ptr(), Arc::as_ptr(&engine.inner)));
-        engine.shutdown()
     }
 
     /// Validates and queues a request; the handle converts the engine's output.
