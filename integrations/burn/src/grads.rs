@@ -283,7 +283,7 @@ impl GradientReducer {
     /// hand over, a wrong layer given to `Overlap`): such a rank has still submitted
     /// every bucket, with zeros in place of what it could not provide, so that nobody
     /// waits for it. Every rank then says whether it failed in one small collective
-    /// (Max of a flag) beside the buckets; when any did, they exchange their errors, the
+    /// (the sum of a 0/1 flag) beside the buckets; when any did, they exchange their errors, the
     /// failing ranks return their own and the others [`Error::OtherRank`], so the step
     /// fails on every rank and no rank applies gradients the others threw away.
     pub(crate) fn settle(
@@ -296,7 +296,10 @@ impl GradientReducer {
         let verdict = self
             .kolo
             .allreduce(format!("{}.failed", self.prefix), flag)
-            .op(ReduceOp::Max)
+            // A Sum (the number of failing ranks), not a Max: a small cached f32 sum
+            // can ride in the engine's cycle agreement instead of running a
+            // collective of its own every step.
+            .op(ReduceOp::Sum)
             .submit();
         let mut slots: Vec<Option<kolo::Tensor>> = (0..layout.slots.len()).map(|_| None).collect();
         let mut failed: Option<Error> = None;
