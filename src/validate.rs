@@ -20,100 +20,129 @@ pub(crate) fn bad_root(op: &'static str, name: &str, root: usize, size: usize) -
 /// Submit-time checks: immediate errors on this rank only (README, "When something
 /// goes wrong"); the checks across ranks are in `engine::negotiate`.
 pub(crate) fn validate(s: &Submission, size: usize) -> Result<()> {
-    let op = s.kind.name();
-    let invalid = |message: String| Error::InvalidArgument {
-        op,
+    check_names(s)
+        .and_then(|()| check_group(s))
+        .and_then(|()| check_device(s))
+        .and_then(|()| check_scales(s))
+        .map_err(|m| invalid(s, m))?;
+    if s.kind == OpKind::Broadcast && s.root >= size {
+        return Err(bad_root(s.kind.name(), &s.key, s.root, size));
+    }
+    check_rows(s, size).map_err(|m| invalid(s, m))
+}
+
+/// The submit-time error of `s`: an invalid argument naming its op and key.
+fn invalid(s: &Submission, message: String) -> Error {
+    Error::InvalidArgument {
+        op: s.kind.name(),
         name: s.key.to_string(),
         message,
         tensors: Vec::new(),
-    };
+    }
+}
+
+/// Names: not empty, not in kolo's reserved key space.
+fn check_names(s: &Submission) -> std::result::Result<(), String> {
     if let Some((n, _)) = s
         .tensors
         .iter()
         .find(|(n, _)| n.starts_with(RESERVED_PREFIX))
     {
-        return Err(invalid(format!(
+        return Err(format!(
             "tensor name {n:?}: names starting with '{}' are reserved for kolo's own \
              keys (join, barrier, groups); rename the tensor",
             RESERVED_PREFIX
-        )));
-    }
-    if s.key.is_empty() || s.tensors.iter().any(|(n, _)| n.is_empty()) {
-        return Err(invalid(
-            "tensor names must not be empty (every rank must use the same name)".into(),
         ));
     }
-    if s.kind == OpKind::GroupedAllreduce {
-        if s.tensors.is_empty() {
-            return Err(invalid("a group needs at least one tensor".into()));
-        }
-        let mut seen = HashSet::new();
-        if let Some((n, _)) = s.tensors.iter().find(|(n, _)| !seen.insert(n)) {
-            return Err(invalid(format!(
-                "the name {n:?} appears twice in the group"
-            )));
-        }
+    if s.key.is_empty() || s.tensors.iter().any(|(n, _)| n.is_empty()) {
+        return Err("tensor names must not be empty (every rank must use the same name)".into());
     }
-    if let Some((_, first)) = s.tensors.first() {
-        let device = first.device();
-        if let Some((n, t)) = s.tensors.iter().find(|(_, t)| t.device() != device) {
-            return Err(invalid(format!(
-                "all tensors of one op must be on the same device: {:?} is on {device}, {n:?} on {}",
-                s.tensors[0].0,
-                t.device()
-            )));
-        }
+    Ok(())
+}
+
+/// A group: at least one member, no name twice.
+fn check_group(s: &Submission) -> std::result::Result<(), String> {
+    if s.kind != OpKind::GroupedAllreduce {
+        return Ok(());
     }
+    if s.tensors.is_empty() {
+        return Err("a group needs at least one tensor".into());
+    }
+    let mut seen = HashSet::new();
+    if let Some((n, _)) = s.tensors.iter().find(|(n, _)| !seen.insert(n)) {
+        return Err(format!("the name {n:?} appears twice in the group"));
+    }
+    Ok(())
+}
+
+/// Every tensor of one op on one device.
+fn check_device(s: &Submission) -> std::result::Result<(), String> {
+    let Some((first_name, first)) = s.tensors.first() else {
+        return Ok(());
+    };
+    let device = first.device();
+    match s.tensors.iter().find(|(_, t)| t.device() != device) {
+        Some((n, t)) => Err(format!(
+            "all tensors of one op must be on the same device: {first_name:?} is on {device}, {n:?} on {}",
+            t.device()
+        )),
+        None => Ok(()),
+    }
+}
+
+/// Finite scale factors.
+fn check_scales(s: &Submission) -> std::result::Result<(), String> {
     for (label, v) in [("prescale", s.prescale), ("postscale", s.postscale)] {
         if !v.is_finite() {
-            return Err(invalid(format!(
-                "{label} factor {v} is not a finite number"
-            )));
-        }
-    }
-    if s.kind == OpKind::Broadcast && s.root >= size {
-        return Err(bad_root(op, &s.key, s.root, size));
-    }
-    if matches!(
-        s.kind,
-        OpKind::Allgather | OpKind::Alltoall | OpKind::Reducescatter
-    ) {
-        if let Some((_, t)) = s.tensors.first() {
-            if t.shape().is_empty() {
-                return Err(invalid(format!(
-                    "{op} needs a tensor with at least one dimension; got a 0-d (scalar) tensor"
-                )));
-            }
-        }
-    }
-    if s.kind == OpKind::Alltoall {
-        if let Some((_, t)) = s.tensors.first() {
-            let d0 = t.shape()[0];
-            match &s.splits {
-                Some(splits) if splits.len() != size => {
-                    return Err(invalid(format!(
-                        "splits has {} entries but there are {} ranks",
-                        splits.len(),
-                        size
-                    )));
-                }
-                Some(splits) if splits.iter().sum::<usize>() != d0 => {
-                    return Err(invalid(format!(
-                        "splits {splits:?} sum to {} but dim 0 of the tensor is {d0}",
-                        splits.iter().sum::<usize>()
-                    )));
-                }
-                None if d0 % size != 0 => {
-                    return Err(invalid(format!(
-                        "dim 0 ({d0}) is not divisible by the number of ranks ({}); pass splits",
-                        size
-                    )));
-                }
-                _ => {}
-            }
+            return Err(format!("{label} factor {v} is not a finite number"));
         }
     }
     Ok(())
+}
+
+/// Ops that split or concatenate dim 0: a tensor that has one, and an alltoall's
+/// splits that cover it, one per rank.
+fn check_rows(s: &Submission, size: usize) -> std::result::Result<(), String> {
+    let op = s.kind.name();
+    let Some((_, t)) = s.tensors.first() else {
+        return Ok(());
+    };
+    if !matches!(
+        s.kind,
+        OpKind::Allgather | OpKind::Alltoall | OpKind::Reducescatter
+    ) {
+        return Ok(());
+    }
+    let Some(&d0) = t.shape().first() else {
+        return Err(format!(
+            "{op} needs a tensor with at least one dimension; got a 0-d (scalar) tensor"
+        ));
+    };
+    if s.kind != OpKind::Alltoall {
+        return Ok(());
+    }
+    match &s.splits {
+        Some(splits) if splits.len() != size => Err(format!(
+            "splits has {} entries but there are {} ranks",
+            splits.len(),
+            size
+        )),
+        Some(splits) => {
+            // Checked: splits are the caller's numbers.
+            let total = splits.iter().try_fold(0usize, |a, &b| a.checked_add(b));
+            match total {
+                Some(total) if total == d0 => Ok(()),
+                Some(total) => Err(format!(
+                    "splits {splits:?} sum to {total} but dim 0 of the tensor is {d0}"
+                )),
+                None => Err(format!("splits {splits:?} overflow when summed")),
+            }
+        }
+        None if d0 % size != 0 => Err(format!(
+            "dim 0 ({d0}) is not divisible by the number of ranks ({size}); pass splits"
+        )),
+        None => Ok(()),
+    }
 }
 
 #[cfg(test)]
