@@ -253,10 +253,6 @@ mod cuda {
         _pin: GpuResource,
     }
 
-    // SAFETY: the pin holds a raw device pointer (no host memory behind it) and is
-    // only dropped, never used, from here; the CubeTensor is Send.
-    unsafe impl Send for Lent {}
-
     fn lent() -> &'static Mutex<HashMap<u64, Lent>> {
         static LENT: OnceLock<Mutex<HashMap<u64, Lent>>> = OnceLock::new();
         LENT.get_or_init(Default::default)
@@ -296,7 +292,7 @@ mod cuda {
     ) -> Result<kolo::Tensor> {
         // The driver was checked when the device was made (`crate::cuda_device`),
         // but a model moved to CUDA another way reaches here first.
-        kolo::cuda_device_count().map_err(|e| Error::Kolo(e))?;
+        kolo::cuda_device_count().map_err(Error::Kolo)?;
         let pin = cube
             .client
             .get_resource::<<cubecl_cuda::CudaRuntime as Runtime>::Server>(cube.handle.clone())
