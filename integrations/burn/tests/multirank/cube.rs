@@ -10,6 +10,7 @@
 use std::time::Duration;
 
 use anyhow::{ensure, Result};
+use burn::module::Module;
 use burn::optim::SgdConfig;
 use burn::tensor::{Device, FloatDType};
 use kolo::Kolo;
