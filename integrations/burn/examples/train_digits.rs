@@ -197,7 +197,15 @@ fn main() -> anyhow::Result<()> {
     let (rank, size) = (kolo.rank(), kolo.size());
     // Checked before Burn touches the device: a missing CUDA driver is one line
     // naming the rank, not a panic on Burn's device thread.
-    let device = args.device.device(&kolo)?.autodiff();
+    // One line and a failure exit, without anyhow's backtrace.
+    let device = match args.device.device(&kolo) {
+        Ok(d) => d.autodiff(),
+        Err(e) => {
+            eprintln!("train_digits: {e}");
+            drop(kolo);
+            std::process::exit(1);
+        }
+    };
     let data = load_digits(args.seed);
 
     // Every rank starts from rank 0's weights (Burn draws them at random per process).
