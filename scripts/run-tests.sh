@@ -20,3 +20,16 @@ cargo test -p kolo -p kolorun --release --features nccl,fault-injection --all-ta
 # Across hosts: 2 emulated hosts × 2 ranks (network namespaces), when this machine can
 # make them; it says so when it skips.
 scripts/run-multinode-tests.sh
+# Burn on GPUs (kolo-burn's features `cuda` and `cpu`, issue 32): built once, offline
+# (scripts/build-cuda.sh installs LLVM 22 when missing), linted and documented; then
+# the route's tests that need no GPU — on Burn's CubeCL CPU runtime (`cube_`), and
+# `--device cuda` without a CUDA driver (`nodriver_`). The GPU cases (`gpu_`) are
+# ignored unless KOLO_TEST_GPU=1 (README, "Burn on GPUs").
+scripts/build-cuda.sh
+source scripts/cuda-env.sh
+kolo_cuda_env
+cargo clippy -p kolo-burn --release --features cuda,cpu --all-targets -- -D warnings
+RUSTDOCFLAGS="-D warnings" cargo doc -p kolo-burn --no-deps --release --features cuda,cpu
+cargo test -p kolo-burn --release --features cuda,cpu --lib
+cargo test -p kolo-burn --release --features cuda,cpu --test burn_multirank -- cube_
+cargo test -p kolo-burn --release --features cuda,cpu --test burn_multirank -- nodriver_

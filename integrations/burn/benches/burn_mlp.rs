@@ -11,7 +11,12 @@
 //!
 //! ```sh
 //! ./scripts/run-burn-bench.sh            # KOLO_BENCH_REPS=N (default 5), --model small|big
+//! ./scripts/run-burn-bench.sh --device cuda   # after scripts/build-cuda.sh; also cpu
 //! ```
+//! `--device cuda` (Burn's CUDA backend, gradients reduced by NCCL) runs kolo at np 1
+//! only — NCCL refuses two ranks on one GPU; `KOLO_BENCH_NP2=1` adds np 2 on a machine
+//! with two GPUs — and prints kolo's per-step overhead over plain Burn in µs.
+//! `--device cpu` is Burn's CubeCL CPU runtime (the same route, MPI in place of NCCL).
 //! Without `--bench` (as `cargo test --all-targets` runs it) it makes one short smoke
 //! run of the small model.
 
@@ -35,10 +40,16 @@ const PATHS: [&str; 3] = ["reducer", "overlapped", "optimizer"];
 
 /// One rank's side: trains `model` along `path` and prints rank 0's result line (the
 /// slowest rank's steps/s).
-fn worker(model: &str, path: &str, warmup: usize, steps: usize) -> Result<()> {
+fn worker(
+    model: &str,
+    path: &str,
+    backend: kolo_burn::Backend,
+    warmup: usize,
+    steps: usize,
+) -> Result<()> {
     let dims = mlp::dims(model).context("unknown model")?;
     let kolo = kolo::init()?;
-    let device = Device::flex().autodiff();
+    let device = backend.device(&kolo)?.autodiff();
     let (x, y) = mlp::batch(kolo.rank(), dims[dims.len() - 1], &device);
     let start = broadcast_parameters(&kolo, mlp::Mlp::new(dims, &device), 0)?;
     let t = match path {
@@ -177,11 +188,13 @@ fn main() -> Result<()> {
             .and_then(|i| args.get(i + 1))
             .cloned()
     };
+    let device_arg = arg("--device").unwrap_or_else(|| "flex".into());
     if let Some(model) = arg("--worker") {
         let path = arg("--path").unwrap_or_else(|| "reducer".into());
         let warmup = arg("--warmup").and_then(|v| v.parse().ok()).unwrap_or(3);
         let steps = arg("--steps").and_then(|v| v.parse().ok()).unwrap_or(20);
-        return worker(&model, &path, warmup, steps);
+        let backend = device_arg.parse().map_err(anyhow::Error::msg)?;
+        return worker(&model, &path, backend, warmup, steps);
     }
     let smoke = !args.iter().any(|a| a == "--bench");
     let reps: usize = if smoke {
@@ -197,6 +210,14 @@ fn main() -> Result<()> {
         None if smoke => vec!["small".into()],
         None => vec!["small".into(), "big".into()],
     };
+    let backend: kolo_burn::Backend = device_arg.parse().map_err(anyhow::Error::msg)?;
+    // NCCL refuses two ranks on one GPU.
+    let nps: &[&str] =
+        if backend == kolo_burn::Backend::Cuda && std::env::var_os("KOLO_BENCH_NP2").is_none() {
+            &["1"]
+        } else {
+            &["1", "2"]
+        };
     let exe = std::env::current_exe()?;
     // Cargo builds the package's binaries before its benchmarks and gives their paths.
     let plain = std::path::PathBuf::from(env!("CARGO_BIN_EXE_kolo-burn-plain-mlp"));
@@ -213,13 +234,13 @@ fn main() -> Result<()> {
         let started = Instant::now();
         for rep in 0..reps {
             let mut cmd = Command::new(&plain);
-            cmd.arg(model).args(&counts);
+            cmd.arg(model).args(&counts).arg(&device_arg);
             plain_sps.push(result_of(cmd, "plain Burn")?.0);
             for (p, path) in PATHS.iter().enumerate() {
-                for (n, np) in ["1", "2"].into_iter().enumerate() {
+                for (n, &np) in nps.iter().enumerate() {
                     let mut cmd = Command::new("mpirun");
                     cmd.args(["-np", np, "--bind-to", "none"]).arg(&exe);
-                    cmd.args(["--worker", model, "--path", path]);
+                    cmd.args(["--worker", model, "--path", path, "--device", &device_arg]);
                     cmd.args(["--warmup", &counts[0], "--steps", &counts[1]]);
                     harness::mpi_env(&mut cmd);
                     let r = result_of(cmd, &format!("kolo {path} np{np} (rep {rep})"))?;
@@ -228,7 +249,7 @@ fn main() -> Result<()> {
             }
         }
         println!(
-            "\n{model} MLP {:?}, batch {} per rank, {reps} alternating launches ({:.0?})",
+            "\n{model} MLP {:?} on {device_arg}, batch {} per rank, {reps} alternating launches ({:.0?})",
             mlp::dims(model).unwrap_or(&[]),
             mlp::BATCH,
             Duration::from_secs(started.elapsed().as_secs())
@@ -238,7 +259,8 @@ fn main() -> Result<()> {
             show(&plain_sps)
         );
         for (p, path) in PATHS.iter().enumerate() {
-            for (n, np) in ["np1", "np2"].into_iter().enumerate() {
+            for (n, np) in nps.iter().enumerate() {
+                let np = format!("np{np}");
                 let sps: Vec<f64> = kolo[p][n].iter().map(|r| r.0).collect();
                 let comm: Vec<f64> = kolo[p][n].iter().map(|r| 100.0 * r.1).collect();
                 let ratio: Vec<f64> = sps.iter().zip(&plain_sps).map(|(k, b)| k / b).collect();
@@ -248,6 +270,15 @@ fn main() -> Result<()> {
                     show(&comm),
                     show(&ratio)
                 );
+                if n == 0 {
+                    // What kolo adds to a step at np 1, from the same repetitions.
+                    let over: Vec<f64> = sps
+                        .iter()
+                        .zip(&plain_sps)
+                        .map(|(k, b)| 1e6 * (1.0 / k - 1.0 / b))
+                        .collect();
+                    println!("  {path:<10} np1  overhead per step {} µs", show(&over));
+                }
             }
         }
     }

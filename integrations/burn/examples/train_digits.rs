@@ -4,8 +4,14 @@
 //! ```sh
 //! mpirun -np 2 --bind-to none target/release/examples/train_digits [--epochs 30] \
 //!     [--scale-lr [--warmup-epochs 2]] [--checkpoint DIR [--resume]] [--bench] \
-//!     [--min-accuracy 0.95]
+//!     [--min-accuracy 0.95] [--device flex|cpu|cuda]
 //! ```
+//!
+//! `--device` picks Burn's backend: `flex` (default, Burn's CPU backend), `cuda`
+//! (each rank on GPU `local_rank % GPUs`, gradients reduced on the GPU by NCCL) or
+//! `cpu` (Burn's CubeCL CPU runtime, the CUDA route's code with MPI in place of
+//! NCCL). `cuda` and `cpu` need kolo-burn's features of those names:
+//! `scripts/build-cuda.sh` builds this example with both.
 //!
 //! Rank 0 prints one line per epoch with the loss and test accuracy averaged over all
 //! ranks, and the total throughput at the end.
@@ -68,6 +74,11 @@ struct Args {
     /// Resume from the checkpoint in --checkpoint.
     #[arg(long, requires = "checkpoint")]
     resume: bool,
+    /// Burn's backend: flex (Burn's CPU backend), cuda (one GPU per rank, reduced by
+    /// NCCL) or cpu (Burn's CubeCL CPU runtime); cuda and cpu need
+    /// scripts/build-cuda.sh.
+    #[arg(long, default_value = "flex")]
+    device: kolo_burn::Backend,
     /// Measure throughput only: no test evaluation, no checkpoints, one summary line.
     #[arg(long)]
     bench: bool,
@@ -184,7 +195,17 @@ fn main() -> anyhow::Result<()> {
     let args = Args::parse();
     let kolo = kolo::init()?;
     let (rank, size) = (kolo.rank(), kolo.size());
-    let device = Device::flex().autodiff();
+    // Checked before Burn touches the device: a missing CUDA driver is one line
+    // naming the rank, not a panic on Burn's device thread.
+    // One line and a failure exit, without anyhow's backtrace.
+    let device = match args.device.device(&kolo) {
+        Ok(d) => d.autodiff(),
+        Err(e) => {
+            eprintln!("train_digits: {e}");
+            drop(kolo);
+            std::process::exit(1);
+        }
+    };
     let data = load_digits(args.seed);
 
     // Every rank starts from rank 0's weights (Burn draws them at random per process).

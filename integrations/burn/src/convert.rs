@@ -73,6 +73,20 @@ pub(crate) fn to_kolo<const D: usize>(
 ) -> Result<kolo::Tensor> {
     let dims = grad.dims();
     let dtype = kolo_dtype(name, grad.dtype())?;
+    // Burn's CubeCL backend (CUDA, CPU runtime): the tensor's own device memory.
+    #[cfg(any(feature = "cuda", feature = "cpu"))]
+    let grad = if crate::cube::route(&grad.device()) == crate::cube::Route::Host {
+        grad
+    } else {
+        match crate::cube::lend(name, grad, dtype) {
+            Ok(lent) => return lent,
+            // A buffer that cannot be lent: copied to the host.
+            Err(grad) => {
+                copied.add(dims.iter().product::<usize>() * dtype.size_of());
+                grad
+            }
+        }
+    };
     let (bytes, _, _) = grad.into_data().into_parts();
     from_bytes(name, bytes, dtype, &dims, copied)
 }
@@ -130,6 +144,14 @@ pub(crate) fn to_burn<const D: usize>(
     dtype: DType,
     device: &Device,
 ) -> Result<Tensor<D>> {
+    #[cfg(any(feature = "cuda", feature = "cpu"))]
+    let t = match crate::cube::reclaim::<D>(t) {
+        Ok(g) => return Ok(g),
+        Err(t) => t,
+    };
+    // A CUDA tensor kolo-burn did not lend: through the host.
+    #[cfg(feature = "cuda")]
+    let t = t.to_cpu().map_err(kolo::Error::from)?;
     let shape = t.shape().to_vec();
     let data = match t.into_host_buffer::<BurnBytes>() {
         Ok(b) => TensorData::from_bytes(b.0, shape, dtype),

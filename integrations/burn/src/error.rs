@@ -53,6 +53,18 @@ pub enum Error {
         message: String,
     },
 
+    /// A device this rank was asked to train on cannot be used here (no CUDA driver,
+    /// no such GPU, or a build without the feature).
+    #[error("rank {rank}: cannot use device {device}: {message}")]
+    Device {
+        /// This rank.
+        rank: usize,
+        /// The device asked for, e.g. `cuda:0`.
+        device: String,
+        /// Why, and what to install or change.
+        message: String,
+    },
+
     /// A tensor's data could not be read.
     #[error("reading gradient {name:?}: {message}")]
     Data {

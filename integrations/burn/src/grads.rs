@@ -371,7 +371,20 @@ pub(crate) fn as_kolo<const D: usize>(
                 Err(e) => (device, wire.zeros(s), Some(e)),
             }
         }
-        None => (param.val().device().inner(), wire.zeros(s), None),
+        None => {
+            let device = param.val().device().inner();
+            // On a Cube device the zeros live where the other ranks' gradients do, so
+            // that every rank hands kolo the same kind of tensor.
+            #[cfg(any(feature = "cuda", feature = "cpu"))]
+            if crate::cube::route(&device) != crate::cube::Route::Host {
+                let zeros = param.val().inner().zeros_like();
+                return match convert::to_kolo(&s.path, zeros, copied) {
+                    Ok(t) => (device, t, None),
+                    Err(e) => (device, wire.zeros(s), Some(e)),
+                };
+            }
+            (device, wire.zeros(s), None)
+        }
     }
 }
 

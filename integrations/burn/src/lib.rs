@@ -35,6 +35,9 @@
 mod broadcast;
 mod checkpoint;
 mod convert;
+#[cfg(any(feature = "cuda", feature = "cpu"))]
+mod cube;
+mod device;
 mod error;
 mod grads;
 mod layout;
@@ -47,6 +50,7 @@ pub mod train;
 
 pub use broadcast::{broadcast_optimizer_state, broadcast_parameters};
 pub use checkpoint::{checkpoint_path, load_checkpoint, save_checkpoint, Restored};
+pub use device::{cuda_device, Backend};
 pub use error::{Error, Result};
 pub use grads::GradientReducer;
 pub use metrics::average_metrics;

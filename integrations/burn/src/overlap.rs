@@ -12,7 +12,8 @@
 //! on with the earlier layers. [`Overlap::finish`] waits for the buckets and returns
 //! the averaged gradients.
 //!
-//! Only Burn's CPU backend (`Flex`) under autodiff is hooked; on other backends
+//! Burn's CPU backend (`Flex`) under autodiff is hooked, and with the `cuda` or `cpu`
+//! feature Burn's CubeCL backend (CUDA, the CPU runtime) too; on other backends
 //! `layer` returns the layer unchanged (one `tracing` warning) and `finish` reduces
 //! everything after backward, as [`GradientReducer::reduce`] does.
 
@@ -305,8 +306,9 @@ impl<const I: usize> ModuleMapper for Hooker<'_, I> {
             None => {
                 UNHOOKED.call_once(|| {
                     tracing::warn!(
-                        "kolo-burn: overlap needs Burn's CPU backend (flex) with autodiff; \
-                         these gradients are reduced after backward instead"
+                        "kolo-burn: overlap needs Burn's CPU backend (flex), or its CubeCL \
+                         backend with kolo-burn's cuda/cpu feature, with autodiff; these \
+                         gradients are reduced after backward instead"
                     );
                 });
                 t
@@ -316,7 +318,7 @@ impl<const I: usize> ModuleMapper for Hooker<'_, I> {
 }
 
 /// `param` through the hook op with `anchor` as its second parent; `None` when the
-/// tensors are not Flex autodiff tensors.
+/// tensors are not Flex (or, with the `cuda`/`cpu` feature, Cube) autodiff tensors.
 fn hook<const D: usize, const I: usize>(
     param: Tensor<D>,
     anchor: Tensor<I>,
@@ -326,14 +328,14 @@ fn hook<const D: usize, const I: usize>(
     // One copy per checkpointing strategy: Burn's conversion is implemented for each
     // concrete strategy only.
     macro_rules! with {
-        ($name:ident, $C:ty) => {
+        ($name:ident, $B:ty, $C:ty) => {
             fn $name<const D: usize, const I: usize>(
                 param: Tensor<D>,
                 anchor: Tensor<I>,
                 state: Ready,
             ) -> Option<Tensor<D>> {
-                let p = param.try_into_primitive::<Autodiff<Flex, $C>>().ok()?;
-                let a = anchor.try_into_primitive::<Autodiff<Flex, $C>>().ok()?;
+                let p = param.try_into_primitive::<Autodiff<$B, $C>>().ok()?;
+                let a = anchor.try_into_primitive::<Autodiff<$B, $C>>().ok()?;
                 let (primitive, p_guard) = p.into_parts();
                 let a_guard = a.node();
                 let out = match ReduceWhenReady::<D>
@@ -344,15 +346,24 @@ fn hook<const D: usize, const I: usize>(
                     OpsKind::Tracked(prep) => prep.finish(state, primitive),
                     OpsKind::UnTracked(prep) => prep.finish(primitive),
                 };
-                Some(Tensor::from_primitive::<Autodiff<Flex, $C>>(out))
+                Some(Tensor::from_primitive::<Autodiff<$B, $C>>(out))
             }
         };
     }
-    with!(plain, NoCheckpointing);
-    with!(balanced, BalancedCheckpointing);
+    with!(plain, Flex, NoCheckpointing);
+    with!(balanced, Flex, BalancedCheckpointing);
     let state = Ready { step, slot };
-    plain::<D, I>(param.clone(), anchor.clone(), state.clone())
-        .or_else(|| balanced::<D, I>(param, anchor, state))
+    let flex = plain::<D, I>(param.clone(), anchor.clone(), state.clone())
+        .or_else(|| balanced::<D, I>(param.clone(), anchor.clone(), state.clone()));
+    #[cfg(any(feature = "cuda", feature = "cpu"))]
+    let flex = flex.or_else(|| {
+        use burn::backend::Cube;
+        with!(cube_plain, Cube, NoCheckpointing);
+        with!(cube_balanced, Cube, BalancedCheckpointing);
+        cube_plain::<D, I>(param.clone(), anchor.clone(), state.clone())
+            .or_else(|| cube_balanced::<D, I>(param, anchor, state))
+    });
+    flex
 }
 
 /// The hook's state: which step and slot its gradient belongs to.
@@ -372,13 +383,16 @@ impl std::fmt::Debug for Ready {
 #[derive(Debug)]
 struct ReduceWhenReady<const D: usize>;
 
-impl<const D: usize> Backward<Flex, 2> for ReduceWhenReady<D> {
+impl<B: burn::backend::Backend, const D: usize> Backward<B, 2> for ReduceWhenReady<D>
+where
+    burn::backend::DispatchTensor: burn::backend::DispatchKindConversion<B>,
+{
     type State = Ready;
 
     fn backward(self, ops: Ops<Self::State, 2>, grads: &mut Gradients, _: &mut Checkpointer) {
-        let grad = grads.consume::<Flex>(&ops.node);
+        let grad = grads.consume::<B>(&ops.node);
         let Ready { step, slot } = ops.state;
-        let grad = Tensor::<D>::from_primitive::<Flex>(grad);
+        let grad = Tensor::<D>::from_primitive::<B>(grad);
         step.arrive(slot, grad);
         // Nothing goes to the parents: the parameter's gradient is kolo's now (finish
         // hands it back averaged) and the anchor only orders this op.

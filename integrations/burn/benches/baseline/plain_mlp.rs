@@ -5,8 +5,9 @@
 //! hands the benchmark its path (`CARGO_BIN_EXE_kolo-burn-plain-mlp`).
 //!
 //! ```sh
-//! RAYON_NUM_THREADS=1 target/release/kolo-burn-plain-mlp big 3 20
+//! RAYON_NUM_THREADS=1 target/release/kolo-burn-plain-mlp big 3 20 [flex|cpu|cuda]
 //! ```
+//! `cpu` and `cuda` need the features of those names (`scripts/build-cuda.sh`).
 
 #[path = "../common/mlp.rs"]
 mod mlp;
@@ -22,7 +23,15 @@ fn main() -> Result<(), String> {
     let dims = mlp::dims(model).ok_or_else(|| format!("unknown model {model:?}: small or big"))?;
     let warmup = args.get(2).and_then(|v| v.parse().ok()).unwrap_or(3);
     let steps = args.get(3).and_then(|v| v.parse().ok()).unwrap_or(20);
-    let device = Device::flex().autodiff();
+    let device = match args.get(4).map_or("flex", String::as_str) {
+        "flex" => Device::flex(),
+        #[cfg(feature = "cpu")]
+        "cpu" => Device::cpu(),
+        #[cfg(feature = "cuda")]
+        "cuda" => Device::cuda(0),
+        other => return Err(format!("device {other:?} is not built in (see the docs)")),
+    }
+    .autodiff();
     let classes = dims[dims.len() - 1];
     let (x, y) = mlp::batch(0, classes, &device);
     let mut optim = SgdConfig::new().init();

@@ -1,6 +1,8 @@
 //! Multi-rank tests of kolo-burn: this binary launches itself under `mpirun -np N`
 //! once per case (see the core crate's `tests/collectives` for the pattern).
 
+#[cfg(any(feature = "cpu", feature = "cuda"))]
+mod cube;
 #[path = "../../../../tests/collectives/harness.rs"]
 mod harness;
 mod issue31;
@@ -929,6 +931,49 @@ const EXAMPLES: &[(&str, &[&str], &[usize])] = &[
     ),
 ];
 
+/// The Cube route on Burn's CubeCL CPU runtime (feature `cpu`, issue 32): name, case,
+/// rank counts. Named `cube_…` so that the GPU filter (`gpu_`) leaves them out.
+#[cfg(feature = "cpu")]
+const CUBE_CASES: &[(&str, Case, &[usize])] = &[
+    ("cube_cpu_equivalence_f32", cube::cpu_f32, &[1, 2]),
+    ("cube_cpu_equivalence_f16", cube::cpu_f16, &[1, 2]),
+];
+#[cfg(not(feature = "cpu"))]
+const CUBE_CASES: &[(&str, Case, &[usize])] = &[];
+
+/// The same on CUDA (feature `cuda`), reduced by NCCL: run on a GPU machine with
+/// `KOLO_TEST_GPU=1` (README, "Burn on GPUs"); ignored elsewhere. np 1 only: NCCL
+/// refuses two ranks on one GPU (np 2 runs when the machine has two).
+#[cfg(feature = "cuda")]
+const GPU_CASES: &[(&str, Case, &[usize])] = &[
+    ("gpu_cuda_equivalence_f32", cube::gpu_cuda_f32, &[1, 2]),
+    ("gpu_cuda_equivalence_bf16", cube::gpu_cuda_bf16, &[1, 2]),
+    ("gpu_cuda_equivalence_f16", cube::gpu_cuda_f16, &[1]),
+];
+#[cfg(not(feature = "cuda"))]
+const GPU_CASES: &[(&str, Case, &[usize])] = &[];
+
+/// Examples that need a Cube feature: the digits example on Burn's CubeCL CPU runtime
+/// through the Cube route, to the usual 95% at 2 ranks.
+fn cube_examples() -> Vec<(&'static str, &'static [&'static str], &'static [usize])> {
+    let mut v: Vec<(&'static str, &'static [&'static str], &'static [usize])> = Vec::new();
+    if cfg!(feature = "cpu") {
+        v.push((
+            "cube_digits_example_cpu_device",
+            &[
+                "--epochs",
+                "10",
+                "--device",
+                "cpu",
+                "--min-accuracy",
+                "0.95",
+            ],
+            &[2],
+        ));
+    }
+    v
+}
+
 /// Worker side of an example case: becomes the example binary (built beside this test
 /// by `cargo test`), before MPI starts here, so that it is this rank.
 fn exec_example(args: &[&str]) -> ! {
@@ -949,12 +994,43 @@ fn exec_example(args: &[&str]) -> ! {
     std::process::exit(2);
 }
 
+/// The GPU cases: run with `KOLO_TEST_GPU=1` at the rank counts the machine has GPUs
+/// for (one per rank), ignored elsewhere.
+fn gpu_trials(trials: &mut Vec<Trial>) {
+    let gpu_machine = std::env::var_os("KOLO_TEST_GPU").is_some_and(|v| v == "1");
+    let gpus = if gpu_machine {
+        kolo::cuda_device_count().unwrap_or(0)
+    } else {
+        usize::MAX
+    };
+    for &(name, _, nps) in GPU_CASES {
+        for &np in nps {
+            if gpu_machine && np > gpus {
+                continue;
+            }
+            let t = harness::trial(
+                name,
+                np,
+                Duration::from_secs(300),
+                &[("RAYON_NUM_THREADS", "1")],
+            );
+            trials.push(t.with_ignored_flag(!gpu_machine));
+        }
+    }
+}
+
 fn main() {
     if let Ok(case) = std::env::var("KOLO_TEST_CASE") {
-        if let Some((_, args, _)) = EXAMPLES.iter().find(|(n, _, _)| *n == case) {
+        let examples = EXAMPLES.iter().copied().chain(cube_examples());
+        if let Some((_, args, _)) = examples.clone().find(|(n, _, _)| *n == case) {
             exec_example(args);
         }
-        let cases: Vec<(&str, Case)> = CASES.iter().map(|(n, f, _)| (*n, *f)).collect();
+        let cases: Vec<(&str, Case)> = CASES
+            .iter()
+            .chain(CUBE_CASES)
+            .chain(GPU_CASES)
+            .map(|(n, f, _)| (*n, *f))
+            .collect();
         harness::run_worker(&case, &cases);
     }
     let args = Arguments::from_args();
@@ -969,7 +1045,25 @@ fn main() {
             ));
         }
     }
-    for &(name, _, nps) in EXAMPLES {
+    for &(name, _, nps) in CUBE_CASES {
+        for &np in nps {
+            trials.push(harness::trial(
+                name,
+                np,
+                Duration::from_secs(300),
+                &[("RAYON_NUM_THREADS", "1")],
+            ));
+        }
+    }
+    gpu_trials(&mut trials);
+    #[cfg(feature = "cuda")]
+    trials.push(
+        Trial::test("nodriver_cuda_digits/np1", || {
+            Ok(cube::nodriver_cuda_digits()?)
+        })
+        .with_ignored_flag(!cube::driver_missing()),
+    );
+    for (name, _, nps) in EXAMPLES.iter().copied().chain(cube_examples()) {
         for &np in nps {
             trials.push(harness::trial(
                 name,
