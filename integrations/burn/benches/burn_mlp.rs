@@ -26,7 +26,6 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, ensure, Context, Result};
 use burn::nn::loss::CrossEntropyLossConfig;
 use burn::optim::{GradientsParams, ModuleOptimizer, SgdConfig};
-use burn::tensor::Device;
 use kolo_burn::{broadcast_parameters, DistributedOptimizer, GradientReducer};
 
 #[path = "common/mlp.rs"]
