@@ -201,7 +201,9 @@ fn main() -> anyhow::Result<()> {
     let device = match args.device.device(&kolo) {
         Ok(d) => d.autodiff(),
         Err(e) => {
-            eprintln!("train_digits: {e}");
+            // One write, so that mpirun's tagged output keeps the line whole.
+            let line = format!("train_digits: {e}\n");
+            let _ = std::io::Write::write_all(&mut std::io::stderr().lock(), line.as_bytes());
             drop(kolo);
             std::process::exit(1);
         }

@@ -41,7 +41,7 @@ fn cube_equivalence(
         .map_err(|e| anyhow::anyhow!("configuring the {backend:?} device for {dtype:?}: {e:?}"))?;
     let cube = cube.autodiff();
     let start = broadcast_parameters(k, Small::new(&flex), 0)?;
-    let (mut on_flex, mut on_cube) = (start.clone(), start.clone().to_device(&cube));
+    let (mut on_flex, mut on_cube) = (start.clone(), start.clone().fork(&cube));
     let want = burn::tensor::DType::from(dtype);
     ensure!(
         on_cube.fc1.weight.val().dtype() == want,
