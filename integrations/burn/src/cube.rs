@@ -99,7 +99,9 @@ pub(crate) fn lend<const D: usize>(
     };
     drop(flat);
     let len = n * dtype.size_of();
-    if !(cube.is_contiguous() && cube.can_mut() && cube.handle.size() as usize == len) {
+    // The element count comes from the shape, not the allocation: cubecl may round a
+    // small buffer up, and only the first `len` bytes are the gradient.
+    if !(cube.is_contiguous() && cube.can_mut() && cube.handle.size() as usize >= len) {
         let back = Tensor::<1>::from_primitive::<Cube>(cube);
         return Err(back.reshape(dims_array::<D>(&dims)));
     }
@@ -303,9 +305,10 @@ mod cuda {
         macro_rules! wrap {
             ($t:ty) => {{
                 // SAFETY: `ptr` is the start of this tensor's own buffer (offset
-                // included) of `n` elements of its dtype — checked contiguous, whole
-                // and unshared by `lend` — pinned by `pin` until `reclaim` takes the
-                // slice back and leaks it, so the slice never frees Burn's memory.
+                // included), which holds at least `n` elements of its dtype — checked
+                // contiguous, large enough and unshared by `lend` — pinned by `pin`
+                // until `reclaim` takes the slice back and leaks it, so the slice
+                // never frees Burn's memory.
                 let slice: CudaSlice<$t> = unsafe { stream.upgrade_device_ptr::<$t>(ptr, n) };
                 kolo::Tensor::from_cuda(slice, dims)
             }};
