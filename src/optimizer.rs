@@ -632,18 +632,20 @@ pub fn broadcast_parameters(
     let names: Vec<String> = params.keys().cloned().collect();
     let mut handles = Vec::with_capacity(names.len());
     let mut first_err = None;
-    for name in &names {
-        let Some(t) = params.remove(name) else {
+    // A failure that never ran hands the tensor back: it goes back into the map.
+    let mut keep = |params: &mut BTreeMap<String, Tensor>, name: String, mut e: Error| {
+        if let Some(t) = e.take_tensors().pop() {
+            params.insert(name, t);
+        }
+        first_err.get_or_insert(e);
+    };
+    for name in names {
+        let Some(t) = params.remove(&name) else {
             continue;
         };
         match kolo.broadcast(format!("param.{name}"), t, root).submit() {
-            Ok(h) => handles.push((name.clone(), h)),
-            Err(mut e) => {
-                if let Some(t) = e.take_tensors().pop() {
-                    params.insert(name.clone(), t);
-                }
-                first_err.get_or_insert(e);
-            }
+            Ok(h) => handles.push((name, h)),
+            Err(e) => keep(params, name, e),
         }
     }
     for (name, h) in handles {
@@ -651,12 +653,7 @@ pub fn broadcast_parameters(
             Ok(t) => {
                 params.insert(name, t);
             }
-            Err(mut e) => {
-                if let Some(t) = e.take_tensors().pop() {
-                    params.insert(name, t);
-                }
-                first_err.get_or_insert(e);
-            }
+            Err(e) => keep(params, name, e),
         }
     }
     first_err.map_or(Ok(()), Err)

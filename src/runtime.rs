@@ -225,25 +225,37 @@ impl Stopped {
     fn wait(&self, deadline: Option<Instant>) -> bool {
         let mut done = self.done.lock().unwrap_or_else(PoisonError::into_inner);
         while !*done {
-            done = match deadline {
-                None => self
-                    .changed
-                    .wait(done)
-                    .unwrap_or_else(PoisonError::into_inner),
-                Some(d) => {
-                    let left = d.saturating_duration_since(Instant::now());
-                    if left.is_zero() {
-                        return false;
-                    }
-                    self.changed
-                        .wait_timeout(done, left)
-                        .unwrap_or_else(PoisonError::into_inner)
-                        .0
-                }
-            };
+            let (guard, in_time) = wait_until(&self.changed, done, deadline);
+            if !in_time {
+                return false;
+            }
+            done = guard;
         }
         true
     }
+}
+
+/// Waits on `changed` with `guard` once, until `deadline` (`None`: without a bound).
+/// Gives the guard back, and false when the deadline had already passed (no wait).
+fn wait_until<'a, T>(
+    changed: &std::sync::Condvar,
+    guard: std::sync::MutexGuard<'a, T>,
+    deadline: Option<Instant>,
+) -> (std::sync::MutexGuard<'a, T>, bool) {
+    let Some(d) = deadline else {
+        return (
+            changed.wait(guard).unwrap_or_else(PoisonError::into_inner),
+            true,
+        );
+    };
+    let left = d.saturating_duration_since(Instant::now());
+    if left.is_zero() {
+        return (guard, false);
+    }
+    let (guard, _) = changed
+        .wait_timeout(guard, left)
+        .unwrap_or_else(PoisonError::into_inner);
+    (guard, true)
 }
 
 impl Inner {
@@ -261,25 +273,12 @@ impl Inner {
             // Sets announced before now start (their collectives need every member)
             // and are registered; then they are stopped with the rest.
             while sets.starting > 0 {
-                sets = match deadline {
-                    None => self
-                        .sets_changed
-                        .wait(sets)
-                        .unwrap_or_else(PoisonError::into_inner),
-                    Some(d) => {
-                        let left = d.saturating_duration_since(Instant::now());
-                        if left.is_zero() {
-                            tracing::error!(
-                                "a process set still starting at the shutdown deadline"
-                            );
-                            break;
-                        }
-                        self.sets_changed
-                            .wait_timeout(sets, left)
-                            .unwrap_or_else(PoisonError::into_inner)
-                            .0
-                    }
-                };
+                let in_time;
+                (sets, in_time) = wait_until(&self.sets_changed, sets, deadline);
+                if !in_time {
+                    tracing::error!("a process set still starting at the shutdown deadline");
+                    break;
+                }
             }
             std::mem::take(&mut sets.engines)
         };

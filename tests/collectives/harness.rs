@@ -82,6 +82,38 @@ pub(crate) fn trial(
     })
 }
 
+/// The GPU cases' trials (case, function, np values). With `KOLO_TEST_GPU=1` each runs
+/// at the np values this machine has a GPU per rank for: NCCL refuses two ranks on one
+/// device, so a case needing more GPUs is left out (`--include-ignored` cannot force
+/// it), and a machine where no CUDA device can be used ends the run with an error
+/// rather than passing with none run. Elsewhere every case is listed, ignored, so the
+/// count shows.
+pub(crate) fn gpu_trials(
+    cases: &'static [(&'static str, Case, &'static [usize])],
+    timeout: Duration,
+    env: &'static [(&'static str, &'static str)],
+) -> Vec<libtest_mimic::Trial> {
+    let gpu_machine = std::env::var_os("KOLO_TEST_GPU").is_some_and(|v| v == "1");
+    let gpus = if gpu_machine {
+        match kolo::cuda_device_count() {
+            Ok(n) if n > 0 => n,
+            other => {
+                eprintln!("KOLO_TEST_GPU=1, but no CUDA device can be used: {other:?}");
+                std::process::exit(1);
+            }
+        }
+    } else {
+        usize::MAX
+    };
+    let mut trials = Vec::new();
+    for &(name, _, nps) in cases {
+        for &np in nps.iter().filter(|&&np| !gpu_machine || np <= gpus) {
+            trials.push(trial(name, np, timeout, env).with_ignored_flag(!gpu_machine));
+        }
+    }
+    trials
+}
+
 impl Run {
     /// Ok when every rank succeeded; otherwise the error names `what`, the time taken
     /// and the output.

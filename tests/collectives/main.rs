@@ -737,31 +737,12 @@ fn main() {
             trials.push(harness::trial(name, np, Duration::from_secs(120), &[]));
         }
     }
+    trials.extend(harness::gpu_trials(
+        GPU_CASES,
+        Duration::from_secs(180),
+        &[],
+    ));
     let gpu_machine = std::env::var_os("KOLO_TEST_GPU").is_some_and(|v| v == "1");
-    // One GPU per rank: NCCL refuses two ranks on one device.
-    let gpus = if gpu_machine {
-        match kolo::cuda_device_count() {
-            Ok(n) if n > 0 => n,
-            other => {
-                eprintln!("KOLO_TEST_GPU=1, but no CUDA device can be used: {other:?}");
-                std::process::exit(1);
-            }
-        }
-    } else {
-        usize::MAX
-    };
-    for &(name, _, nps) in GPU_CASES {
-        for &np in nps {
-            // On a GPU machine a case needing more GPUs than it has is left out (NCCL
-            // refuses two ranks on one device), so that `--include-ignored` cannot
-            // force it; elsewhere every GPU case is ignored, so the count shows.
-            if gpu_machine && np > gpus {
-                continue;
-            }
-            let t = harness::trial(name, np, Duration::from_secs(180), &[]);
-            trials.push(t.with_ignored_flag(!gpu_machine));
-        }
-    }
     // The no-GPU cases expect the CUDA driver library to be missing: on a machine that
     // has one (with or without KOLO_TEST_GPU) they are ignored.
     let driver_missing = matches!(

@@ -994,31 +994,6 @@ fn exec_example(args: &[&str]) -> ! {
     std::process::exit(2);
 }
 
-/// The GPU cases: run with `KOLO_TEST_GPU=1` at the rank counts the machine has GPUs
-/// for (one per rank), ignored elsewhere.
-fn gpu_trials(trials: &mut Vec<Trial>) {
-    let gpu_machine = std::env::var_os("KOLO_TEST_GPU").is_some_and(|v| v == "1");
-    let gpus = if gpu_machine {
-        kolo::cuda_device_count().unwrap_or(0)
-    } else {
-        usize::MAX
-    };
-    for &(name, _, nps) in GPU_CASES {
-        for &np in nps {
-            if gpu_machine && np > gpus {
-                continue;
-            }
-            let t = harness::trial(
-                name,
-                np,
-                Duration::from_secs(300),
-                &[("RAYON_NUM_THREADS", "1")],
-            );
-            trials.push(t.with_ignored_flag(!gpu_machine));
-        }
-    }
-}
-
 fn main() {
     if let Ok(case) = std::env::var("KOLO_TEST_CASE") {
         let examples = EXAMPLES.iter().copied().chain(cube_examples());
@@ -1055,7 +1030,11 @@ fn main() {
             ));
         }
     }
-    gpu_trials(&mut trials);
+    trials.extend(harness::gpu_trials(
+        GPU_CASES,
+        Duration::from_secs(300),
+        &[("RAYON_NUM_THREADS", "1")],
+    ));
     #[cfg(feature = "cuda")]
     trials.push(
         Trial::test("nodriver_cuda_digits/np1", || {
