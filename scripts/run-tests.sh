@@ -10,6 +10,10 @@ cargo fmt --all -- --check
 cargo clippy --workspace --release --all-targets -- -D warnings
 cargo clippy -p kolo -p kolorun --release --features nccl,fault-injection --all-targets -- -D warnings
 RUSTDOCFLAGS="-D warnings" cargo doc --workspace --no-deps --release
+# The examples as a user builds them: `cargo test` compiles examples with the test
+# harness and leaves no runnable `target/release/examples/<name>`, which the digits
+# tests launch under mpirun.
+cargo build --workspace --release --examples
 cargo test --workspace --release --all-targets
 cargo test --workspace --release --doc
 # The NCCL transport (feature "nccl") builds and runs without CUDA: its no-GPU tests
