@@ -15,7 +15,7 @@ use crate::error::{Error, Result};
 use crate::handle::Output;
 use crate::tensor::{DType, Tensor};
 use crate::transport::Transport;
-use crate::vocab::AlltoallOutput;
+use crate::vocab::{AlltoallOutput, ReduceOp};
 use smallvec::SmallVec;
 
 /// Why a process set's (sorted) ranks cannot make a set among `size` ranks. Checked
@@ -161,13 +161,15 @@ fn grouped_allreduce(
     }
     for dtype in dtypes {
         let mut members: Vec<&mut Tensor> = Vec::new();
+        let mut large: Vec<&mut Tensor> = Vec::new();
         for x in tensors.iter_mut().filter(|x| x.dtype() == dtype) {
             if x.num_bytes() > buffer.max_tensor {
-                allreduce(t, x, meta, size)?;
+                large.push(x);
             } else {
                 members.push(x);
             }
         }
+        reduce_large(t, large, dtype, meta, size)?;
         if let [only] = members.as_mut_slice() {
             allreduce(t, only, meta, size)?;
             continue;
@@ -182,6 +184,58 @@ fn grouped_allreduce(
         unpack(buf, members.iter_mut().map(|x| &mut **x));
     }
     Ok(tensors)
+}
+
+/// Reduces a group's members too large to fuse, each in its own tensor. Sums and
+/// averages go to the transport in batches, as separate allreduces of that size do
+/// (`fusion::in_place_batches`: one `Transport::allreduce_many` call per batch where
+/// the transport takes groups); other ops, one call each.
+fn reduce_large(
+    t: &mut dyn Transport,
+    large: Vec<&mut Tensor>,
+    dtype: DType,
+    meta: &RequestMeta,
+    size: usize,
+) -> Result<()> {
+    let limit = match meta.op {
+        ReduceOp::Sum | ReduceOp::Average => t.in_place_group_bytes(),
+        _ => 0,
+    };
+    let sizes: Vec<usize> = large.iter().map(|x| x.num_bytes()).collect();
+    let mut large: Vec<Option<&mut Tensor>> = large.into_iter().map(Some).collect();
+    for batch in super::fusion::in_place_batches(&sizes, limit) {
+        let mut members: Vec<&mut Tensor> = batch.iter().filter_map(|&i| large[i].take()).collect();
+        match members.as_mut_slice() {
+            [only] => allreduce(t, only, meta, size)?,
+            many => reduce_many(t, many, dtype, meta, size)?,
+        }
+    }
+    Ok(())
+}
+
+/// Reduces `tensors` (one dtype) in place with one `Transport::allreduce_many` call,
+/// each prescaled before and postscaled after.
+fn reduce_many(
+    t: &mut dyn Transport,
+    tensors: &mut [&mut Tensor],
+    dtype: DType,
+    meta: &RequestMeta,
+    size: usize,
+) -> Result<()> {
+    for x in tensors.iter_mut() {
+        scale_bytes(x.host_bytes_mut(), dtype, meta.prescale);
+    }
+    let mut bufs: Vec<&mut [u8]> = tensors
+        .iter_mut()
+        .map(|x| x.host_bytes_mut())
+        .filter(|b| !b.is_empty())
+        .collect();
+    t.allreduce_many(&mut bufs, dtype, meta.op)?;
+    let post = post_factor(meta, size);
+    for x in tensors.iter_mut() {
+        scale_bytes(x.host_bytes_mut(), dtype, post);
+    }
+    Ok(())
 }
 
 /// Copies `tensors` one after another into the front of `buf`.
@@ -276,20 +330,9 @@ pub(crate) fn run_in_place_group(
         let meta = members[0].0.first().clone();
         let dtype = first_tensor(&meta, 0)?.dtype;
         let (mut tensors, local) = fused_inputs(members, |m| Ok(Tensor::zeros(m.dtype, &m.shape)))?;
-        for x in &mut tensors {
-            scale_bytes(x.host_bytes_mut(), dtype, meta.prescale);
-        }
         times.copied_in = Instant::now();
-        let mut bufs: Vec<&mut [u8]> = tensors
-            .iter_mut()
-            .map(Tensor::host_bytes_mut)
-            .filter(|b| !b.is_empty())
-            .collect();
-        t.allreduce_many(&mut bufs, dtype, meta.op)?;
-        let post = post_factor(&meta, size);
-        for x in &mut tensors {
-            scale_bytes(x.host_bytes_mut(), dtype, post);
-        }
+        let mut all: Vec<&mut Tensor> = tensors.iter_mut().collect();
+        reduce_many(t, &mut all, dtype, &meta, size)?;
         times.reduced = Instant::now();
         Ok(tensors
             .into_iter()

@@ -124,21 +124,7 @@ pub(crate) fn plan(
                 continue;
             }
         };
-        let mut batch = vec![i];
-        if limit > 0 {
-            for j in i + 1..responses.len() {
-                if taken[j] {
-                    continue;
-                }
-                if let Some((k, b)) = &keys[j] {
-                    if k == key && total + b <= limit {
-                        taken[j] = true;
-                        total += b;
-                        batch.push(j);
-                    }
-                }
-            }
-        }
+        let batch = fill(keys, i, key, &mut total, &mut taken, limit);
         steps.push(if batch.len() == 1 {
             Step::Single(i)
         } else {
@@ -146,6 +132,56 @@ pub(crate) fn plan(
         });
     }
     steps
+}
+
+/// The rest of a batch that starts at `first` (already taken, whatever its size, with
+/// `key` and `total` bytes): every later entry not yet taken whose key is `key` and
+/// that still fits in `limit` bytes (0: none), in order, skipping the others.
+fn fill<K: PartialEq>(
+    keys: &[Option<(K, usize)>],
+    first: usize,
+    key: &K,
+    total: &mut usize,
+    taken: &mut [bool],
+    limit: usize,
+) -> Vec<usize> {
+    let mut batch = vec![first];
+    if limit == 0 {
+        return batch;
+    }
+    for j in first + 1..keys.len() {
+        if taken[j] {
+            continue;
+        }
+        if let Some((k, b)) = &keys[j] {
+            if k == key && *total + b <= limit {
+                taken[j] = true;
+                *total += b;
+                batch.push(j);
+            }
+        }
+    }
+    batch
+}
+
+/// How the members of one `grouped_allreduce` that are too large to fuse (host sums
+/// of one dtype, `sizes` bytes each, in order) go to the transport: by the rule
+/// [`plan`] applies to separate allreduces — batches of up to `limit` bytes (the
+/// transport's `in_place_group_bytes`) for `Transport::allreduce_many`, each batch
+/// taking its first member whatever its size. `limit` 0: one member per batch.
+pub(crate) fn in_place_batches(sizes: &[usize], limit: usize) -> Vec<Vec<usize>> {
+    let keys: Vec<Option<((), usize)>> = sizes.iter().map(|&b| Some(((), b))).collect();
+    let mut taken = vec![false; sizes.len()];
+    let mut batches = Vec::new();
+    for i in 0..sizes.len() {
+        if taken[i] {
+            continue;
+        }
+        taken[i] = true;
+        let mut total = sizes[i];
+        batches.push(fill(&keys, i, &(), &mut total, &mut taken, limit));
+    }
+    batches
 }
 
 /// The persistent fusion buffer: grows to the largest batch seen and is reused, so a

@@ -373,7 +373,7 @@ mod tests {
     use crate::config::MAX_FUSED_TENSOR_BYTES as MAX;
     use crate::engine::negotiate::{Ready, Response};
     use crate::engine::queue::Queue;
-    use crate::engine::request::{OpKind, Request, RequestMeta};
+    use crate::engine::request::{OpKind, Request, RequestMeta, TensorMeta};
     use crate::error::Error;
     use crate::handle::{self, Handle, PendingNames};
     use crate::loopback_tests::on_loopback_ranks;
@@ -483,6 +483,87 @@ mod tests {
                 // One call for the group, one per tensor without; never the buffer.
                 assert_eq!(calls, if group > 0 { 1 } else { 3 }, "group {group}");
                 assert_eq!(buffered, 0, "group {group}");
+            }
+        }
+    }
+
+    /// Issue 33: one fusion policy. A group's members too large to fuse go to the
+    /// transport in batches, as separate allreduces of that size do; the small ones
+    /// through the fusion buffer.
+    #[test]
+    fn a_groups_large_members_go_to_the_transport_together() {
+        let n = MAX / 4 + 1;
+        let names = ["a", "b", "c", "s1", "s2"];
+        let lens = [n, n, n, 3, 2];
+        let mut meta = RequestMeta::for_test(
+            "g",
+            OpKind::GroupedAllreduce,
+            DType::F32,
+            &[n],
+            ReduceOp::Sum,
+        );
+        meta.tensors = names
+            .iter()
+            .zip(lens)
+            .map(|(name, len)| TensorMeta {
+                name: (*name).into(),
+                dtype: DType::F32,
+                shape: [len].as_slice().into(),
+            })
+            .collect();
+        for group in [0, 64 << 20] {
+            let out = on_loopback_ranks(2, |rank, t| {
+                let mut t = t.with_in_place_groups(group);
+                let mut exec = Executor::new(rank, false, Duration::ZERO);
+                let mut pending = Pending::default();
+                let x = rank as f32 + 1.0;
+                let queue: Arc<dyn PendingNames> = Arc::new(Queue::default());
+                let (h, done) = handle::pair(
+                    smallvec::smallvec![meta.key.clone()],
+                    queue,
+                    (meta.kind.name(), 0),
+                    handle::to_tensors,
+                );
+                let tensors = lens
+                    .iter()
+                    .enumerate()
+                    .map(|(i, &len)| {
+                        Tensor::from_vec(vec![x * (i + 1) as f32; len], &[len]).unwrap()
+                    })
+                    .collect();
+                let req = Request {
+                    meta: meta.clone(),
+                    tensors,
+                    done,
+                    submitted: Instant::now(),
+                };
+                pending.insert(meta.key.clone(), req);
+                exec.run(
+                    &mut t,
+                    &mut pending,
+                    vec![ready(&meta, 2, &[])],
+                    1 << 20,
+                    MAX,
+                );
+                let sums: Vec<Vec<f32>> = h
+                    .wait()
+                    .unwrap()
+                    .into_iter()
+                    .map(|t| t.into_vec::<f32>().unwrap())
+                    .collect();
+                (sums, t.calls())
+            });
+            for (sums, calls) in out {
+                for (i, (sum, len)) in sums.iter().zip(lens).enumerate() {
+                    assert_eq!(
+                        sum,
+                        &vec![3.0 * (i + 1) as f32; len],
+                        "member {i}, group {group}"
+                    );
+                }
+                // The small two through the buffer (one call); the large three in one
+                // call where the transport takes groups, one call each where not.
+                assert_eq!(calls, if group > 0 { 2 } else { 4 }, "group {group}");
             }
         }
     }
