@@ -1,0 +1,298 @@
+use super::*;
+use crate::tensor::DType;
+use crate::vocab::ReduceOp;
+
+fn req(key: &str, kind: OpKind, shape: &[usize]) -> RequestMeta {
+    RequestMeta::for_test(key, kind, DType::F32, shape, ReduceOp::Sum)
+}
+
+fn cycle(per_rank: Vec<Vec<RequestMeta>>) -> Vec<CycleMsg> {
+    per_rank
+        .into_iter()
+        .map(|requests| CycleMsg {
+            requests,
+            ..CycleMsg::default()
+        })
+        .collect()
+}
+
+fn responses(o: Outcome) -> Vec<Response> {
+    match o {
+        Outcome::Responses(r) => r,
+        Outcome::RankLeft(r) => panic!("rank {r} left"),
+        Outcome::Stalled(r) => panic!("stalled: {r}"),
+    }
+}
+
+fn keys(rs: &[Response]) -> Vec<String> {
+    rs.iter()
+        .map(|r| match r {
+            Response::Run(ready) => ready.key.to_string(),
+            Response::Reduced { ready, .. } => format!("reduced:{}", ready.key),
+            Response::Fail { key, .. } => format!("fail:{key}"),
+            Response::JoinDone { last } => format!("join:{last}"),
+        })
+        .collect()
+}
+
+#[test]
+fn ready_only_when_every_rank_submitted_in_first_submission_order() {
+    let now = Instant::now();
+    let mut n = Negotiator::new(2);
+    let a = req("a", OpKind::Allreduce, &[4]);
+    let b = req("b", OpKind::Allreduce, &[4]);
+    let r = responses(n.handle(
+        &cycle(vec![vec![a.clone(), b.clone()], vec![b.clone()]]),
+        now,
+    ));
+    assert_eq!(keys(&r), ["b"]);
+    assert!(n.has_pending());
+    let r = responses(n.handle(&cycle(vec![vec![], vec![a]]), now));
+    assert_eq!(keys(&r), ["a"]);
+    assert!(!n.has_pending());
+}
+
+#[test]
+fn same_order_whatever_order_ranks_submit_in() {
+    let now = Instant::now();
+    let names = ["x", "y", "z"];
+    let reqs: Vec<_> = names
+        .iter()
+        .map(|k| req(k, OpKind::Allreduce, &[1]))
+        .collect();
+    let mut rev = reqs.clone();
+    rev.reverse();
+    let mut n = Negotiator::new(2);
+    let r = responses(n.handle(&cycle(vec![reqs, rev]), now));
+    assert_eq!(keys(&r), ["x", "y", "z"]);
+}
+
+#[test]
+fn shape_mismatch_names_each_rank() {
+    let mut n = Negotiator::new(3);
+    let r = responses(n.handle(
+        &cycle(vec![
+            vec![req("g.w", OpKind::Allreduce, &[17, 17])],
+            vec![req("g.w", OpKind::Allreduce, &[18, 18])],
+            vec![req("g.w", OpKind::Allreduce, &[17, 17])],
+        ]),
+        Instant::now(),
+    ));
+    let Response::Fail { error, .. } = &r[0] else {
+        panic!("{r:?}")
+    };
+    assert_eq!(
+        error.to_string(),
+        "allreduce \"g.w\": shape mismatch: ranks 0, 2 sent [17, 17], rank 1 sent [18, 18]"
+    );
+}
+
+#[test]
+fn cpu_and_cuda_tensors_under_one_name_are_a_device_mismatch() {
+    let mut n = Negotiator::new(2);
+    let mut gpu = req("g.b", OpKind::Allreduce, &[3]);
+    gpu.device = crate::engine::request::Device::Cuda;
+    let r = responses(n.handle(
+        &cycle(vec![vec![req("g.b", OpKind::Allreduce, &[3])], vec![gpu]]),
+        Instant::now(),
+    ));
+    let Response::Fail { error, .. } = &r[0] else {
+        panic!("{r:?}")
+    };
+    assert_eq!(
+        error.to_string(),
+        "allreduce \"g.b\": device mismatch: rank 0 sent cpu, rank 1 sent cuda"
+    );
+}
+
+#[test]
+fn allgather_allows_different_first_dims_only() {
+    let mut n = Negotiator::new(2);
+    let r = responses(n.handle(
+        &cycle(vec![
+            vec![req("g", OpKind::Allgather, &[1, 3])],
+            vec![req("g", OpKind::Allgather, &[2, 3])],
+        ]),
+        Instant::now(),
+    ));
+    assert!(matches!(r[0], Response::Run(_)));
+    let r = responses(n.handle(
+        &cycle(vec![
+            vec![req("h", OpKind::Allgather, &[1, 3])],
+            vec![req("h", OpKind::Allgather, &[1, 4])],
+        ]),
+        Instant::now(),
+    ));
+    let Response::Fail { error, .. } = &r[0] else {
+        panic!("{r:?}")
+    };
+    assert_eq!(
+            error.to_string(),
+            "allgather \"h\": shape mismatch: rank 0 sent [1, 3], rank 1 sent [1, 4] (all dims but the first must match)"
+        );
+}
+
+#[test]
+fn kind_op_scale_and_root_mismatches() {
+    let now = Instant::now();
+    let mut n = Negotiator::new(2);
+    let mut b = req("t", OpKind::Allreduce, &[2]);
+    b.kind = OpKind::Allgather;
+    let r = responses(n.handle(
+        &cycle(vec![vec![req("t", OpKind::Allreduce, &[2])], vec![b]]),
+        now,
+    ));
+    let Response::Fail { error, .. } = &r[0] else {
+        panic!()
+    };
+    assert_eq!(
+        error.to_string(),
+        "allreduce \"t\": op mismatch: rank 0 sent allreduce, rank 1 sent allgather"
+    );
+
+    let mut b = req("t", OpKind::Allreduce, &[2]);
+    b.op = ReduceOp::Max;
+    let r = responses(n.handle(
+        &cycle(vec![vec![req("t", OpKind::Allreduce, &[2])], vec![b]]),
+        now,
+    ));
+    let Response::Fail { error, .. } = &r[0] else {
+        panic!()
+    };
+    assert!(
+        error
+            .to_string()
+            .contains("reduce op mismatch: rank 0 sent Sum, rank 1 sent Max"),
+        "{error}"
+    );
+
+    let mut b = req("t", OpKind::Allreduce, &[2]);
+    b.prescale = 0.5;
+    let r = responses(n.handle(
+        &cycle(vec![vec![req("t", OpKind::Allreduce, &[2])], vec![b]]),
+        now,
+    ));
+    let Response::Fail { error, .. } = &r[0] else {
+        panic!()
+    };
+    assert!(
+        error
+            .to_string()
+            .contains("prescale mismatch: rank 0 sent 1, rank 1 sent 0.5"),
+        "{error}"
+    );
+
+    let mut a = req("t", OpKind::Broadcast, &[2]);
+    let mut b = a.clone();
+    a.root = 0;
+    b.root = 1;
+    let r = responses(n.handle(&cycle(vec![vec![a], vec![b]]), now));
+    let Response::Fail { error, .. } = &r[0] else {
+        panic!()
+    };
+    assert_eq!(
+        error.to_string(),
+        "broadcast \"t\": root mismatch: rank 0 sent root 0, rank 1 sent root 1"
+    );
+
+    let mut b = req("t", OpKind::Allreduce, &[2]);
+    b.tensors[0].dtype = DType::I32;
+    let r = responses(n.handle(
+        &cycle(vec![vec![req("t", OpKind::Allreduce, &[2])], vec![b]]),
+        now,
+    ));
+    let Response::Fail { error, .. } = &r[0] else {
+        panic!()
+    };
+    assert!(
+        error
+            .to_string()
+            .contains("dtype mismatch: rank 0 sent f32, rank 1 sent i32"),
+        "{error}"
+    );
+}
+
+#[test]
+fn joined_ranks_count_as_ready_and_join_reports_the_last() {
+    let now = Instant::now();
+    let mut n = Negotiator::new(3);
+    let join = req("join", OpKind::Join, &[]);
+    let r = responses(n.handle(&cycle(vec![vec![], vec![join.clone()], vec![]]), now));
+    assert!(r.is_empty());
+    let a = req("a", OpKind::Allreduce, &[3]);
+    let g = req("g", OpKind::Allgather, &[3]);
+    let r = responses(n.handle(
+        &cycle(vec![vec![a.clone(), g.clone()], vec![], vec![a, g]]),
+        now,
+    ));
+    assert_eq!(keys(&r), ["a", "fail:g"]);
+    let Response::Run(ready) = &r[0] else {
+        panic!()
+    };
+    assert!(ready.metas[1].is_none());
+    let Response::Fail { error, .. } = &r[1] else {
+        panic!()
+    };
+    assert!(matches!(error, Error::Joined { ranks, .. } if ranks == &[1]));
+    let r = responses(n.handle(&cycle(vec![vec![join.clone()], vec![], vec![join]]), now));
+    assert_eq!(keys(&r), ["join:2"]);
+    assert!(!n.has_pending());
+}
+
+#[test]
+fn a_rank_leaving_ends_everything() {
+    let mut n = Negotiator::new(2);
+    let _ = n.handle(
+        &cycle(vec![vec![req("a", OpKind::Allreduce, &[1])], vec![]]),
+        Instant::now(),
+    );
+    let mut msgs = cycle(vec![vec![], vec![]]);
+    msgs[1].shutdown = true;
+    assert!(matches!(
+        n.handle(&msgs, Instant::now()),
+        Outcome::RankLeft(1)
+    ));
+    assert!(!n.has_pending());
+}
+
+#[test]
+fn a_stall_abort_reports_missing_ranks_everywhere() {
+    let mut n = Negotiator::new(3);
+    let _ = n.handle(
+        &cycle(vec![
+            vec![req("a", OpKind::Allreduce, &[1])],
+            vec![],
+            vec![req("a", OpKind::Allreduce, &[1])],
+        ]),
+        Instant::now(),
+    );
+    let mut msgs = cycle(vec![vec![], vec![], vec![]]);
+    msgs[2].stall_abort = true;
+    match n.handle(&msgs, Instant::now()) {
+        Outcome::Stalled(report) => assert_eq!(
+            report,
+            "stalled: \"a\" is missing from ranks [1] (rank 2 reached the stall shutdown time)"
+        ),
+        other => panic!("{other:?}"),
+    }
+}
+
+#[test]
+fn stalled_lists_missing_ranks() {
+    let t0 = Instant::now();
+    let mut n = Negotiator::new(3);
+    let _ = n.handle(
+        &cycle(vec![
+            vec![req("a", OpKind::Allreduce, &[1])],
+            vec![],
+            vec![],
+        ]),
+        t0,
+    );
+    assert!(n.stalled(t0, Duration::from_secs(1)).is_empty());
+    let later = t0 + Duration::from_secs(2);
+    assert_eq!(
+        n.stalled(later, Duration::from_secs(1)),
+        vec![("a".to_string(), vec![1, 2])]
+    );
+}
