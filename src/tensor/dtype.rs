@@ -1,0 +1,86 @@
+//! A tensor's element type and device.
+
+use std::fmt;
+
+use serde::{Deserialize, Serialize};
+
+/// The element type of a [`Tensor`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[non_exhaustive]
+pub enum DType {
+    /// `u8`
+    U8,
+    /// `i8`
+    I8,
+    /// `i32`
+    I32,
+    /// `i64`
+    I64,
+    /// IEEE half precision ([`half::f16`]).
+    F16,
+    /// bfloat16 ([`half::bf16`]).
+    BF16,
+    /// `f32`
+    F32,
+    /// `f64`
+    F64,
+}
+
+impl DType {
+    /// Bytes per element.
+    pub fn size_of(self) -> usize {
+        match self {
+            DType::U8 | DType::I8 => 1,
+            DType::F16 | DType::BF16 => 2,
+            DType::I32 | DType::F32 => 4,
+            DType::I64 | DType::F64 => 8,
+        }
+    }
+
+    /// Whether this is a floating-point type.
+    pub fn is_float(self) -> bool {
+        matches!(self, DType::F16 | DType::BF16 | DType::F32 | DType::F64)
+    }
+}
+
+impl fmt::Display for DType {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let s = match self {
+            DType::U8 => "u8",
+            DType::I8 => "i8",
+            DType::I32 => "i32",
+            DType::I64 => "i64",
+            DType::F16 => "f16",
+            DType::BF16 => "bf16",
+            DType::F32 => "f32",
+            DType::F64 => "f64",
+        };
+        f.write_str(s)
+    }
+}
+
+/// Where a tensor's data lives.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[non_exhaustive]
+pub enum Device {
+    /// Host memory (reduced over MPI).
+    Cpu,
+    /// CUDA device memory on the GPU of this ordinal (reduced with NCCL; feature `nccl`).
+    Cuda(usize),
+}
+
+impl Device {
+    /// Whether this is a CUDA device.
+    pub fn is_cuda(self) -> bool {
+        matches!(self, Device::Cuda(_))
+    }
+}
+
+impl fmt::Display for Device {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Device::Cpu => f.write_str("cpu"),
+            Device::Cuda(i) => write!(f, "cuda:{i}"),
+        }
+    }
+}
