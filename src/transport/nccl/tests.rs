@@ -1,3 +1,4 @@
+use super::setup::ConfigV217;
 use super::*;
 
 fn ready(id: Option<Vec<u8>>) -> Setup {
