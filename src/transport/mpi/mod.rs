@@ -13,15 +13,19 @@
 //! measurements). The ring visits the ranks host
 //! by host, so it crosses each host boundary once whatever the rank placement.
 //!
-//! Here: start-up, the cycle exchange and the `Transport` ops. Beside it: `rings.rs`
+//! Here: the cycle exchange and the `Transport` ops. Beside it: `setup.rs` (start-up
+//! and the link probe), `agree.rs` (the cycle agreement's messages), `rings.rs`
 //! (kolo's sum rings and the measured thresholds that choose them), `group.rs` (a
 //! communicator and the blocking collectives on it), `hosts.rs` (the ranks of each
 //! host, the hierarchical allreduce and its levels) and `types.rs` (MPI datatypes and
 //! ops, checked counts).
 
+mod agree;
+use agree::and_into;
 mod group;
 mod hosts;
 mod rings;
+mod setup;
 mod types;
 
 use std::ffi::{c_int, c_void};
@@ -124,150 +128,8 @@ impl std::fmt::Debug for MpiTransport {
 }
 
 impl MpiTransport {
-    /// Initialises MPI on the calling thread (the engine thread), asking for
-    /// `MPI_THREAD_MULTIPLE`. Any level works because only this thread calls MPI, but
-    /// MULTIPLE lets a panic hook abort the job from another thread.
-    pub(crate) fn init() -> Result<MpiTransport> {
-        let (universe, provided) = mpi::initialize_with_threading(Threading::Multiple)
-            .ok_or_else(|| {
-                Error::Init(
-                    "MPI was already initialised in this process (kolo::init may run once per process)"
-                        .into(),
-                )
-            })?;
-        tracing::debug!(?provided, "MPI initialised");
-        if provided != Threading::Multiple {
-            tracing::debug!(
-                ?provided,
-                "MPI gives less than MPI_THREAD_MULTIPLE: process sets are not available"
-            );
-        }
-        let world = universe.world();
-        Self::on(&world, Some(universe), provided)
-    }
-
-    /// A transport on a duplicate of `parent` (kolo's own communicator), with its
-    /// topology; `universe` is kept by the job's first transport only, so that MPI is
-    /// finalised when that one goes.
-    fn on(
-        parent: &SimpleCommunicator,
-        universe: Option<mpi::environment::Universe>,
-        threading: Threading,
-    ) -> Result<MpiTransport> {
-        let rank = to_usize(parent.rank());
-        let size = to_usize(parent.size());
-        let local = parent.split_shared(parent.rank());
-        let local_rank = to_usize(local.rank());
-        let local_size = to_usize(local.size());
-        let cross = parent
-            .split_by_color_with_key(Color::with_value(local.rank()), parent.rank())
-            .ok_or_else(|| {
-                Error::Internal("cross-node communicator split returned no communicator".into())
-            })?;
-        let topology = Topology {
-            rank,
-            size,
-            local_rank,
-            local_size,
-            cross_rank: to_usize(cross.rank()),
-            cross_size: to_usize(cross.size()),
-        };
-        let comm = parent.duplicate();
-        // Errors come back as return codes on kolo's communicators (and on the process
-        // sets' split from them), so that `check` turns them into `Error::Transport`
-        // for the op's handle instead of MPI aborting the job (the default handler,
-        // MPI_ERRORS_ARE_FATAL). rsmpi's safe calls above ignore return codes, so the
-        // parent keeps its handler.
-        for c in [comm.as_raw(), local.as_raw(), cross.as_raw()] {
-            // SAFETY: `c` is a valid communicator; MPI_ERRORS_RETURN is predefined.
-            check("MPI_Comm_set_errhandler", unsafe {
-                ffi::MPI_Comm_set_errhandler(c, ffi::RSMPI_ERRORS_RETURN)
-            })?;
-        }
-        let half_ops = HalfOps::create()?;
-        // Each host is named by its lowest rank (local rank 0, as `split_shared` keys by
-        // rank); every rank learns every rank's host, which orders the ring.
-        let mut host = parent.rank();
-        local.process_at_rank(0).broadcast_into(&mut host);
-        let mut hosts = vec![0 as c_int; size];
-        parent.all_gather_into(&host, &mut hosts[..]);
-        let hosts = Hosts::of(&hosts);
-        let (ring, ring_pos) = hosts.ring(rank);
-        let multi_host = hosts.members.len() > 1;
-        let one_per_host = hosts.members.iter().all(|m| m.len() == 1);
-        tracing::debug!(
-            rank,
-            ?ring,
-            multi_host,
-            "ring order (ranks grouped by host)"
-        );
-        Ok(MpiTransport {
-            topology,
-            comm,
-            half_ops,
-            local,
-            cross,
-            hierarchical: false,
-            hierarchical_allgather: false,
-            grouped_ring: false,
-            hosts,
-            ring_scratch: Vec::new(),
-            shard_scratch: Vec::new(),
-            ring,
-            ring_pos,
-            ring_min_bytes: if multi_host {
-                RING_MIN_BYTES_HOSTS
-            } else {
-                RING_MIN_BYTES_ONE_HOST
-            },
-            // One message per step where every hop of the ring crosses hosts.
-            ring_segment: if multi_host && one_per_host {
-                None
-            } else {
-                Some(RING_SEGMENT_BYTES)
-            },
-            threading,
-            job_ranks: (0..size).collect(),
-            awaited: Awaited::default(),
-            #[cfg(feature = "fault-injection")]
-            fault_bad_root: std::env::var("KOLO_FAULT_MPI_BAD_ROOT").is_ok_and(|v| v == "1"),
-            _universe: universe,
-        })
-    }
-
     fn comm(&self) -> ffi::MPI_Comm {
         self.comm.as_raw()
-    }
-
-    /// The rate between hosts, in bytes/s per rank: the slowest rank's best of two
-    /// timed rings of [`PROBE_BYTES`] (after one that sets up the connections), the
-    /// same on every rank. Collective.
-    fn probe_link(&mut self) -> Result<f64> {
-        let world = self.world();
-        let mut buf = vec![0u8; PROBE_BYTES];
-        let mut best = f64::INFINITY;
-        for i in 0..3 {
-            let start = Instant::now();
-            ring_allreduce(
-                world,
-                &self.ring,
-                self.ring_pos,
-                &mut self.ring_scratch,
-                &mut buf,
-                DType::F32,
-                self.ring_segment,
-            )?;
-            if i > 0 {
-                best = best.min(start.elapsed().as_secs_f64());
-            }
-        }
-        let n = self.topology.size as f64;
-        // A ring allreduce sends 2 (n - 1) / n of the buffer from each rank.
-        let mut rate = [PROBE_BYTES as f64 * 2.0 * (n - 1.0) / n / best.max(1e-9)];
-        // SAFETY: a constant the MPI library defines, read after MPI_Init.
-        let min = unsafe { ffi::RSMPI_MIN };
-        allreduce_in_place(world, bytemuck::cast_slice_mut(&mut rate), DType::F64, min)?;
-        Ok(rate[0])
     }
 
     /// Waits for `req` with a back-off: spin briefly (latency), then yield, then sleep
@@ -304,74 +166,6 @@ impl MpiTransport {
                 nap = (nap * 2).min(Duration::from_millis(1));
             }
         }
-    }
-}
-
-/// `acc &= x`, word by word.
-fn and_into(acc: &mut [u64], x: &[u64]) {
-    for (a, b) in acc.iter_mut().zip(x) {
-        *a &= *b;
-    }
-}
-
-/// The tag of the cycle agreement's messages (the ring uses 7).
-const AGREE_TAG: c_int = 11;
-
-impl MpiTransport {
-    /// Sends `send` to and/or receives `recv` from `peer` (non-blocking, completed
-    /// together through [`MpiTransport::wait`], so the engine stays responsive).
-    fn swap_words(
-        &mut self,
-        call: &'static str,
-        peer: usize,
-        send: Option<&[u64]>,
-        recv: Option<&mut [u64]>,
-        idle: &mut dyn FnMut(Duration),
-    ) -> Result<()> {
-        let peer = count(call, peer)?;
-        let comm = self.comm();
-        let mut reqs = [null_request(), null_request()];
-        if let Some(buf) = recv {
-            let len = count(call, buf.len())?;
-            // SAFETY: `buf` outlives the request, which is completed below before
-            // this returns (also on error: `wait` is called for both requests).
-            check(call, unsafe {
-                ffi::MPI_Irecv(
-                    buf.as_mut_ptr().cast(),
-                    len,
-                    ffi::RSMPI_UINT64_T,
-                    peer,
-                    AGREE_TAG,
-                    comm,
-                    &mut reqs[0],
-                )
-            })?;
-        }
-        if let Some(buf) = send {
-            let len = count(call, buf.len())?;
-            // SAFETY: as for the receive.
-            let rc = unsafe {
-                ffi::MPI_Isend(
-                    buf.as_ptr().cast(),
-                    len,
-                    ffi::RSMPI_UINT64_T,
-                    peer,
-                    AGREE_TAG,
-                    comm,
-                    &mut reqs[1],
-                )
-            };
-            if let Err(e) = check(call, rc) {
-                self.wait(call, reqs[0], idle)?;
-                return Err(e);
-            }
-        }
-        self.awaited
-            .set(self.job_ranks.get(to_usize(peer)).copied());
-        let first = self.wait(call, reqs[0], idle);
-        let second = self.wait(call, reqs[1], idle);
-        self.awaited.set(None);
-        first.and(second)
     }
 }
 
