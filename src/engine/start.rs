@@ -1,0 +1,187 @@
+//! Starting an engine: MPI brought up on the engine thread, the start-up agreement
+//! (settings every rank must share), the engine built around them, and its thread
+//! served until shutdown (or aborted on a panic).
+
+use super::*;
+
+/// Entry point of the `kolo-engine` thread: starts MPI, reports the topology (or the
+/// start-up error) through `started`, serves requests until shutdown, then finalises
+/// MPI by dropping the transport.
+pub(crate) fn run(
+    config: Config,
+    queue: Arc<Queue>,
+    started: SyncSender<Result<Topology>>,
+    autotune: Arc<Mutex<AutotuneState>>,
+    connect: impl FnOnce() -> Result<Box<dyn Transport>>,
+) {
+    // Declared first, dropped last: after the engine's own pending requests.
+    let _abandon = Abandon(queue.clone());
+    let (transport, agreed, hierarchy) = match connect_and_agree(&config, connect) {
+        Ok(up) => up,
+        Err(e) => {
+            let _ = started.send(Err(e));
+            return;
+        }
+    };
+    let topology = transport.topology();
+    publish_start(&autotune, &config, &agreed, &hierarchy);
+    if started.send(Ok(topology)).is_err() {
+        return;
+    }
+    let mut engine = Engine::new(config, queue, transport, agreed, &hierarchy, autotune);
+    engine.open_configured_timeline();
+    engine.serve_or_abort();
+    tracing::debug!(rank = topology.rank, "engine stopped; finalising MPI");
+}
+
+/// Connects the transport and agrees on the start-up settings with the other ranks.
+fn connect_and_agree(
+    config: &Config,
+    connect: impl FnOnce() -> Result<Box<dyn Transport>>,
+) -> Result<(Box<dyn Transport>, Agreed, HierarchyChoice)> {
+    let mut transport = connect()?;
+    let (agreed, hierarchy) = agree(&mut *transport, config)?;
+    Ok((transport, agreed, hierarchy))
+}
+
+/// The settings the engine starts with (the autotuner's first point).
+fn start_settings(config: &Config, agreed: &Agreed, hierarchy: &HierarchyChoice) -> Settings {
+    Settings {
+        fusion_threshold: agreed.fusion_threshold,
+        fusion_max_tensor: agreed.fusion_max_tensor,
+        cycle_time_us: u64::try_from(config.cycle_time.as_micros()).unwrap_or(u64::MAX),
+        cache: agreed.cache_capacity > 0,
+        hierarchical: hierarchy.on,
+        hierarchical_allgather: hierarchy.allgather_on,
+        last: false,
+    }
+}
+
+/// Makes the start-up settings what `Kolo::autotune_state` reports.
+fn publish_start(
+    autotune: &Mutex<AutotuneState>,
+    config: &Config,
+    agreed: &Agreed,
+    hierarchy: &HierarchyChoice,
+) {
+    let mut state = autotune.lock().unwrap_or_else(PoisonError::into_inner);
+    *state = AutotuneState {
+        enabled: agreed.autotune,
+        finished: false,
+        fusion_threshold: agreed.fusion_threshold,
+        fusion_max_tensor: agreed.fusion_max_tensor,
+        cycle_time: config.cycle_time,
+        cache_enabled: agreed.cache_capacity > 0,
+        hierarchical_allreduce: hierarchy.on,
+        hierarchical_allgather: hierarchy.allgather_on,
+        changes: Vec::new(),
+    };
+}
+
+impl Engine {
+    /// The engine of a started transport, with its tuner (rank 0, when autotuning)
+    /// and its watchdog.
+    fn new(
+        config: Config,
+        queue: Arc<Queue>,
+        transport: Box<dyn Transport>,
+        agreed: Agreed,
+        hierarchy: &HierarchyChoice,
+        autotune: Arc<Mutex<AutotuneState>>,
+    ) -> Engine {
+        let topology = transport.topology();
+        let tuner = (agreed.autotune && topology.rank == 0)
+            .then(|| {
+                Tuner::new(
+                    &config,
+                    start_settings(&config, &agreed, hierarchy),
+                    hierarchy.possible,
+                    topology.cross_size > 1,
+                )
+            })
+            .flatten();
+        let mark_cycles = config.timeline_mark_cycles;
+        let config_timeout = config.collective_timeout;
+        let simulated_cost = config.simulated_collective_cost;
+        let awaited = transport.awaited();
+        #[allow(unused_mut)]
+        let mut engine = Engine {
+            inbox: Inbox::new(queue, topology.rank),
+            transport,
+            control: Control::new(&config, topology, agreed),
+            config,
+            exec: Executor::new(topology.rank, mark_cycles, simulated_cost),
+            tuning: Tuning {
+                cache_capacity_on: tuner
+                    .as_ref()
+                    .map_or(agreed.cache_capacity, Tuner::cache_capacity_on)
+                    .max(agreed.cache_capacity),
+                tuner,
+                pending: None,
+                state: autotune,
+            },
+            cycles: 0,
+            progress: watchdog::start(
+                config_timeout,
+                topology.rank,
+                format!(
+                    "its engine ({})",
+                    std::thread::current().name().unwrap_or("kolo-engine")
+                ),
+                awaited,
+            ),
+            #[cfg(feature = "fault-injection")]
+            fault_panic: std::env::var("KOLO_FAULT_ENGINE_PANIC_RANK")
+                .ok()
+                .and_then(|v| v.parse::<usize>().ok())
+                == Some(topology.rank),
+        };
+        #[cfg(feature = "nccl")]
+        engine.exec.gpu.set_timeout(config_timeout);
+        engine
+    }
+
+    /// Starts the timeline `KOLO_TIMELINE` names, if any (a warning when it cannot).
+    fn open_configured_timeline(&mut self) {
+        let rank = self.inbox.rank;
+        let path = self
+            .config
+            .timeline
+            .as_deref()
+            .and_then(|p| timeline::path_for_rank(p, rank));
+        if let Some(path) = path {
+            if let Err(e) = self.exec.timeline.start(&path) {
+                tracing::warn!(path = %path.display(), error = %e, "cannot write the timeline; continuing without it");
+            }
+        }
+    }
+
+    /// Serves until shutdown. A panic on this thread must not unwind into
+    /// MPI_Finalize (dropping the transport), which waits for the other ranks while
+    /// they wait for this one in the cycle exchange: the job is aborted instead. The
+    /// panic hook has already printed the rank, the thread and the message.
+    fn serve_or_abort(&mut self) {
+        let served = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.serve()));
+        if let Some(p) = &self.progress {
+            p.stop();
+        }
+        if served.is_err() {
+            let line = format!(
+                "kolo: rank {}: the engine thread panicked; aborting the whole job\n",
+                self.inbox.rank
+            );
+            let _ = std::io::Write::write_all(&mut std::io::stderr().lock(), line.as_bytes());
+            self.transport.abort(1);
+        }
+    }
+}
+
+/// Closes the queue when the engine thread ends, also by a panic: later submits then
+/// fail at once and queued ones fail their handles, rather than wait forever.
+struct Abandon(Arc<Queue>);
+
+impl Drop for Abandon {
+    fn drop(&mut self) {
+        self.0.abandon();
+    }
+}
