@@ -7,6 +7,7 @@ use half::{bf16, f16};
 use crate::error::{ConversionError, Error, Result};
 
 mod dtype;
+pub(crate) use dtype::scale_bytes;
 pub use dtype::{DType, Device};
 #[cfg(feature = "nccl")]
 mod cuda;

@@ -3,12 +3,11 @@
 //! a fusion batch, scale factors. Another rank's request metadata is never indexed
 //! blindly here: a malformed one is a named error.
 
-use half::{bf16, f16};
-
 use super::negotiate::Ready;
 use super::request::{RequestMeta, Shape, TensorMeta, Tensors};
 use crate::error::{Error, Result};
-use crate::tensor::{DType, Tensor};
+pub(crate) use crate::tensor::scale_bytes;
+use crate::tensor::Tensor;
 use crate::vocab::ReduceOp;
 use smallvec::SmallVec;
 
@@ -160,51 +159,6 @@ pub(super) fn fused_inputs(
     Ok((tensors, local))
 }
 
-/// Multiplies every element of raw bytes holding `dtype` elements by `f`; integers
-/// are scaled in f64 and rounded (saturating).
-pub(crate) fn scale_bytes(bytes: &mut [u8], dtype: DType, f: f64) {
-    if f == 1.0 {
-        return;
-    }
-    macro_rules! typed {
-        ($t:ty) => {
-            bytemuck::cast_slice_mut::<u8, $t>(bytes)
-        };
-    }
-    match dtype {
-        DType::F32 => {
-            let f = f as f32;
-            typed!(f32).iter_mut().for_each(|x| *x *= f);
-        }
-        DType::F64 => typed!(f64).iter_mut().for_each(|x| *x *= f),
-        DType::U8 => typed!(u8)
-            .iter_mut()
-            .for_each(|x| *x = (f64::from(*x) * f).round() as u8),
-        DType::I8 => typed!(i8)
-            .iter_mut()
-            .for_each(|x| *x = (f64::from(*x) * f).round() as i8),
-        DType::I32 => typed!(i32)
-            .iter_mut()
-            .for_each(|x| *x = (f64::from(*x) * f).round() as i32),
-        DType::I64 => typed!(i64)
-            .iter_mut()
-            .for_each(|x| *x = (*x as f64 * f).round() as i64),
-        // Scaled in f32, rounded once.
-        DType::F16 => {
-            let f = f as f32;
-            typed!(f16)
-                .iter_mut()
-                .for_each(|x| *x = f16::from_f32(x.to_f32() * f));
-        }
-        DType::BF16 => {
-            let f = f as f32;
-            typed!(bf16)
-                .iter_mut()
-                .for_each(|x| *x = bf16::from_f32(x.to_f32() * f));
-        }
-    }
-}
-
 /// Rows of dim 0 that rank `r` receives: the first `d0 % size` ranks get one extra.
 pub(crate) fn scatter_rows(d0: usize, size: usize, r: usize) -> usize {
     d0 / size + usize::from(r < d0 % size)
@@ -229,6 +183,7 @@ mod tests {
     use super::*;
     use crate::engine::request::OpKind;
     use crate::error::err_text;
+    use crate::tensor::DType;
 
     #[test]
     fn integer_scaling_rounds_in_f64() {

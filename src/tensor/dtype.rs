@@ -2,6 +2,7 @@
 
 use std::fmt;
 
+use half::{bf16, f16};
 use serde::{Deserialize, Serialize};
 
 /// The element type of a [`Tensor`].
@@ -81,6 +82,51 @@ impl fmt::Display for Device {
         match self {
             Device::Cpu => f.write_str("cpu"),
             Device::Cuda(i) => write!(f, "cuda:{i}"),
+        }
+    }
+}
+
+/// Multiplies every element of raw bytes holding `dtype` elements by `f`; integers
+/// are scaled in f64 and rounded (saturating).
+pub(crate) fn scale_bytes(bytes: &mut [u8], dtype: DType, f: f64) {
+    if f == 1.0 {
+        return;
+    }
+    macro_rules! typed {
+        ($t:ty) => {
+            bytemuck::cast_slice_mut::<u8, $t>(bytes)
+        };
+    }
+    match dtype {
+        DType::F32 => {
+            let f = f as f32;
+            typed!(f32).iter_mut().for_each(|x| *x *= f);
+        }
+        DType::F64 => typed!(f64).iter_mut().for_each(|x| *x *= f),
+        DType::U8 => typed!(u8)
+            .iter_mut()
+            .for_each(|x| *x = (f64::from(*x) * f).round() as u8),
+        DType::I8 => typed!(i8)
+            .iter_mut()
+            .for_each(|x| *x = (f64::from(*x) * f).round() as i8),
+        DType::I32 => typed!(i32)
+            .iter_mut()
+            .for_each(|x| *x = (f64::from(*x) * f).round() as i32),
+        DType::I64 => typed!(i64)
+            .iter_mut()
+            .for_each(|x| *x = (*x as f64 * f).round() as i64),
+        // Scaled in f32, rounded once.
+        DType::F16 => {
+            let f = f as f32;
+            typed!(f16)
+                .iter_mut()
+                .for_each(|x| *x = f16::from_f32(x.to_f32() * f));
+        }
+        DType::BF16 => {
+            let f = f as f32;
+            typed!(bf16)
+                .iter_mut()
+                .for_each(|x| *x = bf16::from_f32(x.to_f32() * f));
         }
     }
 }
