@@ -1,29 +1,23 @@
-//! Runs negotiated ops on CUDA tensors (feature `nccl`): enqueues NCCL calls and
-//! device-to-device copies on the NCCL stream, records a CUDA event after each op, and
-//! completes the op's handle once its event has fired — the engine never waits for the
-//! whole stream and keeps negotiating meanwhile.
-//!
-//! Scale factors NCCL can apply itself (float sums and averages, via PreMulSum) are
-//! applied there; the rest (integer averages, scaled min/max/product) take a slow path
-//! through host memory with the same rounding as CPU tensors.
+//! Runs negotiated ops on device tensors through the transport's device
+//! communicator (`transport::device::DeviceComm`; NCCL in production): enqueues each
+//! op, records a mark after it, and completes the op's handle once the mark is
+//! reached — the engine never waits for the whole queue and keeps negotiating
+//! meanwhile. Every buffer an op uses stays here until its mark is reached, or until
+//! the device has settled after a failure.
 
 use std::collections::VecDeque;
-use std::sync::Arc;
 use std::time::Duration;
-
-use cudarc::driver::{result as cu, CudaEvent, CudaSlice, CudaStream, DevicePtr};
 
 use super::layout::{
     allgather_layout, alltoall_layout, first_tensor, fused_inputs, local_or_zeros, post_factor,
-    reducescatter_layout, scale_bytes, take_tensor,
+    reducescatter_layout, take_tensor,
 };
 use super::negotiate::Ready;
 use super::request::{OpKind, RequestMeta, Tensors};
-use crate::device::{self, cuda_err, CudaData};
 use crate::error::{Error, Result};
 use crate::handle::{Completer, Output};
-use crate::tensor::{DType, Tensor};
-use crate::transport::nccl::{can_scale, DevicePtr as Ptr, Nccl};
+use crate::tensor::{Device, Tensor};
+use crate::transport::device::{DeviceComm, Reduction};
 use crate::transport::Transport;
 use crate::vocab::AlltoallOutput;
 
@@ -31,35 +25,30 @@ use crate::vocab::AlltoallOutput;
 /// joined rank).
 pub(super) type Member<'a> = (&'a Ready, Option<Tensors>, Option<Completer>);
 
-/// An enqueued op whose handles complete when `event` has fired.
+/// An enqueued op whose handles complete when `mark` is reached.
 struct Inflight {
-    event: CudaEvent,
+    mark: u64,
     finish: Vec<(Completer, Output)>,
     /// Device buffers the op reads that are not part of its output (inputs of
     /// allgather / alltoall / reducescatter, a joined rank's zeros): freed only after
-    /// the event, since their allocations are freed on their own streams.
+    /// the mark, since the device may still read them.
     keep: Vec<Tensor>,
 }
 
 /// The GPU side of the engine.
 #[derive(Default)]
 pub(super) struct Gpu {
-    nccl: Option<Nccl>,
-    /// The persistent device fusion buffer (grown to the largest batch).
-    fusion: Option<CudaSlice<u8>>,
+    comm: Option<Box<dyn DeviceComm>>,
     inflight: VecDeque<Inflight>,
-    /// Completion events whose ops have finished, for reuse (creating one per op
-    /// costs a driver call).
-    spare_events: Vec<CudaEvent>,
-    /// How long NCCL may take to create the communicator or to finish a call that
-    /// returned `ncclInProgress` (None: [`nccl_timeout`] of the default).
-    nccl_timeout: Option<Duration>,
+    /// How long the communicator's set-up or a call that has not finished may take
+    /// (None: [`device_timeout`] of the default).
+    timeout: Option<Duration>,
 }
 
-/// NCCL's limit for a collective timeout of `collective`: half of it, so that a rank
-/// whose NCCL never comes up is named before the watchdog ends the job; 150 s when
-/// the collective timeout is off (0).
-pub(super) fn nccl_timeout(collective: Duration) -> Duration {
+/// The device communicator's limit for a collective timeout of `collective`: half of
+/// it, so that a rank whose communicator never comes up is named before the watchdog
+/// ends the job; 150 s when the collective timeout is off (0).
+pub(super) fn device_timeout(collective: Duration) -> Duration {
     if collective.is_zero() {
         Duration::from_secs(150)
     } else {
@@ -67,10 +56,20 @@ pub(super) fn nccl_timeout(collective: Duration) -> Duration {
     }
 }
 
+/// The reduction `meta` asks for among `size` ranks.
+fn reduction(meta: &RequestMeta, size: usize) -> Reduction {
+    Reduction {
+        op: meta.op,
+        prescale: meta.prescale,
+        postscale: post_factor(meta, size),
+    }
+}
+
 impl Gpu {
-    /// Bounds NCCL's setup and calls by [`nccl_timeout`] of `collective_timeout`.
+    /// Bounds the communicator's set-up and calls by [`device_timeout`] of
+    /// `collective_timeout`.
     pub(super) fn set_timeout(&mut self, collective_timeout: Duration) {
-        self.nccl_timeout = Some(nccl_timeout(collective_timeout));
+        self.timeout = Some(device_timeout(collective_timeout));
     }
 
     /// Whether ops are still running on the device.
@@ -78,10 +77,13 @@ impl Gpu {
         !self.inflight.is_empty()
     }
 
-    /// Completes, in order, every op whose event has fired.
+    /// Completes, in order, every op whose mark has been reached.
     pub(super) fn poll(&mut self) {
         while let Some(front) = self.inflight.front() {
-            let state = front.event.try_is_complete();
+            let state = match self.comm.as_mut() {
+                Some(c) => c.reached(front.mark),
+                None => Err(Error::Internal("GPU op without a communicator".into())),
+            };
             if matches!(state, Ok(false)) {
                 return;
             }
@@ -94,11 +96,10 @@ impl Gpu {
                     for (c, out) in done.finish {
                         c.complete(Ok(out));
                     }
-                    self.spare_events.push(done.event);
                 }
                 Err(e) => {
                     for (c, _) in done.finish {
-                        c.complete(Err(cuda_err("cuEventQuery")(e)));
+                        c.complete(Err(e.replicate()));
                     }
                 }
             }
@@ -107,45 +108,27 @@ impl Gpu {
 
     /// Waits for every op on the device and completes their handles.
     pub(super) fn drain(&mut self) {
-        for f in &self.inflight {
-            if let Err(e) = f.event.synchronize() {
-                tracing::warn!(error = %e, "waiting for a GPU op failed");
-            }
+        if let Some(c) = self.comm.as_mut() {
+            c.settle();
         }
         self.poll();
     }
 
     /// Completes `finish` (and frees `keep`) once everything enqueued so far has run.
     fn finish_later(&mut self, finish: Vec<(Completer, Output)>, keep: Vec<Tensor>) {
-        let spare = self.spare_events.pop();
-        let recorded = self.nccl.as_ref().map(|n| match spare {
-            Some(e) => e.record(n.stream()).map(|()| e),
-            None => n.stream().record_event(None),
-        });
-        let event = match recorded {
-            Some(Ok(e)) => e,
-            Some(Err(e)) => {
-                let message = e.to_string();
-                for (c, _) in finish {
-                    c.complete(Err(Error::Cuda {
-                        call: "cuEventRecord",
-                        message: message.clone(),
-                    }));
-                }
-                return;
-            }
-            None => {
-                for (c, _) in finish {
-                    c.complete(Err(Error::Internal("GPU op without a communicator".into())));
-                }
-                return;
-            }
+        let mark = match self.comm.as_mut() {
+            Some(c) => c.mark(),
+            None => Err(Error::Internal("GPU op without a communicator".into())),
         };
-        self.inflight.push_back(Inflight {
-            event,
-            finish,
-            keep,
-        });
+        match mark {
+            Ok(mark) => self.inflight.push_back(Inflight { mark, finish, keep }),
+            Err(e) => {
+                self.settle(keep);
+                for (c, _) in finish {
+                    c.complete(Err(e.replicate()));
+                }
+            }
+        }
     }
 
     /// Enqueues one op; its handle completes when the device has run it.
@@ -203,23 +186,26 @@ impl Gpu {
     }
 
     /// After a failed op: waits for whatever it enqueued before freeing its buffers. A
-    /// failed or timed-out NCCL call has aborted the communicator already, which ends
-    /// its kernels, so this wait cannot hang on a peer that never comes.
+    /// failed or timed-out call has aborted the communicator already, which ends its
+    /// kernels, so this wait cannot hang on a peer that never comes.
     fn settle(&mut self, keep: Vec<Tensor>) {
-        if let Some(n) = &self.nccl {
-            if let Err(e) = n.stream().synchronize() {
-                tracing::warn!(error = %e, "waiting for the NCCL stream after a failed op");
-            }
+        if let Some(c) = self.comm.as_mut() {
+            c.settle();
         }
         drop(keep);
     }
 
-    /// The communicator, created on first use on the device of `local`'s tensors (or,
-    /// on a joined rank, the device of this rank's local rank).
-    fn comm(&mut self, mpi: &mut dyn Transport, local: Option<&[Tensor]>) -> Result<&Nccl> {
+    /// The communicator, opened on first use on the device of `local`'s tensors (or,
+    /// on a joined rank, the transport's choice), made current, and checked to be on
+    /// that device.
+    fn comm(
+        &mut self,
+        mpi: &mut dyn Transport,
+        local: Option<&[Tensor]>,
+    ) -> Result<&mut dyn DeviceComm> {
         let wanted = match local.and_then(|l| l.first()) {
             Some(t) => match t.device() {
-                crate::tensor::Device::Cuda(i) => Some(i),
+                Device::Cuda(i) => Some(i),
                 other => {
                     return Err(Error::Internal(format!(
                         "CPU tensor on the GPU path ({other})"
@@ -228,36 +214,26 @@ impl Gpu {
             },
             None => None,
         };
-        if self.nccl.is_none() {
-            let ordinal = match wanted {
-                Some(i) => i,
-                None => mpi.topology().local_rank % device::device_count()?.max(1),
-            };
-            let timeout = self
-                .nccl_timeout
-                .unwrap_or_else(|| nccl_timeout(Duration::ZERO));
-            self.nccl = Some(Nccl::connect(mpi, ordinal, timeout)?);
+        if self.comm.is_none() {
+            let timeout = self.timeout.unwrap_or_else(|| device_timeout(Duration::ZERO));
+            self.comm = Some(mpi.open_device(wanted, timeout)?);
         }
-        let nccl = self
-            .nccl
-            .as_ref()
-            .ok_or_else(|| Error::Internal("NCCL communicator missing".into()))?;
-        nccl.usable()?;
+        let comm = self
+            .comm
+            .as_deref_mut()
+            .ok_or_else(|| Error::Internal("device communicator missing".into()))?;
+        comm.usable()?;
         if let Some(i) = wanted {
-            if i != nccl.ordinal() {
+            if i != comm.ordinal() {
                 return Err(Error::WrongDevice {
                     what: "NCCL collective",
-                    expected: crate::tensor::Device::Cuda(nccl.ordinal()),
-                    actual: crate::tensor::Device::Cuda(i),
+                    expected: Device::Cuda(comm.ordinal()),
+                    actual: Device::Cuda(i),
                     tensors: Vec::new(),
                 });
             }
         }
-        nccl.stream()
-            .context()
-            .bind_to_thread()
-            .map_err(cuda_err("cuCtxSetCurrent"))?;
-        Ok(nccl)
+        Ok(comm)
     }
 
     fn run(
@@ -267,42 +243,50 @@ impl Gpu {
         local: Option<Tensors>,
         keep: &mut Vec<Tensor>,
     ) -> Result<Output> {
-        let nccl = self.comm(mpi, local.as_deref())?;
-        let stream = nccl.stream().clone();
+        let comm = self.comm(mpi, local.as_deref())?;
         let first = ready.first();
-        let mut inputs = local_or_zeros(ready, local, |m| zeros(&stream, m.dtype, &m.shape))?;
-        order_after(&stream, &inputs)?;
-        let size = nccl.size();
+        let mut inputs = local_or_zeros(ready, local, |m| comm.zeros(m.dtype, &m.shape))?;
+        comm.prepare(&inputs)?;
+        let r = reduction(first, comm.size());
         let take = |inputs: &mut Tensors| take_tensor(ready, inputs);
         match ready.kind {
             OpKind::Allreduce => {
                 let tensor = take(&mut inputs)?;
-                let ptr = ptr_of(&tensor)?;
-                allreduce(nccl, ptr, tensor.len(), tensor.dtype(), first, size)?;
+                comm.allreduce(std::slice::from_ref(&tensor), r)?;
                 Ok(Output::Tensor(tensor))
             }
-            OpKind::GroupedAllreduce => Ok(Output::Tensors(grouped_allreduce(
-                nccl,
-                inputs.into_vec(),
-                first,
-                size,
-            )?)),
-            OpKind::Broadcast => Ok(Output::Tensor(broadcast(nccl, take(&mut inputs)?, first)?)),
+            OpKind::GroupedAllreduce => {
+                let tensors = inputs.into_vec();
+                comm.allreduce(&tensors, r)?;
+                Ok(Output::Tensors(tensors))
+            }
+            OpKind::Broadcast => {
+                let tensor = take(&mut inputs)?;
+                comm.broadcast(&tensor, first.root)?;
+                Ok(Output::Tensor(tensor))
+            }
             OpKind::Allgather => {
                 let tensor = take(&mut inputs)?;
-                let out = allgather(nccl, &stream, &tensor, ready)?;
+                let (counts, shape) = allgather_layout(ready, tensor.shape())?;
+                let out = comm.allgatherv(&tensor, &counts, &shape)?;
                 keep.push(tensor);
                 Ok(Output::Tensor(out))
             }
             OpKind::Alltoall => {
                 let tensor = take(&mut inputs)?;
-                let out = alltoall(nccl, &stream, &tensor, ready)?;
+                let l = alltoall_layout(ready, comm.rank(), tensor.shape())?;
+                let out = comm.alltoallv(&tensor, &l.send_counts, &l.recv_counts, &l.shape)?;
                 keep.push(tensor);
-                Ok(Output::Alltoall(out))
+                Ok(Output::Alltoall(AlltoallOutput {
+                    tensor: out,
+                    received_splits: l.recv_rows,
+                }))
             }
             OpKind::Reducescatter => {
-                let tensor = take(&mut inputs)?;
-                let (out, tensor) = reducescatter(nccl, &stream, tensor, first, size)?;
+                let mut tensor = take(&mut inputs)?;
+                let (counts, shape) =
+                    reducescatter_layout(tensor.shape(), comm.size(), comm.rank());
+                let out = comm.reduce_scatter(&mut tensor, &counts, &shape, r)?;
                 keep.push(tensor);
                 Ok(Output::Tensor(out))
             }
@@ -328,14 +312,12 @@ impl Gpu {
             .find_map(|(_, l)| l.as_deref())
             .filter(|l| !l.is_empty())
             .map(|l| &l[..1]);
-        let nccl = self.comm(mpi, local_first)?;
-        let stream = nccl.stream().clone();
-        let size = nccl.size();
-        let on = crate::tensor::Device::Cuda(nccl.ordinal());
-        let dtype = first_tensor(&meta, 0)?.dtype;
-        let (tensors, mine) = fused_inputs(members, |m| zeros(&stream, m.dtype, &m.shape))?;
-        // The copies below are device-to-device on the communicator's device: every
-        // member must be there, not only the first.
+        let comm = self.comm(mpi, local_first)?;
+        let on = Device::Cuda(comm.ordinal());
+        first_tensor(&meta, 0)?;
+        let (tensors, mine) = fused_inputs(members, |m| comm.zeros(m.dtype, &m.shape))?;
+        // The copies are device-to-device on the communicator's device: every member
+        // must be there, not only the first.
         if let Some(t) = tensors.iter().find(|t| t.device() != on) {
             return Err(Error::WrongDevice {
                 what: "fused NCCL allreduce",
@@ -344,42 +326,9 @@ impl Gpu {
                 tensors: Vec::new(),
             });
         }
-        order_after(&stream, &tensors)?;
-        let ptrs = tensors.iter().map(ptr_of).collect::<Result<Vec<_>>>()?;
-        let total: usize = tensors.iter().map(Tensor::num_bytes).sum();
-        let grow = self.fusion.as_ref().is_none_or(|b| b.len() < total);
-        if grow {
-            self.fusion = None;
-            // SAFETY: every byte used is written by the copies below first.
-            self.fusion =
-                Some(unsafe { stream.alloc::<u8>(total.max(1)) }.map_err(cuda_err("cuMemAlloc"))?);
-        }
-        let nccl = self
-            .nccl
-            .as_ref()
-            .ok_or_else(|| Error::Internal("NCCL communicator missing".into()))?;
-        let buf = self
-            .fusion
-            .as_ref()
-            .ok_or_else(|| Error::Internal("fusion buffer missing".into()))?;
-        let (base, _record) = buf.device_ptr(&stream);
-        let mut at = 0u64;
-        for (t, &p) in tensors.iter().zip(&ptrs) {
-            let n = t.num_bytes();
-            // SAFETY: both ranges lie inside their allocations; same device.
-            unsafe { cu::memcpy_dtod_async(base + at, p, n, stream.cu_stream()) }
-                .map_err(cuda_err("cuMemcpyDtoDAsync"))?;
-            at += n as u64;
-        }
-        allreduce(nccl, base, total / dtype.size_of(), dtype, &meta, size)?;
-        let mut at = 0u64;
-        for (t, &p) in tensors.iter().zip(&ptrs) {
-            let n = t.num_bytes();
-            // SAFETY: as above.
-            unsafe { cu::memcpy_dtod_async(p, base + at, n, stream.cu_stream()) }
-                .map_err(cuda_err("cuMemcpyDtoDAsync"))?;
-            at += n as u64;
-        }
+        comm.prepare(&tensors)?;
+        let r = reduction(&meta, comm.size());
+        comm.allreduce_fused(&tensors, r)?;
         let mut outputs = Vec::with_capacity(tensors.len());
         for (t, m) in tensors.into_iter().zip(mine) {
             if m {
@@ -397,227 +346,4 @@ impl Drop for Gpu {
     fn drop(&mut self) {
         self.drain();
     }
-}
-
-/// Allreduce of `count` elements at `ptr` with `meta`'s op and scale factors.
-/// Reduces every member of a group in place. When NCCL applies the scale factors
-/// itself, the calls form one NCCL group (launched together); integer scaling goes
-/// through the host, which waits on the stream, so those members are reduced one by
-/// one.
-fn grouped_allreduce(
-    nccl: &Nccl,
-    tensors: Vec<Tensor>,
-    meta: &RequestMeta,
-    size: usize,
-) -> Result<Vec<Tensor>> {
-    let total = meta.prescale * post_factor(meta, size);
-    let native = tensors.iter().all(|t| can_scale(t.dtype(), meta.op, total));
-    let each = || -> Result<()> {
-        for t in &tensors {
-            allreduce(nccl, ptr_of(t)?, t.len(), t.dtype(), meta, size)?;
-        }
-        Ok(())
-    };
-    if native {
-        nccl.group(each)?;
-    } else {
-        each()?;
-    }
-    Ok(tensors)
-}
-
-fn broadcast(nccl: &Nccl, tensor: Tensor, meta: &RequestMeta) -> Result<Tensor> {
-    if !tensor.is_empty() {
-        // SAFETY: the tensor's own allocation of `len` elements, kept alive in the
-        // output until the op's event has fired.
-        unsafe { nccl.broadcast(ptr_of(&tensor)?, tensor.len(), tensor.dtype(), meta.root) }?;
-    }
-    Ok(tensor)
-}
-
-/// Gathers every rank's `tensor` into a new one; `tensor` must stay alive until the
-/// op's event has fired.
-fn allgather(
-    nccl: &Nccl,
-    stream: &Arc<CudaStream>,
-    tensor: &Tensor,
-    ready: &Ready,
-) -> Result<Tensor> {
-    let (counts, shape) = allgather_layout(ready, tensor.shape())?;
-    let out = empty(stream, tensor.dtype(), &shape)?;
-    if !out.is_empty() {
-        // SAFETY: `out` holds the sum of `counts`, `tensor` this rank's count.
-        unsafe { nccl.allgatherv(ptr_of(tensor)?, ptr_of(&out)?, &counts, tensor.dtype()) }?;
-    }
-    Ok(out)
-}
-
-/// Exchanges `tensor`'s row blocks; `tensor` must stay alive until the op's event
-/// has fired.
-fn alltoall(
-    nccl: &Nccl,
-    stream: &Arc<CudaStream>,
-    tensor: &Tensor,
-    ready: &Ready,
-) -> Result<AlltoallOutput> {
-    let l = alltoall_layout(ready, nccl.rank(), tensor.shape())?;
-    let out = empty(stream, tensor.dtype(), &l.shape)?;
-    // SAFETY: the buffers hold the sums of their counts.
-    unsafe {
-        nccl.alltoallv(
-            ptr_of(tensor)?,
-            &l.send_counts,
-            ptr_of(&out)?,
-            &l.recv_counts,
-            tensor.dtype(),
-        )
-    }?;
-    Ok(AlltoallOutput {
-        tensor: out,
-        received_splits: l.recv_rows,
-    })
-}
-
-/// Reduces `tensor` and scatters the result: returns this rank's block and the
-/// (prescaled) input, which must stay alive until the op's event has fired. NCCL
-/// applies both scale factors when it can; otherwise the host does.
-fn reducescatter(
-    nccl: &Nccl,
-    stream: &Arc<CudaStream>,
-    mut tensor: Tensor,
-    meta: &RequestMeta,
-    size: usize,
-) -> Result<(Tensor, Tensor)> {
-    let (counts, shape) = reducescatter_layout(tensor.shape(), size, nccl.rank());
-    let mut out = empty(stream, tensor.dtype(), &shape)?;
-    let dtype = tensor.dtype();
-    let total = meta.prescale * post_factor(meta, size);
-    let (in_nccl, pre, post) = if can_scale(dtype, meta.op, total) {
-        (total, 1.0, 1.0)
-    } else {
-        (1.0, meta.prescale, post_factor(meta, size))
-    };
-    scale_on_host(stream, &mut tensor, pre)?;
-    // SAFETY: as for allgather.
-    unsafe {
-        nccl.reduce_scatter(
-            ptr_of(&tensor)?,
-            ptr_of(&out)?,
-            &counts,
-            dtype,
-            meta.op,
-            in_nccl,
-        )
-    }?;
-    scale_on_host(stream, &mut out, post)?;
-    Ok((out, tensor))
-}
-
-fn allreduce(
-    nccl: &Nccl,
-    ptr: Ptr,
-    count: usize,
-    dtype: DType,
-    meta: &RequestMeta,
-    size: usize,
-) -> Result<()> {
-    if count == 0 {
-        return Ok(());
-    }
-    let total = meta.prescale * post_factor(meta, size);
-    if can_scale(dtype, meta.op, total) {
-        // SAFETY: `ptr` is a live allocation of `count` elements on the NCCL device,
-        // kept alive until the op's event has fired.
-        return unsafe { nccl.allreduce(ptr, count, dtype, meta.op, total) };
-    }
-    let stream = nccl.stream();
-    host_scale_ptr(stream, ptr, count * dtype.size_of(), dtype, meta.prescale)?;
-    // SAFETY: as above.
-    unsafe { nccl.allreduce(ptr, count, dtype, meta.op, 1.0) }?;
-    host_scale_ptr(
-        stream,
-        ptr,
-        count * dtype.size_of(),
-        dtype,
-        post_factor(meta, size),
-    )
-}
-
-/// The slow path for factors NCCL cannot apply: copy to the host, scale like a CPU
-/// tensor, copy back (waits for the stream).
-fn host_scale_ptr(
-    stream: &Arc<CudaStream>,
-    ptr: Ptr,
-    bytes: usize,
-    dtype: DType,
-    f: f64,
-) -> Result<()> {
-    if f == 1.0 || bytes == 0 {
-        return Ok(());
-    }
-    let mut host = vec![0u8; bytes];
-    // SAFETY: `ptr` holds `bytes` bytes; the stream is synchronised before `host` is
-    // read and before it is dropped.
-    unsafe {
-        cu::memcpy_dtoh_async(&mut host, ptr, stream.cu_stream())
-            .map_err(cuda_err("cuMemcpyDtoHAsync"))?;
-        stream
-            .synchronize()
-            .map_err(cuda_err("cuStreamSynchronize"))?;
-    }
-    scale_bytes(&mut host, dtype, f);
-    // SAFETY: as above.
-    unsafe {
-        cu::memcpy_htod_async(ptr, &host, stream.cu_stream())
-            .map_err(cuda_err("cuMemcpyHtoDAsync"))?;
-        stream
-            .synchronize()
-            .map_err(cuda_err("cuStreamSynchronize"))?;
-    }
-    Ok(())
-}
-
-fn scale_on_host(stream: &Arc<CudaStream>, t: &mut Tensor, f: f64) -> Result<()> {
-    let (bytes, dtype) = (t.num_bytes(), t.dtype());
-    host_scale_ptr(stream, ptr_of(t)?, bytes, dtype, f)
-}
-
-/// The device address of a CUDA tensor.
-fn ptr_of(t: &Tensor) -> Result<Ptr> {
-    let data = t
-        .cuda_data()
-        .ok_or_else(|| Error::Internal("CPU tensor on the GPU path".into()))?;
-    Ok(data.ptr(data.stream()))
-}
-
-/// Makes `stream` wait for the work already enqueued on the streams `tensors` were
-/// made on (one event per distinct stream), so that NCCL reads what the user wrote.
-fn order_after(stream: &CudaStream, tensors: &[Tensor]) -> Result<()> {
-    let mut seen = vec![stream.cu_stream()];
-    for data in tensors.iter().filter_map(Tensor::cuda_data) {
-        let theirs = data.stream();
-        if seen.contains(&theirs.cu_stream()) {
-            continue;
-        }
-        seen.push(theirs.cu_stream());
-        let event = theirs
-            .record_event(None)
-            .map_err(cuda_err("cuEventRecord"))?;
-        stream.wait(&event).map_err(cuda_err("cuStreamWaitEvent"))?;
-    }
-    Ok(())
-}
-
-/// A tensor of uninitialised device memory (every element is written by the op).
-fn empty(stream: &Arc<CudaStream>, dtype: DType, shape: &[usize]) -> Result<Tensor> {
-    let n: usize = shape.iter().product::<usize>() * dtype.size_of();
-    let data = CudaData::alloc(stream, dtype, n)?;
-    Ok(Tensor::from_cuda_parts(dtype, data, shape.to_vec()))
-}
-
-/// Zeros on the device (what a joined rank contributes).
-fn zeros(stream: &Arc<CudaStream>, dtype: DType, shape: &[usize]) -> Result<Tensor> {
-    let n: usize = shape.iter().product::<usize>() * dtype.size_of();
-    let data = CudaData::zeros(stream, dtype, n)?;
-    Ok(Tensor::from_cuda_parts(dtype, data, shape.to_vec()))
 }

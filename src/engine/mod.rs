@@ -10,7 +10,6 @@ pub(crate) mod cache;
 mod control;
 pub(crate) mod execute;
 pub(crate) mod fusion;
-#[cfg(feature = "nccl")]
 mod gpu;
 mod inbox;
 pub(crate) mod layout;
@@ -50,11 +49,9 @@ const HEARTBEAT: Duration = Duration::from_millis(100);
 const ENGINE_SPIN: Duration = Duration::from_micros(50);
 
 /// How often an engine with ops in flight on the GPU checks their events.
-#[cfg(feature = "nccl")]
 const GPU_POLL: Duration = Duration::from_micros(50);
 
 /// How long the engine polls GPU events without sleeping after enqueueing work.
-#[cfg(feature = "nccl")]
 const GPU_SPIN: Duration = Duration::from_micros(200);
 
 mod start;
@@ -123,8 +120,7 @@ struct Executor {
     ready_at: Instant,
     /// `KOLO_SIMULATED_COLLECTIVE_COST_US`: slept before every collective.
     simulated_cost: Duration,
-    /// Ops on CUDA tensors (NCCL).
-    #[cfg(feature = "nccl")]
+    /// Ops on device tensors (the transport's device communicator).
     gpu: gpu::Gpu,
 }
 
@@ -136,7 +132,6 @@ impl Executor {
             timeline: Timeline::new(rank, mark_cycles),
             ready_at: Instant::now(),
             simulated_cost,
-            #[cfg(feature = "nccl")]
             gpu: gpu::Gpu::default(),
         }
     }
@@ -287,7 +282,6 @@ impl Engine {
         if self.inbox.shutting_down || !self.inbox.outgoing.is_empty() {
             return;
         }
-        #[cfg(feature = "nccl")]
         self.wait_for_gpu();
         if self.inbox.shutting_down || !self.inbox.outgoing.is_empty() {
             return;
@@ -308,7 +302,6 @@ impl Engine {
 
     /// While ops run on the GPU and nothing new was submitted here, completes them as
     /// their events fire instead of cycling.
-    #[cfg(feature = "nccl")]
     fn wait_for_gpu(&mut self) {
         self.exec.gpu.poll();
         let start = Instant::now();
@@ -361,12 +354,8 @@ impl Engine {
         let cycle_start = Instant::now();
         self.cycles += 1;
         self.exec.timeline.cycle_start(cycle_start);
-        #[cfg(feature = "nccl")]
         let gpu = &mut self.exec.gpu;
-        #[cfg(feature = "nccl")]
         let mut poll = || gpu.poll();
-        #[cfg(not(feature = "nccl"))]
-        let mut poll = || {};
         let negotiated = self.control.negotiate(
             &mut *self.transport,
             &mut self.inbox,

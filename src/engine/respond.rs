@@ -9,8 +9,6 @@ use super::fusion::{self, Step};
 use super::negotiate::{Ready, Response};
 use super::request::{self, Key, Request, RequestMeta, Tensors};
 use super::{execute, Executor};
-#[cfg(not(feature = "nccl"))]
-use crate::error::Error;
 use crate::handle::{self, Output};
 use crate::transport::Transport;
 
@@ -90,8 +88,7 @@ impl Executor {
         }
     }
 
-    /// Runs an op on CUDA tensors over NCCL.
-    #[cfg(feature = "nccl")]
+    /// Runs an op on device tensors (the transport's device communicator).
     fn respond_cuda(
         &mut self,
         t: &mut dyn Transport,
@@ -100,23 +97,6 @@ impl Executor {
         done: Option<crate::handle::Completer>,
     ) {
         self.gpu.respond(t, ready, tensors, done);
-    }
-
-    /// Without the `nccl` feature no tensor of this rank can be on a GPU, so the
-    /// negotiation reports a device mismatch first; this is the backstop.
-    #[cfg(not(feature = "nccl"))]
-    fn respond_cuda(
-        &mut self,
-        _t: &mut dyn Transport,
-        _ready: &super::negotiate::Ready,
-        _tensors: Option<super::request::Tensors>,
-        done: Option<crate::handle::Completer>,
-    ) {
-        if let Some(done) = done {
-            done.complete(Err(Error::CudaUnavailable(
-                "kolo was built without the `nccl` feature".into(),
-            )));
-        }
     }
 
     /// Runs one response: an op on its own, an error for its handle, or a join.
@@ -182,12 +162,11 @@ impl Executor {
         members: Vec<Response>,
     ) {
         let (readies, locals) = take_members(pending, members);
-        #[cfg(feature = "nccl")]
         if readies
             .first()
             .is_some_and(|r| r.first().device == request::Device::Cuda)
         {
-            tracing::debug!(tensors = readies.len(), "fused NCCL allreduce");
+            tracing::debug!(tensors = readies.len(), "fused device allreduce");
             let members = readies
                 .iter()
                 .zip(locals)

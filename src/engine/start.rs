@@ -136,7 +136,6 @@ impl Engine {
                 .and_then(|v| v.parse::<usize>().ok())
                 == Some(topology.rank),
         };
-        #[cfg(feature = "nccl")]
         engine.exec.gpu.set_timeout(config_timeout);
         engine
     }

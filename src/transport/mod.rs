@@ -9,10 +9,11 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::tensor::DType;
 use crate::vocab::ReduceOp;
 
+pub(crate) mod device;
 #[cfg(test)]
 pub(crate) mod loopback;
 pub(crate) mod mpi;
@@ -107,6 +108,21 @@ pub(crate) trait Transport: Send {
 
     /// In-place allreduce of `buf`.
     fn allreduce(&mut self, buf: &mut [u8], dtype: DType, op: ReduceOp) -> Result<()>;
+
+    /// Collective over this transport's ranks: opens the communicator for ops on
+    /// device memory, on device `ordinal` (None: the one this rank's local rank picks
+    /// among those it sees), whose set-up may take at most `timeout`. The default: no
+    /// device collectives in this build.
+    fn open_device(
+        &mut self,
+        ordinal: Option<usize>,
+        timeout: Duration,
+    ) -> Result<Box<dyn device::DeviceComm>> {
+        let _ = (ordinal, timeout);
+        Err(Error::CudaUnavailable(
+            "kolo was built without the `nccl` feature".into(),
+        ))
+    }
 
     /// Whether large sums go through [`Transport::allreduce_many`] in groups where that
     /// can help (`Some`: as the user said; `None`: the transport decides, if need be by

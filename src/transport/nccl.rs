@@ -229,6 +229,7 @@ impl Nccl {
     }
 }
 
+pub(crate) mod comm;
 mod ops;
 mod setup;
 pub(crate) use ops::can_scale;

@@ -360,6 +360,15 @@ impl Transport for MpiTransport {
         self.hierarchical_allgather = on;
     }
 
+    #[cfg(feature = "nccl")]
+    fn open_device(
+        &mut self,
+        ordinal: Option<usize>,
+        timeout: Duration,
+    ) -> Result<Box<dyn super::device::DeviceComm>> {
+        super::nccl::comm::open(self, ordinal, timeout)
+    }
+
     fn allreduce(&mut self, buf: &mut [u8], dtype: DType, op: ReduceOp) -> Result<()> {
         if self.hierarchical && buf.len() / dtype.size_of() >= self.topology.local_size {
             return self.hierarchical_allreduce(buf, dtype, op);
