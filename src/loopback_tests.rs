@@ -48,8 +48,12 @@ impl Drop for Watchdog {
 
 /// Starts `size` in-process ranks (all at once: starting needs every rank).
 fn job(size: usize, config: impl Fn(usize) -> Config + Sync) -> Vec<Kolo> {
+    start(Loopback::job(size), config)
+}
+
+/// Starts an engine on each of `ends` (all at once: starting needs every rank).
+fn start(ends: Vec<Loopback>, config: impl Fn(usize) -> Config + Sync) -> Vec<Kolo> {
     let _watchdog = Watchdog::new("starting the ranks");
-    let ends = Loopback::job(size);
     std::thread::scope(|s| {
         let started: Vec<_> = ends
             .into_iter()
@@ -382,3 +386,5 @@ fn tuner_changes_apply_on_every_rank_in_the_same_cycle() {
         "ranks switched settings at different cycles"
     );
 }
+
+mod gpu;

@@ -212,6 +212,12 @@ pub trait HostBuffer: std::any::Any + Send + Sync {
     fn bytes(&self) -> &[u8];
     /// The bytes, mutably: collectives write their results here.
     fn bytes_mut(&mut self) -> &mut [u8];
+    /// Unit tests only: the device a simulated device's buffer stands for (the
+    /// loopback transport's simulated device, `transport/loopback/sim_device.rs`).
+    #[cfg(test)]
+    fn simulated_device(&self) -> Option<usize> {
+        None
+    }
 }
 
 impl Clone for Tensor {
@@ -478,7 +484,17 @@ impl Tensor {
         if let Some(c) = &self.cuda {
             return Device::Cuda(c.ordinal());
         }
+        #[cfg(test)]
+        if let Some(i) = self.external.as_ref().and_then(|b| b.simulated_device()) {
+            return Device::Cuda(i);
+        }
         Device::Cpu
+    }
+
+    /// Unit tests only: the host buffer this tensor borrows, if any.
+    #[cfg(test)]
+    pub(crate) fn host_buffer(&self) -> Option<&dyn HostBuffer> {
+        self.external.as_deref()
     }
 
     fn require_cpu(&self, what: &'static str) -> Result<()> {

@@ -98,6 +98,8 @@ impl Gpu {
                     }
                 }
                 Err(e) => {
+                    // The device's state is unknown: wait for it before freeing.
+                    self.settle(done.keep);
                     for (c, _) in done.finish {
                         c.complete(Err(e.replicate()));
                     }
@@ -215,7 +217,9 @@ impl Gpu {
             None => None,
         };
         if self.comm.is_none() {
-            let timeout = self.timeout.unwrap_or_else(|| device_timeout(Duration::ZERO));
+            let timeout = self
+                .timeout
+                .unwrap_or_else(|| device_timeout(Duration::ZERO));
             self.comm = Some(mpi.open_device(wanted, timeout)?);
         }
         let comm = self
@@ -250,35 +254,41 @@ impl Gpu {
         let r = reduction(first, comm.size());
         let take = |inputs: &mut Tensors| take_tensor(ready, inputs);
         match ready.kind {
+            // An op's tensors go to `keep` whatever happens once it may have been
+            // (partly) enqueued: on an error the device may still use them until it
+            // has settled (issue 31, item 23).
             OpKind::Allreduce => {
                 let tensor = take(&mut inputs)?;
-                comm.allreduce(std::slice::from_ref(&tensor), r)?;
-                Ok(Output::Tensor(tensor))
+                let done = comm.allreduce(std::slice::from_ref(&tensor), r);
+                Ok(Output::Tensor(kept(keep, tensor, done)?))
             }
             OpKind::GroupedAllreduce => {
                 let tensors = inputs.into_vec();
-                comm.allreduce(&tensors, r)?;
+                if let Err(e) = comm.allreduce(&tensors, r) {
+                    keep.extend(tensors);
+                    return Err(e);
+                }
                 Ok(Output::Tensors(tensors))
             }
             OpKind::Broadcast => {
                 let tensor = take(&mut inputs)?;
-                comm.broadcast(&tensor, first.root)?;
-                Ok(Output::Tensor(tensor))
+                let done = comm.broadcast(&tensor, first.root);
+                Ok(Output::Tensor(kept(keep, tensor, done)?))
             }
             OpKind::Allgather => {
                 let tensor = take(&mut inputs)?;
                 let (counts, shape) = allgather_layout(ready, tensor.shape())?;
-                let out = comm.allgatherv(&tensor, &counts, &shape)?;
+                let out = comm.allgatherv(&tensor, &counts, &shape);
                 keep.push(tensor);
-                Ok(Output::Tensor(out))
+                Ok(Output::Tensor(out?))
             }
             OpKind::Alltoall => {
                 let tensor = take(&mut inputs)?;
                 let l = alltoall_layout(ready, comm.rank(), tensor.shape())?;
-                let out = comm.alltoallv(&tensor, &l.send_counts, &l.recv_counts, &l.shape)?;
+                let out = comm.alltoallv(&tensor, &l.send_counts, &l.recv_counts, &l.shape);
                 keep.push(tensor);
                 Ok(Output::Alltoall(AlltoallOutput {
-                    tensor: out,
+                    tensor: out?,
                     received_splits: l.recv_rows,
                 }))
             }
@@ -286,9 +296,9 @@ impl Gpu {
                 let mut tensor = take(&mut inputs)?;
                 let (counts, shape) =
                     reducescatter_layout(tensor.shape(), comm.size(), comm.rank());
-                let out = comm.reduce_scatter(&mut tensor, &counts, &shape, r)?;
+                let out = comm.reduce_scatter(&mut tensor, &counts, &shape, r);
                 keep.push(tensor);
-                Ok(Output::Tensor(out))
+                Ok(Output::Tensor(out?))
             }
             OpKind::Barrier | OpKind::Join | OpKind::AddProcessSet => Err(Error::Internal(
                 format!("{} reached the GPU executor", ready.kind.name()),
@@ -328,7 +338,11 @@ impl Gpu {
         }
         comm.prepare(&tensors)?;
         let r = reduction(&meta, comm.size());
-        comm.allreduce_fused(&tensors, r)?;
+        if let Err(e) = comm.allreduce_fused(&tensors, r) {
+            // The copies into the fusion buffer may be enqueued: keep the members.
+            keep.extend(tensors);
+            return Err(e);
+        }
         let mut outputs = Vec::with_capacity(tensors.len());
         for (t, m) in tensors.into_iter().zip(mine) {
             if m {
@@ -339,6 +353,18 @@ impl Gpu {
             }
         }
         Ok(outputs)
+    }
+}
+
+/// `tensor` if `done` succeeded; otherwise the error, with `tensor` moved into `keep`
+/// (the device may still use it).
+fn kept(keep: &mut Vec<Tensor>, tensor: Tensor, done: Result<()>) -> Result<Tensor> {
+    match done {
+        Ok(()) => Ok(tensor),
+        Err(e) => {
+            keep.push(tensor);
+            Err(e)
+        }
     }
 }
 

@@ -51,6 +51,10 @@ const ENGINE_SPIN: Duration = Duration::from_micros(50);
 /// How often an engine with ops in flight on the GPU checks their events.
 const GPU_POLL: Duration = Duration::from_micros(50);
 
+/// How often an engine that can no longer communicate checks the device for ops
+/// still in flight.
+const GPU_POLL_WHILE_FAILING: Duration = Duration::from_millis(1);
+
 /// How long the engine polls GPU events without sleeping after enqueueing work.
 const GPU_SPIN: Duration = Duration::from_micros(200);
 
@@ -282,8 +286,9 @@ impl Engine {
         if self.inbox.shutting_down || !self.inbox.outgoing.is_empty() {
             return;
         }
-        self.wait_for_gpu();
-        if self.inbox.shutting_down || !self.inbox.outgoing.is_empty() {
+        // Ops still on the device after a heartbeat's wait: cycle now, so that the
+        // other ranks and the watchdog hear from this rank meanwhile.
+        if self.wait_for_gpu() || self.inbox.shutting_down || !self.inbox.outgoing.is_empty() {
             return;
         }
         if !self.inbox.has_work() {
@@ -301,8 +306,11 @@ impl Engine {
     }
 
     /// While ops run on the GPU and nothing new was submitted here, completes them as
-    /// their events fire instead of cycling.
-    fn wait_for_gpu(&mut self) {
+    /// their marks are reached instead of cycling — for at most a heartbeat: true when
+    /// ops are still on the device after that (the caller then runs a heartbeat cycle;
+    /// issue 31, item 22: an op waiting behind long kernels stopped the heartbeats, and
+    /// the other ranks' watchdogs ended a healthy job blaming this rank).
+    fn wait_for_gpu(&mut self) -> bool {
         self.exec.gpu.poll();
         let start = Instant::now();
         while self.exec.gpu.busy()
@@ -310,7 +318,11 @@ impl Engine {
             && self.inbox.outgoing.is_empty()
             && !abort_requested()
         {
-            if start.elapsed() < GPU_SPIN {
+            let waited = start.elapsed();
+            if waited >= HEARTBEAT {
+                return true;
+            }
+            if waited < GPU_SPIN {
                 // Short ops finish within microseconds: look again at once.
                 std::thread::yield_now();
                 self.inbox.drain();
@@ -319,6 +331,7 @@ impl Engine {
             }
             self.exec.gpu.poll();
         }
+        false
     }
 
     fn serve_timeline_requests(&mut self) {
@@ -460,10 +473,20 @@ impl Engine {
         }
         let mut taken = Vec::new();
         loop {
-            self.inbox.queue.take(&mut taken, None);
+            // Ops already on the device still complete as the device runs them (issue
+            // 31, item 19): poll while any are in flight.
+            self.exec.gpu.poll();
+            let busy = self.exec.gpu.busy();
+            self.inbox
+                .queue
+                .take(&mut taken, busy.then_some(GPU_POLL_WHILE_FAILING));
             if taken.is_empty() {
+                if busy && !self.inbox.queue.is_closed() {
+                    continue;
+                }
                 // Closed, and the shutdown command was taken in before the engine
-                // stopped (an untimed `take` returns empty only once closed).
+                // stopped (an untimed `take` returns empty only once closed); ops
+                // still on the device complete as the engine drops its GPU side.
                 return;
             }
             for cmd in taken.drain(..) {

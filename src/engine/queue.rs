@@ -166,8 +166,7 @@ impl Queue {
         }
     }
 
-    /// Whether shutdown was requested (or the engine ended) (for tests).
-    #[cfg(test)]
+    /// Whether shutdown was requested (or the engine ended).
     pub(crate) fn is_closed(&self) -> bool {
         self.lock().closed
     }

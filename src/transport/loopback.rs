@@ -11,6 +11,8 @@ use std::time::{Duration, Instant};
 use half::{bf16, f16};
 
 use super::{ring, Topology, Transport};
+
+pub(crate) mod sim_device;
 use crate::error::{Error, Result};
 use crate::tensor::DType;
 use crate::vocab::ReduceOp;
@@ -49,6 +51,9 @@ struct HubState {
 struct Hub {
     state: Mutex<HubState>,
     changed: Condvar,
+    /// Control-plane calls (cycle agreements and exchanges, heartbeats included) rank 0
+    /// has completed.
+    exchanges: Arc<std::sync::atomic::AtomicU64>,
 }
 
 /// One rank's end of the hub.
@@ -60,12 +65,15 @@ pub(crate) struct Loopback {
     hub: Arc<Hub>,
     /// What `in_place_group_bytes` answers (0 unless a test sets it).
     in_place_group: usize,
+    /// The job's simulated devices (`open_device`).
+    devices: Arc<sim_device::SimDevices>,
 }
 
 impl Loopback {
     /// The `size` ranks of one in-process job.
     pub(crate) fn job(size: usize) -> Vec<Loopback> {
         let hub = Arc::new(Hub::default());
+        let devices = Arc::new(sim_device::SimDevices::default());
         (0..size)
             .map(|rank| Loopback {
                 rank,
@@ -73,8 +81,19 @@ impl Loopback {
                 next: 0,
                 hub: hub.clone(),
                 in_place_group: 0,
+                devices: devices.clone(),
             })
             .collect()
+    }
+
+    /// How many control-plane calls rank 0 has completed so far, counted as they happen.
+    pub(crate) fn exchanges(&self) -> Arc<std::sync::atomic::AtomicU64> {
+        self.hub.exchanges.clone()
+    }
+
+    /// The job's simulated devices, shared by its ranks.
+    pub(crate) fn devices(&self) -> Arc<sim_device::SimDevices> {
+        self.devices.clone()
     }
 
     /// Takes groups of large allreduces of up to `bytes` (as the MPI transport does
@@ -134,6 +153,11 @@ impl Loopback {
                     .unwrap_or_default();
                 if state.rounds.get(&call).is_some_and(|r| r.collected == size) {
                     state.rounds.remove(&call);
+                }
+                if self.rank == 0 && idle.is_some() {
+                    self.hub
+                        .exchanges
+                        .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                 }
                 return Ok(parts);
             }
@@ -227,6 +251,19 @@ impl Transport for Loopback {
 
     fn abort(&mut self, code: i32) -> ! {
         panic!("loopback rank {} aborted the job (code {code})", self.rank)
+    }
+
+    fn open_device(
+        &mut self,
+        ordinal: Option<usize>,
+        _timeout: Duration,
+    ) -> Result<Box<dyn crate::transport::device::DeviceComm>> {
+        Ok(Box::new(sim_device::SimDevice::new(
+            self.rank,
+            self.size,
+            ordinal.unwrap_or(0),
+            self.devices.clone(),
+        )))
     }
 
     fn exchange(&mut self, local: &[u8], idle: &mut dyn FnMut(Duration)) -> Result<Vec<Vec<u8>>> {

@@ -1,0 +1,198 @@
+//! The engine's GPU executor on the loopback transport's simulated device
+//! (`transport/loopback/sim_device.rs`): ops complete later than they are enqueued,
+//! as on a real stream, so the failure paths of issue 31 (items 19, 22, 23) run here
+//! without a GPU.
+
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use super::{on_every_rank, start, Watchdog};
+use crate::config::Config;
+use crate::error::Error;
+use crate::handle::Handle;
+use crate::tensor::{Device, Tensor};
+use crate::transport::loopback::sim_device::SimDevices;
+use crate::transport::loopback::Loopback;
+use crate::vocab::ReduceOp;
+
+/// The f32 values of a simulated device tensor.
+fn device_values(t: &Tensor) -> Vec<f32> {
+    assert_eq!(t.device(), Device::Cuda(0), "a device tensor");
+    bytemuck::pod_collect_to_vec(t.host_bytes())
+}
+
+/// Polls `h` until it completes or `limit` passes (then None: it is still pending).
+fn wait_within<T>(h: Handle<T>, limit: Duration) -> Option<crate::error::Result<T>> {
+    let deadline = Instant::now() + limit;
+    while !h.poll() {
+        if Instant::now() > deadline {
+            return None;
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    Some(h.wait())
+}
+
+/// Waits (bounded) until `cond` holds.
+fn eventually(what: &str, limit: Duration, cond: impl Fn() -> bool) {
+    let deadline = Instant::now() + limit;
+    while !cond() {
+        assert!(
+            Instant::now() < deadline,
+            "{what} did not happen within {limit:?}"
+        );
+        std::thread::sleep(Duration::from_millis(2));
+    }
+}
+
+/// `size` ranks with their simulated devices.
+fn device_job(size: usize) -> (Vec<crate::runtime::Kolo>, Arc<SimDevices>) {
+    let ends = Loopback::job(size);
+    let devices = ends[0].devices();
+    (start(ends, |_| Config::default()), devices)
+}
+
+#[test]
+fn simulated_device_ops_give_the_host_results() {
+    let (ranks, devices) = device_job(2);
+    let out = on_every_rank(&ranks, |r, k| {
+        let x = r as f32 + 1.0;
+        let sum = k
+            .allreduce("sum", devices.tensor(&[x, 2.0 * x], 0))
+            .op(ReduceOp::Sum)
+            .wait()
+            .unwrap_or_else(|e| panic!("{e}"));
+        let avg = k
+            .allreduce("avg", devices.tensor(&[x], 0))
+            .wait()
+            .unwrap_or_else(|e| panic!("{e}"));
+        let all = k
+            .allgather("gather", devices.tensor(&[x; 2], 0))
+            .wait()
+            .unwrap_or_else(|e| panic!("{e}"));
+        let b = k
+            .broadcast("bcast", devices.tensor(&[x * 10.0], 0), 1)
+            .wait()
+            .unwrap_or_else(|e| panic!("{e}"));
+        [sum, avg, all, b].map(|t| device_values(&t))
+    });
+    for [sum, avg, all, b] in out {
+        assert_eq!(sum, [3.0, 6.0]);
+        assert_eq!(avg, [1.5]);
+        assert_eq!(all, [1.0, 1.0, 2.0, 2.0]);
+        assert_eq!(b, [20.0]);
+    }
+    for k in ranks {
+        k.shutdown().unwrap_or_else(|e| panic!("{e}"));
+    }
+    assert_eq!(devices.violations(), Vec::<String>::new());
+}
+
+/// Issue 31, item 19: an op enqueued on the device when another rank leaves still
+/// completes once the device has run it (it did: every rank enqueued it), instead
+/// of staying pending until this rank shuts down.
+#[test]
+fn issue31_a_gpu_op_in_flight_when_a_rank_leaves_completes() {
+    let (mut ranks, devices) = device_job(2);
+    devices.hold(true);
+    let handles = on_every_rank(&ranks, |r, k| {
+        k.allreduce("g", devices.tensor(&[r as f32 + 1.0, 2.0], 0))
+            .op(ReduceOp::Sum)
+            .submit()
+            .unwrap_or_else(|e| panic!("{e}"))
+    });
+    eventually("both ranks enqueueing", Duration::from_secs(10), || {
+        devices.enqueued(0) == 2
+    });
+    let _watchdog = Watchdog::new("a rank leaving with a GPU op in flight");
+    let leaver = ranks.pop().unwrap_or_else(|| panic!("rank 1"));
+    let left = std::thread::spawn(move || leaver.shutdown());
+    // Rank 0 learns that rank 1 left: a host op fails naming it.
+    let probe = Tensor::from_vec(vec![1.0f32], &[1]).unwrap_or_else(|e| panic!("{e}"));
+    match ranks[0].allreduce("probe", probe).wait() {
+        Err(Error::RankLeft { rank: 1, .. }) => {}
+        other => panic!("expected rank 1 to have left, got {other:?}"),
+    }
+    devices.hold(false);
+    let mut handles = handles.into_iter();
+    let mine = handles.next().unwrap_or_else(|| panic!("rank 0's handle"));
+    let result = wait_within(mine, Duration::from_secs(10))
+        .unwrap_or_else(|| panic!("rank 0's GPU op stayed pending after the device ran it"));
+    let t = result.unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(device_values(&t), [3.0, 4.0]);
+    left.join()
+        .unwrap_or_else(|_| panic!("rank 1's shutdown panicked"))
+        .unwrap_or_else(|e| panic!("{e}"));
+    drop(handles);
+    ranks[0].shutdown().unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(devices.violations(), Vec::<String>::new());
+}
+
+/// Issue 31, item 22: while an op waits on the device (behind the user's kernels, or
+/// a slow peer), the engine keeps its heartbeat cycles, so the other ranks and the
+/// watchdog see it alive.
+#[test]
+fn issue31_heartbeats_go_on_while_a_gpu_op_waits() {
+    let ends = Loopback::job(2);
+    let devices = ends[0].devices();
+    let exchanges = ends[0].exchanges();
+    let ranks = start(ends, |_| Config::default());
+    // Before the fix the engines never cycled again and the shutdown below hung.
+    let _watchdog = Watchdog::new("cycles while a GPU op waits");
+    devices.hold(true);
+    let handles = on_every_rank(&ranks, |_, k| {
+        k.allreduce("slow", devices.tensor(&[1.0], 0))
+            .op(ReduceOp::Sum)
+            .submit()
+            .unwrap_or_else(|e| panic!("{e}"))
+    });
+    eventually("both ranks enqueueing", Duration::from_secs(10), || {
+        devices.enqueued(0) == 2
+    });
+    let before = exchanges.load(Ordering::Relaxed);
+    // Heartbeats come every 100 ms; three of them within 10 s on any machine.
+    eventually(
+        "three heartbeat cycles while the op waits on the device",
+        Duration::from_secs(10),
+        || exchanges.load(Ordering::Relaxed) >= before + 3,
+    );
+    devices.hold(false);
+    for h in handles {
+        let t = h.wait().unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(device_values(&t), [2.0]);
+    }
+    for k in ranks {
+        k.shutdown().unwrap_or_else(|e| panic!("{e}"));
+    }
+    assert_eq!(devices.violations(), Vec::<String>::new());
+}
+
+/// Issue 31, item 23: an op that fails after part of it was enqueued (here the
+/// second member of a group) keeps every buffer until the device has settled.
+#[test]
+fn issue31_a_failed_gpu_op_keeps_its_buffers_until_the_device_settled() {
+    let (ranks, devices) = device_job(1);
+    devices.hold(true);
+    devices.fail_enqueue(0, 1);
+    let k = &ranks[0];
+    let group = vec![
+        ("a".to_string(), devices.tensor(&[1.0, 2.0], 0)),
+        ("b".to_string(), devices.tensor(&[3.0], 0)),
+    ];
+    let _watchdog = Watchdog::new("a failed GPU group");
+    match k.grouped_allreduce(group).op(ReduceOp::Sum).wait() {
+        Err(e) => assert!(
+            e.to_string().contains("simulated enqueue failure"),
+            "the enqueue's error: {e}"
+        ),
+        Ok(_) => panic!("the group should fail"),
+    }
+    assert_eq!(
+        devices.violations(),
+        Vec::<String>::new(),
+        "no buffer freed while the device could still use it"
+    );
+    devices.hold(false);
+    k.shutdown().unwrap_or_else(|e| panic!("{e}"));
+}
