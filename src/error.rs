@@ -93,6 +93,23 @@ pub enum Error {
         tensors: Vec<Tensor>,
     },
 
+    /// Another rank could not run this op (on a device: a tensor on another device, an
+    /// allocation that failed), so no rank ran it; the engine goes on.
+    #[error("{op} {name:?}: rank {rank} could not run it ({message}), so no rank did")]
+    PeerFailed {
+        /// The collective.
+        op: &'static str,
+        /// The tensor name.
+        name: String,
+        /// The rank that could not run it.
+        rank: usize,
+        /// Why, in that rank's words.
+        message: String,
+        /// This rank's tensors, handed back: nothing was sent
+        /// ([`Error::into_tensors`]).
+        tensors: Vec<Tensor>,
+    },
+
     /// Some ranks never submitted a request others were waiting for, for longer than
     /// the stall shutdown time (`KOLO_STALL_SHUTDOWN_TIME_SECONDS`); every pending op
     /// on every rank fails with the report, and the engine stops.
@@ -245,6 +262,7 @@ impl Error {
             | Error::DuplicateName { tensors, .. }
             | Error::Mismatch { tensors, .. }
             | Error::RankLeft { tensors, .. }
+            | Error::PeerFailed { tensors, .. }
             | Error::Stalled { tensors, .. }
             | Error::DTypeMismatch { tensors, .. }
             | Error::WrongDevice { tensors, .. } => Some(tensors),
@@ -310,6 +328,19 @@ impl Error {
                 op,
                 name: name.clone(),
                 rank: *rank,
+                tensors: Vec::new(),
+            },
+            Error::PeerFailed {
+                op,
+                name,
+                rank,
+                message,
+                ..
+            } => Error::PeerFailed {
+                op,
+                name: name.clone(),
+                rank: *rank,
+                message: message.clone(),
                 tensors: Vec::new(),
             },
             Error::Stalled { report, .. } => Error::Stalled {

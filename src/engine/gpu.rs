@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use super::layout::{
     allgather_layout, alltoall_layout, first_tensor, fused_inputs, local_or_zeros, post_factor,
-    reducescatter_layout, take_tensor,
+    reducescatter_layout, take_tensor, AlltoallLayout,
 };
 use super::negotiate::Ready;
 use super::request::{OpKind, RequestMeta, Tensors};
@@ -240,6 +240,11 @@ impl Gpu {
         Ok(comm)
     }
 
+    /// Prepares the op on this rank, agrees with every rank that all of them can run
+    /// it, and only then enqueues it: a failure on one rank before its enqueue (a
+    /// tensor on another device, an allocation that fails) fails the op on every rank,
+    /// naming that rank, instead of leaving the others' enqueued ops waiting for it
+    /// until the watchdog ends the job (issue 31, item 20).
     fn run(
         &mut self,
         mpi: &mut dyn Transport,
@@ -247,63 +252,55 @@ impl Gpu {
         local: Option<Tensors>,
         keep: &mut Vec<Tensor>,
     ) -> Result<Output> {
+        let prepared = self.prepare(mpi, ready, local);
+        let prepared = agree(mpi, ready, prepared)?;
+        let comm = self.comm_opened()?;
+        enqueue(comm, ready, prepared, keep)
+    }
+
+    /// Everything the op needs on this rank before it is enqueued: the communicator,
+    /// its tensors (zeros on a joined rank) and its output, allocated.
+    fn prepare(
+        &mut self,
+        mpi: &mut dyn Transport,
+        ready: &Ready,
+        local: Option<Tensors>,
+    ) -> Result<Prepared> {
         let comm = self.comm(mpi, local.as_deref())?;
-        let first = ready.first();
-        let mut inputs = local_or_zeros(ready, local, |m| comm.zeros(m.dtype, &m.shape))?;
+        let inputs = local_or_zeros(ready, local, |m| comm.zeros(m.dtype, &m.shape))?;
         comm.prepare(&inputs)?;
-        let r = reduction(first, comm.size());
-        let take = |inputs: &mut Tensors| take_tensor(ready, inputs);
-        match ready.kind {
-            // An op's tensors go to `keep` whatever happens once it may have been
-            // (partly) enqueued: on an error the device may still use them until it
-            // has settled (issue 31, item 23).
-            OpKind::Allreduce => {
-                let tensor = take(&mut inputs)?;
-                let done = comm.allreduce(std::slice::from_ref(&tensor), r);
-                Ok(Output::Tensor(kept(keep, tensor, done)?))
+        let plan = match (ready.kind, inputs.last()) {
+            (OpKind::Allgather, Some(t)) => {
+                let (counts, shape) = allgather_layout(ready, t.shape())?;
+                Plan::Gather(counts.to_vec(), comm.empty(t.dtype(), &shape)?)
             }
-            OpKind::GroupedAllreduce => {
-                let tensors = inputs.into_vec();
-                if let Err(e) = comm.allreduce(&tensors, r) {
-                    keep.extend(tensors);
-                    return Err(e);
-                }
-                Ok(Output::Tensors(tensors))
+            (OpKind::Alltoall, Some(t)) => {
+                let l = alltoall_layout(ready, comm.rank(), t.shape())?;
+                let out = comm.empty(t.dtype(), &l.shape)?;
+                Plan::Alltoall(l, out)
             }
-            OpKind::Broadcast => {
-                let tensor = take(&mut inputs)?;
-                let done = comm.broadcast(&tensor, first.root);
-                Ok(Output::Tensor(kept(keep, tensor, done)?))
+            (OpKind::Reducescatter, Some(t)) => {
+                let (counts, shape) = reducescatter_layout(t.shape(), comm.size(), comm.rank());
+                Plan::Scatter(counts, comm.empty(t.dtype(), &shape)?)
             }
-            OpKind::Allgather => {
-                let tensor = take(&mut inputs)?;
-                let (counts, shape) = allgather_layout(ready, tensor.shape())?;
-                let out = comm.allgatherv(&tensor, &counts, &shape);
-                keep.push(tensor);
-                Ok(Output::Tensor(out?))
+            (OpKind::Allreduce | OpKind::GroupedAllreduce | OpKind::Broadcast, _) => Plan::InPlace,
+            (kind, _) => {
+                return Err(Error::Internal(format!(
+                    "{} reached the GPU executor without a tensor",
+                    kind.name()
+                )))
             }
-            OpKind::Alltoall => {
-                let tensor = take(&mut inputs)?;
-                let l = alltoall_layout(ready, comm.rank(), tensor.shape())?;
-                let out = comm.alltoallv(&tensor, &l.send_counts, &l.recv_counts, &l.shape);
-                keep.push(tensor);
-                Ok(Output::Alltoall(AlltoallOutput {
-                    tensor: out?,
-                    received_splits: l.recv_rows,
-                }))
-            }
-            OpKind::Reducescatter => {
-                let mut tensor = take(&mut inputs)?;
-                let (counts, shape) =
-                    reducescatter_layout(tensor.shape(), comm.size(), comm.rank());
-                let out = comm.reduce_scatter(&mut tensor, &counts, &shape, r);
-                keep.push(tensor);
-                Ok(Output::Tensor(out?))
-            }
-            OpKind::Barrier | OpKind::Join | OpKind::AddProcessSet => Err(Error::Internal(
-                format!("{} reached the GPU executor", ready.kind.name()),
-            )),
-        }
+        };
+        Ok(Prepared { inputs, plan })
+    }
+
+    /// The communicator [`Self::comm`] opened.
+    fn comm_opened(&mut self) -> Result<&mut dyn DeviceComm> {
+        let comm = self
+            .comm
+            .as_deref_mut()
+            .ok_or_else(|| Error::Internal("device communicator missing".into()))?;
+        Ok(comm)
     }
 
     fn run_fused(
@@ -312,31 +309,13 @@ impl Gpu {
         members: Vec<(&Ready, Option<Tensors>)>,
         keep: &mut Vec<Tensor>,
     ) -> Result<Vec<Option<Tensor>>> {
-        let Some((first_ready, _)) = members.first() else {
+        let Some(&(first_ready, _)) = members.first() else {
             return Ok(Vec::new());
         };
         let meta = first_ready.first().clone();
-        // The device is that of the first member this rank holds.
-        let local_first: Option<&[Tensor]> = members
-            .iter()
-            .find_map(|(_, l)| l.as_deref())
-            .filter(|l| !l.is_empty())
-            .map(|l| &l[..1]);
-        let comm = self.comm(mpi, local_first)?;
-        let on = Device::Cuda(comm.ordinal());
-        first_tensor(&meta, 0)?;
-        let (tensors, mine) = fused_inputs(members, |m| comm.zeros(m.dtype, &m.shape))?;
-        // The copies are device-to-device on the communicator's device: every member
-        // must be there, not only the first.
-        if let Some(t) = tensors.iter().find(|t| t.device() != on) {
-            return Err(Error::WrongDevice {
-                what: "fused NCCL allreduce",
-                expected: on,
-                actual: t.device(),
-                tensors: Vec::new(),
-            });
-        }
-        comm.prepare(&tensors)?;
+        let prepared = self.prepare_fused(mpi, members);
+        let (tensors, mine) = agree(mpi, first_ready, prepared.map(Fused))?.0;
+        let comm = self.comm_opened()?;
         let r = reduction(&meta, comm.size());
         if let Err(e) = comm.allreduce_fused(&tensors, r) {
             // The copies into the fusion buffer may be enqueued: keep the members.
@@ -353,6 +332,165 @@ impl Gpu {
             }
         }
         Ok(outputs)
+    }
+
+    /// A fused batch's members on this rank (zeros where it has joined), and which
+    /// are its own, checked to be on the communicator's device.
+    fn prepare_fused(
+        &mut self,
+        mpi: &mut dyn Transport,
+        members: Vec<(&Ready, Option<Tensors>)>,
+    ) -> Result<(Vec<Tensor>, Vec<bool>)> {
+        let meta = match members.first() {
+            Some((ready, _)) => ready.first().clone(),
+            None => return Ok((Vec::new(), Vec::new())),
+        };
+        first_tensor(&meta, 0)?;
+        // The device is that of the first member this rank holds.
+        let local_first: Option<&[Tensor]> = members
+            .iter()
+            .find_map(|(_, l)| l.as_deref())
+            .filter(|l| !l.is_empty())
+            .map(|l| &l[..1]);
+        let comm = self.comm(mpi, local_first)?;
+        let on = Device::Cuda(comm.ordinal());
+        let (tensors, mine) = fused_inputs(members, |m| comm.zeros(m.dtype, &m.shape))?;
+        // The copies are device-to-device on the communicator's device: every member
+        // must be there, not only the first.
+        if let Some(t) = tensors.iter().find(|t| t.device() != on) {
+            return Err(Error::WrongDevice {
+                what: "fused NCCL allreduce",
+                expected: on,
+                actual: t.device(),
+                tensors: Vec::new(),
+            });
+        }
+        comm.prepare(&tensors)?;
+        Ok((tensors, mine))
+    }
+}
+
+/// An op ready to enqueue on this rank.
+struct Prepared {
+    inputs: Tensors,
+    plan: Plan,
+}
+
+/// What an op writes besides its inputs, allocated before it is enqueued.
+enum Plan {
+    /// In place: allreduce, grouped allreduce, broadcast.
+    InPlace,
+    /// Elements from each rank, into the output.
+    Gather(Vec<usize>, Tensor),
+    /// The exchange's counts, into the output.
+    Alltoall(AlltoallLayout, Tensor),
+    /// Elements reduced into each rank, this rank's block into the output.
+    Scatter(Vec<usize>, Tensor),
+}
+
+/// A fused batch ready to enqueue: its members and which of them are this rank's.
+struct Fused((Vec<Tensor>, Vec<bool>));
+
+/// What a prepared op gives back to its caller when another rank could not run it:
+/// this rank's tensors, which were never sent.
+trait HandBack {
+    fn hand_back(self) -> Vec<Tensor>;
+}
+
+impl HandBack for Prepared {
+    fn hand_back(self) -> Vec<Tensor> {
+        self.inputs.into_vec()
+    }
+}
+
+impl HandBack for Fused {
+    /// A batch's members each have their own handle: the batch's error is replicated
+    /// to each, without tensors.
+    fn hand_back(self) -> Vec<Tensor> {
+        Vec::new()
+    }
+}
+
+/// Shares every rank's outcome of preparing the op `ready` (one exchange over the
+/// engine's transport, in the same place of the same cycle on every rank): this
+/// rank's own error, or [`Error::PeerFailed`] naming the first other rank that could
+/// not run it, or the prepared op when every rank can.
+fn agree<T: HandBack>(mpi: &mut dyn Transport, ready: &Ready, mine: Result<T>) -> Result<T> {
+    let why = match &mine {
+        Ok(_) => String::new(),
+        Err(e) => e.to_string(),
+    };
+    let all = mpi.exchange(why.as_bytes(), &mut |_| {})?;
+    let me = mpi.topology().rank;
+    let failed = all
+        .iter()
+        .enumerate()
+        .find(|(r, why)| *r != me && !why.is_empty());
+    match (mine, failed) {
+        (Err(e), _) => Err(e),
+        (Ok(p), Some((rank, why))) => Err(Error::PeerFailed {
+            op: ready.kind.name(),
+            name: ready.key.to_string(),
+            rank,
+            message: String::from_utf8_lossy(why).into_owned(),
+            tensors: p.hand_back(),
+        }),
+        (Ok(p), None) => Ok(p),
+    }
+}
+
+/// Enqueues a prepared op. Its tensors go to `keep` whatever happens once it may have
+/// been (partly) enqueued: on an error the device may still use them until it has
+/// settled (issue 31, item 23).
+fn enqueue(
+    comm: &mut dyn DeviceComm,
+    ready: &Ready,
+    p: Prepared,
+    keep: &mut Vec<Tensor>,
+) -> Result<Output> {
+    let first = ready.first();
+    let r = reduction(first, comm.size());
+    let mut inputs = p.inputs;
+    let take = |inputs: &mut Tensors| take_tensor(ready, inputs);
+    match p.plan {
+        Plan::InPlace if ready.kind == OpKind::GroupedAllreduce => {
+            let tensors = inputs.into_vec();
+            if let Err(e) = comm.allreduce(&tensors, r) {
+                keep.extend(tensors);
+                return Err(e);
+            }
+            Ok(Output::Tensors(tensors))
+        }
+        Plan::InPlace => {
+            let tensor = take(&mut inputs)?;
+            let done = if ready.kind == OpKind::Broadcast {
+                comm.broadcast(&tensor, first.root)
+            } else {
+                comm.allreduce(std::slice::from_ref(&tensor), r)
+            };
+            Ok(Output::Tensor(kept(keep, tensor, done)?))
+        }
+        Plan::Gather(counts, out) => {
+            let tensor = take(&mut inputs)?;
+            let done = comm.allgatherv(&tensor, &out, &counts);
+            keep.push(tensor);
+            Ok(Output::Tensor(kept(keep, out, done)?))
+        }
+        Plan::Alltoall(l, out) => {
+            let tensor = take(&mut inputs)?;
+            let done = comm.alltoallv(&tensor, &l.send_counts, &out, &l.recv_counts);
+            keep.push(tensor);
+            Ok(Output::Alltoall(AlltoallOutput {
+                tensor: kept(keep, out, done)?,
+                received_splits: l.recv_rows,
+            }))
+        }
+        Plan::Scatter(counts, mut out) => {
+            let mut tensor = take(&mut inputs)?;
+            let done = comm.reduce_scatter(&mut tensor, &mut out, &counts, r);
+            keep.push(tensor);
+            Ok(Output::Tensor(kept(keep, out, done)?))
+        }
     }
 }
 

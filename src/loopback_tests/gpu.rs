@@ -196,3 +196,52 @@ fn issue31_a_failed_gpu_op_keeps_its_buffers_until_the_device_settled() {
     devices.hold(false);
     k.shutdown().unwrap_or_else(|e| panic!("{e}"));
 }
+
+/// Issue 31, item 20: a rank that cannot run an op (here: allocating its output
+/// fails) fails it on every rank, naming that rank, before anything is enqueued;
+/// the other ranks' tensors come back, and later ops run.
+#[test]
+fn issue31_a_rank_local_failure_before_the_enqueue_fails_the_op_everywhere() {
+    let (ranks, devices) = device_job(2);
+    devices.fail_alloc_on(Some(1));
+    let _watchdog = Watchdog::new("a rank-local GPU failure");
+    let handles = on_every_rank(&ranks, |r, k| {
+        k.allgather("g", devices.tensor(&[r as f32], 0))
+            .submit()
+            .unwrap_or_else(|e| panic!("{e}"))
+    });
+    let mut outcomes = handles
+        .into_iter()
+        .map(|h| wait_within(h, Duration::from_secs(10)));
+    match outcomes.next().flatten() {
+        Some(Err(Error::PeerFailed {
+            rank: 1,
+            message,
+            tensors,
+            ..
+        })) => {
+            assert!(message.contains("simulated out of memory"), "{message}");
+            assert_eq!(tensors.len(), 1, "rank 0's tensor handed back");
+            assert_eq!(device_values(&tensors[0]), [0.0]);
+        }
+        Some(other) => panic!("rank 0: expected rank 1 named, got {other:?}"),
+        None => panic!("rank 0's allgather stayed pending: rank 1 never enqueued it"),
+    }
+    match outcomes.next().flatten() {
+        Some(Err(e)) => assert!(e.to_string().contains("simulated out of memory"), "{e}"),
+        other => panic!("rank 1: expected its allocation error, got {other:?}"),
+    }
+    devices.fail_alloc_on(None);
+    let again = on_every_rank(&ranks, |r, k| {
+        k.allgather("g", devices.tensor(&[r as f32], 0))
+            .wait()
+            .unwrap_or_else(|e| panic!("{e}"))
+    });
+    for t in again {
+        assert_eq!(device_values(&t), [0.0, 1.0]);
+    }
+    for k in ranks {
+        k.shutdown().unwrap_or_else(|e| panic!("{e}"));
+    }
+    assert_eq!(devices.violations(), Vec::<String>::new());
+}

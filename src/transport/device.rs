@@ -38,6 +38,9 @@ pub(crate) trait DeviceComm {
     fn prepare(&mut self, tensors: &[Tensor]) -> Result<()>;
     /// A zeroed tensor on the device (what a joined rank contributes).
     fn zeros(&mut self, dtype: DType, shape: &[usize]) -> Result<Tensor>;
+    /// A tensor of uninitialised device memory, for an op's output (every element is
+    /// written by the op).
+    fn empty(&mut self, dtype: DType, shape: &[usize]) -> Result<Tensor>;
     /// Reduces each of `tensors` in place (one group of calls where the library
     /// allows).
     fn allreduce(&mut self, tensors: &[Tensor], r: Reduction) -> Result<()>;
@@ -46,27 +49,26 @@ pub(crate) trait DeviceComm {
     fn allreduce_fused(&mut self, tensors: &[Tensor], r: Reduction) -> Result<()>;
     /// Broadcasts `tensor` from `root`, in place.
     fn broadcast(&mut self, tensor: &Tensor, root: usize) -> Result<()>;
-    /// Gathers every rank's `tensor` (rank `i` sends `counts[i]` elements) into a new
-    /// tensor of `shape`.
-    fn allgatherv(&mut self, tensor: &Tensor, counts: &[usize], shape: &[usize]) -> Result<Tensor>;
-    /// Sends `send[i]` elements of `tensor` to rank `i` and receives `recv[i]` from it,
-    /// into a new tensor of `shape`.
+    /// Gathers every rank's `tensor` (rank `i` sends `counts[i]` elements) into `out`.
+    fn allgatherv(&mut self, tensor: &Tensor, out: &Tensor, counts: &[usize]) -> Result<()>;
+    /// Sends `send[i]` elements of `tensor` to rank `i` and receives `recv[i]` from it
+    /// into `out`.
     fn alltoallv(
         &mut self,
         tensor: &Tensor,
         send: &[usize],
+        out: &Tensor,
         recv: &[usize],
-        shape: &[usize],
-    ) -> Result<Tensor>;
-    /// Reduces `tensor` over the ranks and returns this rank's block (`counts[rank]`
-    /// elements, of `shape`); `tensor` may be scaled in place.
+    ) -> Result<()>;
+    /// Reduces `tensor` over the ranks and leaves this rank's block (`counts[rank]`
+    /// elements) in `out`; either may be scaled in place.
     fn reduce_scatter(
         &mut self,
         tensor: &mut Tensor,
+        out: &mut Tensor,
         counts: &[usize],
-        shape: &[usize],
         r: Reduction,
-    ) -> Result<Tensor>;
+    ) -> Result<()>;
     /// Marks everything enqueued so far; the mark is reached once all of it has run.
     fn mark(&mut self) -> Result<u64>;
     /// Whether everything enqueued before `mark` has run. Marks are asked in order.

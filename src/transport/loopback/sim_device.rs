@@ -5,7 +5,7 @@
 //! engine routes them to the GPU executor. Like a real stream, every op returns at
 //! enqueue and runs later: an op completes (its results written into its buffers)
 //! only once every rank has enqueued it and the test is not holding the device. A
-//! test can make an enqueue fail on one rank; a failed enqueue
+//! test can make an output allocation or an enqueue fail on one rank; a failed enqueue
 //! aborts the rank's communicator, as NCCL does, ending its queued ops at the next
 //! settle without writing them. A buffer freed while an op still queued on it is
 //! recorded as a violation (a real device would read or write freed memory).
@@ -45,6 +45,8 @@ struct SimState {
     parts: HashMap<u64, Vec<Option<Vec<u8>>>>,
     /// While set, no op completes.
     hold: bool,
+    /// The rank whose output allocations fail.
+    fail_alloc_on: Option<usize>,
     /// `(rank, op number)` whose enqueue fails.
     fail_enqueue: Option<(usize, u64)>,
     /// Buffers alive, and how many queued ops use each.
@@ -64,6 +66,11 @@ impl SimDevices {
     pub(crate) fn hold(&self, on: bool) {
         self.lock().hold = on;
         self.changed.notify_all();
+    }
+
+    /// Makes every allocation of an op's output on `rank` fail (None: none).
+    pub(crate) fn fail_alloc_on(&self, rank: Option<usize>) {
+        self.lock().fail_alloc_on = rank;
     }
 
     /// Makes op number `op` (counted from 0 per rank) fail at enqueue on `rank`.
@@ -370,6 +377,16 @@ impl DeviceComm for SimDevice {
             .buffer(dtype, shape, self.ordinal, &vec![0; bytes]))
     }
 
+    fn empty(&mut self, dtype: DType, shape: &[usize]) -> Result<Tensor> {
+        if self.devices.lock().fail_alloc_on == Some(self.rank) {
+            return Err(Error::Cuda {
+                call: "cuMemAlloc",
+                message: "simulated out of memory".into(),
+            });
+        }
+        self.zeros(dtype, shape)
+    }
+
     fn allreduce(&mut self, tensors: &[Tensor], r: Reduction) -> Result<()> {
         let kind = Kind::Reduce {
             op: r.op,
@@ -394,18 +411,11 @@ impl DeviceComm for SimDevice {
         self.enqueue(Kind::Broadcast { root }, &[tensor], &[tensor], 1.0)
     }
 
-    fn allgatherv(
-        &mut self,
-        tensor: &Tensor,
-        _counts: &[usize],
-        shape: &[usize],
-    ) -> Result<Tensor> {
-        let out = self.zeros(tensor.dtype(), shape)?;
-        self.enqueue(Kind::Gather, &[tensor], &[&out], 1.0)?;
-        Ok(out)
+    fn allgatherv(&mut self, tensor: &Tensor, out: &Tensor, _counts: &[usize]) -> Result<()> {
+        self.enqueue(Kind::Gather, &[tensor], &[out], 1.0)
     }
 
-    fn alltoallv(&mut self, _: &Tensor, _: &[usize], _: &[usize], _: &[usize]) -> Result<Tensor> {
+    fn alltoallv(&mut self, _: &Tensor, _: &[usize], _: &Tensor, _: &[usize]) -> Result<()> {
         Err(Error::Internal(
             "the simulated device has no alltoall".into(),
         ))
@@ -414,10 +424,10 @@ impl DeviceComm for SimDevice {
     fn reduce_scatter(
         &mut self,
         _: &mut Tensor,
-        _: &[usize],
+        _: &mut Tensor,
         _: &[usize],
         _: Reduction,
-    ) -> Result<Tensor> {
+    ) -> Result<()> {
         Err(Error::Internal(
             "the simulated device has no reducescatter".into(),
         ))

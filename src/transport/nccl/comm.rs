@@ -54,13 +54,6 @@ impl NcclDevice {
         self.nccl.stream()
     }
 
-    /// A tensor of uninitialised device memory (every element is written by the op).
-    fn empty(&self, dtype: DType, shape: &[usize]) -> Result<Tensor> {
-        let n = crate::tensor::checked_len(shape, dtype)? * dtype.size_of();
-        let data = CudaData::alloc(self.stream(), dtype, n)?;
-        Ok(Tensor::from_cuda_parts(dtype, data, shape.to_vec()))
-    }
-
     /// Allreduce of `count` elements at `ptr`.
     fn allreduce_ptr(&self, ptr: Ptr, count: usize, dtype: DType, r: Reduction) -> Result<()> {
         if count == 0 {
@@ -122,6 +115,12 @@ impl DeviceComm for NcclDevice {
     fn zeros(&mut self, dtype: DType, shape: &[usize]) -> Result<Tensor> {
         let n = crate::tensor::checked_len(shape, dtype)? * dtype.size_of();
         let data = CudaData::zeros(self.stream(), dtype, n)?;
+        Ok(Tensor::from_cuda_parts(dtype, data, shape.to_vec()))
+    }
+
+    fn empty(&mut self, dtype: DType, shape: &[usize]) -> Result<Tensor> {
+        let n = crate::tensor::checked_len(shape, dtype)? * dtype.size_of();
+        let data = CudaData::alloc(self.stream(), dtype, n)?;
         Ok(Tensor::from_cuda_parts(dtype, data, shape.to_vec()))
     }
 
@@ -195,44 +194,40 @@ impl DeviceComm for NcclDevice {
         }
     }
 
-    fn allgatherv(&mut self, tensor: &Tensor, counts: &[usize], shape: &[usize]) -> Result<Tensor> {
-        let out = self.empty(tensor.dtype(), shape)?;
-        if !out.is_empty() {
-            // SAFETY: `out` holds the sum of `counts`, `tensor` this rank's count; both
-            // kept alive by the caller until the op's mark is reached.
-            unsafe {
-                self.nccl
-                    .allgatherv(ptr_of(tensor)?, ptr_of(&out)?, counts, tensor.dtype())
-            }?;
+    fn allgatherv(&mut self, tensor: &Tensor, out: &Tensor, counts: &[usize]) -> Result<()> {
+        if out.is_empty() {
+            return Ok(());
         }
-        Ok(out)
+        // SAFETY: `out` holds the sum of `counts`, `tensor` this rank's count; both
+        // kept alive by the caller until the op's mark is reached.
+        unsafe {
+            self.nccl
+                .allgatherv(ptr_of(tensor)?, ptr_of(out)?, counts, tensor.dtype())
+        }
     }
 
     fn alltoallv(
         &mut self,
         tensor: &Tensor,
         send: &[usize],
+        out: &Tensor,
         recv: &[usize],
-        shape: &[usize],
-    ) -> Result<Tensor> {
-        let out = self.empty(tensor.dtype(), shape)?;
+    ) -> Result<()> {
         // SAFETY: the buffers hold the sums of their counts, kept alive as above.
         unsafe {
             self.nccl
-                .alltoallv(ptr_of(tensor)?, send, ptr_of(&out)?, recv, tensor.dtype())
-        }?;
-        Ok(out)
+                .alltoallv(ptr_of(tensor)?, send, ptr_of(out)?, recv, tensor.dtype())
+        }
     }
 
     fn reduce_scatter(
         &mut self,
         tensor: &mut Tensor,
+        out: &mut Tensor,
         counts: &[usize],
-        shape: &[usize],
         r: Reduction,
-    ) -> Result<Tensor> {
+    ) -> Result<()> {
         let dtype = tensor.dtype();
-        let mut out = self.empty(dtype, shape)?;
         let total = r.prescale * r.postscale;
         let (in_nccl, pre, post) = if can_scale(dtype, r.op, total) {
             (total, 1.0, 1.0)
@@ -243,10 +238,9 @@ impl DeviceComm for NcclDevice {
         // SAFETY: as for allgatherv.
         unsafe {
             self.nccl
-                .reduce_scatter(ptr_of(tensor)?, ptr_of(&out)?, counts, dtype, r.op, in_nccl)
+                .reduce_scatter(ptr_of(tensor)?, ptr_of(out)?, counts, dtype, r.op, in_nccl)
         }?;
-        scale_on_host(self.stream(), &mut out, post)?;
-        Ok(out)
+        scale_on_host(self.stream(), out, post)
     }
 
     fn mark(&mut self) -> Result<u64> {
