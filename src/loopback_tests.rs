@@ -3,48 +3,15 @@
 //! Fast enough to run many random schedules; the real-MPI tests stay in
 //! `tests/collectives`.
 
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use crate::config::Config;
 use crate::error::Error;
 use crate::runtime::{spawn_engine, Kolo};
 use crate::tensor::Tensor;
-use crate::transport::loopback::Loopback;
+use crate::transport::loopback::{Loopback, Watchdog};
 use crate::transport::Transport;
 use crate::vocab::ReduceOp;
-
-/// Ends the test process if a step of a test (starting the ranks, running them) takes
-/// longer than [`LIMIT`]: an engine that hangs fails the run instead of blocking it.
-struct Watchdog(Arc<AtomicBool>);
-
-/// The longest one step of a loopback test may take.
-const LIMIT: Duration = Duration::from_secs(60);
-
-impl Watchdog {
-    fn new(what: &'static str) -> Watchdog {
-        let done = Arc::new(AtomicBool::new(false));
-        let flag = done.clone();
-        std::thread::spawn(move || {
-            let deadline = Instant::now() + LIMIT;
-            while !flag.load(Ordering::SeqCst) {
-                if Instant::now() > deadline {
-                    eprintln!("loopback test: {what} took longer than {LIMIT:?}; the engines hang");
-                    std::process::exit(1);
-                }
-                std::thread::sleep(Duration::from_millis(50));
-            }
-        });
-        Watchdog(done)
-    }
-}
-
-impl Drop for Watchdog {
-    fn drop(&mut self) {
-        self.0.store(true, Ordering::SeqCst);
-    }
-}
 
 /// Starts `size` in-process ranks (all at once: starting needs every rank).
 fn job(size: usize, config: impl Fn(usize) -> Config + Sync) -> Vec<Kolo> {
@@ -88,29 +55,6 @@ fn on_every_rank<T: Send>(ranks: &[Kolo], f: impl Fn(usize, &Kolo) -> T + Sync) 
             .map(|(r, k)| {
                 let f = &f;
                 s.spawn(move || f(r, k))
-            })
-            .collect();
-        hs.into_iter()
-            .map(|h| h.join().unwrap_or_else(|_| panic!("a rank panicked")))
-            .collect()
-    })
-}
-
-/// Runs `f(rank, transport)` for each rank of an in-process job of `size` on its own
-/// thread, under the watchdog, and returns the results in rank order: for unit tests
-/// of one engine part at a time over the loopback transport.
-pub(crate) fn on_loopback_ranks<T: Send>(
-    size: usize,
-    f: impl Fn(usize, Loopback) -> T + Sync,
-) -> Vec<T> {
-    let _watchdog = Watchdog::new("running the loopback ranks");
-    std::thread::scope(|s| {
-        let hs: Vec<_> = Loopback::job(size)
-            .into_iter()
-            .enumerate()
-            .map(|(r, end)| {
-                let f = &f;
-                s.spawn(move || f(r, end))
             })
             .collect();
         hs.into_iter()

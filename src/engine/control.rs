@@ -6,16 +6,64 @@ use std::time::{Duration, Instant};
 
 use smallvec::SmallVec;
 
+use super::agree::Agreed;
 use super::cache::{self, ResponseCache};
 use super::layout::scale_bytes;
+use super::negotiate::Negotiator;
 use super::negotiate::{self, Outcome, Response};
 use super::request::Settings;
 use super::request::{CycleMsg, Device, OpKind};
-use super::{Control, Inbox};
+use super::stall::StallInspector;
+use super::Inbox;
+use crate::config::Config;
 use crate::error::{Error, Result};
 use crate::tensor::DType;
+use crate::transport::Topology;
 use crate::transport::Transport;
 use crate::vocab::ReduceOp;
+
+/// What negotiation keeps between cycles, beyond the inbox: what every rank has
+/// asked for, the response cache, the settings every rank agreed on, and the stall
+/// inspector.
+pub(super) struct Control {
+    pub(super) negotiator: Negotiator,
+    pub(super) cache: ResponseCache,
+    pub(super) agreed: Agreed,
+    pub(super) stall: StallInspector,
+    /// Tell the other ranks in the next cycle that the stall shutdown time has passed.
+    pub(super) stall_abort: bool,
+    /// When `announce_cached` next looks for requests waiting long enough to be
+    /// announced in full.
+    pub(super) next_demotion_scan: Instant,
+    /// The last cycle made a response ready or carried a new request.
+    pub(super) last_cycle_had_news: bool,
+}
+
+impl Control {
+    pub(super) fn new(config: &Config, topology: Topology, agreed: Agreed) -> Self {
+        Control {
+            negotiator: Negotiator::new(topology.size),
+            cache: ResponseCache::new(agreed.cache_capacity),
+            stall: StallInspector::new(config, topology.rank),
+            stall_abort: false,
+            next_demotion_scan: Instant::now(),
+            last_cycle_had_news: false,
+            agreed,
+        }
+    }
+
+    /// Takes the tuner's fusion threshold and cache setting (`capacity` slots when
+    /// the cache is on). Switching the cache empties it: requests announced by a slot
+    /// go out in full in the next cycle.
+    pub(super) fn apply(&mut self, s: &Settings, capacity: usize, inbox: &mut Inbox) {
+        self.agreed.fusion_threshold = s.fusion_threshold;
+        self.agreed.fusion_max_tensor = s.fusion_max_tensor;
+        if s.cache != self.cache.enabled() {
+            inbox.unannounce_all();
+            self.cache = ResponseCache::new(if s.cache { capacity } else { 0 });
+        }
+    }
+}
 
 /// What a cycle's negotiation decided.
 #[derive(Debug)]

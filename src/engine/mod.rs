@@ -19,6 +19,7 @@ pub(crate) mod request;
 mod respond;
 pub(crate) mod stall;
 pub(crate) mod timeline;
+mod tuning;
 mod watchdog;
 
 use std::sync::mpsc::SyncSender;
@@ -29,16 +30,14 @@ use crate::config::Config;
 use crate::error::{Error, Result};
 use crate::transport::{abort_requested, Topology, Transport};
 use agree::{agree, Agreed, HierarchyChoice};
-use autotune::{AutotuneChange, AutotuneState, Tuner};
-use cache::ResponseCache;
-use control::Negotiation;
-use fusion::FusionBuffer;
+use autotune::{AutotuneState, Tuner};
+use control::{Control, Negotiation};
 use inbox::{stopped, Inbox};
-use negotiate::{Negotiator, Response};
+use negotiate::Response;
 use queue::Queue;
 use request::{Command, RequestMeta, Settings};
-use stall::StallInspector;
-use timeline::Timeline;
+use respond::Executor;
+use tuning::{tuned_bytes, Tuning};
 
 /// How long an idle engine waits before a heartbeat cycle. Heartbeats let every rank
 /// see what the others are waiting for (so stalls name the missing ranks) and notice a
@@ -61,25 +60,6 @@ const GPU_SPIN: Duration = Duration::from_micros(200);
 mod start;
 pub(crate) use start::run;
 
-/// Bytes an allreduce response reduces, or an allgather gathers (what the autotuner
-/// scores).
-fn tuned_bytes(r: &Response) -> u64 {
-    let (Response::Run(ready) | Response::Reduced { ready, .. }) = r else {
-        return 0;
-    };
-    let bytes = |m: &RequestMeta| -> u64 {
-        m.tensors
-            .iter()
-            .map(|t| (t.shape.iter().product::<usize>() * t.dtype.size_of()) as u64)
-            .sum()
-    };
-    match ready.kind {
-        request::OpKind::Allreduce | request::OpKind::GroupedAllreduce => bytes(ready.first()),
-        request::OpKind::Allgather => ready.metas.iter().flatten().map(|m| bytes(m)).sum(),
-        _ => 0,
-    }
-}
-
 /// One rank's engine: the inbox of local requests, the negotiation state, the
 /// executor and the tuner, around the transport they share.
 struct Engine {
@@ -96,132 +76,6 @@ struct Engine {
     /// Test-only: panic this engine thread after two cycles.
     #[cfg(feature = "fault-injection")]
     fault_panic: bool,
-}
-
-/// What negotiation keeps between cycles, beyond the inbox: what every rank has
-/// asked for, the response cache, the settings every rank agreed on, and the stall
-/// inspector.
-struct Control {
-    negotiator: Negotiator,
-    cache: ResponseCache,
-    agreed: Agreed,
-    stall: StallInspector,
-    /// Tell the other ranks in the next cycle that the stall shutdown time has passed.
-    stall_abort: bool,
-    /// When `announce_cached` next looks for requests waiting long enough to be
-    /// announced in full.
-    next_demotion_scan: Instant,
-    /// The last cycle made a response ready or carried a new request.
-    last_cycle_had_news: bool,
-}
-
-/// What running agreed responses needs besides the transport: the fusion buffer, the
-/// GPU plane and the timeline.
-struct Executor {
-    fusion_buffer: FusionBuffer,
-    timeline: Timeline,
-    /// When the responses being run became ready (the end of their cycle).
-    ready_at: Instant,
-    /// `KOLO_SIMULATED_COLLECTIVE_COST_US`: slept before every collective.
-    simulated_cost: Duration,
-    /// Ops on device tensors (the transport's device communicator).
-    gpu: gpu::Gpu,
-}
-
-impl Executor {
-    /// An executor for `rank`, its timeline off until started.
-    fn new(rank: usize, mark_cycles: bool, simulated_cost: Duration) -> Self {
-        Executor {
-            fusion_buffer: FusionBuffer::default(),
-            timeline: Timeline::new(rank, mark_cycles),
-            ready_at: Instant::now(),
-            simulated_cost,
-            gpu: gpu::Gpu::default(),
-        }
-    }
-}
-
-/// The autotuner's side: rank 0's tuner, settings on their way to every rank, and
-/// the settings in effect as `Kolo::autotune_state` reports them.
-struct Tuning {
-    /// Rank 0's autotuner (None elsewhere or when off).
-    tuner: Option<Tuner>,
-    /// Settings from the tuner to send in the next cycle.
-    pending: Option<Settings>,
-    /// The response cache's capacity when the tuner turns it on.
-    cache_capacity_on: usize,
-    /// The settings in effect, for `Kolo::autotune_state`.
-    state: Arc<Mutex<AutotuneState>>,
-}
-
-impl Control {
-    fn new(config: &Config, topology: Topology, agreed: Agreed) -> Self {
-        Control {
-            negotiator: Negotiator::new(topology.size),
-            cache: ResponseCache::new(agreed.cache_capacity),
-            stall: StallInspector::new(config, topology.rank),
-            stall_abort: false,
-            next_demotion_scan: Instant::now(),
-            last_cycle_had_news: false,
-            agreed,
-        }
-    }
-
-    /// Takes the tuner's fusion threshold and cache setting (`capacity` slots when
-    /// the cache is on). Switching the cache empties it: requests announced by a slot
-    /// go out in full in the next cycle.
-    fn apply(&mut self, s: &Settings, capacity: usize, inbox: &mut Inbox) {
-        self.agreed.fusion_threshold = s.fusion_threshold;
-        self.agreed.fusion_max_tensor = s.fusion_max_tensor;
-        if s.cache != self.cache.enabled() {
-            inbox.unannounce_all();
-            self.cache = ResponseCache::new(if s.cache { capacity } else { 0 });
-        }
-    }
-}
-
-impl Tuning {
-    /// Rank 0's tuner scores a cycle that moved `reduced_bytes`; settings it
-    /// proposes go to every rank in the next cycle.
-    fn observe(&mut self, reduced_bytes: u64, cycle_start: Instant, now: Instant) {
-        if let Some(tuner) = &mut self.tuner {
-            if let Some(s) = tuner.observe(reduced_bytes, cycle_start, now) {
-                self.pending = Some(s);
-            }
-        }
-    }
-
-    /// The response cache's capacity under `s`.
-    fn cache_capacity(&self, s: &Settings) -> usize {
-        if s.cache {
-            self.cache_capacity_on.max(1)
-        } else {
-            0
-        }
-    }
-
-    /// Records settings every rank switched to at the end of `cycle`, for
-    /// `Kolo::autotune_state`.
-    fn record(&self, s: &Settings, cycle: u64) {
-        let mut state = self.state.lock().unwrap_or_else(PoisonError::into_inner);
-        state.fusion_threshold = s.fusion_threshold;
-        state.fusion_max_tensor = s.fusion_max_tensor;
-        state.cycle_time = s.cycle_time();
-        state.cache_enabled = s.cache;
-        state.hierarchical_allreduce = s.hierarchical;
-        state.hierarchical_allgather = s.hierarchical_allgather;
-        state.finished |= s.last;
-        state.changes.push(AutotuneChange {
-            cycle,
-            fusion_threshold: s.fusion_threshold,
-            fusion_max_tensor: s.fusion_max_tensor,
-            cycle_time: s.cycle_time(),
-            cache_enabled: s.cache,
-            hierarchical_allreduce: s.hierarchical,
-            hierarchical_allgather: s.hierarchical_allgather,
-            last: s.last,
-        });
-    }
 }
 
 impl Engine {
@@ -504,6 +358,3 @@ impl Engine {
         }
     }
 }
-
-#[cfg(test)]
-mod tuning_tests;

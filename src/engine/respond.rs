@@ -1,16 +1,44 @@
 //! Running the responses of a cycle on this rank: single ops, fused batches, and
 //! their timeline spans.
 
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use rustc_hash::FxHashMap;
 
+use super::fusion::FusionBuffer;
 use super::fusion::{self, Step};
 use super::negotiate::{Ready, Response};
 use super::request::{self, Key, Request, RequestMeta, Tensors};
-use super::{execute, Executor};
+use super::timeline::Timeline;
+use super::{execute, gpu};
 use crate::handle::{self, Output};
 use crate::transport::Transport;
+
+/// What running agreed responses needs besides the transport: the fusion buffer, the
+/// GPU plane and the timeline.
+pub(super) struct Executor {
+    pub(super) fusion_buffer: FusionBuffer,
+    pub(super) timeline: Timeline,
+    /// When the responses being run became ready (the end of their cycle).
+    pub(super) ready_at: Instant,
+    /// `KOLO_SIMULATED_COLLECTIVE_COST_US`: slept before every collective.
+    pub(super) simulated_cost: Duration,
+    /// Ops on device tensors (the transport's device communicator).
+    pub(super) gpu: gpu::Gpu,
+}
+
+impl Executor {
+    /// An executor for `rank`, its timeline off until started.
+    pub(super) fn new(rank: usize, mark_cycles: bool, simulated_cost: Duration) -> Self {
+        Executor {
+            fusion_buffer: FusionBuffer::default(),
+            timeline: Timeline::new(rank, mark_cycles),
+            ready_at: Instant::now(),
+            simulated_cost,
+            gpu: gpu::Gpu::default(),
+        }
+    }
+}
 
 /// This rank's requests waiting to run, by negotiation key: a response takes its
 /// local request (tensors and handle) out; a rank without one (joined) contributes

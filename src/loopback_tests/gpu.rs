@@ -7,13 +7,13 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use super::{on_every_rank, start, Watchdog};
+use super::{on_every_rank, start};
 use crate::config::Config;
 use crate::error::Error;
 use crate::handle::Handle;
 use crate::tensor::{Device, Tensor};
 use crate::transport::loopback::sim_device::SimDevices;
-use crate::transport::loopback::Loopback;
+use crate::transport::loopback::{Loopback, Watchdog};
 use crate::vocab::ReduceOp;
 
 /// The f32 values of a simulated device tensor.

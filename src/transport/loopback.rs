@@ -5,6 +5,7 @@
 //! response cache, fusion, stall inspector and tuner run on top, without mpirun.
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
@@ -382,4 +383,58 @@ impl Transport for Loopback {
         recv.copy_from_slice(&all[from..from + recv.len()]);
         Ok(())
     }
+}
+
+/// Ends the test process if a step of a test (starting the ranks, running them) takes
+/// longer than [`LIMIT`]: an engine that hangs fails the run instead of blocking it.
+pub(crate) struct Watchdog(Arc<AtomicBool>);
+
+/// The longest one step of a loopback test may take.
+const LIMIT: Duration = Duration::from_secs(60);
+
+impl Watchdog {
+    pub(crate) fn new(what: &'static str) -> Watchdog {
+        let done = Arc::new(AtomicBool::new(false));
+        let flag = done.clone();
+        std::thread::spawn(move || {
+            let deadline = Instant::now() + LIMIT;
+            while !flag.load(Ordering::SeqCst) {
+                if Instant::now() > deadline {
+                    eprintln!("loopback test: {what} took longer than {LIMIT:?}; the engines hang");
+                    std::process::exit(1);
+                }
+                std::thread::sleep(Duration::from_millis(50));
+            }
+        });
+        Watchdog(done)
+    }
+}
+
+impl Drop for Watchdog {
+    fn drop(&mut self) {
+        self.0.store(true, Ordering::SeqCst);
+    }
+}
+
+/// Runs `f(rank, transport)` for each rank of an in-process job of `size` on its own
+/// thread, under the watchdog, and returns the results in rank order: for unit tests
+/// of one engine part at a time over the loopback transport.
+pub(crate) fn on_loopback_ranks<T: Send>(
+    size: usize,
+    f: impl Fn(usize, Loopback) -> T + Sync,
+) -> Vec<T> {
+    let _watchdog = Watchdog::new("running the loopback ranks");
+    std::thread::scope(|s| {
+        let hs: Vec<_> = Loopback::job(size)
+            .into_iter()
+            .enumerate()
+            .map(|(r, end)| {
+                let f = &f;
+                s.spawn(move || f(r, end))
+            })
+            .collect();
+        hs.into_iter()
+            .map(|h| h.join().unwrap_or_else(|_| panic!("a rank panicked")))
+            .collect()
+    })
 }

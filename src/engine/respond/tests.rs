@@ -8,8 +8,8 @@ use crate::engine::queue::Queue;
 use crate::engine::request::{OpKind, Request, RequestMeta, TensorMeta};
 use crate::error::Error;
 use crate::handle::{self, Handle, PendingNames};
-use crate::loopback_tests::on_loopback_ranks;
 use crate::tensor::{DType, Tensor};
+use crate::transport::loopback::on_loopback_ranks;
 use crate::transport::loopback::Loopback;
 use crate::vocab::ReduceOp;
 

@@ -1,10 +1,13 @@
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use super::autotune::{AutotuneState, Tuner};
-use super::queue::Queue;
-use super::request::Settings;
-use super::{Agreed, Control, Inbox, Tuning};
+use super::super::agree::Agreed;
+use super::super::autotune::{AutotuneState, Tuner};
+use super::super::control::Control;
+use super::super::inbox::Inbox;
+use super::super::queue::Queue;
+use super::super::request::Settings;
+use super::Tuning;
 use crate::config::Config;
 use crate::transport::Topology;
 
