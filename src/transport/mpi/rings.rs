@@ -11,6 +11,7 @@ use super::group::Group;
 use super::types::{check, count, datatype, null_request};
 use crate::error::{Error, Result};
 use crate::tensor::DType;
+use crate::transport::ring::{add_into, chunk, send_chunk};
 
 /// Sums at least this large use the segmented ring instead of MPI_Allreduce, on one
 /// host. Measured there (Open MPI 4.1.4, 2 cores), ten in-place f32 sums per size,
@@ -138,117 +139,177 @@ pub(super) fn ring_allreduce_with(
     segment: Option<usize>,
     between: &mut dyn FnMut(&mut [u8]) -> Result<()>,
 ) -> Result<()> {
-    use crate::transport::ring::{add_into, chunk, send_chunk};
-    const SEND: &str = "MPI_Isend (ring allreduce)";
-    const RECV: &str = "MPI_Irecv (ring allreduce)";
     let n = g.size;
-    let r = pos;
-    let (right, left) = ring_neighbours(order, r, SEND, RECV)?;
+    let (right, left) = ring_neighbours(order, pos, RING_SEND, RING_RECV)?;
     let es = dtype.size_of();
     let len = buf.len() / es;
     // Checked once here, so that no count fails once messages are in flight: the
     // first chunk is the largest.
     let (c0, c1) = chunk(len, n, 0);
-    count(SEND, c1 - c0)?;
+    count(RING_SEND, c1 - c0)?;
     let (seg, window) = match segment {
         Some(bytes) => ((bytes / es).max(1), RING_WINDOW),
         None => ((c1 - c0).max(1), 1),
     };
     scratch.resize(window * seg * es, 0);
-    let ty = datatype(dtype);
-    let comm = g.comm;
-    // From here on the buffer is reached only through `base`: in-flight sends read
-    // one chunk while the sum writes another.
-    let base = buf.as_mut_ptr();
-    let slots = scratch.as_mut_ptr();
-    let slot = |k: usize| slots.wrapping_add((k % window) * seg * es);
-    // Element ranges [a, b) of a chunk cut into segments.
-    let segments = |(a, b): (usize, usize)| {
-        (a..b)
-            .step_by(seg)
-            .map(move |s| (s, (s + seg).min(b)))
-            .collect::<Vec<_>>()
-    };
-    let isend = |reqs: &mut Requests, (a, b): (usize, usize)| {
-        // SAFETY: [a, b) lies in `buf` (a chunk range), which nothing writes until
-        // this request completes; b - a fits in c_int (the largest chunk does).
-        reqs.post(SEND, |req| unsafe {
-            ffi::MPI_Isend(
-                base.add(a * es).cast_const().cast(),
-                (b - a) as c_int,
-                ty,
-                right,
-                7,
-                comm,
-                req,
-            )
-        })
-    };
-    let irecv = |reqs: &mut Requests, into: *mut u8, elems: usize| {
-        // SAFETY: `into` is valid for `elems` elements (a scratch slot, or a chunk
-        // range of `buf`) and nothing reads or writes it until this request
-        // completes; `elems` fits in c_int (at most one chunk).
-        reqs.post(RECV, |req| unsafe {
-            ffi::MPI_Irecv(into.cast(), elems as c_int, ty, left, 7, comm, req)
-        })
+    let ring = Ring {
+        n,
+        r: pos,
+        right,
+        left,
+        ty: datatype(dtype),
+        comm: g.comm,
+        dtype,
+        es,
+        len,
+        base: buf.as_mut_ptr(),
+        slots: scratch.as_mut_ptr(),
+        seg,
+        window,
     };
     (|| {
         let mut sends = Requests(Vec::new());
         let mut recvs = Requests(Vec::new());
         // Reduce-scatter: after n - 1 steps this rank holds the full sum of one chunk.
-        // The left neighbour sends, segment by segment, the chunk received here.
         for step in 0..n - 1 {
-            let out = segments(chunk(len, n, send_chunk(r, step, n)));
-            let inc = segments(chunk(len, n, send_chunk(r, step + 1, n)));
-            for k in 0..window {
-                if let Some(&s) = out.get(k) {
-                    isend(&mut sends, s)?;
-                }
-                if let Some(&(a, b)) = inc.get(k) {
-                    irecv(&mut recvs, slot(k), b - a)?;
-                }
-            }
-            for k in 0..out.len().max(inc.len()) {
-                if let Some(&(a, b)) = inc.get(k) {
-                    recvs.wait(k)?;
-                    let bytes = (b - a) * es;
-                    // SAFETY: the slot holds the segment just received and no
-                    // receive into it is posted until after the sum; [a, b) is in
-                    // the incoming chunk, which no in-flight send reads.
-                    let (acc, got) = unsafe {
-                        (
-                            std::slice::from_raw_parts_mut(base.add(a * es), bytes),
-                            std::slice::from_raw_parts(slot(k), bytes),
-                        )
-                    };
-                    add_into(acc, got, dtype);
-                    if let Some(&(na, nb)) = inc.get(k + window) {
-                        irecv(&mut recvs, slot(k + window), nb - na)?;
-                    }
-                }
-                if k < out.len() {
-                    sends.wait(k)?;
-                    if let Some(&s) = out.get(k + window) {
-                        isend(&mut sends, s)?;
-                    }
-                }
-            }
-            recvs.0.clear();
-            sends.wait_all()?;
+            ring.reduce_step(step, &mut sends, &mut recvs)?;
         }
-        let (oa, ob) = chunk(len, n, send_chunk(r, n - 1, n));
+        let (oa, ob) = ring.chunk(n - 1);
         // SAFETY: [oa, ob) is this rank's chunk of `buf`; every request has completed.
-        between(unsafe { std::slice::from_raw_parts_mut(base.add(oa * es), (ob - oa) * es) })?;
+        between(unsafe { std::slice::from_raw_parts_mut(ring.base.add(oa * es), (ob - oa) * es) })?;
         // Allgather: each summed chunk travels once around the ring.
         for step in 0..n - 1 {
-            let (ra, rb) = chunk(len, n, send_chunk(r, step + n, n));
-            irecv(&mut recvs, base.wrapping_add(ra * es), rb - ra)?;
-            isend(&mut sends, chunk(len, n, send_chunk(r, step + n - 1, n)))?;
+            let (ra, rb) = ring.chunk(step + n);
+            ring.irecv(&mut recvs, ring.base.wrapping_add(ra * es), rb - ra)?;
+            ring.isend(&mut sends, ring.chunk(step + n - 1))?;
             recvs.wait_all()?;
             sends.wait_all()?;
         }
         Ok(())
     })()
+}
+
+const RING_SEND: &str = "MPI_Isend (ring allreduce)";
+const RING_RECV: &str = "MPI_Irecv (ring allreduce)";
+
+/// One rank's sum ring over one buffer. Once messages are in flight the buffer is
+/// reached only through `base` (an in-flight send reads one chunk while the sum
+/// writes another), the scratch only through `slots`.
+struct Ring {
+    n: usize,
+    /// This rank's position in the ring.
+    r: usize,
+    right: c_int,
+    left: c_int,
+    ty: ffi::MPI_Datatype,
+    comm: ffi::MPI_Comm,
+    dtype: DType,
+    /// Bytes per element.
+    es: usize,
+    /// Elements in the buffer.
+    len: usize,
+    base: *mut u8,
+    slots: *mut u8,
+    /// Elements per segment, and segments in flight each way.
+    seg: usize,
+    window: usize,
+}
+
+impl Ring {
+    /// The element range of the chunk this rank sends at `step`.
+    fn chunk(&self, step: usize) -> (usize, usize) {
+        chunk(self.len, self.n, send_chunk(self.r, step, self.n))
+    }
+
+    /// Scratch slot `k` (of `window`, reused in turn).
+    fn slot(&self, k: usize) -> *mut u8 {
+        self.slots
+            .wrapping_add((k % self.window) * self.seg * self.es)
+    }
+
+    /// Element ranges [a, b) of a chunk cut into segments.
+    fn segments(&self, (a, b): (usize, usize)) -> Vec<(usize, usize)> {
+        (a..b)
+            .step_by(self.seg)
+            .map(|s| (s, (s + self.seg).min(b)))
+            .collect()
+    }
+
+    fn isend(&self, reqs: &mut Requests, (a, b): (usize, usize)) -> Result<()> {
+        // SAFETY: [a, b) lies in the buffer (a chunk range), which nothing writes until
+        // this request completes; b - a fits in c_int (the largest chunk does).
+        reqs.post(RING_SEND, |req| unsafe {
+            ffi::MPI_Isend(
+                self.base.add(a * self.es).cast_const().cast(),
+                (b - a) as c_int,
+                self.ty,
+                self.right,
+                7,
+                self.comm,
+                req,
+            )
+        })
+    }
+
+    fn irecv(&self, reqs: &mut Requests, into: *mut u8, elems: usize) -> Result<()> {
+        // SAFETY: `into` is valid for `elems` elements (a scratch slot, or a chunk
+        // range of the buffer) and nothing reads or writes it until this request
+        // completes; `elems` fits in c_int (at most one chunk).
+        reqs.post(RING_RECV, |req| unsafe {
+            ffi::MPI_Irecv(
+                into.cast(),
+                elems as c_int,
+                self.ty,
+                self.left,
+                7,
+                self.comm,
+                req,
+            )
+        })
+    }
+
+    /// One reduce-scatter step: this rank's outgoing chunk goes right while the left
+    /// neighbour's arrives, segment by segment, and is added into the buffer.
+    fn reduce_step(&self, step: usize, sends: &mut Requests, recvs: &mut Requests) -> Result<()> {
+        let out = self.segments(self.chunk(step));
+        let inc = self.segments(self.chunk(step + 1));
+        let window = self.window;
+        for k in 0..window {
+            if let Some(&s) = out.get(k) {
+                self.isend(sends, s)?;
+            }
+            if let Some(&(a, b)) = inc.get(k) {
+                self.irecv(recvs, self.slot(k), b - a)?;
+            }
+        }
+        for k in 0..out.len().max(inc.len()) {
+            if let Some(&(a, b)) = inc.get(k) {
+                recvs.wait(k)?;
+                let bytes = (b - a) * self.es;
+                // SAFETY: the slot holds the segment just received and no receive into
+                // it is posted until after the sum; [a, b) is in the incoming chunk,
+                // which no in-flight send reads.
+                let (acc, got) = unsafe {
+                    (
+                        std::slice::from_raw_parts_mut(self.base.add(a * self.es), bytes),
+                        std::slice::from_raw_parts(self.slot(k), bytes),
+                    )
+                };
+                add_into(acc, got, self.dtype);
+                if let Some(&(na, nb)) = inc.get(k + window) {
+                    self.irecv(recvs, self.slot(k + window), nb - na)?;
+                }
+            }
+            if k < out.len() {
+                sends.wait(k)?;
+                if let Some(&s) = out.get(k + window) {
+                    self.isend(sends, s)?;
+                }
+            }
+        }
+        recvs.0.clear();
+        sends.wait_all()
+    }
 }
 
 /// The ranks this ring position sends to (the next position) and receives from (the
@@ -301,105 +362,167 @@ pub(super) fn ring_allreduce_many(
     bufs: &mut [&mut [u8]],
     dtype: DType,
 ) -> Result<()> {
-    use crate::transport::ring::{add_into, chunk, send_chunk};
-    const SEND: &str = "MPI_Isend (grouped ring allreduce)";
-    const RECV: &str = "MPI_Irecv (grouped ring allreduce)";
     let n = g.size;
-    let r = pos;
-    let (right, left) = ring_neighbours(order, r, SEND, RECV)?;
+    let (right, left) = ring_neighbours(order, pos, MANY_SEND, MANY_RECV)?;
     let es = dtype.size_of();
     let lens: Vec<usize> = bufs.iter().map(|b| b.len() / es).collect();
     // A buffer's first chunk is its largest: their sum bounds every step's message,
     // checked once here so that no count fails once messages are in flight.
     let largest: usize = lens.iter().map(|&len| chunk(len, n, 0).1).sum();
-    count(RECV, largest)?;
+    count(MANY_RECV, largest)?;
     scratch.resize(largest * es, 0);
-    let ty = datatype(dtype);
-    let comm = g.comm;
-    // From here on the buffers are reached only through `bases`: an in-flight send
-    // reads one chunk of a buffer while the sum writes another.
     let bases: Vec<*mut u8> = bufs.iter_mut().map(|b| b.as_mut_ptr()).collect();
-    let origin = bases.iter().copied().min().unwrap_or(std::ptr::null_mut());
-    let slots = scratch.as_mut_ptr();
-    // Chunk `c(len)` of every buffer as one datatype at `origin`.
-    let blocks = |call: &'static str, c: &dyn Fn(usize) -> (usize, usize)| {
-        let parts: Vec<(usize, usize)> = bases
-            .iter()
-            .zip(&lens)
-            .map(|(&base, &len)| {
-                let (a, b) = c(len);
-                (base as usize - origin as usize + a * es, b - a)
-            })
-            .collect();
-        Blocks::new(call, ty, &parts)
+    let ring = ManyRing {
+        n,
+        r: pos,
+        right,
+        left,
+        ty: datatype(dtype),
+        comm: g.comm,
+        dtype,
+        es,
+        origin: bases.iter().copied().min().unwrap_or(std::ptr::null_mut()),
+        bases,
+        lens,
+        slots: scratch.as_mut_ptr(),
     };
     (|| {
         let mut sends = Requests(Vec::new());
         let mut recvs = Requests(Vec::new());
         for step in 0..n - 1 {
-            let incoming = |len| chunk(len, n, send_chunk(r, step + 1, n));
-            let outgoing = blocks(SEND, &|len| chunk(len, n, send_chunk(r, step, n)))?;
-            let elems: usize = lens
-                .iter()
-                .map(|&len| incoming(len))
-                .map(|(a, b)| b - a)
-                .sum();
-            // SAFETY: the scratch holds `largest` >= `elems` elements and nothing
-            // touches it until the receive completes; `elems` fits in c_int.
-            recvs.post(RECV, |req| unsafe {
-                ffi::MPI_Irecv(slots.cast(), elems as c_int, ty, left, 7, comm, req)
-            })?;
-            // SAFETY: the datatype's blocks are chunks of the buffers, which nothing
-            // writes until this send completes.
-            sends.post(SEND, |req| unsafe {
-                ffi::MPI_Isend(
-                    origin.cast_const().cast(),
-                    1,
-                    outgoing.0,
-                    right,
-                    7,
-                    comm,
-                    req,
-                )
-            })?;
-            recvs.wait_all()?;
-            let mut at = 0;
-            for (&base, &len) in bases.iter().zip(&lens) {
-                let (a, b) = incoming(len);
-                let bytes = (b - a) * es;
-                // SAFETY: the scratch at `at` holds this buffer's incoming chunk, just
-                // received; [a, b) is that chunk of the buffer, which no in-flight
-                // send reads.
-                let (acc, got) = unsafe {
-                    (
-                        std::slice::from_raw_parts_mut(base.add(a * es), bytes),
-                        std::slice::from_raw_parts(slots.add(at), bytes),
-                    )
-                };
-                add_into(acc, got, dtype);
-                at += bytes;
-            }
-            sends.wait_all()?;
+            ring.reduce_step(step, &mut sends, &mut recvs)?;
         }
         // Allgather: each summed chunk travels once around the ring, straight into
         // its buffer.
         for step in 0..n - 1 {
-            let into = blocks(RECV, &|len| chunk(len, n, send_chunk(r, step + n, n)))?;
-            let from = blocks(SEND, &|len| chunk(len, n, send_chunk(r, step + n - 1, n)))?;
+            let into = ring.blocks(MANY_RECV, step + n)?;
+            let from = ring.blocks(MANY_SEND, step + n - 1)?;
             // SAFETY: the datatype's blocks are the chunks of the buffers this step
             // fills, which nothing else reads or writes until the receive completes.
-            recvs.post(RECV, |req| unsafe {
-                ffi::MPI_Irecv(origin.cast(), 1, into.0, left, 7, comm, req)
+            recvs.post(MANY_RECV, |req| unsafe {
+                ffi::MPI_Irecv(ring.origin.cast(), 1, into.0, left, 7, ring.comm, req)
             })?;
-            // SAFETY: as for the reduce-scatter's send.
-            sends.post(SEND, |req| unsafe {
-                ffi::MPI_Isend(origin.cast_const().cast(), 1, from.0, right, 7, comm, req)
+            // SAFETY: the blocks are chunks of the buffers, which nothing writes until
+            // this send completes.
+            sends.post(MANY_SEND, |req| unsafe {
+                ffi::MPI_Isend(
+                    ring.origin.cast_const().cast(),
+                    1,
+                    from.0,
+                    right,
+                    7,
+                    ring.comm,
+                    req,
+                )
             })?;
             recvs.wait_all()?;
             sends.wait_all()?;
         }
         Ok(())
     })()
+}
+
+const MANY_SEND: &str = "MPI_Isend (grouped ring allreduce)";
+const MANY_RECV: &str = "MPI_Irecv (grouped ring allreduce)";
+
+/// One rank's sum ring over several buffers. Once messages are in flight the
+/// buffers are reached only through `bases` (an in-flight send reads one chunk of a
+/// buffer while the sum writes another), the scratch only through `slots`.
+struct ManyRing {
+    n: usize,
+    /// This rank's position in the ring.
+    r: usize,
+    right: c_int,
+    left: c_int,
+    ty: ffi::MPI_Datatype,
+    comm: ffi::MPI_Comm,
+    dtype: DType,
+    /// Bytes per element.
+    es: usize,
+    /// Each buffer's start and element count; the lowest start.
+    bases: Vec<*mut u8>,
+    lens: Vec<usize>,
+    origin: *mut u8,
+    slots: *mut u8,
+}
+
+impl ManyRing {
+    /// The chunk of a buffer of `len` elements this rank sends at `step`.
+    fn chunk(&self, len: usize, step: usize) -> (usize, usize) {
+        chunk(len, self.n, send_chunk(self.r, step, self.n))
+    }
+
+    /// The chunks this rank sends at `step`, of every buffer, as one datatype at
+    /// `origin`.
+    fn blocks(&self, call: &'static str, step: usize) -> Result<Blocks> {
+        let parts: Vec<(usize, usize)> = self
+            .bases
+            .iter()
+            .zip(&self.lens)
+            .map(|(&base, &len)| {
+                let (a, b) = self.chunk(len, step);
+                (base as usize - self.origin as usize + a * self.es, b - a)
+            })
+            .collect();
+        Blocks::new(call, self.ty, &parts)
+    }
+
+    /// One reduce-scatter step: every buffer's outgoing chunk goes right in one
+    /// message while the left neighbour's chunks land end to end in scratch, then are
+    /// added into their buffers.
+    fn reduce_step(&self, step: usize, sends: &mut Requests, recvs: &mut Requests) -> Result<()> {
+        let outgoing = self.blocks(MANY_SEND, step)?;
+        let elems: usize = self
+            .lens
+            .iter()
+            .map(|&len| self.chunk(len, step + 1))
+            .map(|(a, b)| b - a)
+            .sum();
+        // SAFETY: the scratch holds the largest step's elements, at least `elems`, and
+        // nothing touches it until the receive completes; `elems` fits in c_int.
+        recvs.post(MANY_RECV, |req| unsafe {
+            ffi::MPI_Irecv(
+                self.slots.cast(),
+                elems as c_int,
+                self.ty,
+                self.left,
+                7,
+                self.comm,
+                req,
+            )
+        })?;
+        // SAFETY: the datatype's blocks are chunks of the buffers, which nothing
+        // writes until this send completes.
+        sends.post(MANY_SEND, |req| unsafe {
+            ffi::MPI_Isend(
+                self.origin.cast_const().cast(),
+                1,
+                outgoing.0,
+                self.right,
+                7,
+                self.comm,
+                req,
+            )
+        })?;
+        recvs.wait_all()?;
+        let mut at = 0;
+        for (&base, &len) in self.bases.iter().zip(&self.lens) {
+            let (a, b) = self.chunk(len, step + 1);
+            let bytes = (b - a) * self.es;
+            // SAFETY: the scratch at `at` holds this buffer's incoming chunk, just
+            // received; [a, b) is that chunk of the buffer, which no in-flight send
+            // reads.
+            let (acc, got) = unsafe {
+                (
+                    std::slice::from_raw_parts_mut(base.add(a * self.es), bytes),
+                    std::slice::from_raw_parts(self.slots.add(at), bytes),
+                )
+            };
+            add_into(acc, got, self.dtype);
+            at += bytes;
+        }
+        sends.wait_all()
+    }
 }
 
 /// A committed MPI datatype of blocks of one element type at byte offsets (one
