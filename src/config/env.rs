@@ -64,77 +64,95 @@ impl Config {
     pub fn from_lookup(lookup: impl Fn(&str) -> Option<String>) -> Result<Config> {
         let env = Env { lookup: &lookup };
         let mut c = Config::default();
+        c.read_data_plane(&env)?;
+        c.read_faults(&env)?;
+        c.read_tuning(&env)?;
+        Ok(c)
+    }
+
+    /// Fusion, cycle, cache, timeline and the hierarchy.
+    fn read_data_plane(&mut self, env: &Env<'_>) -> Result<()> {
         if let Some((var, v)) = env.get("FUSION_THRESHOLD") {
-            c.fusion_threshold = parse_bytes(&var, &v)?;
-            c.fusion_threshold_explicit = true;
+            self.fusion_threshold = parse_bytes(&var, &v)?;
+            self.fusion_threshold_explicit = true;
         }
         if let Some((var, v)) = env.get("FUSION_MAX_TENSOR_BYTES") {
-            c.fusion_max_tensor = parse_bytes(&var, &v)?;
-            c.fusion_max_tensor_explicit = true;
+            self.fusion_max_tensor = parse_bytes(&var, &v)?;
+            self.fusion_max_tensor_explicit = true;
         }
         if let Some((var, v)) = env.get("CYCLE_TIME") {
-            c.cycle_time = parse_duration(&var, &v, 1e-3, "milliseconds")?;
-            c.cycle_time_explicit = true;
+            self.cycle_time = parse_duration(&var, &v, 1e-3, "milliseconds")?;
+            self.cycle_time_explicit = true;
         }
         if let Some((var, v)) = env.get("CACHE_CAPACITY") {
-            c.cache_capacity = parse_usize(&var, &v)?;
-            c.cache_capacity_explicit = true;
+            self.cache_capacity = parse_usize(&var, &v)?;
+            self.cache_capacity_explicit = true;
         }
         if let Some((_, v)) = env.get("TIMELINE") {
-            c.timeline = (!v.is_empty()).then(|| PathBuf::from(v));
+            self.timeline = (!v.is_empty()).then(|| PathBuf::from(v));
         }
         if let Some((var, v)) = env.get("TIMELINE_MARK_CYCLES") {
-            c.timeline_mark_cycles = parse_bool(&var, &v)?;
-        }
-        if let Some((var, v)) = env.get("STALL_CHECK_TIME_SECONDS") {
-            c.stall_check_time = parse_duration(&var, &v, 1.0, "seconds")?;
-        }
-        if let Some((var, v)) = env.get("COLLECTIVE_TIMEOUT_SECONDS") {
-            c.collective_timeout = parse_duration(&var, &v, 1.0, "seconds")?;
+            self.timeline_mark_cycles = parse_bool(&var, &v)?;
         }
         if let Some((var, v)) = env.get("HIERARCHICAL_ALLREDUCE") {
-            c.hierarchical_allreduce = parse_bool(&var, &v)?;
-            c.hierarchical_allreduce_explicit = true;
+            self.hierarchical_allreduce = parse_bool(&var, &v)?;
+            self.hierarchical_allreduce_explicit = true;
         }
         if let Some((var, v)) = env.get("HIERARCHICAL_ALLGATHER") {
-            c.hierarchical_allgather = parse_bool(&var, &v)?;
-            c.hierarchical_allgather_explicit = true;
+            self.hierarchical_allgather = parse_bool(&var, &v)?;
+            self.hierarchical_allgather_explicit = true;
         }
         if let Some((var, v)) = env.get("GROUPED_RING") {
-            c.grouped_ring = Some(parse_bool(&var, &v)?);
+            self.grouped_ring = Some(parse_bool(&var, &v)?);
+        }
+        Ok(())
+    }
+
+    /// The stall inspector and the timeouts.
+    fn read_faults(&mut self, env: &Env<'_>) -> Result<()> {
+        if let Some((var, v)) = env.get("STALL_CHECK_TIME_SECONDS") {
+            self.stall_check_time = parse_duration(&var, &v, 1.0, "seconds")?;
+        }
+        if let Some((var, v)) = env.get("COLLECTIVE_TIMEOUT_SECONDS") {
+            self.collective_timeout = parse_duration(&var, &v, 1.0, "seconds")?;
         }
         if let Some((var, v)) = env.get("START_TIMEOUT") {
-            c.start_timeout = parse_duration(&var, &v, 1.0, "seconds")?;
+            self.start_timeout = parse_duration(&var, &v, 1.0, "seconds")?;
         }
         if let Some((var, v)) = env.get("STALL_SHUTDOWN_TIME_SECONDS") {
-            c.stall_shutdown_time = parse_duration(&var, &v, 1.0, "seconds")?;
+            self.stall_shutdown_time = parse_duration(&var, &v, 1.0, "seconds")?;
         }
         if let Some((var, v)) = env.get("STALL_CHECK_DISABLE") {
-            c.stall_check_disable = parse_bool(&var, &v)?;
+            self.stall_check_disable = parse_bool(&var, &v)?;
         }
+        Ok(())
+    }
+
+    /// The autotuner, the simulated collective cost and the log level.
+    fn read_tuning(&mut self, env: &Env<'_>) -> Result<()> {
         if let Some((var, v)) = env.get("AUTOTUNE") {
-            c.autotune = parse_bool(&var, &v)?;
+            self.autotune = parse_bool(&var, &v)?;
         }
         if let Some((_, v)) = env.get("AUTOTUNE_LOG") {
-            c.autotune_log = (!v.is_empty()).then(|| PathBuf::from(v));
+            self.autotune_log = (!v.is_empty()).then(|| PathBuf::from(v));
         }
         if let Some((var, v)) = env.get("AUTOTUNE_WARMUP_SAMPLES") {
-            c.autotune_warmup_samples = parse_usize(&var, &v)?;
+            self.autotune_warmup_samples = parse_usize(&var, &v)?;
         }
         if let Some((var, v)) = env.get("AUTOTUNE_STEPS_PER_SAMPLE") {
-            c.autotune_steps_per_sample = parse_positive(&var, &v)?;
+            self.autotune_steps_per_sample = parse_positive(&var, &v)?;
         }
         if let Some((var, v)) = env.get("AUTOTUNE_BAYES_OPT_MAX_SAMPLES") {
-            c.autotune_max_samples = parse_positive(&var, &v)?;
+            self.autotune_max_samples = parse_positive(&var, &v)?;
         }
         if let Some((var, v)) = env.get("AUTOTUNE_GAUSSIAN_PROCESS_NOISE") {
-            c.autotune_noise = match v.trim().parse::<f64>() {
+            self.autotune_noise = match v.trim().parse::<f64>() {
                 Ok(x) if x.is_finite() && x > 0.0 => x,
                 _ => return Err(bad(&var, &v, POSITIVE_NUMBER)),
             };
         }
         if let Some((var, v)) = env.get("SIMULATED_COLLECTIVE_COST_US") {
-            c.simulated_collective_cost = parse_duration(&var, &v, 1e-6, "microseconds")?;
+            self.simulated_collective_cost = parse_duration(&var, &v, 1e-6, "microseconds")?;
         }
         if let Some((var, v)) = env.get("LOG_LEVEL") {
             let level = v.trim().to_ascii_lowercase();
@@ -145,9 +163,9 @@ impl Config {
                     reason: format!("expected one of {}", LOG_LEVELS.join(", ")),
                 });
             }
-            c.log_level = Some(level);
+            self.log_level = Some(level);
         }
-        Ok(c)
+        Ok(())
     }
 }
 
