@@ -53,25 +53,9 @@ impl MpiTransport {
             cross_size: to_usize(cross.size()),
         };
         let comm = parent.duplicate();
-        // Errors come back as return codes on kolo's communicators (and on the process
-        // sets' split from them), so that `check` turns them into `Error::Transport`
-        // for the op's handle instead of MPI aborting the job (the default handler,
-        // MPI_ERRORS_ARE_FATAL). rsmpi's safe calls above ignore return codes, so the
-        // parent keeps its handler.
-        for c in [comm.as_raw(), local.as_raw(), cross.as_raw()] {
-            // SAFETY: `c` is a valid communicator; MPI_ERRORS_RETURN is predefined.
-            check("MPI_Comm_set_errhandler", unsafe {
-                ffi::MPI_Comm_set_errhandler(c, ffi::RSMPI_ERRORS_RETURN)
-            })?;
-        }
+        errors_return(&[comm.as_raw(), local.as_raw(), cross.as_raw()])?;
         let half_ops = HalfOps::create()?;
-        // Each host is named by its lowest rank (local rank 0, as `split_shared` keys by
-        // rank); every rank learns every rank's host, which orders the ring.
-        let mut host = parent.rank();
-        local.process_at_rank(0).broadcast_into(&mut host);
-        let mut hosts = vec![0 as c_int; size];
-        parent.all_gather_into(&host, &mut hosts[..]);
-        let hosts = Hosts::of(&hosts);
+        let hosts = hosts_of(parent, &local, size);
         let (ring, ring_pos) = hosts.ring(rank);
         let multi_host = hosts.members.len() > 1;
         let one_per_host = hosts.members.iter().all(|m| m.len() == 1);
@@ -145,4 +129,29 @@ impl MpiTransport {
         allreduce_in_place(world, bytemuck::cast_slice_mut(&mut rate), DType::F64, min)?;
         Ok(rate[0])
     }
+}
+
+/// Errors come back as return codes on kolo's communicators (and on the process sets'
+/// split from them), so that `check` turns them into `Error::Transport` for the op's
+/// handle instead of MPI aborting the job (the default handler, MPI_ERRORS_ARE_FATAL).
+/// rsmpi's safe calls ignore return codes, so the parent keeps its handler.
+fn errors_return(comms: &[ffi::MPI_Comm]) -> Result<()> {
+    for &c in comms {
+        // SAFETY: `c` is a valid communicator; MPI_ERRORS_RETURN is predefined.
+        check("MPI_Comm_set_errhandler", unsafe {
+            ffi::MPI_Comm_set_errhandler(c, ffi::RSMPI_ERRORS_RETURN)
+        })?;
+    }
+    Ok(())
+}
+
+/// Every rank's host. Each host is named by its lowest rank (local rank 0, as
+/// `split_shared` keys by rank); every rank learns every rank's host, which orders the
+/// ring. Collective over `parent`.
+fn hosts_of(parent: &SimpleCommunicator, local: &SimpleCommunicator, size: usize) -> Hosts {
+    let mut host = parent.rank();
+    local.process_at_rank(0).broadcast_into(&mut host);
+    let mut hosts = vec![0 as c_int; size];
+    parent.all_gather_into(&host, &mut hosts[..]);
+    Hosts::of(&hosts)
 }
