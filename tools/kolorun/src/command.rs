@@ -149,8 +149,6 @@ pub(crate) fn plan(
         v.push("--oversubscribe".into());
     }
     v.extend(["--bind-to".into(), "none".into(), "--tag-output".into()]);
-    let set_in_env = |k: &str| env.iter().any(|(n, _)| n == k);
-    let in_mpi_args = |k: &str| mpi_args.iter().any(|x| x == k);
     let mca = |v: &mut Vec<String>, k: &str, val: &str| {
         v.extend(["--mca".into(), k.into(), val.into()]);
     };
@@ -166,6 +164,50 @@ pub(crate) fn plan(
             nccl_ifname = Some(names);
         }
     }
+    place_traffic(&mut p, a, spans_hosts, env, mpi_args);
+    let v = &mut p.argv;
+    let mut ours = kolo_env(a);
+    // OpenMPI's own start-up timeout does not fire while a host's daemon hangs, so
+    // the ranks time their start themselves.
+    let start = a.start_timeout.or(spans_hosts.then_some(30));
+    if let Some(t) = start {
+        ours.push(("KOLO_START_TIMEOUT".into(), t.to_string()));
+    }
+    let mut named: BTreeSet<String> = ours.iter().map(|(k, _)| k.clone()).collect();
+    named.insert("RAYON_NUM_THREADS".into());
+    if nccl_ifname.is_some() {
+        named.insert("NCCL_SOCKET_IFNAME".into());
+    }
+    for (k, val) in ours {
+        v.extend(["-x".into(), format!("{k}={val}")]);
+    }
+    v.extend(["-x".into(), format!("RAYON_NUM_THREADS={threads}")]);
+    if spans_hosts {
+        forward_env(&mut p, env, &named);
+    }
+    let v = &mut p.argv;
+    v.extend(mpi_args.iter().cloned());
+    v.extend(a.command.iter().cloned());
+    Ok(p)
+}
+
+/// Where the job's traffic goes: across hosts, settings inherited from a one-machine
+/// set-up are not passed on (they would make the ranks on other hosts unreachable:
+/// MPI_ERR_INTERN during init); on one machine, traffic stays on it unless the user
+/// said otherwise.
+fn place_traffic(
+    p: &mut Plan,
+    a: &Args,
+    spans_hosts: bool,
+    env: &[(String, String)],
+    mpi_args: &[String],
+) {
+    let set_in_env = |k: &str| env.iter().any(|(n, _)| n == k);
+    let in_mpi_args = |k: &str| mpi_args.iter().any(|x| x == k);
+    let mca = |v: &mut Vec<String>, k: &str, val: &str| {
+        v.extend(["--mca".into(), k.into(), val.into()]);
+    };
+    let v = &mut p.argv;
     if spans_hosts {
         // Settings inherited from a single-machine set-up would make the ranks on
         // other hosts unreachable (MPI_ERR_INTERN during init).
@@ -188,37 +230,22 @@ pub(crate) fn plan(
             }
         }
     }
-    let mut ours = kolo_env(a);
-    // OpenMPI's own start-up timeout does not fire while a host's daemon hangs, so
-    // the ranks time their start themselves.
-    let start = a.start_timeout.or(spans_hosts.then_some(30));
-    if let Some(t) = start {
-        ours.push(("KOLO_START_TIMEOUT".into(), t.to_string()));
+}
+
+/// Forwards the user's environment by name to remote ranks, which start from a bare
+/// one (as horovodrun does; mpirun takes the values from its own), except what kolorun
+/// sets (`named`) or leaves out.
+fn forward_env(p: &mut Plan, env: &[(String, String)], named: &BTreeSet<String>) {
+    // Remote ranks start from a bare environment: forward the user's, as
+    // horovodrun does (by name; mpirun takes the values from its own).
+    let forwarded: BTreeSet<&str> = env
+        .iter()
+        .map(|(k, _)| k.as_str())
+        .filter(|k| forwardable(k) && !named.contains(*k) && !p.unset.iter().any(|u| u == k))
+        .collect();
+    for k in forwarded {
+        p.argv.extend(["-x".into(), k.to_string()]);
     }
-    let mut named: BTreeSet<String> = ours.iter().map(|(k, _)| k.clone()).collect();
-    named.insert("RAYON_NUM_THREADS".into());
-    if nccl_ifname.is_some() {
-        named.insert("NCCL_SOCKET_IFNAME".into());
-    }
-    for (k, val) in ours {
-        v.extend(["-x".into(), format!("{k}={val}")]);
-    }
-    v.extend(["-x".into(), format!("RAYON_NUM_THREADS={threads}")]);
-    if spans_hosts {
-        // Remote ranks start from a bare environment: forward the user's, as
-        // horovodrun does (by name; mpirun takes the values from its own).
-        let forwarded: BTreeSet<&str> = env
-            .iter()
-            .map(|(k, _)| k.as_str())
-            .filter(|k| forwardable(k) && !named.contains(*k) && !p.unset.iter().any(|u| u == k))
-            .collect();
-        for k in forwarded {
-            v.extend(["-x".into(), k.to_string()]);
-        }
-    }
-    v.extend(mpi_args.iter().cloned());
-    v.extend(a.command.iter().cloned());
-    Ok(p)
 }
 
 pub(crate) fn shell_quote(s: &str) -> String {

@@ -80,22 +80,7 @@ fn main() {
         Some(s) => shlex::split(s)
             .unwrap_or_else(|| fail(&format!("--mpi-args {s:?} has an unclosed quote"))),
     };
-    let hostfile = args
-        .hostfile
-        .as_ref()
-        .map(|f| match std::fs::read_to_string(f) {
-            Ok(text) => match hostfile_hosts(&text) {
-                Ok(hosts) if hosts.is_empty() => fail(&format!("--hostfile {f} names no host")),
-                Ok(hosts) => hosts,
-                Err(e) => fail(&format!("--hostfile {f}: {e}")),
-            },
-            Err(e) => fail(&format!("cannot read --hostfile {f}: {e}")),
-        });
-    let hosts = match (&args.hosts, hostfile) {
-        (Some(h), _) => flag_hosts(h).unwrap_or_else(|e| fail(&e)),
-        (None, Some(hosts)) => hosts,
-        (None, None) => Vec::new(),
-    };
+    let hosts = job_hosts(&args);
     let per_host: Vec<usize> = hosts.iter().map(|&(_, slots)| slots).collect();
     // SAFETY: geteuid has no preconditions.
     let root = unsafe { libc::geteuid() } == 0;
@@ -130,20 +115,7 @@ fn main() {
     if args.verbose {
         eprintln!("kolorun: {}", command_line(&plan));
     }
-    let mut names: Vec<String> = hosts.into_iter().map(|(name, _)| name).collect();
-    names.dedup();
-    if !names.is_empty() {
-        let timeout = std::time::Duration::from_secs(args.start_timeout.unwrap_or(30).into());
-        let failed = check_hosts(&names, &remote_agent(&mpi_args, &env), timeout);
-        if !failed.is_empty() {
-            fail(&format!(
-                "cannot reach {} of the job's hosts (--start-timeout {} s):\n  {}",
-                failed.len(),
-                timeout.as_secs(),
-                failed.join("\n  ")
-            ));
-        }
-    }
+    reach_hosts(&args, hosts, &mpi_args, &env);
     let mut cmd = Command::new("mpirun");
     cmd.args(&plan.argv);
     for u in &plan.unset {
@@ -157,6 +129,51 @@ fn main() {
                 "kolorun: cannot run mpirun: {e} (install OpenMPI: apt-get install openmpi-bin)"
             );
             std::process::exit(127);
+        }
+    }
+}
+
+/// The hosts of `-H`, else of `--hostfile` (empty: this machine), or the end of
+/// kolorun with the reason.
+fn job_hosts(args: &Args) -> Vec<(String, usize)> {
+    let hostfile = args
+        .hostfile
+        .as_ref()
+        .map(|f| match std::fs::read_to_string(f) {
+            Ok(text) => match hostfile_hosts(&text) {
+                Ok(hosts) if hosts.is_empty() => fail(&format!("--hostfile {f} names no host")),
+                Ok(hosts) => hosts,
+                Err(e) => fail(&format!("--hostfile {f}: {e}")),
+            },
+            Err(e) => fail(&format!("cannot read --hostfile {f}: {e}")),
+        });
+    match (&args.hosts, hostfile) {
+        (Some(h), _) => flag_hosts(h).unwrap_or_else(|e| fail(&e)),
+        (None, Some(hosts)) => hosts,
+        (None, None) => Vec::new(),
+    }
+}
+
+/// Ends kolorun with the hosts it cannot reach within `--start-timeout`, before
+/// mpirun waits for them.
+fn reach_hosts(
+    args: &Args,
+    hosts: Vec<(String, usize)>,
+    mpi_args: &[String],
+    env: &[(String, String)],
+) {
+    let mut names: Vec<String> = hosts.into_iter().map(|(name, _)| name).collect();
+    names.dedup();
+    if !names.is_empty() {
+        let timeout = std::time::Duration::from_secs(args.start_timeout.unwrap_or(30).into());
+        let failed = check_hosts(&names, &remote_agent(mpi_args, env), timeout);
+        if !failed.is_empty() {
+            fail(&format!(
+                "cannot reach {} of the job's hosts (--start-timeout {} s):\n  {}",
+                failed.len(),
+                timeout.as_secs(),
+                failed.join("\n  ")
+            ));
         }
     }
 }
