@@ -144,14 +144,31 @@ impl<O: GradientStep> DistributedOptimizerBuilder<O> {
     /// group member, zero passes, a non-positive predivide factor, a predivide factor
     /// with an op other than Average, or an op other than Average and Sum.
     pub fn build(self) -> Result<DistributedOptimizer<O>> {
-        let invalid = |name: &str, message: String| Error::InvalidArgument {
-            op: "DistributedOptimizer",
-            name: name.to_string(),
-            message,
-            tensors: Vec::new(),
-        };
-        if let Some(m) = self.refused {
-            return Err(invalid("process_set", m));
+        self.check()?;
+        let params = registered(&self.params, &self.groups)?;
+        Ok(DistributedOptimizer {
+            kolo: self.kolo,
+            inner: self.inner,
+            params,
+            groups: self.groups,
+            op: self.op,
+            passes: self.passes,
+            predivide: self.predivide,
+            compression: self.compression,
+            counts: HashMap::new(),
+            accum: HashMap::new(),
+            held: HashMap::new(),
+            handles: Vec::new(),
+            reduced: Gradients::new(),
+            skip_next_sync: false,
+            device: None,
+        })
+    }
+
+    /// The settings' own checks, before any parameter is looked at.
+    fn check(&self) -> Result<()> {
+        if let Some(m) = &self.refused {
+            return Err(invalid("process_set", m.clone()));
         }
         if !matches!(self.op, ReduceOp::Average | ReduceOp::Sum) {
             return Err(invalid(
@@ -177,55 +194,63 @@ impl<O: GradientStep> DistributedOptimizerBuilder<O> {
                 "only applies to ReduceOp::Average".into(),
             ));
         }
-        let mut params = BTreeMap::new();
-        for (name, shape, dtype) in self.params {
-            if params.contains_key(&name) {
+        Ok(())
+    }
+}
+
+/// The registered parameters by name, each with its group, checked: names unique,
+/// groups naming registered parameters, a parameter in one group at most.
+fn registered(
+    list: &[(String, Vec<usize>, DType)],
+    groups: &[Vec<String>],
+) -> Result<BTreeMap<String, Param>> {
+    let mut params = BTreeMap::new();
+    for (name, shape, dtype) in list.iter().cloned() {
+        if params.contains_key(&name) {
+            return Err(invalid(
+                &name,
+                "duplicate parameter name: every parameter needs its own name".into(),
+            ));
+        }
+        params.insert(
+            name,
+            Param {
+                shape,
+                dtype,
+                group: None,
+                device: None,
+            },
+        );
+    }
+    for (g, members) in groups.iter().enumerate() {
+        for m in members {
+            let p = params.get_mut(m).ok_or_else(|| {
+                invalid(
+                    m,
+                    format!("group {g} names a parameter that was not registered"),
+                )
+            })?;
+            if let Some(other) = p.group {
                 return Err(invalid(
-                    &name,
-                    "duplicate parameter name: every parameter needs its own name".into(),
+                    m,
+                    format!(
+                        "parameter is in groups {other} and {g}; a parameter may be in one group"
+                    ),
                 ));
             }
-            params.insert(
-                name,
-                Param {
-                    shape,
-                    dtype,
-                    group: None,
-                    device: None,
-                },
-            );
+            p.group = Some(g);
         }
-        for (g, members) in self.groups.iter().enumerate() {
-            for m in members {
-                let p = params.get_mut(m).ok_or_else(|| {
-                    invalid(
-                        m,
-                        format!("group {g} names a parameter that was not registered"),
-                    )
-                })?;
-                if let Some(other) = p.group {
-                    return Err(invalid(m, format!("parameter is in groups {other} and {g}; a parameter may be in one group")));
-                }
-                p.group = Some(g);
-            }
-        }
-        Ok(DistributedOptimizer {
-            kolo: self.kolo,
-            inner: self.inner,
-            params,
-            groups: self.groups,
-            op: self.op,
-            passes: self.passes,
-            predivide: self.predivide,
-            compression: self.compression,
-            counts: HashMap::new(),
-            accum: HashMap::new(),
-            held: HashMap::new(),
-            handles: Vec::new(),
-            reduced: Gradients::new(),
-            skip_next_sync: false,
-            device: None,
-        })
+    }
+    Ok(params)
+}
+
+/// A refused setting or parameter of the builder, by name.
+fn invalid(name: &str, message: String) -> Error {
+    Error::InvalidArgument {
+        op: "DistributedOptimizer",
+        name: name.to_string(),
+        message,
+        tensors: Vec::new(),
     }
 }
 

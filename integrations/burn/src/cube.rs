@@ -69,6 +69,9 @@ mod cubecl_device {
 /// `grad`'s own memory as a kolo tensor of `dtype`, when `grad` sits on a Cube device
 /// and its buffer can be lent. `Err(grad)` hands the gradient back unchanged for the
 /// host path (another device, or a buffer that cannot be lent).
+// `Err` hands the value back unmoved (the host path takes it): boxing it would
+// allocate on every step for a value that is moved, not copied.
+#[allow(clippy::result_large_err)]
 pub(crate) fn lend<const D: usize>(
     name: &str,
     grad: Tensor<D>,
@@ -117,6 +120,9 @@ pub(crate) fn lend<const D: usize>(
 
 /// A reduced kolo tensor that was lent by [`lend`], as the Burn gradient in the same
 /// memory; `Err(t)` for any other kolo tensor.
+// `Err` hands the value back unmoved (the host path takes it): boxing it would
+// allocate on every step for a value that is moved, not copied.
+#[allow(clippy::result_large_err)]
 pub(crate) fn reclaim<const D: usize>(
     t: kolo::Tensor,
 ) -> std::result::Result<Tensor<D>, kolo::Tensor> {
@@ -335,6 +341,7 @@ mod cuda {
 
     /// The lent tensor behind a reduced CUDA kolo tensor: its slice leaked (the memory
     /// is Burn's), its pin released. Any other CUDA tensor comes back unchanged.
+    #[allow(clippy::result_large_err)] // `Err` hands the tensor back unmoved, as above.
     pub(super) fn reclaim(t: kolo::Tensor) -> std::result::Result<CubeTensor, kolo::Tensor> {
         if !t.device().is_cuda() {
             return Err(t);
