@@ -295,9 +295,25 @@ fn check(key: &str, metas: &[Option<RequestMeta>], joined: &[usize]) -> Result<(
     ) {
         return Err(fail("group members", m));
     }
-    for i in 0..first.tensors.len() {
+    if let Some((what, m)) =
+        tensors_differ(metas, first.tensors.len(), kind).or_else(|| settings_differ(metas, kind))
+    {
+        return Err(fail(what, m));
+    }
+    Ok(())
+}
+
+/// The first of a request's tensors whose dtype or shape differs between ranks, as
+/// (what, message): the full shape, or for allgather and alltoall every dim but the
+/// first.
+fn tensors_differ(
+    metas: &[Option<RequestMeta>],
+    tensors: usize,
+    kind: OpKind,
+) -> Option<(&'static str, String)> {
+    for i in 0..tensors {
         if let Some(m) = differ(metas, |m| m.tensors[i].dtype, |d| d.to_string()) {
-            return Err(fail("dtype", m));
+            return Some(("dtype", m));
         }
         let shape = |m: &RequestMeta| m.tensors[i].shape.clone();
         match kind {
@@ -308,32 +324,35 @@ fn check(key: &str, metas: &[Option<RequestMeta>], joined: &[usize]) -> Result<(
                 };
                 if differ(metas, tail, |_| String::new()).is_some() {
                     let m = differ(metas, shape, debug).unwrap_or_default();
-                    return Err(fail(
-                        "shape",
-                        format!("{m} (all dims but the first must match)"),
-                    ));
+                    return Some(("shape", format!("{m} (all dims but the first must match)")));
                 }
             }
             _ => {
                 if let Some(m) = differ(metas, shape, debug) {
-                    return Err(fail("shape", m));
+                    return Some(("shape", m));
                 }
             }
         }
     }
+    None
+}
+
+/// The op's settings that differ between ranks, as (what, message): reduce op and
+/// scale factors of reductions, a process set's ranks, a broadcast's root.
+fn settings_differ(metas: &[Option<RequestMeta>], kind: OpKind) -> Option<(&'static str, String)> {
     if matches!(
         kind,
         OpKind::Allreduce | OpKind::GroupedAllreduce | OpKind::Reducescatter
     ) {
         if let Some(m) = differ(metas, |m| m.op, debug) {
-            return Err(fail("reduce op", m));
+            return Some(("reduce op", m));
         }
         // Scale factors are finite (checked at submit), so float equality is exact here.
         if let Some(m) = differ(metas, |m| m.prescale, |v| v.to_string()) {
-            return Err(fail("prescale", m));
+            return Some(("prescale", m));
         }
         if let Some(m) = differ(metas, |m| m.postscale, |v| v.to_string()) {
-            return Err(fail("postscale", m));
+            return Some(("postscale", m));
         }
     }
     if kind == OpKind::AddProcessSet {
@@ -342,15 +361,15 @@ fn check(key: &str, metas: &[Option<RequestMeta>], joined: &[usize]) -> Result<(
             |m| m.splits.clone(),
             |s| format!("ranks {:?}", s.clone().unwrap_or_default()),
         ) {
-            return Err(fail("process set", m));
+            return Some(("process set", m));
         }
     }
     if kind == OpKind::Broadcast {
         if let Some(m) = differ(metas, |m| m.root, |r| format!("root {r}")) {
-            return Err(fail("root", m));
+            return Some(("root", m));
         }
     }
-    Ok(())
+    None
 }
 
 #[cfg(test)]
