@@ -217,10 +217,27 @@ impl Hosts {
             })
             .collect();
         allgatherv_on(local, my_shares, all, &gathered, dtype)?;
+        self.lay_out(all, recv, counts_, &blocks, l, w);
+        Ok(())
+    }
+
+    /// Copies the gathered shares (`all`: local rank k's part, for k in 0..`l`, lists
+    /// share k of each host in its cross group's order) to their ranks' places in
+    /// `recv` (job-rank order, `counts` elements of `w` bytes each). Each share covers
+    /// part of its host's block, which lists the host's ranks in local order.
+    fn lay_out(
+        &self,
+        all: &[u8],
+        recv: &mut [u8],
+        counts: &[usize],
+        blocks: &[usize],
+        l: usize,
+        w: usize,
+    ) {
         // Where each rank's tensor starts in `recv` (job-rank order).
-        let mut starts = Vec::with_capacity(counts_.len());
+        let mut starts = Vec::with_capacity(counts.len());
         let mut at = 0;
-        for &c in counts_ {
+        for &c in counts {
             starts.push(at);
             at += c;
         }
@@ -234,7 +251,7 @@ impl Hosts {
                 at += len;
                 let mut member_start = 0;
                 for &r in &self.members[h] {
-                    let (a, b) = (member_start, member_start + counts_[r]);
+                    let (a, b) = (member_start, member_start + counts[r]);
                     member_start = b;
                     let (from, to) = (a.max(off), b.min(off + len));
                     if from < to {
@@ -245,7 +262,6 @@ impl Hosts {
                 }
             }
         }
-        Ok(())
     }
 }
 
