@@ -139,9 +139,8 @@ pub(super) fn ring_allreduce_with(
     segment: Option<usize>,
     between: &mut dyn FnMut(&mut [u8]) -> Result<()>,
 ) -> Result<()> {
-    let n = g.size;
-    let (right, left) = ring_neighbours(order, pos, RING_SEND, RING_RECV)?;
-    let es = dtype.size_of();
+    let links = Links::new(g, order, pos, dtype, RING_SEND, RING_RECV)?;
+    let (n, es) = (links.n, links.es);
     let len = buf.len() / es;
     // Checked once here, so that no count fails once messages are in flight: the
     // first chunk is the largest.
@@ -153,14 +152,7 @@ pub(super) fn ring_allreduce_with(
     };
     scratch.resize(window * seg * es, 0);
     let ring = Ring {
-        n,
-        r: pos,
-        right,
-        left,
-        ty: datatype(dtype),
-        comm: g.comm,
-        dtype,
-        es,
+        links,
         len,
         base: buf.as_mut_ptr(),
         slots: scratch.as_mut_ptr(),
@@ -189,13 +181,10 @@ pub(super) fn ring_allreduce_with(
     })()
 }
 
-const RING_SEND: &str = "MPI_Isend (ring allreduce)";
-const RING_RECV: &str = "MPI_Irecv (ring allreduce)";
-
-/// One rank's sum ring over one buffer. Once messages are in flight the buffer is
-/// reached only through `base` (an in-flight send reads one chunk while the sum
-/// writes another), the scratch only through `slots`.
-struct Ring {
+/// What both sum rings share: the ring's size and this rank's position in it, its
+/// neighbours as MPI ranks, the communicator and the element type.
+#[derive(Clone, Copy)]
+struct Links {
     n: usize,
     /// This rank's position in the ring.
     r: usize,
@@ -206,6 +195,41 @@ struct Ring {
     dtype: DType,
     /// Bytes per element.
     es: usize,
+}
+
+impl Links {
+    /// The links of ring position `pos` in `order` over `g`; `send` and `recv` name the
+    /// calls in an error.
+    fn new(
+        g: Group,
+        order: &[usize],
+        pos: usize,
+        dtype: DType,
+        send: &'static str,
+        recv: &'static str,
+    ) -> Result<Links> {
+        let (right, left) = ring_neighbours(order, pos, send, recv)?;
+        Ok(Links {
+            n: g.size,
+            r: pos,
+            right,
+            left,
+            ty: datatype(dtype),
+            comm: g.comm,
+            dtype,
+            es: dtype.size_of(),
+        })
+    }
+}
+
+const RING_SEND: &str = "MPI_Isend (ring allreduce)";
+const RING_RECV: &str = "MPI_Irecv (ring allreduce)";
+
+/// One rank's sum ring over one buffer. Once messages are in flight the buffer is
+/// reached only through `base` (an in-flight send reads one chunk while the sum
+/// writes another), the scratch only through `slots`.
+struct Ring {
+    links: Links,
     /// Elements in the buffer.
     len: usize,
     base: *mut u8,
@@ -218,13 +242,17 @@ struct Ring {
 impl Ring {
     /// The element range of the chunk this rank sends at `step`.
     fn chunk(&self, step: usize) -> (usize, usize) {
-        chunk(self.len, self.n, send_chunk(self.r, step, self.n))
+        chunk(
+            self.len,
+            self.links.n,
+            send_chunk(self.links.r, step, self.links.n),
+        )
     }
 
     /// Scratch slot `k` (of `window`, reused in turn).
     fn slot(&self, k: usize) -> *mut u8 {
         self.slots
-            .wrapping_add((k % self.window) * self.seg * self.es)
+            .wrapping_add((k % self.window) * self.seg * self.links.es)
     }
 
     /// Element ranges [a, b) of a chunk cut into segments.
@@ -240,12 +268,12 @@ impl Ring {
         // this request completes; b - a fits in c_int (the largest chunk does).
         reqs.post(RING_SEND, |req| unsafe {
             ffi::MPI_Isend(
-                self.base.add(a * self.es).cast_const().cast(),
+                self.base.add(a * self.links.es).cast_const().cast(),
                 (b - a) as c_int,
-                self.ty,
-                self.right,
+                self.links.ty,
+                self.links.right,
                 7,
-                self.comm,
+                self.links.comm,
                 req,
             )
         })
@@ -259,10 +287,10 @@ impl Ring {
             ffi::MPI_Irecv(
                 into.cast(),
                 elems as c_int,
-                self.ty,
-                self.left,
+                self.links.ty,
+                self.links.left,
                 7,
-                self.comm,
+                self.links.comm,
                 req,
             )
         })
@@ -285,17 +313,17 @@ impl Ring {
         for k in 0..out.len().max(inc.len()) {
             if let Some(&(a, b)) = inc.get(k) {
                 recvs.wait(k)?;
-                let bytes = (b - a) * self.es;
+                let bytes = (b - a) * self.links.es;
                 // SAFETY: the slot holds the segment just received and no receive into
                 // it is posted until after the sum; [a, b) is in the incoming chunk,
                 // which no in-flight send reads.
                 let (acc, got) = unsafe {
                     (
-                        std::slice::from_raw_parts_mut(self.base.add(a * self.es), bytes),
+                        std::slice::from_raw_parts_mut(self.base.add(a * self.links.es), bytes),
                         std::slice::from_raw_parts(self.slot(k), bytes),
                     )
                 };
-                add_into(acc, got, self.dtype);
+                add_into(acc, got, self.links.dtype);
                 if let Some(&(na, nb)) = inc.get(k + window) {
                     self.irecv(recvs, self.slot(k + window), nb - na)?;
                 }
@@ -362,9 +390,8 @@ pub(super) fn ring_allreduce_many(
     bufs: &mut [&mut [u8]],
     dtype: DType,
 ) -> Result<()> {
-    let n = g.size;
-    let (right, left) = ring_neighbours(order, pos, MANY_SEND, MANY_RECV)?;
-    let es = dtype.size_of();
+    let links = Links::new(g, order, pos, dtype, MANY_SEND, MANY_RECV)?;
+    let (n, es) = (links.n, links.es);
     let lens: Vec<usize> = bufs.iter().map(|b| b.len() / es).collect();
     // A buffer's first chunk is its largest: their sum bounds every step's message,
     // checked once here so that no count fails once messages are in flight.
@@ -373,14 +400,7 @@ pub(super) fn ring_allreduce_many(
     scratch.resize(largest * es, 0);
     let bases: Vec<*mut u8> = bufs.iter_mut().map(|b| b.as_mut_ptr()).collect();
     let ring = ManyRing {
-        n,
-        r: pos,
-        right,
-        left,
-        ty: datatype(dtype),
-        comm: g.comm,
-        dtype,
-        es,
+        links,
         origin: bases.iter().copied().min().unwrap_or(std::ptr::null_mut()),
         bases,
         lens,
@@ -400,7 +420,15 @@ pub(super) fn ring_allreduce_many(
             // SAFETY: the datatype's blocks are the chunks of the buffers this step
             // fills, which nothing else reads or writes until the receive completes.
             recvs.post(MANY_RECV, |req| unsafe {
-                ffi::MPI_Irecv(ring.origin.cast(), 1, into.0, left, 7, ring.comm, req)
+                ffi::MPI_Irecv(
+                    ring.origin.cast(),
+                    1,
+                    into.0,
+                    links.left,
+                    7,
+                    links.comm,
+                    req,
+                )
             })?;
             // SAFETY: the blocks are chunks of the buffers, which nothing writes until
             // this send completes.
@@ -409,9 +437,9 @@ pub(super) fn ring_allreduce_many(
                     ring.origin.cast_const().cast(),
                     1,
                     from.0,
-                    right,
+                    links.right,
                     7,
-                    ring.comm,
+                    links.comm,
                     req,
                 )
             })?;
@@ -429,16 +457,7 @@ const MANY_RECV: &str = "MPI_Irecv (grouped ring allreduce)";
 /// buffers are reached only through `bases` (an in-flight send reads one chunk of a
 /// buffer while the sum writes another), the scratch only through `slots`.
 struct ManyRing {
-    n: usize,
-    /// This rank's position in the ring.
-    r: usize,
-    right: c_int,
-    left: c_int,
-    ty: ffi::MPI_Datatype,
-    comm: ffi::MPI_Comm,
-    dtype: DType,
-    /// Bytes per element.
-    es: usize,
+    links: Links,
     /// Each buffer's start and element count; the lowest start.
     bases: Vec<*mut u8>,
     lens: Vec<usize>,
@@ -449,7 +468,11 @@ struct ManyRing {
 impl ManyRing {
     /// The chunk of a buffer of `len` elements this rank sends at `step`.
     fn chunk(&self, len: usize, step: usize) -> (usize, usize) {
-        chunk(len, self.n, send_chunk(self.r, step, self.n))
+        chunk(
+            len,
+            self.links.n,
+            send_chunk(self.links.r, step, self.links.n),
+        )
     }
 
     /// The chunks this rank sends at `step`, of every buffer, as one datatype at
@@ -461,10 +484,13 @@ impl ManyRing {
             .zip(&self.lens)
             .map(|(&base, &len)| {
                 let (a, b) = self.chunk(len, step);
-                (base as usize - self.origin as usize + a * self.es, b - a)
+                (
+                    base as usize - self.origin as usize + a * self.links.es,
+                    b - a,
+                )
             })
             .collect();
-        Blocks::new(call, self.ty, &parts)
+        Blocks::new(call, self.links.ty, &parts)
     }
 
     /// One reduce-scatter step: every buffer's outgoing chunk goes right in one
@@ -484,10 +510,10 @@ impl ManyRing {
             ffi::MPI_Irecv(
                 self.slots.cast(),
                 elems as c_int,
-                self.ty,
-                self.left,
+                self.links.ty,
+                self.links.left,
                 7,
-                self.comm,
+                self.links.comm,
                 req,
             )
         })?;
@@ -498,9 +524,9 @@ impl ManyRing {
                 self.origin.cast_const().cast(),
                 1,
                 outgoing.0,
-                self.right,
+                self.links.right,
                 7,
-                self.comm,
+                self.links.comm,
                 req,
             )
         })?;
@@ -508,17 +534,17 @@ impl ManyRing {
         let mut at = 0;
         for (&base, &len) in self.bases.iter().zip(&self.lens) {
             let (a, b) = self.chunk(len, step + 1);
-            let bytes = (b - a) * self.es;
+            let bytes = (b - a) * self.links.es;
             // SAFETY: the scratch at `at` holds this buffer's incoming chunk, just
             // received; [a, b) is that chunk of the buffer, which no in-flight send
             // reads.
             let (acc, got) = unsafe {
                 (
-                    std::slice::from_raw_parts_mut(base.add(a * self.es), bytes),
+                    std::slice::from_raw_parts_mut(base.add(a * self.links.es), bytes),
                     std::slice::from_raw_parts(self.slots.add(at), bytes),
                 )
             };
-            add_into(acc, got, self.dtype);
+            add_into(acc, got, self.links.dtype);
             at += bytes;
         }
         sends.wait_all()
