@@ -75,13 +75,35 @@ fn simulated_device_ops_give_the_host_results() {
             .broadcast("bcast", devices.tensor(&[x * 10.0], 0), 1)
             .wait()
             .unwrap_or_else(|e| panic!("{e}"));
-        [sum, avg, all, b].map(|t| device_values(&t))
+        let base = 10.0 * r as f32;
+        let a2a = k
+            .alltoall("a2a", devices.tensor(&[base, base + 1.0, base + 2.0], 0))
+            .splits(vec![1, 2])
+            .wait()
+            .unwrap_or_else(|e| panic!("{e}"));
+        let scattered = k
+            .reducescatter("rs", devices.tensor(&[x, x + 1.0, x + 2.0, x + 3.0], 0))
+            .op(ReduceOp::Sum)
+            .wait()
+            .unwrap_or_else(|e| panic!("{e}"));
+        let values = [sum, avg, all, b, a2a.tensor, scattered].map(|t| device_values(&t));
+        (values, a2a.received_splits)
     });
-    for [sum, avg, all, b] in out {
+    for (r, ([sum, avg, all, b, a2a, scattered], splits)) in out.into_iter().enumerate() {
         assert_eq!(sum, [3.0, 6.0]);
         assert_eq!(avg, [1.5]);
         assert_eq!(all, [1.0, 1.0, 2.0, 2.0]);
         assert_eq!(b, [20.0]);
+        // Rank 0 gets row 0 of each rank, rank 1 rows 1 and 2 of each.
+        let (want, want_splits) = if r == 0 {
+            (vec![0.0, 10.0], vec![1, 1])
+        } else {
+            (vec![1.0, 2.0, 11.0, 12.0], vec![2, 2])
+        };
+        assert_eq!((a2a, splits), (want, want_splits), "rank {r}'s alltoall");
+        // The sum [3, 5, 7, 9], half each.
+        let want = if r == 0 { [3.0, 5.0] } else { [7.0, 9.0] };
+        assert_eq!(scattered, want, "rank {r}'s reducescatter");
     }
     for k in ranks {
         k.shutdown().unwrap_or_else(|e| panic!("{e}"));

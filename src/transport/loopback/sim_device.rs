@@ -10,8 +10,8 @@
 //! settle without writing them. A buffer freed while an op still queued on it is
 //! recorded as a violation (a real device would read or write freed memory).
 //!
-//! Simulated: allreduce (one op per tensor, and fused), broadcast, allgather. The
-//! other ops fail with an error that says so.
+//! Simulated: every op of the seam (allreduce one tensor at a time and fused,
+//! broadcast, allgather, alltoall, reducescatter).
 
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
@@ -49,6 +49,8 @@ struct SimState {
     fail_alloc_on: Option<usize>,
     /// `(rank, op number)` whose enqueue fails.
     fail_enqueue: Option<(usize, u64)>,
+    /// Each alltoall's send counts, by op number and rank.
+    sends: HashMap<(u64, usize), Vec<usize>>,
     /// Buffers alive, and how many queued ops use each.
     alive: HashSet<u64>,
     in_use: HashMap<u64, usize>,
@@ -174,11 +176,24 @@ impl Drop for SimBuffer {
 }
 
 /// What an op computes from every rank's part.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 enum Kind {
-    Reduce { op: ReduceOp, postscale: f64 },
-    Broadcast { root: usize },
+    Reduce {
+        op: ReduceOp,
+        postscale: f64,
+    },
+    Broadcast {
+        root: usize,
+    },
     Gather,
+    /// Each rank's part is cut by its send counts (`SimState::sends`).
+    Alltoall,
+    /// The sum, of which this rank keeps block `rank` of `counts`.
+    Scatter {
+        op: ReduceOp,
+        postscale: f64,
+        counts: Vec<usize>,
+    },
 }
 
 /// An op queued on one rank.
@@ -299,17 +314,44 @@ impl SimDevice {
             let Some(parts) = parts.iter().cloned().collect::<Option<Vec<Vec<u8>>>>() else {
                 return;
             };
-            let result = match front.kind {
+            let (w, me) = (front.dtype.size_of(), self.rank);
+            let sum = |op: ReduceOp| {
+                let mut acc = parts[0].clone();
+                for p in &parts[1..] {
+                    combine(&mut acc, p, front.dtype, op);
+                }
+                acc
+            };
+            let result = match &front.kind {
                 Kind::Reduce { op, postscale } => {
-                    let mut acc = parts[0].clone();
-                    for p in &parts[1..] {
-                        combine(&mut acc, p, front.dtype, op);
-                    }
-                    scale_bytes(&mut acc, front.dtype, postscale);
+                    let mut acc = sum(*op);
+                    scale_bytes(&mut acc, front.dtype, *postscale);
                     acc
                 }
-                Kind::Broadcast { root } => parts[root].clone(),
+                Kind::Broadcast { root } => parts[*root].clone(),
                 Kind::Gather => parts.concat(),
+                Kind::Alltoall => {
+                    let mut got = Vec::new();
+                    for (i, p) in parts.iter().enumerate() {
+                        let send = s.sends.get(&(front.number, i)).cloned().unwrap_or_default();
+                        let at = send.iter().take(me).sum::<usize>() * w;
+                        let len = send.get(me).copied().unwrap_or(0) * w;
+                        got.extend_from_slice(&p[at..at + len]);
+                    }
+                    got
+                }
+                Kind::Scatter {
+                    op,
+                    postscale,
+                    counts,
+                } => {
+                    let acc = sum(*op);
+                    let at = counts.iter().take(me).sum::<usize>() * w;
+                    let len = counts.get(me).copied().unwrap_or(0) * w;
+                    let mut mine = acc[at..at + len].to_vec();
+                    scale_bytes(&mut mine, front.dtype, *postscale);
+                    mine
+                }
             };
             let mut at = 0;
             for &(id, ptr, len) in &front.outputs {
@@ -393,7 +435,7 @@ impl DeviceComm for SimDevice {
             postscale: r.postscale,
         };
         for t in tensors {
-            self.enqueue(kind, &[t], &[t], r.prescale)?;
+            self.enqueue(kind.clone(), &[t], &[t], r.prescale)?;
         }
         Ok(())
     }
@@ -415,22 +457,31 @@ impl DeviceComm for SimDevice {
         self.enqueue(Kind::Gather, &[tensor], &[out], 1.0)
     }
 
-    fn alltoallv(&mut self, _: &Tensor, _: &[usize], _: &Tensor, _: &[usize]) -> Result<()> {
-        Err(Error::Internal(
-            "the simulated device has no alltoall".into(),
-        ))
+    fn alltoallv(
+        &mut self,
+        tensor: &Tensor,
+        send: &[usize],
+        out: &Tensor,
+        _recv: &[usize],
+    ) -> Result<()> {
+        let key = (self.next_op, self.rank);
+        self.devices.lock().sends.insert(key, send.to_vec());
+        self.enqueue(Kind::Alltoall, &[tensor], &[out], 1.0)
     }
 
     fn reduce_scatter(
         &mut self,
-        _: &mut Tensor,
-        _: &mut Tensor,
-        _: &[usize],
-        _: Reduction,
+        tensor: &mut Tensor,
+        out: &mut Tensor,
+        counts: &[usize],
+        r: Reduction,
     ) -> Result<()> {
-        Err(Error::Internal(
-            "the simulated device has no reducescatter".into(),
-        ))
+        let kind = Kind::Scatter {
+            op: r.op,
+            postscale: r.postscale,
+            counts: counts.to_vec(),
+        };
+        self.enqueue(kind, &[tensor], &[out], r.prescale)
     }
 
     fn mark(&mut self) -> Result<u64> {
