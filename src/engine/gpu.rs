@@ -222,10 +222,7 @@ impl Gpu {
                 .unwrap_or_else(|| device_timeout(Duration::ZERO));
             self.comm = Some(mpi.open_device(wanted, timeout)?);
         }
-        let comm = self
-            .comm
-            .as_deref_mut()
-            .ok_or_else(|| Error::Internal("device communicator missing".into()))?;
+        let comm = self.comm_opened()?;
         comm.usable()?;
         if let Some(i) = wanted {
             if i != comm.ordinal() {
@@ -253,7 +250,7 @@ impl Gpu {
         keep: &mut Vec<Tensor>,
     ) -> Result<Output> {
         let prepared = self.prepare(mpi, ready, local);
-        let prepared = agree(mpi, ready, prepared)?;
+        let prepared = agree(mpi, ready, prepared, |p| p.inputs.into_vec())?;
         let comm = self.comm_opened()?;
         enqueue(comm, ready, prepared, keep)
     }
@@ -312,11 +309,12 @@ impl Gpu {
         let Some(&(first_ready, _)) = members.first() else {
             return Ok(Vec::new());
         };
-        let meta = first_ready.first().clone();
         let prepared = self.prepare_fused(mpi, members);
-        let (tensors, mine) = agree(mpi, first_ready, prepared.map(Fused))?.0;
+        // A batch's members each have their own handle: the batch's error is
+        // replicated to each, without tensors.
+        let (tensors, mine) = agree(mpi, first_ready, prepared, |_| Vec::new())?;
         let comm = self.comm_opened()?;
-        let r = reduction(&meta, comm.size());
+        let r = reduction(first_ready.first(), comm.size());
         if let Err(e) = comm.allreduce_fused(&tensors, r) {
             // The copies into the fusion buffer may be enqueued: keep the members.
             keep.extend(tensors);
@@ -341,11 +339,10 @@ impl Gpu {
         mpi: &mut dyn Transport,
         members: Vec<(&Ready, Option<Tensors>)>,
     ) -> Result<(Vec<Tensor>, Vec<bool>)> {
-        let meta = match members.first() {
-            Some((ready, _)) => ready.first().clone(),
-            None => return Ok((Vec::new(), Vec::new())),
+        let Some(&(first_ready, _)) = members.first() else {
+            return Ok((Vec::new(), Vec::new()));
         };
-        first_tensor(&meta, 0)?;
+        first_tensor(first_ready.first(), 0)?;
         // The device is that of the first member this rank holds.
         let local_first: Option<&[Tensor]> = members
             .iter()
@@ -388,34 +385,17 @@ enum Plan {
     Scatter(Vec<usize>, Tensor),
 }
 
-/// A fused batch ready to enqueue: its members and which of them are this rank's.
-struct Fused((Vec<Tensor>, Vec<bool>));
-
-/// What a prepared op gives back to its caller when another rank could not run it:
-/// this rank's tensors, which were never sent.
-trait HandBack {
-    fn hand_back(self) -> Vec<Tensor>;
-}
-
-impl HandBack for Prepared {
-    fn hand_back(self) -> Vec<Tensor> {
-        self.inputs.into_vec()
-    }
-}
-
-impl HandBack for Fused {
-    /// A batch's members each have their own handle: the batch's error is replicated
-    /// to each, without tensors.
-    fn hand_back(self) -> Vec<Tensor> {
-        Vec::new()
-    }
-}
-
 /// Shares every rank's outcome of preparing the op `ready` (one exchange over the
 /// engine's transport, in the same place of the same cycle on every rank): this
 /// rank's own error, or [`Error::PeerFailed`] naming the first other rank that could
-/// not run it, or the prepared op when every rank can.
-fn agree<T: HandBack>(mpi: &mut dyn Transport, ready: &Ready, mine: Result<T>) -> Result<T> {
+/// not run it (with what `hand_back` gives of this rank's prepared op: its tensors,
+/// which were never sent), or the prepared op when every rank can.
+fn agree<T>(
+    mpi: &mut dyn Transport,
+    ready: &Ready,
+    mine: Result<T>,
+    hand_back: impl FnOnce(T) -> Vec<Tensor>,
+) -> Result<T> {
     let why = match &mine {
         Ok(_) => String::new(),
         Err(e) => e.to_string(),
@@ -433,7 +413,7 @@ fn agree<T: HandBack>(mpi: &mut dyn Transport, ready: &Ready, mine: Result<T>) -
             name: ready.key.to_string(),
             rank,
             message: String::from_utf8_lossy(why).into_owned(),
-            tensors: p.hand_back(),
+            tensors: hand_back(p),
         }),
         (Ok(p), None) => Ok(p),
     }
