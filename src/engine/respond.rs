@@ -116,17 +116,6 @@ impl Executor {
         }
     }
 
-    /// Runs an op on device tensors (the transport's device communicator).
-    fn respond_cuda(
-        &mut self,
-        t: &mut dyn Transport,
-        ready: &super::negotiate::Ready,
-        tensors: Option<super::request::Tensors>,
-        done: Option<crate::handle::Completer>,
-    ) {
-        self.gpu.respond(t, ready, tensors, done);
-    }
-
     /// Runs one response: an op on its own, an error for its handle, or a join.
     fn respond(&mut self, t: &mut dyn Transport, pending: &mut Pending, response: Response) {
         match response {
@@ -143,7 +132,7 @@ impl Executor {
                 let started = Instant::now();
                 if ready.first().device == request::Device::Cuda {
                     // Enqueued on the GPU; the handle completes when the device is done.
-                    span.in_scope(|| self.respond_cuda(t, &ready, tensors, done));
+                    span.in_scope(|| self.gpu.respond(t, &ready, tensors, done));
                     self.trace_op(ready.first(), started);
                     return;
                 }

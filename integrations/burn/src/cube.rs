@@ -112,7 +112,7 @@ pub(crate) fn lend<const D: usize>(
         #[cfg(feature = "cpu")]
         Route::CubeCpu => lend_host(name, cube, dtype, &dims, len),
         #[cfg(feature = "cuda")]
-        Route::CubeCuda(ordinal) => lend_cuda(name, cube, dtype, &dims, ordinal),
+        Route::CubeCuda(ordinal) => cuda::lend(name, cube, dtype, &dims, ordinal),
         Route::Host => unreachable!("the host route returned above"),
     };
     Ok(lent)
@@ -221,17 +221,6 @@ fn lend_host(
     }
     let buf = CubeHost { cube, pin, len };
     kolo::Tensor::from_host_buffer(buf, dtype, dims).map_err(|e| Error::Kolo(e.into()))
-}
-
-#[cfg(feature = "cuda")]
-fn lend_cuda(
-    name: &str,
-    cube: CubeTensor,
-    dtype: kolo::DType,
-    dims: &[usize],
-    ordinal: usize,
-) -> Result<kolo::Tensor> {
-    cuda::lend(name, cube, dtype, dims, ordinal)
 }
 
 /// The CUDA side: Burn's device memory as kolo CUDA tensors.

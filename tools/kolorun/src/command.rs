@@ -149,9 +149,6 @@ pub(crate) fn plan(
         v.push("--oversubscribe".into());
     }
     v.extend(["--bind-to".into(), "none".into(), "--tag-output".into()]);
-    let mca = |v: &mut Vec<String>, k: &str, val: &str| {
-        v.extend(["--mca".into(), k.into(), val.into()]);
-    };
     let mut nccl_ifname = None;
     if let Some(nics) = &a.network_interface {
         // Open MPI takes subnets as they are; NCCL only interface names.
@@ -204,9 +201,6 @@ fn place_traffic(
 ) {
     let set_in_env = |k: &str| env.iter().any(|(n, _)| n == k);
     let in_mpi_args = |k: &str| mpi_args.iter().any(|x| x == k);
-    let mca = |v: &mut Vec<String>, k: &str, val: &str| {
-        v.extend(["--mca".into(), k.into(), val.into()]);
-    };
     let v = &mut p.argv;
     if spans_hosts {
         // Settings inherited from a single-machine set-up would make the ranks on
@@ -271,4 +265,9 @@ pub(crate) fn command_line(p: &Plan) -> String {
     line.push("mpirun".into());
     line.extend(p.argv.iter().map(|a| shell_quote(a)));
     line.join(" ")
+}
+
+/// Adds `--mca k val` to mpirun's arguments `v`.
+fn mca(v: &mut Vec<String>, k: &str, val: &str) {
+    v.extend(["--mca".into(), k.into(), val.into()]);
 }
