@@ -39,8 +39,7 @@
 //! Run it with `mpirun -np 4 target/release/my-program`.
 
 mod config;
-#[cfg(feature = "nccl")]
-mod device;
+mod dtype;
 mod engine;
 mod error;
 mod handle;

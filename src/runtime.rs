@@ -98,7 +98,7 @@ pub fn build_info() -> BuildInfo {
 pub fn cuda_device_count() -> Result<usize> {
     #[cfg(feature = "nccl")]
     {
-        crate::device::device_count()
+        crate::tensor::device::device_count()
     }
     #[cfg(not(feature = "nccl"))]
     {
@@ -113,7 +113,7 @@ pub fn cuda_device_count() -> Result<usize> {
 pub fn nccl_library_present() -> bool {
     #[cfg(feature = "nccl")]
     {
-        crate::device::nccl_present()
+        crate::tensor::device::nccl_present()
     }
     #[cfg(not(feature = "nccl"))]
     {

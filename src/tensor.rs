@@ -6,11 +6,12 @@ use half::{bf16, f16};
 
 use crate::error::{ConversionError, Error, Result};
 
-mod dtype;
-pub(crate) use dtype::scale_bytes;
-pub use dtype::{DType, Device};
+pub(crate) use crate::dtype::scale_bytes;
+pub use crate::dtype::{DType, Device};
 #[cfg(feature = "nccl")]
 mod cuda;
+#[cfg(feature = "nccl")]
+pub(crate) mod device;
 
 mod sealed {
     pub trait Sealed {}
@@ -30,12 +31,12 @@ pub trait Element: bytemuck::Pod + Send + Sync + sealed::Sealed + 'static {
     fn slice_mut(s: &mut Storage) -> Option<&mut [Self]>;
     #[cfg(feature = "nccl")]
     #[doc(hidden)]
-    fn into_cuda_data(s: cudarc::driver::CudaSlice<Self>) -> crate::device::CudaData;
+    fn into_cuda_data(s: cudarc::driver::CudaSlice<Self>) -> device::CudaData;
     #[cfg(feature = "nccl")]
     #[doc(hidden)]
     fn from_cuda_data(
-        d: crate::device::CudaData,
-    ) -> std::result::Result<cudarc::driver::CudaSlice<Self>, crate::device::CudaData>;
+        d: device::CudaData,
+    ) -> std::result::Result<cudarc::driver::CudaSlice<Self>, device::CudaData>;
 }
 
 /// The typed vector inside a tensor. Public only so that [`Element`] can name it.
@@ -79,15 +80,15 @@ macro_rules! element {
                 }
             }
             #[cfg(feature = "nccl")]
-            fn into_cuda_data(s: cudarc::driver::CudaSlice<Self>) -> crate::device::CudaData {
-                crate::device::CudaData::$variant(s)
+            fn into_cuda_data(s: cudarc::driver::CudaSlice<Self>) -> device::CudaData {
+                device::CudaData::$variant(s)
             }
             #[cfg(feature = "nccl")]
             fn from_cuda_data(
-                d: crate::device::CudaData,
-            ) -> std::result::Result<cudarc::driver::CudaSlice<Self>, crate::device::CudaData> {
+                d: device::CudaData,
+            ) -> std::result::Result<cudarc::driver::CudaSlice<Self>, device::CudaData> {
                 match d {
-                    crate::device::CudaData::$variant(s) => Ok(s),
+                    device::CudaData::$variant(s) => Ok(s),
                     other => Err(other),
                 }
             }
@@ -199,7 +200,7 @@ pub struct Tensor {
     /// Host memory owned by someone else (another framework's tensor buffer).
     external: Option<Box<dyn HostBuffer>>,
     #[cfg(feature = "nccl")]
-    cuda: Option<crate::device::CudaData>,
+    cuda: Option<device::CudaData>,
 }
 
 /// Host memory that a [`Tensor`] can borrow for the length of a collective, so that

@@ -31,7 +31,7 @@ impl Tensor {
 
     pub(crate) fn from_cuda_parts(
         dtype: DType,
-        data: crate::device::CudaData,
+        data: crate::tensor::device::CudaData,
         shape: Vec<usize>,
     ) -> Tensor {
         Tensor {
@@ -93,12 +93,12 @@ impl Tensor {
             // Another device: through the host, the source kept until both copies worked.
             Some(c) => c
                 .download()
-                .and_then(|host| crate::device::CudaData::upload(&host, ordinal)),
+                .and_then(|host| crate::tensor::device::CudaData::upload(&host, ordinal)),
             None if self.external.is_some() => {
                 let host = Storage::from_bytes(self.dtype(), self.host_bytes());
-                crate::device::CudaData::upload(&host, ordinal)
+                crate::tensor::device::CudaData::upload(&host, ordinal)
             }
-            None => crate::device::CudaData::upload(&self.data, ordinal),
+            None => crate::tensor::device::CudaData::upload(&self.data, ordinal),
         };
         match upload {
             Ok(data) => Ok(Tensor::from_cuda_parts(self.dtype(), data, self.shape)),
@@ -123,7 +123,7 @@ impl Tensor {
     }
 
     /// The device data of a CUDA tensor.
-    pub(crate) fn cuda_data(&self) -> Option<&crate::device::CudaData> {
+    pub(crate) fn cuda_data(&self) -> Option<&crate::tensor::device::CudaData> {
         self.cuda.as_ref()
     }
 }

@@ -18,8 +18,8 @@ use half::{bf16, f16};
 use serde::{Deserialize, Serialize};
 
 use super::Transport;
-use crate::device;
 use crate::error::{Error, Result};
+use crate::tensor::device;
 use crate::tensor::DType;
 use crate::vocab::ReduceOp;
 

@@ -11,8 +11,8 @@ use std::collections::VecDeque;
 use cudarc::driver::{result as cu, CudaEvent, CudaSlice, CudaStream, DevicePtr as _};
 
 use super::{can_scale, DevicePtr as Ptr, Nccl};
-use crate::device::{cuda_err, CudaData};
 use crate::error::{Error, Result};
+use crate::tensor::device::{cuda_err, CudaData};
 use crate::tensor::{scale_bytes, DType, Tensor};
 use crate::transport::device::{DeviceComm, Reduction};
 use crate::transport::Transport;
@@ -38,7 +38,7 @@ pub(crate) fn open(
 ) -> Result<Box<dyn DeviceComm>> {
     let ordinal = match ordinal {
         Some(i) => i,
-        None => mpi.topology().local_rank % crate::device::device_count()?.max(1),
+        None => mpi.topology().local_rank % crate::tensor::device::device_count()?.max(1),
     };
     Ok(Box::new(NcclDevice {
         nccl: Nccl::connect(mpi, ordinal, timeout)?,

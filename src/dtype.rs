@@ -5,7 +5,7 @@ use std::fmt;
 use half::{bf16, f16};
 use serde::{Deserialize, Serialize};
 
-/// The element type of a [`Tensor`](super::Tensor).
+/// The element type of a [`Tensor`](crate::Tensor).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[non_exhaustive]
 pub enum DType {
