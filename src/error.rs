@@ -1,12 +1,14 @@
 //! The error type of every fallible kolo call.
 
-use crate::tensor::{DType, Device, Tensor};
+use std::sync::Arc;
+
+use crate::dtype::{DType, Device};
 
 /// Everything that can go wrong in kolo.
 ///
 /// User errors (a bad argument, a mismatch between ranks, a rank that left) are kept
 /// apart from [`Error::Internal`], which means kolo itself has a bug.
-#[derive(Debug, thiserror::Error)]
+#[derive(Debug, Clone, thiserror::Error)]
 #[non_exhaustive]
 pub enum Error {
     /// An environment variable or [`Config`](crate::Config) value is malformed.
@@ -34,9 +36,6 @@ pub enum Error {
         name: String,
         /// What is wrong.
         message: String,
-        /// The tensors of a refused submit, handed back ([`Error::into_tensors`]);
-        /// empty when the error is not about a submit.
-        tensors: Vec<Tensor>,
     },
 
     /// A second request with the same name was submitted on this rank while the first
@@ -49,8 +48,6 @@ pub enum Error {
         name: String,
         /// This rank.
         rank: usize,
-        /// The tensors of the refused submit, handed back ([`Error::into_tensors`]).
-        tensors: Vec<Tensor>,
     },
 
     /// The ranks disagree about a request (dtype, shape, op, root, …). Delivered to the
@@ -63,8 +60,6 @@ pub enum Error {
         name: String,
         /// What differs and which ranks sent what.
         message: String,
-        /// This rank's tensors, handed back: nothing was sent ([`Error::into_tensors`]).
-        tensors: Vec<Tensor>,
     },
 
     /// The op cannot run because a rank has called [`join`](crate::Kolo::join) and only
@@ -88,9 +83,6 @@ pub enum Error {
         name: String,
         /// The rank that left first.
         rank: usize,
-        /// This rank's tensors, handed back when the op never ran
-        /// ([`Error::into_tensors`]).
-        tensors: Vec<Tensor>,
     },
 
     /// Another rank could not run this op (on a device: a tensor on another device, an
@@ -105,9 +97,6 @@ pub enum Error {
         rank: usize,
         /// Why, in that rank's words.
         message: String,
-        /// This rank's tensors, handed back: nothing was sent
-        /// ([`Error::into_tensors`]).
-        tensors: Vec<Tensor>,
     },
 
     /// Some ranks never submitted a request others were waiting for, for longer than
@@ -117,13 +106,9 @@ pub enum Error {
     Stalled {
         /// Which requests are missing from which ranks.
         report: String,
-        /// This rank's tensors of the failed op, handed back: it never ran
-        /// ([`Error::into_tensors`]).
-        tensors: Vec<Tensor>,
     },
 
-    /// The engine is not running (after `shutdown`, or it failed). For a submit, the
-    /// tensors are handed back in `tensors`.
+    /// The engine is not running (after `shutdown`, or it failed).
     #[error("{op} {name:?}: the kolo engine on rank {rank} is not running ({reason})")]
     EngineStopped {
         /// The collective.
@@ -134,8 +119,6 @@ pub enum Error {
         rank: usize,
         /// Why it stopped.
         reason: String,
-        /// The tensors that were not submitted, handed back to the caller.
-        tensors: Vec<Tensor>,
     },
 
     /// A tensor was read as the wrong element type.
@@ -145,9 +128,6 @@ pub enum Error {
         expected: DType,
         /// The type the tensor holds.
         actual: DType,
-        /// The tensor, handed back by a conversion that took it by value
-        /// ([`Tensor::into_vec`]; [`Error::into_tensors`]); empty otherwise.
-        tensors: Vec<Tensor>,
     },
 
     /// The number of elements does not match the shape.
@@ -182,7 +162,7 @@ pub enum Error {
         /// The serialisation error; for a failure on another rank, a note saying so
         /// (the cause itself is in that rank's error).
         #[source]
-        source: Box<dyn std::error::Error + Send + Sync>,
+        source: Arc<dyn std::error::Error + Send + Sync>,
     },
 
     /// The optimizer wrapped by a [`DistributedOptimizer`](crate::DistributedOptimizer)
@@ -191,7 +171,7 @@ pub enum Error {
     Optimizer {
         /// The optimizer's error.
         #[source]
-        source: Box<dyn std::error::Error + Send + Sync>,
+        source: Arc<dyn std::error::Error + Send + Sync>,
     },
 
     /// The MPI library reported an error.
@@ -226,9 +206,6 @@ pub enum Error {
         expected: Device,
         /// Where it is.
         actual: Device,
-        /// The tensor, handed back by a conversion that took it by value
-        /// ([`Tensor::into_vec`]; [`Error::into_tensors`]); empty otherwise.
-        tensors: Vec<Tensor>,
     },
 
     /// A bug in kolo: please report it with the message.
@@ -237,189 +214,7 @@ pub enum Error {
 }
 
 impl Error {
-    /// Takes back the tensors of an op whose data was never sent — a refused submit
-    /// (an invalid argument, a duplicate name, an engine that had stopped), or an
-    /// accepted op that failed before any collective ran (a mismatch between ranks, a
-    /// rank that left, a stall, the engine stopping) — so that nothing the caller
-    /// handed over is lost (as crossbeam's `SendError<T>` does). They come in the
-    /// order the caller gave them. Empty for every other error (the op ran, or failed
-    /// while running, and its buffers cannot be trusted).
-    pub fn into_tensors(mut self) -> Vec<Tensor> {
-        self.take_tensors()
-    }
-
-    /// Takes the tensors [`into_tensors`](Self::into_tensors) would give, leaving
-    /// the error otherwise as it was (to return it after putting them back).
-    pub fn take_tensors(&mut self) -> Vec<Tensor> {
-        self.tensors_mut().map(std::mem::take).unwrap_or_default()
-    }
-
-    /// The tensors this error can hand back, where its kind can hold them.
-    fn tensors_mut(&mut self) -> Option<&mut Vec<Tensor>> {
-        match self {
-            Error::EngineStopped { tensors, .. }
-            | Error::InvalidArgument { tensors, .. }
-            | Error::DuplicateName { tensors, .. }
-            | Error::Mismatch { tensors, .. }
-            | Error::RankLeft { tensors, .. }
-            | Error::PeerFailed { tensors, .. }
-            | Error::Stalled { tensors, .. }
-            | Error::DTypeMismatch { tensors, .. }
-            | Error::WrongDevice { tensors, .. } => Some(tensors),
-            _ => None,
-        }
-    }
-
-    /// Puts the handed-back tensors of a group (submitted in sorted order) back into
-    /// the caller's order.
-    pub(crate) fn reorder_tensors(mut self, order: &[u32]) -> Self {
-        if let Some(tensors) = self.tensors_mut() {
-            let sorted = std::mem::take(tensors);
-            *tensors = crate::order::unsort(Some(order), sorted);
-        }
-        self
-    }
-
-    /// The same error (kind and fields) for another request of a fused batch that
-    /// failed as a whole; tensors are not copied, and a boxed source becomes its text.
-    pub(crate) fn replicate(&self) -> Error {
-        let text = |e: &(dyn std::error::Error + Send + Sync)| -> Box<dyn std::error::Error + Send + Sync> {
-            e.to_string().into()
-        };
-        match self {
-            Error::Config {
-                variable,
-                value,
-                reason,
-            } => Error::Config {
-                variable: variable.clone(),
-                value: value.clone(),
-                reason: reason.clone(),
-            },
-            Error::Init(m) => Error::Init(m.clone()),
-            Error::InvalidArgument {
-                op, name, message, ..
-            } => Error::InvalidArgument {
-                op,
-                name: name.clone(),
-                message: message.clone(),
-                tensors: Vec::new(),
-            },
-            Error::DuplicateName { op, name, rank, .. } => Error::DuplicateName {
-                op,
-                name: name.clone(),
-                rank: *rank,
-                tensors: Vec::new(),
-            },
-            Error::Mismatch {
-                op, name, message, ..
-            } => Error::Mismatch {
-                op,
-                name: name.clone(),
-                message: message.clone(),
-                tensors: Vec::new(),
-            },
-            Error::Joined { op, name, ranks } => Error::Joined {
-                op,
-                name: name.clone(),
-                ranks: ranks.clone(),
-            },
-            Error::RankLeft { op, name, rank, .. } => Error::RankLeft {
-                op,
-                name: name.clone(),
-                rank: *rank,
-                tensors: Vec::new(),
-            },
-            Error::PeerFailed {
-                op,
-                name,
-                rank,
-                message,
-                ..
-            } => Error::PeerFailed {
-                op,
-                name: name.clone(),
-                rank: *rank,
-                message: message.clone(),
-                tensors: Vec::new(),
-            },
-            Error::Stalled { report, .. } => Error::Stalled {
-                report: report.clone(),
-                tensors: Vec::new(),
-            },
-            Error::EngineStopped {
-                op,
-                name,
-                rank,
-                reason,
-                ..
-            } => Error::EngineStopped {
-                op,
-                name: name.clone(),
-                rank: *rank,
-                reason: reason.clone(),
-                tensors: Vec::new(),
-            },
-            Error::DTypeMismatch {
-                expected, actual, ..
-            } => Error::DTypeMismatch {
-                expected: *expected,
-                actual: *actual,
-                tensors: Vec::new(),
-            },
-            Error::ShapeMismatch {
-                shape,
-                expected,
-                actual,
-            } => Error::ShapeMismatch {
-                shape: shape.clone(),
-                expected: *expected,
-                actual: *actual,
-            },
-            Error::ShapeOverflow { shape, dtype } => Error::ShapeOverflow {
-                shape: shape.clone(),
-                dtype: *dtype,
-            },
-            Error::Serialization {
-                op,
-                name,
-                rank,
-                source,
-            } => Error::Serialization {
-                op,
-                name: name.clone(),
-                rank: *rank,
-                source: text(source.as_ref()),
-            },
-            Error::Optimizer { source } => Error::Optimizer {
-                source: text(source.as_ref()),
-            },
-            Error::Transport { call, message } => Error::Transport {
-                call,
-                message: message.clone(),
-            },
-            Error::CudaUnavailable(m) => Error::CudaUnavailable(m.clone()),
-            Error::Cuda { call, message } => Error::Cuda {
-                call,
-                message: message.clone(),
-            },
-            Error::WrongDevice {
-                what,
-                expected,
-                actual,
-                ..
-            } => Error::WrongDevice {
-                what,
-                expected: *expected,
-                actual: *actual,
-                tensors: Vec::new(),
-            },
-            Error::Internal(m) => Error::Internal(m.clone()),
-        }
-    }
-
-    /// The engine on `rank` is not running (`reason`); no tensors handed back yet (see
-    /// [`Error::handing_back`]).
+    /// The engine on `rank` is not running (`reason`).
     pub(crate) fn engine_stopped(
         op: &'static str,
         name: impl Into<String>,
@@ -431,25 +226,17 @@ impl Error {
             name: name.into(),
             rank,
             reason: reason.into(),
-            tensors: Vec::new(),
         }
-    }
-
-    /// Puts the tensors of an op that never ran into the error that ended it.
-    pub(crate) fn handing_back(mut self, back: Vec<Tensor>) -> Self {
-        if let Some(tensors) = self.tensors_mut() {
-            *tensors = back;
-        }
-        self
     }
 }
 
 /// A conversion that failed, holding the value it was given so that nothing is lost
 /// (as crossbeam's `SendError<T>` holds the message): a buffer
-/// [`Tensor::from_host_buffer`] refused, or a tensor a device copy could not convert
-/// (feature `nccl`). `?` turns it into an [`Error`] (dropping the value);
-/// [`into_inner`](Self::into_inner) takes the value back. ([`Tensor::into_vec`]
-/// returns a plain [`Error`] holding the tensor instead: [`Error::into_tensors`].)
+/// `Tensor::from_host_buffer` refused, a tensor `Tensor::into_vec` was asked to read
+/// as another element type, or a tensor a device copy could not convert (feature
+/// `nccl`). `?` turns it into an [`Error`] (dropping the value);
+/// [`into_inner`](Self::into_inner) takes the value back. (The error of a failed
+/// collective, with the tensors it hands back, is a `SubmitError`.)
 ///
 /// ```
 /// struct Bytes(Vec<u8>);
@@ -464,12 +251,16 @@ impl Error {
 /// ```
 pub struct ConversionError<T> {
     error: Error,
-    value: T,
+    /// Boxed: the error path allocates, and every `Result` holding one stays small.
+    value: Box<T>,
 }
 
 impl<T> ConversionError<T> {
     pub(crate) fn new(error: Error, value: T) -> Self {
-        ConversionError { error, value }
+        ConversionError {
+            error,
+            value: Box::new(value),
+        }
     }
 
     /// What went wrong.
@@ -479,12 +270,12 @@ impl<T> ConversionError<T> {
 
     /// The value the conversion was given, unchanged.
     pub fn into_inner(self) -> T {
-        self.value
+        *self.value
     }
 
     /// The error and the value.
     pub fn into_parts(self) -> (Error, T) {
-        (self.error, self.value)
+        (self.error, *self.value)
     }
 }
 
@@ -524,47 +315,3 @@ pub(crate) fn err_text<T>(r: Result<T>) -> String {
 
 /// `Result` with kolo's [`Error`].
 pub type Result<T, E = Error> = std::result::Result<T, E>;
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn a_replicated_error_keeps_its_kind_and_message() {
-        let errors = [
-            Error::Mismatch {
-                op: "allreduce",
-                name: "w".into(),
-                message: "shape mismatch: rank 0 sent [2], rank 1 sent [3]".into(),
-                tensors: Vec::new(),
-            },
-            Error::WrongDevice {
-                what: "fused NCCL allreduce",
-                expected: Device::Cuda(0),
-                actual: Device::Cuda(1),
-                tensors: Vec::new(),
-            },
-            Error::Transport {
-                call: "MPI_Allreduce",
-                message: "MPI_ERR_TRUNCATE".into(),
-            },
-            Error::RankLeft {
-                op: "allreduce",
-                name: "w".into(),
-                rank: 3,
-                tensors: Vec::new(),
-            },
-            Error::Serialization {
-                op: "allgather_object",
-                name: "o".into(),
-                rank: 1,
-                source: "bad bytes".into(),
-            },
-        ];
-        for e in &errors {
-            let r = e.replicate();
-            assert_eq!(std::mem::discriminant(e), std::mem::discriminant(&r));
-            assert_eq!(e.to_string(), r.to_string());
-        }
-    }
-}

@@ -10,6 +10,7 @@ use std::time::{Duration, Instant};
 
 use crate::error::{Error, Result};
 use crate::order::unsort;
+use crate::submit_error::SubmitError;
 use crate::tensor::Tensor;
 use crate::vocab::{AlltoallOutput, Key};
 
@@ -27,7 +28,7 @@ pub(crate) enum Output {
 
 #[derive(Default)]
 struct State {
-    result: Option<Result<Output>>,
+    result: Option<Result<Output, SubmitError>>,
     done: bool,
     waker: Option<Waker>,
     /// A thread is blocked in `wait`: only then is the condvar signalled (a futex
@@ -116,13 +117,19 @@ impl Completer {
         self.order = order;
     }
 
-    /// Completes the handle with `result`.
+    /// Completes the handle with `result` (an error hands nothing back).
     pub(crate) fn complete(mut self, result: Result<Output>) {
-        self.finish(result);
+        self.finish(result.map_err(SubmitError::from));
+    }
+
+    /// Fails an op that never ran: `tensors` (nothing of them was sent) go back to
+    /// the caller with `error`.
+    pub(crate) fn fail(mut self, error: Error, tensors: Vec<Tensor>) {
+        self.finish(Err(SubmitError::new(error, tensors)));
     }
 
     /// Releases the names, stores `result` and wakes whoever waits.
-    fn finish(&mut self, result: Result<Output>) {
+    fn finish(&mut self, result: Result<Output, SubmitError>) {
         self.release_names();
         if let Some(slot) = self.store(result) {
             slot.ready.notify_all();
@@ -140,12 +147,12 @@ impl Completer {
 
     /// Puts `result` in the slot (the first result wins) and wakes an async waiter.
     /// Returns the slot when a thread is blocked on it and must be signalled.
-    fn store(&mut self, result: Result<Output>) -> Option<Arc<Slot>> {
+    fn store(&mut self, result: Result<Output, SubmitError>) -> Option<Arc<Slot>> {
         self.on_drop = None;
         let result = match (self.order.take(), result) {
             (None, r) => r,
             (Some(order), Ok(Output::Tensors(ts))) => Ok(Output::Tensors(unsort(Some(&order), ts))),
-            (Some(order), Err(e)) => Err(e.reorder_tensors(&order)),
+            (Some(order), Err(e)) => Err(e.map_tensors(|ts| unsort(Some(&order), ts))),
             (Some(_), r) => r,
         };
         let mut state = self.slot.lock();
@@ -191,7 +198,7 @@ pub(crate) fn complete_all(mut batch: Vec<(Completer, Result<Output>)>) {
     for (mut c, result) in batch {
         // Another Kolo's handle (never within one engine): released on its own.
         c.release_names();
-        wake.extend(c.store(result));
+        wake.extend(c.store(result.map_err(SubmitError::from)));
     }
     for slot in wake {
         slot.ready.notify_all();
@@ -203,7 +210,7 @@ impl Completer {
     /// back with the "engine stopped" error.
     pub(crate) fn abandon(mut self, tensors: Vec<Tensor>) {
         if let Some(err) = self.stopped_error() {
-            self.finish(Err(err.handing_back(tensors)));
+            self.finish(Err(SubmitError::new(err, tensors)));
         }
     }
 
@@ -228,7 +235,7 @@ impl Completer {
 impl Drop for Completer {
     fn drop(&mut self) {
         if let Some(err) = self.stopped_error() {
-            self.finish(Err(err));
+            self.finish(Err(err.into()));
         }
     }
 }
@@ -261,8 +268,19 @@ impl<T> Handle<T> {
     ///
     /// # Errors
     /// Whatever the collective failed with: a cross-rank mismatch, a rank that left,
-    /// the engine stopping, …
+    /// the engine stopping, … (the tensors of an op that never ran are dropped:
+    /// [`wait_or_return`](Self::wait_or_return) hands them back).
     pub fn wait(self) -> Result<T> {
+        self.wait_or_return().map_err(Error::from)
+    }
+
+    /// [`wait`](Self::wait), handing this rank's tensors back with the error when the
+    /// op failed before any of its data was sent (a mismatch between ranks, a rank
+    /// that left, a stall, the engine stopping), so that the caller can use them again.
+    ///
+    /// # Errors
+    /// As [`wait`](Self::wait), with the tensors in the [`SubmitError`].
+    pub fn wait_or_return(self) -> Result<T, SubmitError> {
         let start = Instant::now();
         while !self.slot.done.load(Ordering::Acquire) && start.elapsed() < WAIT_SPIN {
             std::thread::yield_now();
@@ -281,10 +299,10 @@ impl<T> Handle<T> {
         self.take(result)
     }
 
-    fn take(&self, result: Option<Result<Output>>) -> Result<T> {
+    fn take(&self, result: Option<Result<Output, SubmitError>>) -> Result<T, SubmitError> {
         match result {
-            Some(r) => r.and_then(self.convert),
-            None => Err(Error::Internal("handle result taken twice".into())),
+            Some(r) => r.and_then(|o| (self.convert)(o).map_err(SubmitError::from)),
+            None => Err(Error::Internal("handle result taken twice".into()).into()),
         }
     }
 }
@@ -297,7 +315,7 @@ impl<T> Future for Handle<T> {
         if state.done {
             let result = state.result.take();
             drop(state);
-            Poll::Ready(self.take(result))
+            Poll::Ready(self.take(result).map_err(Error::from))
         } else {
             state.waker = Some(cx.waker().clone());
             Poll::Pending

@@ -52,6 +52,7 @@ mod optimizer;
 mod order;
 mod process_set;
 mod runtime;
+mod submit_error;
 mod tensor;
 mod transport;
 mod validate;
@@ -71,6 +72,7 @@ pub use optimizer::{
 };
 pub use process_set::ProcessSet;
 pub use runtime::{build_info, cuda_device_count, init, nccl_library_present, BuildInfo, Kolo};
+pub use submit_error::SubmitError;
 pub use tensor::{DType, Device, Element, HostBuffer, Tensor};
 pub use vocab::{AlltoallOutput, ReduceOp};
 

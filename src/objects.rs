@@ -60,7 +60,7 @@ impl Kolo {
                 op: OP,
                 name,
                 rank: root,
-                source: source.into(),
+                source: std::sync::Arc::new(source),
             });
         }
         let Ok(len) = usize::try_from(len) else {
@@ -68,7 +68,7 @@ impl Kolo {
                 op: OP,
                 name,
                 rank: root,
-                source: remote_failure(root),
+                source: remote_failure(root).into(),
             });
         };
         let data = if self.rank() == root {
@@ -85,7 +85,7 @@ impl Kolo {
             op: OP,
             name,
             rank: root,
-            source: source.into(),
+            source: std::sync::Arc::new(source),
         })
     }
 
@@ -143,7 +143,7 @@ impl Kolo {
                     op: OP,
                     name,
                     rank,
-                    source,
+                    source: source.into(),
                 });
             }
             out.push(
@@ -151,7 +151,7 @@ impl Kolo {
                     op: OP,
                     name: name.clone(),
                     rank,
-                    source: source.into(),
+                    source: std::sync::Arc::new(source),
                 })?,
             );
         }

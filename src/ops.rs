@@ -11,6 +11,7 @@ use crate::error::Result;
 use crate::handle::{self, Handle};
 use crate::process_set::ProcessSet;
 use crate::runtime::Kolo;
+use crate::submit_error::SubmitError;
 use crate::tensor::Tensor;
 use crate::vocab::{AlltoallOutput, ReduceOp};
 
@@ -156,16 +157,12 @@ fn submit<T>(
     refused: Option<String>,
     s: Submission,
     convert: fn(handle::Output) -> Result<T>,
-) -> Result<Handle<T>> {
+) -> Result<Handle<T>, SubmitError> {
     if let Some(message) = refused {
         let (op, name) = (s.kind.name(), s.key.to_string());
         let (_, tensors) = s.into_parts();
-        return Err(crate::Error::InvalidArgument {
-            op,
-            name,
-            message,
-            tensors: tensors.into_vec(),
-        });
+        let e = crate::Error::InvalidArgument { op, name, message };
+        return Err(SubmitError::new(e, tensors.into_vec()));
     }
     kolo.submit(s, convert)
 }
@@ -200,8 +197,9 @@ impl<'k> AllreduceBuilder<'k> {
     /// Submits the allreduce; the result has the input's shape and dtype.
     ///
     /// # Errors
-    /// Submit-time errors only: empty or duplicate name, engine not running.
-    pub fn submit(self) -> Result<Handle<Tensor>> {
+    /// Submit-time errors only (empty or duplicate name, engine not running), with the
+    /// tensor handed back.
+    pub fn submit(self) -> Result<Handle<Tensor>, SubmitError> {
         let mut s = Submission::single(OpKind::Allreduce, self.name, self.tensor);
         self.reduce.apply(&mut s);
         submit(self.kolo, self.refused, s, handle::to_tensor)
@@ -247,7 +245,7 @@ impl<'k> GroupedAllreduceBuilder<'k> {
     ///
     /// # Errors
     /// Submit-time errors: an empty group, an empty or duplicate name, engine not running.
-    pub fn submit(self) -> Result<Handle<Vec<Tensor>>> {
+    pub fn submit(self) -> Result<Handle<Vec<Tensor>>, SubmitError> {
         let (members, order) = sorted_members(self.tensors);
         let key = group_key(&members);
         let tensors = members
@@ -334,7 +332,7 @@ impl<'k> AllgatherBuilder<'k> {
     ///
     /// # Errors
     /// Submit-time errors: a 0-d tensor, empty or duplicate name, engine not running.
-    pub fn submit(self) -> Result<Handle<Tensor>> {
+    pub fn submit(self) -> Result<Handle<Tensor>, SubmitError> {
         let s = Submission::single(OpKind::Allgather, self.name, self.tensor);
         submit(self.kolo, self.refused, s, handle::to_tensor)
     }
@@ -390,7 +388,7 @@ impl<'k> BroadcastBuilder<'k> {
     ///
     /// # Errors
     /// Submit-time errors: root out of range, empty or duplicate name, engine not running.
-    pub fn submit(self) -> Result<Handle<Tensor>> {
+    pub fn submit(self) -> Result<Handle<Tensor>, SubmitError> {
         let mut s = Submission::single(OpKind::Broadcast, self.name, self.tensor);
         s.root = self.root;
         submit(self.kolo, self.refused, s, handle::to_tensor)
@@ -443,7 +441,7 @@ impl<'k> AlltoallBuilder<'k> {
     /// Submit-time errors: a 0-d tensor, splits of the wrong length or not summing to
     /// dim 0, dim 0 not divisible by the number of ranks without splits, empty or
     /// duplicate name, engine not running.
-    pub fn submit(self) -> Result<Handle<AlltoallOutput>> {
+    pub fn submit(self) -> Result<Handle<AlltoallOutput>, SubmitError> {
         let mut s = Submission::single(OpKind::Alltoall, self.name, self.tensor);
         s.splits = self.splits;
         submit(self.kolo, self.refused, s, handle::to_alltoall)
@@ -491,7 +489,7 @@ impl<'k> ReducescatterBuilder<'k> {
     ///
     /// # Errors
     /// Submit-time errors: a 0-d tensor, empty or duplicate name, engine not running.
-    pub fn submit(self) -> Result<Handle<Tensor>> {
+    pub fn submit(self) -> Result<Handle<Tensor>, SubmitError> {
         let mut s = Submission::single(OpKind::Reducescatter, self.name, self.tensor);
         self.reduce.apply(&mut s);
         submit(self.kolo, self.refused, s, handle::to_tensor)

@@ -11,6 +11,7 @@ use std::collections::{BTreeMap, HashMap};
 use crate::error::{Error, Result};
 use crate::handle::Handle;
 use crate::runtime::Kolo;
+use crate::submit_error::SubmitError;
 use crate::tensor::{DType, Device, Tensor};
 use crate::vocab::ReduceOp;
 
@@ -250,7 +251,6 @@ fn invalid(name: &str, message: String) -> Error {
         op: "DistributedOptimizer",
         name: name.to_string(),
         message,
-        tensors: Vec::new(),
     }
 }
 
@@ -348,13 +348,15 @@ impl<O: GradientStep> DistributedOptimizer<O> {
     /// `step`, a gradient that cannot be accumulated locally (with
     /// `backward_passes_per_step` > 1: f32 or f64 on the CPU only), or a submit error.
     /// The optimizer's state is unchanged by a refused gradient, and the gradient
-    /// comes back in the error ([`Error::into_tensors`]).
-    pub fn submit_gradient(&mut self, name: &str, grad: Tensor) -> Result<()> {
-        let invalid = |message: String, grad: Tensor| Error::InvalidArgument {
-            op: "submit_gradient",
-            name: name.to_string(),
-            message,
-            tensors: vec![grad],
+    /// comes back in the error ([`SubmitError::into_tensors`]).
+    pub fn submit_gradient(&mut self, name: &str, grad: Tensor) -> Result<(), SubmitError> {
+        let invalid = |message: String, grad: Tensor| {
+            let e = Error::InvalidArgument {
+                op: "submit_gradient",
+                name: name.to_string(),
+                message,
+            };
+            SubmitError::new(e, vec![grad])
         };
         let Some(param) = self.params.get(name) else {
             return Err(invalid("not a registered parameter".into(), grad));
@@ -407,10 +409,8 @@ impl<O: GradientStep> DistributedOptimizer<O> {
             return Ok(());
         }
         match self.accum.remove(name) {
-            Some(total) => self.dispatch(name.to_string(), total),
-            None => Err(Error::Internal(format!(
-                "{name:?}: accumulated gradient missing"
-            ))),
+            Some(total) => Ok(self.dispatch(name.to_string(), total)?),
+            None => Err(Error::Internal(format!("{name:?}: accumulated gradient missing")).into()),
         }
     }
 
@@ -537,7 +537,9 @@ impl<O: GradientStep> DistributedOptimizer<O> {
         }
         let result = self.inner.step(&self.reduced);
         self.reduced.clear();
-        result.map_err(|source| Error::Optimizer { source })
+        result.map_err(|source| Error::Optimizer {
+            source: source.into(),
+        })
     }
 }
 
@@ -563,8 +565,9 @@ pub fn broadcast_parameters(
     let mut handles = Vec::with_capacity(names.len());
     let mut first_err = None;
     // A failure that never ran hands the tensor back: it goes back into the map.
-    let mut keep = |params: &mut BTreeMap<String, Tensor>, name: String, mut e: Error| {
-        if let Some(t) = e.take_tensors().pop() {
+    let mut keep = |params: &mut BTreeMap<String, Tensor>, name: String, e: SubmitError| {
+        let (e, mut back) = e.into_parts();
+        if let Some(t) = back.pop() {
             params.insert(name, t);
         }
         first_err.get_or_insert(e);
@@ -579,7 +582,7 @@ pub fn broadcast_parameters(
         }
     }
     for (name, h) in handles {
-        match h.wait() {
+        match h.wait_or_return() {
             Ok(t) => {
                 params.insert(name, t);
             }

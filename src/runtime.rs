@@ -13,6 +13,7 @@ use crate::engine::request::{Command, Request, Submission, Tensors};
 use crate::error::{Error, Result};
 use crate::handle::{self, Handle, Output};
 use crate::order::unsort;
+use crate::submit_error::SubmitError;
 use crate::transport::Topology;
 
 /// MPI can be initialised once per process; so can kolo.
@@ -461,12 +462,12 @@ impl Kolo {
         &self,
         mut s: Submission,
         convert: fn(Output) -> Result<T>,
-    ) -> Result<Handle<T>> {
+    ) -> Result<Handle<T>, SubmitError> {
         let order = s.order.take();
         let back = |tensors: Tensors| unsort(order.as_deref(), tensors.into_vec());
         if let Err(e) = crate::validate::validate(&s, self.size()) {
             let (_, tensors) = s.into_parts();
-            return Err(e.handing_back(back(tensors)));
+            return Err(SubmitError::new(e, back(tensors)));
         }
         let rank = self.rank();
         let op = s.kind.name();
@@ -493,12 +494,12 @@ impl Kolo {
             Err(Refused::Duplicate(name, request)) => {
                 let Request { tensors, done, .. } = *request;
                 done.disarm();
-                return Err(Error::DuplicateName {
+                let e = Error::DuplicateName {
                     op,
                     name: name.to_string(),
                     rank,
-                    tensors: back(tensors),
-                });
+                };
+                return Err(SubmitError::new(e, back(tensors)));
             }
             Err(Refused::Closed(request)) => {
                 let Request {
@@ -509,13 +510,13 @@ impl Kolo {
                 } = *request;
                 done.disarm();
                 // The caller gets the tensors back.
-                return Err(Error::engine_stopped(
+                let e = Error::engine_stopped(
                     op,
                     &*meta.key,
                     rank,
                     "kolo has been shut down on this rank",
-                )
-                .handing_back(back(tensors)));
+                );
+                return Err(SubmitError::new(e, back(tensors)));
             }
         }
         Ok(handle)

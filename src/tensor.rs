@@ -309,32 +309,31 @@ impl Tensor {
     /// # Errors
     /// [`Error::DTypeMismatch`] when `T` is not the tensor's element type,
     /// [`Error::WrongDevice`] for a CUDA tensor. The error holds the tensor, unchanged:
-    /// [`Error::into_tensors`].
+    /// [`ConversionError::into_inner`]; `?` turns it into an [`Error`].
     ///
     /// ```
     /// let t = kolo::Tensor::from_vec(vec![1.0f32, 2.0], &[2])?;
     /// let err = t.into_vec::<f64>().unwrap_err();
     /// assert_eq!(err.to_string(), "tensor holds F32 elements, not F64");
-    /// let t = err.into_tensors().remove(0);          // the tensor, unchanged
+    /// let t = err.into_inner();                      // the tensor, unchanged
     /// assert_eq!(t.into_vec::<f32>()?, [1.0, 2.0]);
     /// # Ok::<(), kolo::Error>(())
     /// ```
-    pub fn into_vec<T: Element>(self) -> Result<Vec<T>> {
+    pub fn into_vec<T: Element>(self) -> Result<Vec<T>, ConversionError<Tensor>> {
         if let Err(e) = self.require_cpu("Tensor::into_vec") {
-            return Err(e.handing_back(vec![self]));
+            return Err(ConversionError::new(e, self));
         }
         let mismatch = |actual| Error::DTypeMismatch {
             expected: T::DTYPE,
             actual,
-            tensors: Vec::new(),
         };
         if self.dtype() != T::DTYPE {
-            return Err(mismatch(self.dtype()).handing_back(vec![self]));
+            return Err(ConversionError::new(mismatch(self.dtype()), self));
         }
         let t = self.into_owned();
         T::from_storage(t.data).map_err(|data| {
             // The dtype was checked above; hand the data back all the same.
-            mismatch(data.dtype()).handing_back(vec![Tensor::from_parts(data, t.shape)])
+            ConversionError::new(mismatch(data.dtype()), Tensor::from_parts(data, t.shape))
         })
     }
 
@@ -400,7 +399,6 @@ impl Tensor {
                 op: "Tensor::from_host_buffer",
                 name: String::new(),
                 message: format!("the buffer is not aligned for {dtype} elements"),
-                tensors: Vec::new(),
             });
         }
         Ok(())
@@ -428,14 +426,12 @@ impl Tensor {
                 false => Err(Error::DTypeMismatch {
                     expected: T::DTYPE,
                     actual: self.dtype(),
-                    tensors: Vec::new(),
                 }),
             };
         }
         T::slice(&self.data).ok_or(Error::DTypeMismatch {
             expected: T::DTYPE,
             actual: self.dtype(),
-            tensors: Vec::new(),
         })
     }
 
@@ -452,14 +448,12 @@ impl Tensor {
                 false => Err(Error::DTypeMismatch {
                     expected: T::DTYPE,
                     actual,
-                    tensors: Vec::new(),
                 }),
             };
         }
         T::slice_mut(&mut self.data).ok_or(Error::DTypeMismatch {
             expected: T::DTYPE,
             actual,
-            tensors: Vec::new(),
         })
     }
 
@@ -505,7 +499,6 @@ impl Tensor {
                 what,
                 expected: Device::Cpu,
                 actual,
-                tensors: Vec::new(),
             }),
         }
     }

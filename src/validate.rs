@@ -13,7 +13,6 @@ pub(crate) fn bad_root(op: &'static str, name: &str, root: usize, size: usize) -
         op,
         name: name.into(),
         message: format!("root {root} is out of range: there are {size} ranks (0..{size})"),
-        tensors: Vec::new(),
     }
 }
 
@@ -37,7 +36,6 @@ fn invalid(s: &Submission, message: String) -> Error {
         op: s.kind.name(),
         name: s.key.to_string(),
         message,
-        tensors: Vec::new(),
     }
 }
 

@@ -159,16 +159,12 @@ impl Negotiate<'_> {
                         op: m.kind.name(),
                         name: m.key.to_string(),
                         rank: left,
-                        tensors: Vec::new(),
                     });
                     return Ok(Negotiation::RankLeft(left));
                 }
                 Outcome::Stalled(report) => {
                     tracing::error!(rank = self.inbox.rank, "{report}");
-                    return Err(Error::Stalled {
-                        report,
-                        tensors: Vec::new(),
-                    });
+                    return Err(Error::Stalled { report });
                 }
                 Outcome::Responses(negotiated) => {
                     let cache_new = use_cache && !self.control.negotiator.any_joined();

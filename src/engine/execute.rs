@@ -79,7 +79,6 @@ pub(crate) fn run(
                 op: "add_process_set",
                 name: first.key.to_string(),
                 message,
-                tensors: Vec::new(),
             })?;
             Ok(Output::Detached(Box::new(t.split(ranks)?)))
         }

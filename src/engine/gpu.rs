@@ -16,6 +16,7 @@ use super::negotiate::Ready;
 use super::request::{OpKind, RequestMeta, Tensors};
 use crate::error::{Error, Result};
 use crate::handle::{Completer, Output};
+use crate::submit_error::SubmitError;
 use crate::tensor::{Device, Tensor};
 use crate::transport::device::{DeviceComm, Reduction};
 use crate::transport::Transport;
@@ -101,7 +102,7 @@ impl Gpu {
                     // The device's state is unknown: wait for it before freeing.
                     self.settle(done.keep);
                     for (c, _) in done.finish {
-                        c.complete(Err(e.replicate()));
+                        c.complete(Err(e.clone()));
                     }
                 }
             }
@@ -127,7 +128,7 @@ impl Gpu {
             Err(e) => {
                 self.settle(keep);
                 for (c, _) in finish {
-                    c.complete(Err(e.replicate()));
+                    c.complete(Err(e.clone()));
                 }
             }
         }
@@ -150,7 +151,10 @@ impl Gpu {
             Err(e) => {
                 self.settle(keep);
                 match done {
-                    Some(c) => c.complete(Err(e)),
+                    Some(c) => {
+                        let (e, back) = e.into_parts();
+                        c.fail(e, back);
+                    }
                     None => {
                         tracing::warn!(key = %ready.key, error = %e, "GPU op for a joined rank failed")
                     }
@@ -181,7 +185,7 @@ impl Gpu {
                 self.settle(keep);
                 // Every request of the batch gets the error as it is (its kind too).
                 for c in dones.into_iter().flatten() {
-                    c.complete(Err(e.replicate()));
+                    c.complete(Err(e.clone()));
                 }
             }
         }
@@ -230,7 +234,6 @@ impl Gpu {
                     what: "NCCL collective",
                     expected: Device::Cuda(comm.ordinal()),
                     actual: Device::Cuda(i),
-                    tensors: Vec::new(),
                 });
             }
         }
@@ -248,11 +251,11 @@ impl Gpu {
         ready: &Ready,
         local: Option<Tensors>,
         keep: &mut Vec<Tensor>,
-    ) -> Result<Output> {
+    ) -> Result<Output, SubmitError> {
         let prepared = self.prepare(mpi, ready, local);
         let prepared = agree(mpi, ready, prepared, |p| p.inputs.into_vec())?;
         let comm = self.comm_opened()?;
-        enqueue(comm, ready, prepared, keep)
+        Ok(enqueue(comm, ready, prepared, keep)?)
     }
 
     /// Everything the op needs on this rank before it is enqueued: the communicator,
@@ -310,8 +313,8 @@ impl Gpu {
             return Ok(Vec::new());
         };
         let prepared = self.prepare_fused(mpi, members);
-        // A batch's members each have their own handle: the batch's error is
-        // replicated to each, without tensors.
+        // A batch's members each have their own handle: each gets a clone of the
+        // batch's error, without tensors.
         let (tensors, mine) = agree(mpi, first_ready, prepared, |_| Vec::new())?;
         let comm = self.comm_opened()?;
         let r = reduction(first_ready.first(), comm.size());
@@ -359,7 +362,6 @@ impl Gpu {
                 what: "fused NCCL allreduce",
                 expected: on,
                 actual: t.device(),
-                tensors: Vec::new(),
             });
         }
         comm.prepare(&tensors)?;
@@ -395,7 +397,7 @@ fn agree<T>(
     ready: &Ready,
     mine: Result<T>,
     hand_back: impl FnOnce(T) -> Vec<Tensor>,
-) -> Result<T> {
+) -> Result<T, SubmitError> {
     let why = match &mine {
         Ok(_) => String::new(),
         Err(e) => e.to_string(),
@@ -407,14 +409,16 @@ fn agree<T>(
         .enumerate()
         .find(|(r, why)| *r != me && !why.is_empty());
     match (mine, failed) {
-        (Err(e), _) => Err(e),
-        (Ok(p), Some((rank, why))) => Err(Error::PeerFailed {
-            op: ready.kind.name(),
-            name: ready.key.to_string(),
-            rank,
-            message: String::from_utf8_lossy(why).into_owned(),
-            tensors: hand_back(p),
-        }),
+        (Err(e), _) => Err(e.into()),
+        (Ok(p), Some((rank, why))) => {
+            let e = Error::PeerFailed {
+                op: ready.kind.name(),
+                name: ready.key.to_string(),
+                rank,
+                message: String::from_utf8_lossy(why).into_owned(),
+            };
+            Err(SubmitError::new(e, hand_back(p)))
+        }
         (Ok(p), None) => Ok(p),
     }
 }

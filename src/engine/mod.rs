@@ -115,7 +115,6 @@ impl Engine {
                     // everything with the report and stop communicating.
                     self.inbox.fail_all(|_| Error::Stalled {
                         report: report.clone(),
-                        tensors: Vec::new(),
                     });
                     self.serve_stopped(&report);
                     return;
@@ -206,7 +205,6 @@ impl Engine {
                     op: "start_timeline",
                     name: p.display().to_string(),
                     message: format!("cannot write the timeline: {e}"),
-                    tensors: Vec::new(),
                 }),
             None => {
                 self.exec.timeline.stop();
@@ -308,7 +306,6 @@ impl Engine {
             op: meta.kind.name(),
             name: meta.key.to_string(),
             rank: left,
-            tensors: Vec::new(),
         });
     }
 

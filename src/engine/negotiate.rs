@@ -273,7 +273,6 @@ fn check(key: &str, metas: &[Option<RequestMeta>], joined: &[usize]) -> Result<(
         op: kind.name(),
         name: key.to_string(),
         message: format!("{what} mismatch: {message}"),
-        tensors: Vec::new(),
     };
     if let Some(m) = differ(metas, |m| m.kind, |k| k.name().to_string()) {
         return Err(fail("op", m));

@@ -231,11 +231,10 @@ pub(crate) struct Request {
 }
 
 impl Request {
-    /// Fails a request that never ran: its tensors go back to the caller inside
+    /// Fails a request that never ran: its tensors go back to the caller with
     /// `error` (nothing of them was sent, so the caller may use them again).
     pub(crate) fn fail(self, error: crate::error::Error) {
-        self.done
-            .complete(Err(error.handing_back(self.tensors.into_vec())));
+        self.done.fail(error, self.tensors.into_vec());
     }
 }
 

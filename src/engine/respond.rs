@@ -344,7 +344,7 @@ fn complete_fused(
         Err(e) => dones
             .into_iter()
             .flatten()
-            .map(|done| (done, Err(e.replicate())))
+            .map(|done| (done, Err(e.clone())))
             .collect(),
     };
     handle::complete_all(batch);

@@ -11,6 +11,7 @@ use super::{on_every_rank, start};
 use crate::config::Config;
 use crate::error::Error;
 use crate::handle::Handle;
+use crate::submit_error::SubmitError;
 use crate::tensor::{Device, Tensor};
 use crate::transport::loopback::sim_device::SimDevices;
 use crate::transport::loopback::{Loopback, Watchdog};
@@ -23,7 +24,7 @@ fn device_values(t: &Tensor) -> Vec<f32> {
 }
 
 /// Polls `h` until it completes or `limit` passes (then None: it is still pending).
-fn wait_within<T>(h: Handle<T>, limit: Duration) -> Option<crate::error::Result<T>> {
+fn wait_within<T>(h: Handle<T>, limit: Duration) -> Option<Result<T, SubmitError>> {
     let deadline = Instant::now() + limit;
     while !h.poll() {
         if Instant::now() > deadline {
@@ -31,7 +32,7 @@ fn wait_within<T>(h: Handle<T>, limit: Duration) -> Option<crate::error::Result<
         }
         std::thread::sleep(Duration::from_millis(5));
     }
-    Some(h.wait())
+    Some(h.wait_or_return())
 }
 
 /// Waits (bounded) until `cond` holds.
@@ -236,12 +237,9 @@ fn issue31_a_rank_local_failure_before_the_enqueue_fails_the_op_everywhere() {
         .into_iter()
         .map(|h| wait_within(h, Duration::from_secs(10)));
     match outcomes.next().flatten() {
-        Some(Err(Error::PeerFailed {
-            rank: 1,
-            message,
-            tensors,
-            ..
-        })) => {
+        Some(Err(e)) if matches!(e.error(), Error::PeerFailed { rank: 1, .. }) => {
+            let message = e.to_string();
+            let tensors = e.into_tensors();
             assert!(message.contains("simulated out of memory"), "{message}");
             assert_eq!(tensors.len(), 1, "rank 0's tensor handed back");
             assert_eq!(device_values(&tensors[0]), [0.0]);

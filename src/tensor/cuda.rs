@@ -50,7 +50,6 @@ impl Tensor {
     /// # Errors
     /// [`Error::WrongDevice`] for a CPU tensor, [`Error::DTypeMismatch`] when `T` is not
     /// the element type; the error holds the tensor, unchanged.
-    #[allow(clippy::result_large_err)]
     pub fn into_cuda<T: Element>(
         mut self,
     ) -> std::result::Result<cudarc::driver::CudaSlice<T>, ConversionError<Tensor>> {
@@ -61,7 +60,6 @@ impl Tensor {
                     what: "Tensor::into_cuda",
                     expected: Device::Cuda(0),
                     actual: Device::Cpu,
-                    tensors: Vec::new(),
                 };
                 Err(ConversionError::new(e, self))
             }
@@ -70,7 +68,6 @@ impl Tensor {
                 let e = Error::DTypeMismatch {
                     expected: T::DTYPE,
                     actual,
-                    tensors: Vec::new(),
                 };
                 ConversionError::new(e, self)
             }),
@@ -84,7 +81,6 @@ impl Tensor {
     /// [`Error::CudaUnavailable`] without a CUDA driver ("CUDA driver library not
     /// found") or without that device; [`Error::Cuda`] when the copy fails. The error
     /// holds the tensor, unchanged.
-    #[allow(clippy::result_large_err)]
     pub fn to_cuda(self, ordinal: usize) -> std::result::Result<Tensor, ConversionError<Tensor>> {
         if self.device() == Device::Cuda(ordinal) {
             return Ok(self);
@@ -111,7 +107,6 @@ impl Tensor {
     ///
     /// # Errors
     /// [`Error::Cuda`] when the copy fails; the error holds the tensor, unchanged.
-    #[allow(clippy::result_large_err)]
     pub fn to_cpu(self) -> std::result::Result<Tensor, ConversionError<Tensor>> {
         let Some(c) = &self.cuda else {
             return Ok(self);

@@ -70,9 +70,8 @@ fn refused_conversions_hand_the_value_back() {
     let t = Tensor::from_vec(vec![1.5f32, 2.5], &[2]).unwrap();
     let err = t.into_vec::<f64>().unwrap_err();
     assert_eq!(err.to_string(), "tensor holds F32 elements, not F64");
-    let mut back = err.into_tensors();
-    assert_eq!(back.len(), 1);
-    assert_eq!(back.remove(0).into_vec::<f32>().unwrap(), [1.5, 2.5]);
+    let back = err.into_inner();
+    assert_eq!(back.into_vec::<f32>().unwrap(), [1.5, 2.5]);
 
     // A buffer of the wrong length comes back with its contents.
     let err = Tensor::from_host_buffer(Foreign(vec![9; 3]), DType::F32, &[2, 2]).unwrap_err();

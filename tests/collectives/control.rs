@@ -237,7 +237,7 @@ pub(crate) fn order_independence(k: &Kolo) -> Result<()> {
 /// shutdown a submit hands the tensor back.
 pub(crate) fn submit_errors(k: &Kolo) -> Result<()> {
     // A refused submit hands its tensors back inside the error.
-    let handed_back = |what: &str, e: kolo::Error, want: &[i32]| -> Result<()> {
+    let handed_back = |what: &str, e: kolo::SubmitError, want: &[i32]| -> Result<()> {
         let back = e.into_tensors();
         ensure!(
             back.len() == 1 && back[0].as_slice::<i32>()? == want,
@@ -270,7 +270,7 @@ pub(crate) fn submit_errors(k: &Kolo) -> Result<()> {
                 Ok(_) => anyhow::bail!("a duplicate pending name was accepted"),
                 Err(e) => {
                     ensure!(
-                        matches!(e, kolo::Error::DuplicateName { .. }),
+                        matches!(e.error(), kolo::Error::DuplicateName { .. }),
                         "duplicate name: {e}"
                     );
                     handed_back("duplicate name", e, &[9, 9, 9])?;
@@ -347,12 +347,12 @@ pub(crate) fn key_spaces(k: &Kolo) -> Result<()> {
         .wait()?
         .into_iter()
         .map(|t| t.into_vec::<i32>())
-        .collect::<kolo::Result<_>>()?;
+        .collect::<std::result::Result<_, _>>()?;
     let r2: Vec<Vec<i32>> = g2
         .wait()?
         .into_iter()
         .map(|t| t.into_vec::<i32>())
-        .collect::<kolo::Result<_>>()?;
+        .collect::<std::result::Result<_, _>>()?;
     ensure!(r1 == [vec![10 * size]], "group [\"a, b\"]: {r1:?}");
     ensure!(
         r2 == [vec![20 * size], vec![30 * size]],

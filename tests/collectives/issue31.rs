@@ -106,12 +106,12 @@ pub(crate) fn failed_ops_hand_back(k: &Kolo) -> Result<()> {
     let rank = k.rank();
     let mine = vec![rank as f32; rank + 1];
     let t = Tensor::from_vec(mine.clone(), &[rank + 1])?;
-    let err = match k.allreduce("mismatch", t).wait() {
+    let err = match k.allreduce("mismatch", t).submit()?.wait_or_return() {
         Ok(_) => bail!("an allreduce with another shape on every rank succeeded"),
         Err(e) => e,
     };
     ensure!(
-        matches!(err, Error::Mismatch { .. }),
+        matches!(err.error(), Error::Mismatch { .. }),
         "not a mismatch: {err}"
     );
     let back = err.into_tensors();
@@ -130,7 +130,7 @@ pub(crate) fn failed_ops_hand_back(k: &Kolo) -> Result<()> {
             Tensor::from_vec(vec![2.0f32; rank + 1], &[rank + 1])?,
         ),
     ];
-    let err = match k.grouped_allreduce(members).wait() {
+    let err = match k.grouped_allreduce(members).submit()?.wait_or_return() {
         Ok(_) => bail!("a group with another shape on every rank succeeded"),
         Err(e) => e,
     };
@@ -166,7 +166,7 @@ pub(crate) fn optimizer_refusals_hand_back(k: &Kolo) -> Result<()> {
         .backward_passes_per_step(2)
         .op(ReduceOp::Sum)
         .build()?;
-    let refused = |r: kolo::Result<()>| -> Result<Vec<Tensor>> {
+    let refused = |r: std::result::Result<(), kolo::SubmitError>| -> Result<Vec<Tensor>> {
         match r {
             Ok(()) => bail!("a gradient that must be refused was accepted"),
             Err(e) => Ok(e.into_tensors()),

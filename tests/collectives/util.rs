@@ -115,9 +115,9 @@ pub(crate) fn shapes() -> Vec<Vec<usize>> {
 }
 
 /// Checks that `result` failed and that its message contains every `parts`.
-pub(crate) fn expect_err<T: std::fmt::Debug>(
+pub(crate) fn expect_err<T: std::fmt::Debug, E: std::fmt::Display>(
     what: &str,
-    result: kolo::Result<T>,
+    result: std::result::Result<T, E>,
     parts: &[&str],
 ) -> Result<String> {
     match result {

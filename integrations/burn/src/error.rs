@@ -94,6 +94,14 @@ pub enum Error {
     },
 }
 
+/// A refused or failed collective; its handed-back tensors are dropped here, so match
+/// on the [`kolo::SubmitError`] itself to keep them.
+impl From<kolo::SubmitError> for Error {
+    fn from(e: kolo::SubmitError) -> Error {
+        Error::Kolo(e.into_error())
+    }
+}
+
 /// A kolo conversion that failed (`into_vec`, `from_host_buffer`, …); the value it
 /// held back is dropped here, so match on the conversion's own error to keep it.
 impl<T> From<kolo::ConversionError<T>> for Error {

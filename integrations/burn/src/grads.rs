@@ -316,8 +316,9 @@ impl GradientReducer {
             }
         }
         let any_failed = match verdict
+            .map_err(kolo::Error::from)
             .and_then(|h| h.wait())
-            .and_then(|t| t.into_vec::<f32>())
+            .and_then(|t| Ok(t.into_vec::<f32>()?))
         {
             Ok(v) => v.first().is_some_and(|&f| f > 0.0),
             Err(e) => return Err(local.or(failed).unwrap_or(e.into())),

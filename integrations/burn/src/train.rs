@@ -287,7 +287,7 @@ impl<Me: Metric> GlobalMetric<Me> {
             .allreduce(self.key.clone(), t)
             .op(ReduceOp::Sum)
             .wait()
-            .and_then(|t| t.into_vec::<f64>())
+            .and_then(|t| Ok(t.into_vec::<f64>()?))
             .map_err(failed)?;
         Ok((s[0], s[1]))
     }
