@@ -264,6 +264,12 @@ impl<T> Handle<T> {
         self.slot.lock().done
     }
 
+    /// Whether the result is ready, without taking the lock (the engine's driver
+    /// asks between cycles).
+    pub(crate) fn is_done(&self) -> bool {
+        self.slot.done.load(Ordering::Acquire)
+    }
+
     /// Blocks until the collective has finished on this rank and returns its result.
     ///
     /// # Errors

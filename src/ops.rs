@@ -68,7 +68,7 @@ impl Kolo {
     /// The engine is not running, or a rank left.
     pub fn barrier(&self) -> Result<()> {
         let s = Submission::new(OpKind::Barrier, request::BARRIER_KEY.into(), Named::new());
-        self.submit(s, handle::to_unit)?.wait()
+        self.submit_wait(s, handle::to_unit)
     }
 
     /// Declares that this rank has no more data this epoch (uneven data across ranks).
@@ -81,7 +81,7 @@ impl Kolo {
     /// The engine is not running, or a rank left.
     pub fn join(&self) -> Result<usize> {
         let s = Submission::new(OpKind::Join, request::JOIN_KEY.into(), Named::new());
-        self.submit(s, handle::to_rank)?.wait()
+        self.submit_wait(s, handle::to_rank)
     }
 }
 
@@ -150,21 +150,37 @@ macro_rules! process_set_option {
     };
 }
 
-/// Submits `s` to `kolo`, unless a process set refused it (the tensors come back in
-/// the error).
-fn submit<T>(
-    kolo: &Kolo,
+/// A builder's request, ready to go to `kolo` unless a process set refused it (the
+/// tensors then come back in the error).
+struct Prepared<'k, T> {
+    kolo: &'k Kolo,
     refused: Option<String>,
     s: Submission,
     convert: fn(handle::Output) -> Result<T>,
-) -> Result<Handle<T>, SubmitError> {
-    if let Some(message) = refused {
+}
+
+impl<T> Prepared<'_, T> {
+    /// The refusal of a process set this rank is not in, with the tensors.
+    fn refusal(refused: Option<String>, s: Submission) -> Result<Submission, SubmitError> {
+        let Some(message) = refused else {
+            return Ok(s);
+        };
         let (op, name) = (s.kind.name(), s.key.to_string());
         let (_, tensors) = s.into_parts();
         let e = crate::Error::InvalidArgument { op, name, message };
-        return Err(SubmitError::new(e, tensors.into_vec()));
+        Err(SubmitError::new(e, tensors.into_vec()))
     }
-    kolo.submit(s, convert)
+
+    fn submit(self) -> Result<Handle<T>, SubmitError> {
+        let s = Self::refusal(self.refused, self.s)?;
+        self.kolo.submit(s, self.convert)
+    }
+
+    /// Submits and waits, running the engine on this thread while it is idle.
+    fn wait(self) -> Result<T> {
+        let s = Self::refusal(self.refused, self.s)?;
+        self.kolo.submit_wait(s, self.convert)
+    }
 }
 
 /// Builder for [`Kolo::allreduce`].
@@ -200,9 +216,18 @@ impl<'k> AllreduceBuilder<'k> {
     /// Submit-time errors only (empty or duplicate name, engine not running), with the
     /// tensor handed back.
     pub fn submit(self) -> Result<Handle<Tensor>, SubmitError> {
+        self.prepare().submit()
+    }
+
+    fn prepare(self) -> Prepared<'k, Tensor> {
         let mut s = Submission::single(OpKind::Allreduce, self.name, self.tensor);
         self.reduce.apply(&mut s);
-        submit(self.kolo, self.refused, s, handle::to_tensor)
+        Prepared {
+            kolo: self.kolo,
+            refused: self.refused,
+            s,
+            convert: handle::to_tensor,
+        }
     }
 
     /// Submits and waits.
@@ -211,7 +236,7 @@ impl<'k> AllreduceBuilder<'k> {
     /// Submit-time errors, and cross-rank errors (mismatched dtype, shape, op or scale
     /// factors; a rank that left) reported on every rank.
     pub fn wait(self) -> Result<Tensor> {
-        self.submit()?.wait()
+        self.prepare().wait()
     }
 }
 
@@ -246,6 +271,10 @@ impl<'k> GroupedAllreduceBuilder<'k> {
     /// # Errors
     /// Submit-time errors: an empty group, an empty or duplicate name, engine not running.
     pub fn submit(self) -> Result<Handle<Vec<Tensor>>, SubmitError> {
+        self.prepare().submit()
+    }
+
+    fn prepare(self) -> Prepared<'k, Vec<Tensor>> {
         let (members, order) = sorted_members(self.tensors);
         let key = group_key(&members);
         let tensors = members
@@ -255,7 +284,12 @@ impl<'k> GroupedAllreduceBuilder<'k> {
         let mut s = Submission::new(OpKind::GroupedAllreduce, Key::from(key), tensors);
         s.order = order;
         self.reduce.apply(&mut s);
-        submit(self.kolo, self.refused, s, handle::to_tensors)
+        Prepared {
+            kolo: self.kolo,
+            refused: self.refused,
+            s,
+            convert: handle::to_tensors,
+        }
     }
 
     /// Submits and waits.
@@ -263,7 +297,7 @@ impl<'k> GroupedAllreduceBuilder<'k> {
     /// # Errors
     /// As [`AllreduceBuilder::wait`].
     pub fn wait(self) -> Result<Vec<Tensor>> {
-        self.submit()?.wait()
+        self.prepare().wait()
     }
 }
 
@@ -333,8 +367,17 @@ impl<'k> AllgatherBuilder<'k> {
     /// # Errors
     /// Submit-time errors: a 0-d tensor, empty or duplicate name, engine not running.
     pub fn submit(self) -> Result<Handle<Tensor>, SubmitError> {
+        self.prepare().submit()
+    }
+
+    fn prepare(self) -> Prepared<'k, Tensor> {
         let s = Submission::single(OpKind::Allgather, self.name, self.tensor);
-        submit(self.kolo, self.refused, s, handle::to_tensor)
+        Prepared {
+            kolo: self.kolo,
+            refused: self.refused,
+            s,
+            convert: handle::to_tensor,
+        }
     }
 
     /// Submits and waits.
@@ -342,7 +385,7 @@ impl<'k> AllgatherBuilder<'k> {
     /// # Errors
     /// Submit-time errors, and cross-rank errors (dtype, rank or dims after the first).
     pub fn wait(self) -> Result<Tensor> {
-        self.submit()?.wait()
+        self.prepare().wait()
     }
 }
 
@@ -389,9 +432,18 @@ impl<'k> BroadcastBuilder<'k> {
     /// # Errors
     /// Submit-time errors: root out of range, empty or duplicate name, engine not running.
     pub fn submit(self) -> Result<Handle<Tensor>, SubmitError> {
+        self.prepare().submit()
+    }
+
+    fn prepare(self) -> Prepared<'k, Tensor> {
         let mut s = Submission::single(OpKind::Broadcast, self.name, self.tensor);
         s.root = self.root;
-        submit(self.kolo, self.refused, s, handle::to_tensor)
+        Prepared {
+            kolo: self.kolo,
+            refused: self.refused,
+            s,
+            convert: handle::to_tensor,
+        }
     }
 
     /// Submits and waits.
@@ -399,7 +451,7 @@ impl<'k> BroadcastBuilder<'k> {
     /// # Errors
     /// Submit-time errors, and cross-rank errors (dtype, shape, root).
     pub fn wait(self) -> Result<Tensor> {
-        self.submit()?.wait()
+        self.prepare().wait()
     }
 }
 
@@ -442,9 +494,18 @@ impl<'k> AlltoallBuilder<'k> {
     /// dim 0, dim 0 not divisible by the number of ranks without splits, empty or
     /// duplicate name, engine not running.
     pub fn submit(self) -> Result<Handle<AlltoallOutput>, SubmitError> {
+        self.prepare().submit()
+    }
+
+    fn prepare(self) -> Prepared<'k, AlltoallOutput> {
         let mut s = Submission::single(OpKind::Alltoall, self.name, self.tensor);
         s.splits = self.splits;
-        submit(self.kolo, self.refused, s, handle::to_alltoall)
+        Prepared {
+            kolo: self.kolo,
+            refused: self.refused,
+            s,
+            convert: handle::to_alltoall,
+        }
     }
 
     /// Submits and waits.
@@ -452,7 +513,7 @@ impl<'k> AlltoallBuilder<'k> {
     /// # Errors
     /// Submit-time errors, and cross-rank errors (dtype, rank or dims after the first).
     pub fn wait(self) -> Result<AlltoallOutput> {
-        self.submit()?.wait()
+        self.prepare().wait()
     }
 }
 
@@ -490,9 +551,18 @@ impl<'k> ReducescatterBuilder<'k> {
     /// # Errors
     /// Submit-time errors: a 0-d tensor, empty or duplicate name, engine not running.
     pub fn submit(self) -> Result<Handle<Tensor>, SubmitError> {
+        self.prepare().submit()
+    }
+
+    fn prepare(self) -> Prepared<'k, Tensor> {
         let mut s = Submission::single(OpKind::Reducescatter, self.name, self.tensor);
         self.reduce.apply(&mut s);
-        submit(self.kolo, self.refused, s, handle::to_tensor)
+        Prepared {
+            kolo: self.kolo,
+            refused: self.refused,
+            s,
+            convert: handle::to_tensor,
+        }
     }
 
     /// Submits and waits.
@@ -500,6 +570,6 @@ impl<'k> ReducescatterBuilder<'k> {
     /// # Errors
     /// Submit-time errors, and cross-rank errors (dtype, shape, op, scale factors).
     pub fn wait(self) -> Result<Tensor> {
-        self.submit()?.wait()
+        self.prepare().wait()
     }
 }

@@ -10,6 +10,7 @@ use crate::config::Config;
 use crate::engine::autotune::AutotuneState;
 use crate::engine::queue::{Queue, Refused};
 use crate::engine::request::{Command, Request, Submission, Tensors};
+use crate::engine::Driver;
 use crate::error::{Error, Result};
 use crate::handle::{self, Handle, Output};
 use crate::order::unsort;
@@ -150,6 +151,9 @@ pub(crate) struct Inner {
     topology: Topology,
     /// Commands to the engine, and the names pending on this rank.
     queue: Arc<Queue>,
+    /// The engine itself, which a thread waiting on its own op may run (see
+    /// `engine::Driver`).
+    driver: Arc<Driver>,
     engine: Mutex<Option<JoinHandle<()>>>,
     autotune: Arc<Mutex<AutotuneState>>,
     /// The settings, for the engines of process sets made from this one.
@@ -240,13 +244,22 @@ pub(crate) fn spawn_engine(
     let kept_config = config.clone();
     let queue = Arc::new(Queue::default());
     let engine_queue = queue.clone();
+    let driver = Arc::new(Driver::default());
+    let engine_driver = driver.clone();
     let (started_tx, started_rx) = mpsc::sync_channel(1);
     let autotune = Arc::new(Mutex::new(AutotuneState::default()));
     let engine_autotune = autotune.clone();
     let engine = std::thread::Builder::new()
         .name(thread)
         .spawn(move || {
-            crate::engine::run(config, engine_queue, started_tx, engine_autotune, connect)
+            crate::engine::run(
+                config,
+                engine_queue,
+                engine_driver,
+                started_tx,
+                engine_autotune,
+                connect,
+            )
         })
         .map_err(|e| Error::Init(format!("cannot start the engine thread: {e}")))?;
     // Only the job's own start can wait on other hosts; a process set's split runs
@@ -284,6 +297,7 @@ pub(crate) fn spawn_engine(
         inner: Arc::new(Inner {
             topology,
             queue,
+            driver,
             engine: Mutex::new(Some(engine)),
             autotune,
             config: kept_config,
@@ -460,8 +474,35 @@ impl Kolo {
     /// Validates and queues a request; the handle converts the engine's output.
     pub(crate) fn submit<T>(
         &self,
+        s: Submission,
+        convert: fn(Output) -> Result<T>,
+    ) -> Result<Handle<T>, SubmitError> {
+        self.submit_waking(s, convert, true)
+    }
+
+    /// Submits and waits. While the engine is idle this thread runs its cycles itself
+    /// instead of waking the engine thread and sleeping until it is done (see
+    /// `engine::Driver`): a small op then costs no hand-off between threads.
+    pub(crate) fn submit_wait<T>(
+        &self,
+        s: Submission,
+        convert: fn(Output) -> Result<T>,
+    ) -> Result<T> {
+        let handle = self.submit_waking(s, convert, false)?;
+        let queue = &self.inner.queue;
+        if !self.inner.driver.drive_until(queue, &|| handle.is_done()) {
+            // Queued without waking the engine thread, and not run here: wake it.
+            queue.kick();
+        }
+        handle.wait()
+    }
+
+    /// [`submit`](Self::submit); a sleeping engine thread is woken only if `wake`.
+    fn submit_waking<T>(
+        &self,
         mut s: Submission,
         convert: fn(Output) -> Result<T>,
+        wake: bool,
     ) -> Result<Handle<T>, SubmitError> {
         let order = s.order.take();
         let back = |tensors: Tensors| unsort(order.as_deref(), tensors.into_vec());
@@ -489,7 +530,7 @@ impl Kolo {
             done,
             submitted: std::time::Instant::now(),
         };
-        match self.inner.queue.submit(request) {
+        match self.inner.queue.submit_waking(request, wake) {
             Ok(()) => {}
             Err(Refused::Duplicate(name, request)) => {
                 let Request { tensors, done, .. } = *request;

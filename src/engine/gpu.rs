@@ -73,6 +73,12 @@ impl Gpu {
         self.timeout = Some(device_timeout(collective_timeout));
     }
 
+    /// Whether a device communicator is open (its CUDA and NCCL calls then stay on
+    /// the engine thread).
+    pub(super) fn opened(&self) -> bool {
+        self.comm.is_some()
+    }
+
     /// Whether ops are still running on the device.
     pub(super) fn busy(&self) -> bool {
         !self.inflight.is_empty()

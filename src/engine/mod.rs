@@ -57,7 +57,9 @@ const GPU_POLL_WHILE_FAILING: Duration = Duration::from_millis(1);
 /// How long the engine polls GPU events without sleeping after enqueueing work.
 const GPU_SPIN: Duration = Duration::from_micros(200);
 
+mod driver;
 mod start;
+pub(crate) use driver::Driver;
 pub(crate) use start::run;
 
 /// One rank's engine: the inbox of local requests, the negotiation state, the
@@ -78,84 +80,132 @@ struct Engine {
     fault_panic: bool,
 }
 
+/// How a cycle loop ended: what the engine thread does next (`Engine::finish`).
+enum End {
+    /// This rank shut down; its last cycle told the others.
+    Left,
+    /// Another rank left: every op from now on fails naming it.
+    RankLeft(usize),
+    /// The cycle failed (a stall abort, a transport error).
+    Failed(Error),
+}
+
+/// How long the engine thread sleeps before its next cycle (without the engine: a
+/// caller may drive it meanwhile).
+#[derive(Debug, Clone, Copy)]
+enum Sleep {
+    /// Nothing to do right after a cycle that ran something: look for the next
+    /// submit briefly, then sleep until a heartbeat.
+    SpinThenIdle,
+    /// Nothing to do: sleep until work arrives or a heartbeat is due.
+    Idle,
+    /// Only waiting for other ranks: pace cycles by the cycle time.
+    Pace(Duration),
+}
+
+impl Sleep {
+    /// Sleeps on the queue (not on the engine) as `self` says. True when work (or a
+    /// kick) ended it, false when the time ran out.
+    fn sleep(self, queue: &Queue) -> bool {
+        match self {
+            Sleep::SpinThenIdle => {
+                queue.spin_for_command(ENGINE_SPIN) || queue.wait_for_command(HEARTBEAT)
+            }
+            Sleep::Idle => queue.wait_for_command(HEARTBEAT),
+            Sleep::Pace(t) => queue.wait_for_command(t),
+        }
+    }
+}
+
 impl Engine {
-    fn serve(&mut self) {
-        loop {
-            if let Some(p) = &self.progress {
-                p.mark(self.cycles);
+    /// One cycle, with what comes before it: the watchdog's mark, an abort requested
+    /// by a panic elsewhere in this process, failing everything once this rank shuts
+    /// down. Returns how the engine ended, if it did.
+    fn step(&mut self) -> Option<End> {
+        if let Some(p) = &self.progress {
+            p.mark(self.cycles);
+        }
+        #[cfg(feature = "fault-injection")]
+        if self.fault_panic && self.cycles >= 2 {
+            panic!("injected fault on the engine thread (KOLO_FAULT_ENGINE_PANIC_RANK)");
+        }
+        if abort_requested() {
+            // A panic somewhere in this process: end the whole job now rather than
+            // leave the other ranks waiting (see `runtime::install_panic_hook`).
+            self.transport.abort(1);
+        }
+        if self.inbox.shutting_down {
+            let rank = self.inbox.rank;
+            self.inbox
+                .fail_all(|m| stopped(m, rank, "this rank shut down before the op completed"));
+        }
+        let leaving = self.inbox.shutting_down;
+        match self.cycle() {
+            Ok(Some(left)) => Some(End::RankLeft(left)),
+            Ok(None) if leaving => Some(End::Left),
+            Ok(None) => None,
+            Err(e) => Some(End::Failed(e)),
+        }
+    }
+
+    /// What the engine thread does once the cycles ended: serves failures until this
+    /// rank shuts down.
+    fn finish(&mut self, end: End) {
+        match end {
+            End::Left => {}
+            End::RankLeft(left) => {
+                // Read again: a shutdown taken in during the cycle was announced in it.
+                if !self.inbox.shutting_down {
+                    self.serve_after_rank_left(left);
+                }
             }
-            self.gather();
-            #[cfg(feature = "fault-injection")]
-            if self.fault_panic && self.cycles >= 2 {
-                panic!("injected fault on the engine thread (KOLO_FAULT_ENGINE_PANIC_RANK)");
+            End::Failed(Error::Stalled { report }) => {
+                // Every rank saw the same stall abort in the same cycle: fail
+                // everything with the report and stop communicating.
+                self.inbox.fail_all(|_| Error::Stalled {
+                    report: report.clone(),
+                });
+                self.serve_stopped(&report);
             }
-            if abort_requested() {
-                // A panic somewhere in this process: end the whole job now rather than
-                // leave the other ranks waiting (see `runtime::install_panic_hook`).
-                self.transport.abort(1);
-            }
-            if self.inbox.shutting_down {
+            End::Failed(e) => {
+                tracing::error!(rank = self.inbox.rank, error = %e, "engine failed");
+                let msg = e.to_string();
                 let rank = self.inbox.rank;
-                self.inbox
-                    .fail_all(|m| stopped(m, rank, "this rank shut down before the op completed"));
-            }
-            let leaving = self.inbox.shutting_down;
-            match self.cycle() {
-                Ok(Some(left)) => {
-                    // Read again: a shutdown taken in during the cycle was announced in it.
-                    if !self.inbox.shutting_down {
-                        self.serve_after_rank_left(left);
-                    }
-                    return;
-                }
-                Ok(None) if leaving => return,
-                Ok(None) => {}
-                Err(Error::Stalled { report, .. }) => {
-                    // Every rank saw the same stall abort in the same cycle: fail
-                    // everything with the report and stop communicating.
-                    self.inbox.fail_all(|_| Error::Stalled {
-                        report: report.clone(),
-                    });
-                    self.serve_stopped(&report);
-                    return;
-                }
-                Err(e) => {
-                    tracing::error!(rank = self.inbox.rank, error = %e, "engine failed");
-                    let msg = e.to_string();
-                    let rank = self.inbox.rank;
-                    self.inbox.fail_all(|m| stopped(m, rank, &msg));
-                    self.serve_stopped(&msg);
-                    return;
-                }
+                self.inbox.fail_all(|m| stopped(m, rank, &msg));
+                self.serve_stopped(&msg);
             }
         }
     }
 
-    /// Collects local work for the next cycle: blocks while idle (up to a heartbeat),
-    /// and while only waiting for other ranks paces cycles by the cycle time.
-    fn gather(&mut self) {
-        self.inbox.drain();
-        self.serve_timeline_requests();
+    /// Collects local work for the next cycle. Returns how long to sleep first when
+    /// there is nothing to run now (idle: up to a heartbeat; only waiting for other
+    /// ranks: the cycle time); `None` to cycle at once.
+    fn gather(&mut self) -> Option<Sleep> {
+        self.take_in();
         if self.inbox.shutting_down || !self.inbox.outgoing.is_empty() {
-            return;
+            return None;
         }
         // Ops still on the device after a heartbeat's wait: cycle now, so that the
         // other ranks and the watchdog hear from this rank meanwhile.
         if self.wait_for_gpu() || self.inbox.shutting_down || !self.inbox.outgoing.is_empty() {
-            return;
+            return None;
         }
         if !self.inbox.has_work() {
             // Right after a cycle that did something, the next submit usually follows
             // within microseconds (a training loop's next tensor): look for it briefly
             // before sleeping.
-            if self.control.last_cycle_had_news && self.inbox.queue.spin_for_command(ENGINE_SPIN) {
-                self.inbox.drain();
-                return;
+            if self.control.last_cycle_had_news {
+                return Some(Sleep::SpinThenIdle);
             }
-            self.inbox.wait_for_work(HEARTBEAT);
-        } else if !self.control.last_cycle_had_news {
-            self.inbox.wait_for_work(self.config.cycle_time);
+            return Some(Sleep::Idle);
         }
+        (!self.control.last_cycle_had_news).then_some(Sleep::Pace(self.config.cycle_time))
+    }
+
+    /// Takes in what is queued (without blocking) and answers timeline requests.
+    fn take_in(&mut self) {
+        self.inbox.drain();
+        self.serve_timeline_requests();
     }
 
     /// While ops run on the GPU and nothing new was submitted here, completes them as

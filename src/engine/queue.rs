@@ -29,8 +29,12 @@ struct State {
     commands: Vec<Command>,
     /// Names of submitted ops whose handles have not completed yet.
     names: FxHashSet<Key>,
-    /// The engine is blocked waiting for a command.
-    engine_waiting: bool,
+    /// Threads blocked waiting for a command: the engine thread, and a caller driving
+    /// the engine while it paces its cycles (`Driver`).
+    waiters: u32,
+    /// Set by [`Queue::kick`]: a waiter returns although no command is queued (a
+    /// caller stopped driving with work left for the engine thread).
+    kicked: bool,
     /// Shutdown was requested: no command is taken any more.
     closed: bool,
 }
@@ -58,8 +62,16 @@ impl Queue {
     }
 
     /// Claims the request's names and queues it, unless a name is pending already or
-    /// the queue is closed.
+    /// the queue is closed; wakes the engine thread if it sleeps.
+    #[cfg(test)]
     pub(crate) fn submit(&self, request: Request) -> Result<(), Refused> {
+        self.submit_waking(request, true)
+    }
+
+    /// [`submit`](Self::submit), waking a sleeping engine thread only if `wake`: a
+    /// caller that is about to drive the engine itself does not wake it (and must
+    /// [`kick`](Self::kick) it when it cannot drive after all).
+    pub(crate) fn submit_waking(&self, request: Request, wake: bool) -> Result<(), Refused> {
         let mut state = self.lock();
         if state.closed {
             return Err(Refused::Closed(Box::new(request)));
@@ -71,7 +83,11 @@ impl Queue {
         }
         state.names.extend(names.iter().cloned());
         state.commands.push(Command::Submit(request));
-        self.signal(state);
+        if wake {
+            self.signal(state);
+        }
+        // Else not even the `queued` flag: an engine thread spinning on it would take
+        // the op from the caller about to run it.
         Ok(())
     }
 
@@ -116,11 +132,41 @@ impl Queue {
 
     fn signal(&self, state: MutexGuard<'_, State>) {
         self.queued.store(true, Ordering::Release);
-        let waiting = state.engine_waiting;
+        let waiters = state.waiters;
         drop(state);
-        if waiting {
-            self.arrived.notify_one();
+        match waiters {
+            0 => {}
+            1 => self.arrived.notify_one(),
+            // The engine thread and a driving caller: either may be the one to run it.
+            _ => self.arrived.notify_all(),
         }
+    }
+
+    /// Wakes whoever waits for a command although none is queued: the engine thread
+    /// then looks at the engine (a caller left work there, or ended it).
+    pub(crate) fn kick(&self) {
+        let mut state = self.lock();
+        state.kicked = true;
+        self.signal(state);
+    }
+
+    /// Waits up to `timeout` until a command is queued, the queue is closed or it is
+    /// [kicked](Self::kick), without taking anything. False when the time ran out.
+    pub(crate) fn wait_for_command(&self, timeout: Duration) -> bool {
+        let mut state = self.lock();
+        let idle = |s: &mut State| s.commands.is_empty() && !s.closed && !s.kicked;
+        if idle(&mut state) && !timeout.is_zero() {
+            state.waiters += 1;
+            state = self
+                .arrived
+                .wait_timeout_while(state, timeout, idle)
+                .unwrap_or_else(PoisonError::into_inner)
+                .0;
+            state.waiters -= 1;
+        }
+        let woken = !idle(&mut state);
+        state.kicked = false;
+        woken
     }
 
     /// The engine's side: moves every queued command into `into` (which should be
@@ -131,7 +177,7 @@ impl Queue {
         let mut state = self.lock();
         let idle = |s: &mut State| s.commands.is_empty() && !s.closed;
         if idle(&mut state) && timeout != Some(Duration::ZERO) {
-            state.engine_waiting = true;
+            state.waiters += 1;
             state = match timeout {
                 Some(t) => {
                     self.arrived
@@ -144,7 +190,7 @@ impl Queue {
                     .wait_while(state, idle)
                     .unwrap_or_else(PoisonError::into_inner),
             };
-            state.engine_waiting = false;
+            state.waiters -= 1;
         }
         self.queued.store(false, Ordering::Relaxed);
         std::mem::swap(&mut state.commands, into);

@@ -10,6 +10,7 @@ use super::*;
 pub(crate) fn run(
     config: Config,
     queue: Arc<Queue>,
+    driver: Arc<Driver>,
     started: SyncSender<Result<Topology>>,
     autotune: Arc<Mutex<AutotuneState>>,
     connect: impl FnOnce() -> Result<Box<dyn Transport>>,
@@ -28,9 +29,16 @@ pub(crate) fn run(
     if started.send(Ok(topology)).is_err() {
         return;
     }
-    let mut engine = Engine::new(config, queue, transport, agreed, &hierarchy, autotune);
+    let mut engine = Engine::new(
+        config,
+        queue.clone(),
+        transport,
+        agreed,
+        &hierarchy,
+        autotune,
+    );
     engine.open_configured_timeline();
-    engine.serve_or_abort();
+    serve_or_abort(engine, &driver, &queue);
     tracing::debug!(rank = topology.rank, "engine stopped; finalising MPI");
 }
 
@@ -154,23 +162,35 @@ impl Engine {
             }
         }
     }
+}
 
-    /// Serves until shutdown. A panic on this thread must not unwind into
-    /// MPI_Finalize (dropping the transport), which waits for the other ranks while
-    /// they wait for this one in the cycle exchange: the job is aborted instead. The
-    /// panic hook has already printed the rank, the thread and the message.
-    fn serve_or_abort(&mut self) {
-        let served = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.serve()));
-        if let Some(p) = &self.progress {
-            p.stop();
+/// Serves until shutdown (the engine's cycles run here, or on a caller's thread that
+/// drives it: `Driver`). A panic on this thread must not unwind into MPI_Finalize
+/// (dropping the transport), which waits for the other ranks while they wait for this
+/// one in the cycle exchange: the job is aborted instead. The panic hook has already
+/// printed the rank, the thread and the message.
+fn serve_or_abort(engine: Engine, driver: &Driver, queue: &Queue) {
+    let rank = engine.inbox.rank;
+    let served =
+        std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| driver.serve(engine, queue)));
+    match served {
+        Ok(engine) => {
+            if let Some(p) = &engine.progress {
+                p.stop();
+            }
+            // Dropped here, on the thread that initialised MPI: it finalises it.
+            drop(engine);
         }
-        if served.is_err() {
-            let line = format!(
-                "kolo: rank {}: the engine thread panicked; aborting the whole job\n",
-                self.inbox.rank
-            );
+        Err(_) => {
+            let line =
+                format!("kolo: rank {rank}: the engine thread panicked; aborting the whole job\n");
             let _ = std::io::Write::write_all(&mut std::io::stderr().lock(), line.as_bytes());
-            self.transport.abort(1);
+            if let Some(mut engine) = driver.take_after_panic() {
+                if let Some(p) = &engine.progress {
+                    p.stop();
+                }
+                engine.transport.abort(1);
+            }
         }
     }
 }

@@ -23,7 +23,7 @@ pub(crate) struct Reduction {
 }
 
 /// A communicator over device memory, with one queue of work (a stream).
-pub(crate) trait DeviceComm {
+pub(crate) trait DeviceComm: Send {
     /// The device this communicator runs on.
     fn ordinal(&self) -> usize;
     /// This rank in the communicator.

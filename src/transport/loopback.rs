@@ -233,6 +233,10 @@ fn offset(counts: &[usize], r: usize, width: usize) -> usize {
 }
 
 impl Transport for Loopback {
+    fn any_thread(&self) -> bool {
+        true
+    }
+
     fn split(&mut self, _ranks: &[usize]) -> Result<Option<Box<dyn Transport>>> {
         Err(Error::Internal(
             "the loopback transport has no process sets".into(),

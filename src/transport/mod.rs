@@ -102,6 +102,13 @@ pub(crate) trait Transport: Send {
         Awaited::default()
     }
 
+    /// Whether a thread other than the one that opened this transport may call it
+    /// (one thread at a time, under the engine's lock): then a caller waiting on its
+    /// own op may run the engine's cycles itself (`engine::Driver`).
+    fn any_thread(&self) -> bool {
+        false
+    }
+
     /// From now on allgather in three steps (within each host, shares across hosts,
     /// within each host), with the same conditions as `set_hierarchical_allreduce`.
     fn set_hierarchical_allgather(&mut self, _on: bool) {}

@@ -75,6 +75,12 @@ pub(crate) struct Nccl {
     aborted: std::cell::OnceCell<String>,
 }
 
+// SAFETY: an NCCL communicator may be used from any thread, one call at a time (NCCL
+// documents it as not thread-safe, not as thread-bound). Only the engine thread calls
+// it (the engine's lock; callers never drive an engine with a device communicator
+// open), and before each call the communicator's CUDA context is made current there.
+unsafe impl Send for Nccl {}
+
 impl Nccl {
     /// Creates the communicator on device `ordinal`; collective over `mpi` (every rank
     /// must call it at the same point, which the engine's global order guarantees).

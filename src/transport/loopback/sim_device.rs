@@ -207,6 +207,10 @@ struct Queued {
     uses: Vec<u64>,
 }
 
+// SAFETY: the addresses are of `SimBuffer`s, which are `Send` (see there); a queued op
+// moves with its communicator, which one thread at a time uses (the engine's lock).
+unsafe impl Send for Queued {}
+
 /// One rank's simulated communicator.
 pub(crate) struct SimDevice {
     rank: usize,

@@ -356,6 +356,11 @@ impl Transport for MpiTransport {
         self.awaited.clone()
     }
 
+    fn any_thread(&self) -> bool {
+        // MPI_THREAD_SERIALIZED is enough: the engine's lock keeps calls one at a time.
+        matches!(self.threading, Threading::Serialized | Threading::Multiple)
+    }
+
     fn set_hierarchical_allgather(&mut self, on: bool) {
         self.hierarchical_allgather = on;
     }

@@ -1,0 +1,180 @@
+//! Who runs the engine's cycles: its own thread, or a caller that waits while the
+//! engine is idle (leader/follower).
+//!
+//! The engine lives behind one lock. Its thread takes the lock to gather work and run
+//! a cycle, and lets go of it while it sleeps. A thread that blocks on its own op (a
+//! builder's `.wait()`, a barrier, a join) queues the op without waking the engine
+//! thread and, when the lock is free, runs the cycles itself until its op completes:
+//! no hand-off to another thread and back, so a small op costs about what its messages
+//! cost. Whoever holds the lock is the only thread that calls the transport, as
+//! before; negotiation, fusion, the cache and the cycle agreement are the same code
+//! whichever thread runs them.
+//!
+//! A caller does not drive when the lock is taken (the engine thread or another
+//! caller is running a cycle: its op goes into theirs), once the engine has ended
+//! (a rank left, a stall, shutdown: the engine thread serves those), when the
+//! transport may not be called from another thread (MPI below
+//! `MPI_THREAD_SERIALIZED`), or once a device communicator is open (CUDA and NCCL
+//! calls stay on the engine thread). It then waits for its handle as any other.
+
+use std::sync::{Mutex, MutexGuard, TryLockError};
+
+use super::queue::Queue;
+use super::{End, Engine, Sleep};
+
+/// The engine, shared by its thread and the callers that drive it; see the module docs.
+#[derive(Default)]
+pub(crate) struct Driver {
+    slot: Mutex<Option<Driven>>,
+}
+
+/// The engine, and how its cycles ended when a caller ended them.
+struct Driven {
+    engine: Engine,
+    /// Set by a caller whose cycle ended the engine; the engine thread serves it.
+    ended: Option<End>,
+}
+
+impl std::fmt::Debug for Driver {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Driver").finish_non_exhaustive()
+    }
+}
+
+impl Driver {
+    fn lock(&self) -> MutexGuard<'_, Option<Driven>> {
+        // A panic while a cycle ran aborts the job (the panic hook); the state a
+        // poisoned lock guards is only read on the way out.
+        self.slot
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// Runs the engine's cycles on this thread until `done()`, if the engine is idle
+    /// and may be driven from here (see the module docs). Returns false when it did
+    /// not drive; the caller must then [`Queue::kick`] the engine thread for an op it
+    /// queued without waking it.
+    pub(crate) fn drive_until(&self, queue: &Queue, done: &dyn Fn() -> bool) -> bool {
+        let mut slot = match self.slot.try_lock() {
+            Ok(slot) => slot,
+            Err(TryLockError::WouldBlock | TryLockError::Poisoned(_)) => return false,
+        };
+        let Some(driven) = slot.as_mut() else {
+            return false;
+        };
+        if driven.ended.is_some() || !driven.engine.may_be_driven() {
+            return false;
+        }
+        driven.ended = driven.engine.drive(done);
+        // Work left for the engine thread (other threads' ops, taken in here), or an
+        // end it must serve: wake it once the lock is free.
+        let leftover = driven.ended.is_some() || driven.engine.inbox.has_work();
+        drop(slot);
+        if leftover {
+            queue.kick();
+        }
+        true
+    }
+
+    /// The engine thread's side: holds `engine` until it ends, running cycles and
+    /// sleeping on `queue` (without the lock) when there is nothing to run. Returns
+    /// the engine when its cycles have ended and the end was served.
+    ///
+    /// A sleep that ran out is a cycle due (a heartbeat, or the next paced cycle while
+    /// other ranks are awaited) unless a caller ran one meanwhile; a sleep ended by
+    /// work looks at the engine again first (a caller may have run it already). The
+    /// thread spins for the next submit only after a cycle of its own.
+    pub(super) fn serve(&self, engine: Engine, queue: &Queue) -> Engine {
+        *self.lock() = Some(Driven {
+            engine,
+            ended: None,
+        });
+        // After a sleep that ran out: the cycle count when it began.
+        let mut due: Option<u64> = None;
+        let mut ran_last = false;
+        loop {
+            let mut slot = self.lock();
+            let Some(driven) = slot.as_mut() else {
+                unreachable!("only the engine thread takes the engine out");
+            };
+            let end = match driven.ended.take() {
+                Some(end) => Some(end),
+                None => {
+                    let engine = &mut driven.engine;
+                    let sleep = match due.take() {
+                        Some(seen) if seen == engine.cycles => {
+                            engine.take_in();
+                            None
+                        }
+                        _ => engine.gather(),
+                    };
+                    if let Some(mut sleep) = sleep {
+                        if !ran_last {
+                            if let Sleep::SpinThenIdle = sleep {
+                                sleep = Sleep::Idle;
+                            }
+                        }
+                        let seen = engine.cycles;
+                        drop(slot);
+                        if !sleep.sleep(queue) {
+                            due = Some(seen);
+                        }
+                        ran_last = false;
+                        continue;
+                    }
+                    ran_last = true;
+                    engine.step()
+                }
+            };
+            if let Some(end) = end {
+                // Served with the lock held: callers find it taken and wait for their
+                // handles, which the engine now fails or completes.
+                driven.engine.finish(end);
+                let driven = slot.take();
+                drop(slot);
+                return match driven {
+                    Some(d) => d.engine,
+                    None => unreachable!("the engine was in the slot above"),
+                };
+            }
+        }
+    }
+
+    /// The engine after a panic on its thread (to abort through its transport).
+    pub(super) fn take_after_panic(&self) -> Option<Engine> {
+        self.lock().take().map(|d| d.engine)
+    }
+}
+
+impl Engine {
+    /// Whether a caller's thread may run this engine's cycles.
+    fn may_be_driven(&self) -> bool {
+        self.transport.any_thread() && !self.exec.gpu.opened()
+    }
+
+    /// Runs cycles on the caller's thread until `done()` (its op completed) or the
+    /// engine ends. Paces cycles as the engine thread does: while only other ranks are
+    /// awaited, one per cycle time unless new work arrives.
+    fn drive(&mut self, done: &dyn Fn() -> bool) -> Option<End> {
+        loop {
+            if done() {
+                return None;
+            }
+            self.take_in();
+            let now = self.inbox.shutting_down || !self.inbox.outgoing.is_empty();
+            if !now {
+                if !self.inbox.has_work() {
+                    // Nothing here to run: the op is complete or completing.
+                    return None;
+                }
+                if !self.control.last_cycle_had_news {
+                    self.inbox.queue.wait_for_command(self.config.cycle_time);
+                    self.take_in();
+                }
+            }
+            if let Some(end) = self.step() {
+                return Some(end);
+            }
+        }
+    }
+}
