@@ -331,4 +331,5 @@ fn tuner_changes_apply_on_every_rank_in_the_same_cycle() {
     );
 }
 
+mod driving;
 mod gpu;

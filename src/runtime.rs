@@ -497,6 +497,12 @@ impl Kolo {
         handle.wait()
     }
 
+    /// How many times a waiting caller ran the engine's cycles itself (tests).
+    #[cfg(test)]
+    pub(crate) fn caller_drives(&self) -> u64 {
+        self.inner.driver.drives()
+    }
+
     /// [`submit`](Self::submit); a sleeping engine thread is woken only if `wake`.
     fn submit_waking<T>(
         &self,

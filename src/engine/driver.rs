@@ -17,6 +17,7 @@
 //! `MPI_THREAD_SERIALIZED`), or once a device communicator is open (CUDA and NCCL
 //! calls stay on the engine thread). It then waits for its handle as any other.
 
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Mutex, MutexGuard, TryLockError};
 
 use super::queue::Queue;
@@ -26,6 +27,8 @@ use super::{End, Engine, Sleep};
 #[derive(Default)]
 pub(crate) struct Driver {
     slot: Mutex<Option<Driven>>,
+    /// How many times a caller drove the engine (tests and debugging).
+    drives: AtomicU64,
 }
 
 /// The engine, and how its cycles ended when a caller ended them.
@@ -65,6 +68,7 @@ impl Driver {
         if driven.ended.is_some() || !driven.engine.may_be_driven() {
             return false;
         }
+        self.drives.fetch_add(1, Ordering::Relaxed);
         driven.ended = driven.engine.drive(done);
         // Work left for the engine thread (other threads' ops, taken in here), or an
         // end it must serve: wake it once the lock is free.
@@ -138,6 +142,11 @@ impl Driver {
                 };
             }
         }
+    }
+
+    /// How many times a caller has driven the engine so far.
+    pub(crate) fn drives(&self) -> u64 {
+        self.drives.load(Ordering::Relaxed)
     }
 
     /// The engine after a panic on its thread (to abort through its transport).
