@@ -248,6 +248,16 @@ impl Drop for Completer {
 pub struct Handle<T> {
     slot: Arc<Slot>,
     convert: fn(Output) -> Result<T>,
+    /// The engine this handle's op runs on, which `wait` may run itself.
+    drive: Option<Arc<dyn Drive>>,
+}
+
+/// Lets a thread that waits for its handle run the engine's cycles itself while the
+/// engine is idle (the engine's `Driver` implements it; handles know only this).
+pub(crate) trait Drive: Send + Sync {
+    /// Runs the engine on this thread until `done()` if it can take the engine within
+    /// a few microseconds; otherwise makes sure the engine thread runs it.
+    fn help(&self, done: &dyn Fn() -> bool);
 }
 
 impl<T> fmt::Debug for Handle<T> {
@@ -270,6 +280,12 @@ impl<T> Handle<T> {
         self.slot.done.load(Ordering::Acquire)
     }
 
+    /// Lets `wait` run the engine `drive` on the waiting thread.
+    pub(crate) fn driven_by(mut self, drive: Arc<dyn Drive>) -> Self {
+        self.drive = Some(drive);
+        self
+    }
+
     /// Blocks until the collective has finished on this rank and returns its result.
     ///
     /// # Errors
@@ -287,6 +303,11 @@ impl<T> Handle<T> {
     /// # Errors
     /// As [`wait`](Self::wait), with the tensors in the [`SubmitError`].
     pub fn wait_or_return(self) -> Result<T, SubmitError> {
+        if let Some(d) = &self.drive {
+            if !self.is_done() {
+                d.help(&|| self.is_done());
+            }
+        }
         let start = Instant::now();
         while !self.slot.done.load(Ordering::Acquire) && start.elapsed() < WAIT_SPIN {
             std::thread::yield_now();
@@ -342,6 +363,7 @@ pub(crate) fn pair<T>(
         Handle {
             slot: slot.clone(),
             convert,
+            drive: None,
         },
         Completer {
             slot,

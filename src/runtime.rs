@@ -244,7 +244,7 @@ pub(crate) fn spawn_engine(
     let kept_config = config.clone();
     let queue = Arc::new(Queue::default());
     let engine_queue = queue.clone();
-    let driver = Arc::new(Driver::default());
+    let driver = Arc::new(Driver::new(queue.clone()));
     let engine_driver = driver.clone();
     let (started_tx, started_rx) = mpsc::sync_channel(1);
     let autotune = Arc::new(Mutex::new(AutotuneState::default()));
@@ -488,13 +488,9 @@ impl Kolo {
         s: Submission,
         convert: fn(Output) -> Result<T>,
     ) -> Result<T> {
-        let handle = self.submit_waking(s, convert, false)?;
-        let queue = &self.inner.queue;
-        if !self.inner.driver.drive_until(queue, &|| handle.is_done()) {
-            // Queued without waking the engine thread, and not run here: wake it.
-            queue.kick();
-        }
-        handle.wait()
+        // Queued without waking the engine thread: the wait runs it here, or kicks
+        // that thread when it cannot.
+        self.submit_waking(s, convert, false)?.wait()
     }
 
     /// How many times a waiting caller ran the engine's cycles itself (tests).
@@ -529,6 +525,7 @@ impl Kolo {
         let on_drop = (op, rank);
         let (meta, tensors) = s.into_parts();
         let (handle, mut done) = handle::pair(names, self.inner.queue.clone(), on_drop, convert);
+        let handle = handle.driven_by(self.inner.driver.clone());
         done.set_order(order.clone());
         let request = Request {
             meta,

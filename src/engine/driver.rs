@@ -18,15 +18,17 @@
 //! calls stay on the engine thread). It then waits for its handle as any other.
 
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Mutex, MutexGuard, TryLockError};
+use std::sync::{Arc, Mutex, MutexGuard, TryLockError};
 
 use super::queue::Queue;
 use super::{End, Engine, Sleep};
+use crate::handle::Drive;
 
 /// The engine, shared by its thread and the callers that drive it; see the module docs.
-#[derive(Default)]
 pub(crate) struct Driver {
     slot: Mutex<Option<Driven>>,
+    /// The engine's queue: a caller that gives up on driving kicks the engine thread.
+    queue: Arc<Queue>,
     /// How many times a caller drove the engine (tests and debugging).
     drives: AtomicU64,
 }
@@ -45,6 +47,15 @@ impl std::fmt::Debug for Driver {
 }
 
 impl Driver {
+    /// The driver of an engine fed by `queue`; the engine comes with [`Driver::serve`].
+    pub(crate) fn new(queue: Arc<Queue>) -> Self {
+        Driver {
+            slot: Mutex::new(None),
+            queue,
+            drives: AtomicU64::new(0),
+        }
+    }
+
     fn lock(&self) -> MutexGuard<'_, Option<Driven>> {
         // A panic while a cycle ran aborts the job (the panic hook); the state a
         // poisoned lock guards is only read on the way out.
@@ -55,9 +66,8 @@ impl Driver {
 
     /// Runs the engine's cycles on this thread until `done()`, if the engine is idle
     /// and may be driven from here (see the module docs). Returns false when it did
-    /// not drive; the caller must then [`Queue::kick`] the engine thread for an op it
-    /// queued without waking it.
-    pub(crate) fn drive_until(&self, queue: &Queue, done: &dyn Fn() -> bool) -> bool {
+    /// not drive.
+    fn drive_until(&self, done: &dyn Fn() -> bool) -> bool {
         let mut slot = match self.slot.try_lock() {
             Ok(slot) => slot,
             Err(TryLockError::WouldBlock | TryLockError::Poisoned(_)) => return false,
@@ -75,7 +85,7 @@ impl Driver {
         let leftover = driven.ended.is_some() || driven.engine.inbox.has_work();
         drop(slot);
         if leftover {
-            queue.kick();
+            self.queue.kick();
         }
         true
     }
@@ -88,7 +98,8 @@ impl Driver {
     /// other ranks are awaited) unless a caller ran one meanwhile; a sleep ended by
     /// work looks at the engine again first (a caller may have run it already). The
     /// thread spins for the next submit only after a cycle of its own.
-    pub(super) fn serve(&self, engine: Engine, queue: &Queue) -> Engine {
+    pub(super) fn serve(&self, engine: Engine) -> Engine {
+        let queue = &*self.queue;
         *self.lock() = Some(Driven {
             engine,
             ended: None,
@@ -145,6 +156,7 @@ impl Driver {
     }
 
     /// How many times a caller has driven the engine so far.
+    #[cfg(test)]
     pub(crate) fn drives(&self) -> u64 {
         self.drives.load(Ordering::Relaxed)
     }
@@ -152,6 +164,17 @@ impl Driver {
     /// The engine after a panic on its thread (to abort through its transport).
     pub(super) fn take_after_panic(&self) -> Option<Engine> {
         self.lock().take().map(|d| d.engine)
+    }
+}
+
+impl Drive for Driver {
+    /// Drives the engine until `done()` if it is idle (its lock is free: the engine
+    /// thread lets go of it while it sleeps); otherwise kicks the engine thread, which
+    /// then runs the op (it may have been queued without waking it).
+    fn help(&self, done: &dyn Fn() -> bool) {
+        if !self.drive_until(done) {
+            self.queue.kick();
+        }
     }
 }
 

@@ -38,7 +38,7 @@ pub(crate) fn run(
         autotune,
     );
     engine.open_configured_timeline();
-    serve_or_abort(engine, &driver, &queue);
+    serve_or_abort(engine, &driver);
     tracing::debug!(rank = topology.rank, "engine stopped; finalising MPI");
 }
 
@@ -169,10 +169,9 @@ impl Engine {
 /// (dropping the transport), which waits for the other ranks while they wait for this
 /// one in the cycle exchange: the job is aborted instead. The panic hook has already
 /// printed the rank, the thread and the message.
-fn serve_or_abort(engine: Engine, driver: &Driver, queue: &Queue) {
+fn serve_or_abort(engine: Engine, driver: &Driver) {
     let rank = engine.inbox.rank;
-    let served =
-        std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| driver.serve(engine, queue)));
+    let served = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| driver.serve(engine)));
     match served {
         Ok(engine) => {
             if let Some(p) = &engine.progress {
