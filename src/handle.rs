@@ -308,9 +308,11 @@ impl<T> Handle<T> {
                 d.help(&|| self.is_done());
             }
         }
-        let start = Instant::now();
-        while !self.slot.done.load(Ordering::Acquire) && start.elapsed() < WAIT_SPIN {
-            std::thread::yield_now();
+        if !self.is_done() {
+            let start = Instant::now();
+            while !self.is_done() && start.elapsed() < WAIT_SPIN {
+                std::thread::yield_now();
+            }
         }
         let mut state = self.slot.lock();
         while !state.done {
