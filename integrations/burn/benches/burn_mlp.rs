@@ -26,7 +26,7 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, ensure, Context, Result};
 use burn::nn::loss::CrossEntropyLossConfig;
 use burn::optim::{GradientsParams, ModuleOptimizer, SgdConfig};
-use kolo_burn::{broadcast_parameters, DistributedOptimizer, GradientReducer};
+use kolo_burn::{broadcast_parameters, DistributedOptimizer, GradientReducer, ShardedOptimizer};
 
 #[path = "common/mlp.rs"]
 mod mlp;
@@ -35,7 +35,7 @@ mod mlp;
 #[allow(dead_code)]
 mod harness;
 
-const PATHS: [&str; 3] = ["reducer", "overlapped", "optimizer"];
+const PATHS: [&str; 4] = ["reducer", "overlapped", "optimizer", "sharded"];
 
 /// One rank's side: trains `model` along `path` and prints rank 0's result line (the
 /// slowest rank's steps/s).
@@ -122,6 +122,26 @@ fn worker(
                 let m = optim.step(mlp::LR, m, g);
                 (m, at.elapsed())
             })
+        }
+        "sharded" => {
+            let mut optim = ShardedOptimizer::new(&kolo, SgdConfig::new().init());
+            let mut failed = None;
+            // Reduce-scatter, the shard's step and the all-gather: the share includes
+            // SGD's update, as for the optimizer path.
+            let t = mlp::time_steps(start, warmup, steps, |m| {
+                let g = mlp::grads(&m, x.clone(), y.clone());
+                let at = Instant::now();
+                let fallback = m.clone();
+                let m = optim.step(mlp::LR, m, g).unwrap_or_else(|e| {
+                    failed.get_or_insert(e.to_string());
+                    fallback
+                });
+                (m, at.elapsed())
+            });
+            if let Some(e) = failed {
+                bail!("sharded step failed: {e}");
+            }
+            t
         }
         other => bail!("unknown path {other:?}"),
     };

@@ -35,7 +35,7 @@ use clap::Parser;
 use indicatif::{ProgressBar, ProgressStyle};
 use kolo_burn::{
     average_metrics, broadcast_optimizer_state, broadcast_parameters, load_checkpoint,
-    save_checkpoint, DistributedSampler, GradientReducer,
+    save_checkpoint, DistributedSampler, GradientReducer, ShardedOptimizer,
 };
 
 #[derive(Parser, Debug)]
@@ -82,6 +82,10 @@ struct Args {
     /// Measure throughput only: no test evaluation, no checkpoints, one summary line.
     #[arg(long)]
     bench: bool,
+    /// Shard Adam's state across the ranks (ZeRO: kolo_burn::ShardedOptimizer), each
+    /// rank keeping 1/N of it; the same training otherwise. Not with --checkpoint yet.
+    #[arg(long, conflicts_with = "checkpoint")]
+    sharded_optimizer: bool,
 }
 
 #[derive(Module, Debug)]
@@ -247,6 +251,9 @@ fn main() -> anyhow::Result<()> {
         }
     }
     let reducer = GradientReducer::new(&kolo);
+    let mut sharded = args
+        .sharded_optimizer
+        .then(|| ShardedOptimizer::new(&kolo, AdamConfig::new().init()));
     let loss_fn: CrossEntropyLoss = CrossEntropyLossConfig::new().init(&device);
     let sampler = DistributedSampler::new(data.train.len(), rank, size, args.seed);
     let test_shard = DistributedSampler::new(data.test.len(), rank, size, 0).without_shuffle();
@@ -275,8 +282,13 @@ fn main() -> anyhow::Result<()> {
             let loss = loss_fn.forward(model.forward(x), y);
             loss_sum += scalar(loss.clone())? * ids.len() as f64;
             let grads = GradientsParams::from_grads(loss.backward(), &model);
-            let grads = reducer.reduce(&model, grads)?;
-            model = optim.step(lr, model, grads);
+            model = match &mut sharded {
+                Some(sharded) => sharded.step(lr, model, grads)?,
+                None => {
+                    let grads = reducer.reduce(&model, grads)?;
+                    optim.step(lr, model, grads)
+                }
+            };
             samples += ids.len();
             bar.inc(1);
         }

@@ -11,6 +11,9 @@
 //!   in a hand-written loop or from an overridden `TrainStep::optimize` in burn-train.
 //! - [`DistributedOptimizer`] (the per-tensor path) wraps any Burn `Optimizer` and goes
 //!   wherever one goes, at the cost of one blocking collective per parameter.
+//! - [`ShardedOptimizer`] (ZeRO stages 1 and 2) keeps each rank's 1/N share of the
+//!   optimizer state: gradients reduce-scattered, the share stepped, parameters
+//!   all-gathered; the same results as [`GradientReducer`] with the plain optimizer.
 //! - [`DistributedSampler`] shards a dataset per rank and epoch; [`average_metrics`]
 //!   averages loss and accuracy for logging; [`save_checkpoint`] / [`load_checkpoint`]
 //!   write crash-safe rank-0 checkpoints and resume every rank from them.
@@ -45,6 +48,7 @@ mod metrics;
 mod optim;
 mod overlap;
 mod sampler;
+mod sharded;
 #[cfg(feature = "train")]
 pub mod train;
 
@@ -57,3 +61,4 @@ pub use metrics::average_metrics;
 pub use optim::{DistributedOptimizer, DistributedState};
 pub use overlap::Overlap;
 pub use sampler::DistributedSampler;
+pub use sharded::ShardedOptimizer;

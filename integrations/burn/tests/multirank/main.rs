@@ -6,6 +6,7 @@ mod cube;
 #[path = "../../../../tests/collectives/harness.rs"]
 mod harness;
 mod issue31;
+mod sharded;
 mod supervised;
 
 use std::time::Duration;
@@ -912,6 +913,9 @@ const CASES: &[(&str, Case, &[usize])] = &[
         &[2, 3],
     ),
     ("issue31_resume_positions", issue31::resume_positions, &[2]),
+    ("sharded_equivalence", sharded::equivalence, &[2, 4]),
+    ("sharded_memory", sharded::memory, &[1, 2, 4]),
+    ("sharded_bad_model", sharded::bad_model, &[2]),
 ];
 
 /// The digits example (`examples/train_digits.rs`) as a user runs it, with the accuracy
@@ -928,6 +932,11 @@ const EXAMPLES: &[(&str, &[&str], &[usize])] = &[
         "digits_example_scale_lr",
         &["--epochs", "10", "--scale-lr", "--min-accuracy", "0.95"],
         &[4],
+    ),
+    (
+        "digits_example_sharded_optimizer",
+        &["--epochs", "10", "--sharded-optimizer", "--min-accuracy", "0.95"],
+        &[2],
     ),
 ];
 

@@ -1,0 +1,398 @@
+//! Sharded optimizer state (ZeRO stages 1 and 2): each rank keeps the optimizer
+//! state of 1/N of the parameters, and the same training results.
+
+use std::ops::Range;
+use std::sync::Arc;
+
+use burn::module::{Module, ModuleMapper, ModuleVisitor, Param, ParamId};
+use burn::optim::{GradientsParams, LearningRate, ModuleOptimizer};
+use burn::tensor::{DType, Device, Tensor, TensorData};
+use kolo::{Kolo, ReduceOp};
+
+use crate::error::{Error, Result};
+use crate::layout::Layout;
+
+/// A drop-in for Burn's `ModuleOptimizer` in a training loop that keeps only this
+/// rank's share of the optimizer state (DeepSpeed's ZeRO stage 1, and stage 2 for the
+/// reduced gradients; PyTorch's `ZeroRedundancyOptimizer`), across processes and
+/// machines.
+///
+/// ```no_run
+/// # use burn::module::Module;
+/// # fn demo<M: Module>(model: M, loss: burn::tensor::Tensor<1>) -> kolo_burn::Result<()> {
+/// use burn::optim::{AdamConfig, GradientsParams};
+/// let kolo = kolo::init()?;
+/// let mut model = kolo_burn::broadcast_parameters(&kolo, model, 0)?;
+/// let mut optim = kolo_burn::ShardedOptimizer::new(&kolo, AdamConfig::new().init());
+/// // each step, with the gradients straight from backward (not reduced):
+/// let grads = GradientsParams::from_grads(loss.backward(), &model);
+/// model = optim.step(1e-3, model, grads)?;
+/// # Ok(()) }
+/// ```
+///
+/// **How.** All float parameters, in module order, form one flat sequence of `T`
+/// elements, cut into `N` contiguous ranges balanced by elements (the first `T % N`
+/// ranks hold one more), the same on every rank and every step; [`shard`](Self::shard)
+/// is this rank's. Each step:
+/// 1. the gradients are reduce-scattered (kolo's `reducescatter`, Average by default):
+///    this rank receives the reduced gradient of its range only;
+/// 2. the wrapped optimizer steps this rank's range as one 1-D parameter, so its
+///    state (Adam's two moments, momentum, …) exists for that range only;
+/// 3. the updated ranges are all-gathered back into every rank's model.
+///
+/// The wire volume per step equals one allreduce of the gradients. The result is the
+/// same as [`GradientReducer`](crate::GradientReducer) followed by the same optimizer
+/// for every element-wise optimizer (SGD with or without momentum, Adam, AdamW,
+/// RMSprop, AdaGrad, Lion, weight decay): each element's update reads only its own
+/// gradient and state.
+///
+/// **Not (yet) supported**, refused with an error at the first step: optimizers whose
+/// update reads a whole tensor (LAMB, Muon, Adafactor; norm-based clipping per
+/// parameter, i.e. a `ModuleOptimizer` with gradient clipping — a range mixes
+/// parameters), which would need sharding by whole tensors; parameters other than f32;
+/// gradient accumulation (accumulate with Burn's `GradientsAccumulator` before
+/// `step`); process sets; saving the sharded state in [`save_checkpoint`](crate::save_checkpoint).
+///
+/// **Gradients** must be this rank's own, straight from `backward`: gradients already
+/// averaged by a [`GradientReducer`](crate::GradientReducer) would be averaged again,
+/// which for Average leaves them unchanged (the same values on every rank) and for
+/// Sum multiplies them by N — nothing can tell the two apart, so do not reduce them
+/// first. A parameter without a gradient on this rank counts as zeros.
+pub struct ShardedOptimizer {
+    kolo: Kolo,
+    inner: ModuleOptimizer,
+    op: ReduceOp,
+    prefix: String,
+    /// The partition, learned and agreed on the first step.
+    plan: Option<Arc<Plan>>,
+    /// The id of this rank's range as the wrapped optimizer sees it (its state is kept
+    /// under it), the same every step.
+    shard_id: ParamId,
+}
+
+impl std::fmt::Debug for ShardedOptimizer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ShardedOptimizer")
+            .field("op", &self.op)
+            .field("shard", &self.plan.as_ref().map(|p| p.range.clone()))
+            .finish_non_exhaustive()
+    }
+}
+
+/// The model's float parameters as one flat sequence, and this rank's range of it.
+struct Plan {
+    layout: Layout,
+    /// Where each parameter (in module order) starts in the flat sequence.
+    offsets: Vec<usize>,
+    total: usize,
+    range: Range<usize>,
+}
+
+/// The wrapped optimizer's view of this rank's range: one 1-D parameter.
+#[derive(Module, Debug)]
+struct Shard {
+    flat: Param<Tensor<1>>,
+}
+
+impl ShardedOptimizer {
+    /// Wraps `inner` (e.g. `AdamConfig::new().init()`), averaging gradients across all
+    /// ranks.
+    pub fn new(kolo: &Kolo, inner: ModuleOptimizer) -> Self {
+        ShardedOptimizer {
+            kolo: kolo.clone(),
+            inner,
+            op: ReduceOp::Average,
+            prefix: "kolo_burn.zero".into(),
+            plan: None,
+            shard_id: ParamId::new(),
+        }
+    }
+
+    /// [`ReduceOp::Average`] (default) or [`ReduceOp::Sum`] of the gradients.
+    pub fn op(mut self, op: ReduceOp) -> Self {
+        self.op = op;
+        self
+    }
+
+    /// The elements of the flat parameter sequence (all float parameters in module
+    /// order) whose optimizer state this rank holds; `None` before the first step.
+    pub fn shard(&self) -> Option<Range<usize>> {
+        self.plan.as_ref().map(|p| p.range.clone())
+    }
+
+    /// The bytes of optimizer state this rank holds: the size of the wrapped
+    /// optimizer's record (its state tensors and a small header).
+    pub fn local_state_bytes(&self) -> usize {
+        self.inner.to_record().into_bytes().map_or(0, |b| b.len())
+    }
+
+    /// The wrapped optimizer, holding this rank's share of the state.
+    pub fn inner(&self) -> &ModuleOptimizer {
+        &self.inner
+    }
+
+    /// Reduce-scatters `grads`, steps this rank's range and all-gathers the updated
+    /// parameters into `model` (see the type's docs). Every rank must call it with the
+    /// same model (the first step checks, naming the first parameter that differs).
+    ///
+    /// # Errors
+    /// [`Error::ModelMismatch`] on every rank when the ranks' models differ;
+    /// [`Error::InvalidArgument`] for what is not supported (see the type's docs); a
+    /// failed collective ([`Error::Kolo`]) on every rank.
+    pub fn step<M: Module>(
+        &mut self,
+        lr: LearningRate,
+        model: M,
+        mut grads: GradientsParams,
+    ) -> Result<M> {
+        let plan = self.plan_for(&model)?;
+        let plan = &*plan;
+        let flat = flat_gradients(&model, &mut grads, plan);
+        let device = first_device(&model)?;
+        let flat = kolo::Tensor::from_vec(flat, &[plan.total])?;
+        let mine = self
+            .kolo
+            .reducescatter(format!("{}.grads", self.prefix), flat)
+            .op(self.op)
+            .wait()?
+            .into_vec::<f32>()?;
+        let len = plan.range.len();
+        let values = read_range(&model, plan);
+        let shard = Shard {
+            flat: Param::initialized(
+                self.shard_id,
+                Tensor::from_data(TensorData::new(values, [len]), &device),
+            ),
+        };
+        let mut shard_grads = GradientsParams::new();
+        shard_grads.register(
+            self.shard_id,
+            Tensor::<1>::from_data(TensorData::new(mine, [len]), &device),
+        );
+        let shard = self.inner.step(lr, shard, shard_grads);
+        let updated = shard
+            .flat
+            .val()
+            .into_data()
+            .try_into_vec::<f32>()
+            .map_err(|e| Error::Data {
+                name: "the updated shard".into(),
+                message: format!("{e:?}"),
+            })?;
+        let updated = kolo::Tensor::from_vec(updated, &[len])?;
+        let all = self
+            .kolo
+            .allgather(format!("{}.params", self.prefix), updated)
+            .wait()?
+            .into_vec::<f32>()?;
+        let mut write = WriteBack {
+            all: &all,
+            offsets: &plan.offsets,
+            next: 0,
+        };
+        Ok(model.map(&mut write))
+    }
+
+    /// The partition of `module`, learned and agreed by all ranks on the first step,
+    /// checked (cheaply) on later ones.
+    fn plan_for<M: Module>(&mut self, module: &M) -> Result<Arc<Plan>> {
+        match &self.plan {
+            Some(p) if p.layout.fits(module, usize::MAX) => Ok(p.clone()),
+            _ => {
+                let plan = Arc::new(self.learn(module)?);
+                self.plan = Some(plan.clone());
+                Ok(plan)
+            }
+        }
+    }
+
+    fn learn<M: Module>(&self, module: &M) -> Result<Plan> {
+        if self.inner.has_gradient_clipping() {
+            return Err(Error::InvalidArgument {
+                what: "ShardedOptimizer::new",
+                message: "the wrapped optimizer clips gradients per parameter, but a shard \
+                          mixes parameters: make the optimizer without gradient clipping"
+                    .into(),
+            });
+        }
+        let layout = Layout::learn(module, &self.kolo, &self.prefix, usize::MAX)?;
+        if let Some(s) = layout.slots.iter().find(|s| s.dtype != DType::F32) {
+            return Err(Error::InvalidArgument {
+                what: "ShardedOptimizer::step",
+                message: format!(
+                    "parameter {:?} is {:?}; the sharded optimizer takes f32 parameters only \
+                     (use GradientReducer with the plain optimizer for other dtypes)",
+                    s.path, s.dtype
+                ),
+            });
+        }
+        let mut offsets = Vec::with_capacity(layout.slots.len());
+        let mut total = 0usize;
+        for s in &layout.slots {
+            offsets.push(total);
+            total += s.dims.iter().product::<usize>();
+        }
+        let (rank, size) = (self.kolo.rank(), self.kolo.size());
+        if total < size {
+            return Err(Error::InvalidArgument {
+                what: "ShardedOptimizer::step",
+                message: format!(
+                    "the model has {total} parameter elements, fewer than the {size} ranks \
+                     to share them"
+                ),
+            });
+        }
+        Ok(Plan {
+            layout,
+            offsets,
+            total,
+            range: range_of(total, size, rank),
+        })
+    }
+}
+
+/// The elements rank `rank` of `size` holds among `total`: contiguous, the first
+/// `total % size` ranks one more (kolo's reducescatter splits dim 0 the same way).
+fn range_of(total: usize, size: usize, rank: usize) -> Range<usize> {
+    let (base, extra) = (total / size, total % size);
+    let start = rank * base + rank.min(extra);
+    start..start + base + usize::from(rank < extra)
+}
+
+/// Every parameter's gradient from `grads`, flattened in module order (zeros for a
+/// parameter without one).
+fn flat_gradients<M: Module>(module: &M, grads: &mut GradientsParams, plan: &Plan) -> Vec<f32> {
+    struct Flatten<'a> {
+        grads: &'a mut GradientsParams,
+        out: Vec<f32>,
+    }
+    impl ModuleVisitor for Flatten<'_> {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            let n = param.val().shape().num_elements();
+            let values = self
+                .grads
+                .remove::<D>(param.id)
+                .and_then(|g| g.into_data().try_into_vec::<f32>().ok());
+            match values {
+                Some(v) if v.len() == n => self.out.extend_from_slice(&v),
+                _ => self.out.resize(self.out.len() + n, 0.0),
+            }
+        }
+    }
+    let mut f = Flatten {
+        grads,
+        out: Vec::with_capacity(plan.total),
+    };
+    module.visit(&mut f);
+    f.out
+}
+
+/// The values of this rank's range of the flat parameter sequence (only the
+/// parameters that overlap it are read).
+fn read_range<M: Module>(module: &M, plan: &Plan) -> Vec<f32> {
+    struct Read<'a> {
+        plan: &'a Plan,
+        next: usize,
+        out: Vec<f32>,
+    }
+    impl ModuleVisitor for Read<'_> {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            let i = self.next;
+            self.next += 1;
+            let (Some(&start), Some(slot)) =
+                (self.plan.offsets.get(i), self.plan.layout.slots.get(i))
+            else {
+                return;
+            };
+            let end = start + slot.dims.iter().product::<usize>();
+            let (lo, hi) = (
+                start.max(self.plan.range.start),
+                end.min(self.plan.range.end),
+            );
+            if lo >= hi {
+                return;
+            }
+            if let Ok(v) = param.val().into_data().try_into_vec::<f32>() {
+                self.out.extend_from_slice(&v[lo - start..hi - start]);
+            }
+        }
+    }
+    let mut r = Read {
+        plan,
+        next: 0,
+        out: Vec::with_capacity(plan.range.len()),
+    };
+    module.visit(&mut r);
+    r.out
+}
+
+/// The device of the module's first float parameter.
+fn first_device<M: Module>(module: &M) -> Result<Device> {
+    struct First(Option<Device>);
+    impl ModuleVisitor for First {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            if self.0.is_none() {
+                self.0 = Some(param.val().device());
+            }
+        }
+    }
+    let mut f = First(None);
+    module.visit(&mut f);
+    f.0.ok_or_else(|| Error::InvalidArgument {
+        what: "ShardedOptimizer::step",
+        message: "the module has no float parameters".into(),
+    })
+}
+
+/// Puts the gathered flat parameters back into the model, parameter by parameter in
+/// module order, keeping each one's id, device and `require_grad`.
+struct WriteBack<'a> {
+    all: &'a [f32],
+    offsets: &'a [usize],
+    next: usize,
+}
+
+impl ModuleMapper for WriteBack<'_> {
+    fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
+        let i = self.next;
+        self.next += 1;
+        let (id, tensor, mapper) = param.consume();
+        let shape = tensor.shape();
+        let n = shape.num_elements();
+        let Some(values) = self
+            .offsets
+            .get(i)
+            .and_then(|&start| self.all.get(start..start + n))
+        else {
+            return Param::from_mapped_value(id, tensor, mapper);
+        };
+        let mut updated =
+            Tensor::<D>::from_data(TensorData::new(values.to_vec(), shape), &tensor.device());
+        if tensor.is_require_grad() {
+            updated = updated.require_grad();
+        }
+        Param::from_mapped_value(id, updated, mapper)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::range_of;
+
+    #[test]
+    fn ranges_cover_everything_once_and_differ_by_at_most_one() {
+        for total in [4usize, 5, 7, 100, 101] {
+            for size in 1..=4 {
+                let ranges: Vec<_> = (0..size).map(|r| range_of(total, size, r)).collect();
+                assert_eq!(ranges[0].start, 0);
+                assert_eq!(ranges[size - 1].end, total);
+                for w in ranges.windows(2) {
+                    assert_eq!(w[0].end, w[1].start);
+                }
+                let lens: Vec<usize> = ranges.iter().map(ExactSizeIterator::len).collect();
+                let (lo, hi) = (lens.iter().min(), lens.iter().max());
+                assert!(hi.zip(lo).is_some_and(|(h, l)| h - l <= 1), "{lens:?}");
+            }
+        }
+    }
+}

@@ -1,0 +1,136 @@
+//! Issue 35: the sharded optimizer (ZeRO 1/2) against the plain one.
+
+use anyhow::{ensure, Result};
+use burn::module::Module;
+use burn::nn::{Linear, LinearConfig, Relu};
+use burn::optim::momentum::MomentumConfig;
+use burn::optim::{AdamConfig, GradientsParams, ModuleOptimizer, SgdConfig};
+use burn::tensor::{Device, Tensor, TensorData};
+use kolo::Kolo;
+use kolo_burn::{broadcast_parameters, GradientReducer, ShardedOptimizer};
+
+use super::{assert_close, grads_for, params, Small};
+
+/// 20 steps of the sharded optimizer equal 20 steps of `GradientReducer` + the same
+/// plain optimizer, for Adam and SGD with momentum, on every rank.
+pub(crate) fn equivalence(k: &Kolo) -> Result<()> {
+    let (rank, size) = (k.rank(), k.size());
+    let device = Device::flex().autodiff();
+    device.seed(29);
+    let b = 6;
+    let make = |adam: bool| -> ModuleOptimizer {
+        if adam {
+            AdamConfig::new().init()
+        } else {
+            SgdConfig::new()
+                .with_momentum(Some(MomentumConfig::new()))
+                .init()
+        }
+    };
+    for adam in [true, false] {
+        let start = broadcast_parameters(k, Small::new(&device), 0)?;
+        let mut sharded = ShardedOptimizer::new(k, make(adam)).op(kolo::ReduceOp::Sum);
+        let mut plain = make(adam);
+        let reducer = GradientReducer::new(k);
+        let (mut a, mut b_model) = (start.clone(), start);
+        for step in 0..20 {
+            let base = step * b * size;
+            let ids = base + rank * b..base + (rank + 1) * b;
+            let grads = grads_for(&a, ids.clone(), &device);
+            a = sharded.step(0.05, a, grads)?;
+            let grads = reducer.reduce(&b_model, grads_for(&b_model, ids, &device))?;
+            b_model = plain.step(0.05, b_model, grads);
+        }
+        let what = if adam {
+            "sharded Adam"
+        } else {
+            "sharded SGD+momentum"
+        };
+        assert_close(what, &params(&a), &params(&b_model), 1e-5)?;
+        // Every rank ends with the same parameters.
+        let bits: Vec<u32> = params(&a).iter().map(|x| x.to_bits()).collect();
+        let all: Vec<Vec<u32>> = k.allgather_object("sharded.bits", bits)?;
+        ensure!(all.iter().all(|p| p == &all[0]), "{what}: ranks differ");
+        // The shards tile the parameters.
+        let total = params(&a).len();
+        let shard = sharded.shard().unwrap_or(0..0);
+        let shards: Vec<(usize, usize)> =
+            k.allgather_object("sharded.ranges", (shard.start, shard.end))?;
+        ensure!(
+            shards[0].0 == 0 && shards[size - 1].1 == total,
+            "{what}: shards {shards:?} of {total}"
+        );
+        ensure!(
+            shards.windows(2).all(|w| w[0].1 == w[1].0),
+            "{what}: shards {shards:?}"
+        );
+    }
+    Ok(())
+}
+
+/// A model whose first layer holds most of the parameters.
+#[derive(Module, Debug)]
+struct Wide {
+    fc1: Linear,
+    act: Relu,
+    fc2: Linear,
+}
+
+/// Adam's state per rank shrinks with the ranks: at np N at most 1.1 × the unsharded
+/// state / N (the unsharded optimizer stepping the same model on this rank).
+pub(crate) fn memory(k: &Kolo) -> Result<()> {
+    let size = k.size();
+    let device = Device::flex().autodiff();
+    let model = Wide {
+        fc1: LinearConfig::new(64, 512).init(&device),
+        act: Relu::new(),
+        fc2: LinearConfig::new(512, 8).init(&device),
+    };
+    let model = broadcast_parameters(k, model, 0)?;
+    let x = Tensor::<2>::from_data(TensorData::new(vec![0.5f32; 4 * 64], [4, 64]), &device);
+    let grads = |m: &Wide| {
+        let y = m.fc2.forward(m.act.forward(m.fc1.forward(x.clone())));
+        GradientsParams::from_grads(y.sum().backward(), m)
+    };
+    let mut sharded = ShardedOptimizer::new(k, AdamConfig::new().init());
+    let g = grads(&model);
+    let _ = sharded.step(1e-3, model.clone(), g)?;
+    let mut plain = AdamConfig::new().init();
+    let g = grads(&model);
+    let _ = plain.step(1e-3, model, g);
+    let unsharded = plain.to_record().into_bytes().map(|b| b.len()).unwrap_or(0);
+    let mine = sharded.local_state_bytes();
+    let all: Vec<usize> = k.allgather_object("sharded.bytes", mine)?;
+    if k.rank() == 0 {
+        eprintln!("np {size}: sharded Adam state per rank {all:?} bytes, unsharded {unsharded}");
+    }
+    let bound = 1.1 * unsharded as f64 / size as f64;
+    ensure!(unsharded > 0, "the plain optimizer holds no state");
+    ensure!(
+        all.iter().all(|&b| (b as f64) <= bound),
+        "state per rank {all:?} above 1.1 x {unsharded} / {size} = {bound:.0}"
+    );
+    Ok(())
+}
+
+/// Ranks whose models differ fail on every rank, naming the parameter.
+pub(crate) fn bad_model(k: &Kolo) -> Result<()> {
+    let device = Device::flex().autodiff();
+    let model = Wide {
+        fc1: LinearConfig::new(8, 16 + k.rank()).init(&device),
+        act: Relu::new(),
+        fc2: LinearConfig::new(16 + k.rank(), 4).init(&device),
+    };
+    let x = Tensor::<2>::from_data(TensorData::new(vec![0.5f32; 8], [1, 8]), &device);
+    let y = model.fc2.forward(model.act.forward(model.fc1.forward(x)));
+    let g = GradientsParams::from_grads(y.sum().backward(), &model);
+    let mut sharded = ShardedOptimizer::new(k, AdamConfig::new().init());
+    match sharded.step(1e-3, model, g) {
+        Ok(_) => anyhow::bail!("models that differ were stepped"),
+        Err(e) => {
+            let m = e.to_string();
+            ensure!(m.contains("fc1.weight") && m.contains("rank 1"), "{m}");
+        }
+    }
+    Ok(())
+}
