@@ -50,6 +50,7 @@ mod objects;
 mod ops;
 mod optimizer;
 mod order;
+mod p2p;
 mod process_set;
 mod runtime;
 mod submit_error;
@@ -70,6 +71,7 @@ pub use optimizer::{
     broadcast_parameters, Compression, DistributedOptimizer, DistributedOptimizerBuilder,
     GradientStep, Gradients,
 };
+pub use p2p::{RecvBuilder, SendBuilder};
 pub use process_set::ProcessSet;
 pub use runtime::{build_info, cuda_device_count, init, nccl_library_present, BuildInfo, Kolo};
 pub use submit_error::SubmitError;

@@ -150,13 +150,15 @@ macro_rules! process_set_option {
     };
 }
 
+pub(crate) use process_set_option;
+
 /// A builder's request, ready to go to `kolo` unless a process set refused it (the
 /// tensors then come back in the error).
-struct Prepared<'k, T> {
-    kolo: &'k Kolo,
-    refused: Option<String>,
-    s: Submission,
-    convert: fn(handle::Output) -> Result<T>,
+pub(crate) struct Prepared<'k, T> {
+    pub(crate) kolo: &'k Kolo,
+    pub(crate) refused: Option<String>,
+    pub(crate) s: Submission,
+    pub(crate) convert: fn(handle::Output) -> Result<T>,
 }
 
 impl<T> Prepared<'_, T> {
@@ -171,13 +173,13 @@ impl<T> Prepared<'_, T> {
         Err(SubmitError::new(e, tensors.into_vec()))
     }
 
-    fn submit(self) -> Result<Handle<T>, SubmitError> {
+    pub(crate) fn submit(self) -> Result<Handle<T>, SubmitError> {
         let s = Self::refusal(self.refused, self.s)?;
         self.kolo.submit(s, self.convert)
     }
 
     /// Submits and waits, running the engine on this thread while it is idle.
-    fn wait(self) -> Result<T> {
+    pub(crate) fn wait(self) -> Result<T> {
         let s = Self::refusal(self.refused, self.s)?;
         self.kolo.submit_wait(s, self.convert)
     }

@@ -508,7 +508,7 @@ impl Kolo {
     ) -> Result<Handle<T>, SubmitError> {
         let order = s.order.take();
         let back = |tensors: Tensors| unsort(order.as_deref(), tensors.into_vec());
-        if let Err(e) = crate::validate::validate(&s, self.size()) {
+        if let Err(e) = crate::validate::validate(&s, self.size(), self.rank()) {
             let (_, tensors) = s.into_parts();
             return Err(SubmitError::new(e, back(tensors)));
         }

@@ -18,7 +18,10 @@ pub(crate) fn bad_root(op: &'static str, name: &str, root: usize, size: usize) -
 
 /// Submit-time checks: immediate errors on this rank only (README, "When something
 /// goes wrong"); the checks across ranks are in `engine::negotiate`.
-pub(crate) fn validate(s: &Submission, size: usize) -> Result<()> {
+pub(crate) fn validate(s: &Submission, size: usize, rank: usize) -> Result<()> {
+    if s.kind.is_p2p() {
+        check_peer(s, size, rank).map_err(|m| invalid(s, m))?;
+    }
     check_names(s)
         .and_then(|()| check_group(s))
         .and_then(|()| check_device(s))
@@ -37,6 +40,33 @@ fn invalid(s: &Submission, message: String) -> Error {
         name: s.key.to_string(),
         message,
     }
+}
+
+/// A send's or receive's other rank: a rank, not this one; a send's tensor on the CPU.
+fn check_peer(s: &Submission, size: usize, rank: usize) -> std::result::Result<(), String> {
+    let (peer, role) = match s.kind {
+        OpKind::Send => (s.root, "destination"),
+        _ => (s.root, "source"),
+    };
+    if peer >= size {
+        return Err(format!(
+            "{role} rank {peer} is out of range: there are {size} ranks (0..{size})"
+        ));
+    }
+    if peer == rank {
+        return Err(format!(
+            "{role} rank {peer} is this rank; send and recv are between two ranks"
+        ));
+    }
+    if let Some((_, t)) = s.tensors.first() {
+        if t.device() != crate::tensor::Device::Cpu {
+            return Err(format!(
+                "the tensor is on {}; send takes CPU tensors (copy it with to_cpu first)",
+                t.device()
+            ));
+        }
+    }
+    Ok(())
 }
 
 /// Names: not empty, not in kolo's reserved key space.
@@ -164,7 +194,7 @@ mod tests {
 
     /// The error message `s` gets with `size` ranks ("" when it passes).
     fn check(s: &Submission, size: usize) -> String {
-        err_text(validate(s, size))
+        err_text(validate(s, size, 0))
     }
 
     #[test]

@@ -82,8 +82,51 @@ pub(crate) fn run(
             })?;
             Ok(Output::Detached(Box::new(t.split(ranks)?)))
         }
+        OpKind::Send | OpKind::Recv => p2p(t, ready, inputs),
         OpKind::Join => Err(Error::Internal("join reached the executor".into())),
     }
+}
+
+/// This rank's side of a send/recv pair (the response's kind is the lowest rank's).
+fn p2p(t: &mut dyn Transport, ready: &Ready, mut inputs: Tensors) -> Result<Output> {
+    let me = t.topology().rank;
+    let mine = ready
+        .metas
+        .get(me)
+        .and_then(Option::as_ref)
+        .ok_or_else(|| {
+            Error::Internal(format!("{:?}: rank {me} is not in this pair", ready.key))
+        })?;
+    match mine.kind {
+        OpKind::Send => {
+            let tensor = take_tensor(ready, &mut inputs)?;
+            t.send(tensor.host_bytes(), mine.root)?;
+            Ok(Output::Unit)
+        }
+        _ => Ok(Output::Tensor(recv(t, ready)?)),
+    }
+}
+
+/// The receiving side of a send: a tensor of the sender's dtype and shape, filled
+/// from it.
+fn recv(t: &mut dyn Transport, ready: &Ready) -> Result<Tensor> {
+    let sent = ready
+        .metas
+        .iter()
+        .flatten()
+        .find(|m| m.kind == OpKind::Send)
+        .and_then(|m| m.tensors.first())
+        .ok_or_else(|| Error::Internal(format!("recv {:?} without its send", ready.key)))?;
+    let from = ready
+        .metas
+        .iter()
+        .position(|m| m.as_ref().is_some_and(|m| m.kind == OpKind::Send))
+        .unwrap_or_default();
+    let mut out = Tensor::zeros(sent.dtype, &sent.shape);
+    if !out.is_empty() {
+        t.recv(out.host_bytes_mut(), from)?;
+    }
+    Ok(out)
 }
 
 /// Completes an allreduce the cycle's agreement already summed (`sum`: the sum of

@@ -76,6 +76,48 @@ struct Entry {
     since: Instant,
 }
 
+impl Entry {
+    /// The ranks this entry needs: sender and receiver of a point-to-point op (from
+    /// whichever of them announced it first), else every rank.
+    fn pair(&self) -> Option<(usize, usize)> {
+        let (rank, m) = self
+            .metas
+            .iter()
+            .enumerate()
+            .find_map(|(r, m)| Some((r, m.as_ref()?)))?;
+        m.p2p_pair(rank)
+    }
+
+    /// Whether every rank it needs has submitted it (a joined rank stands in with
+    /// zeros for a collective).
+    fn ready(&self, joined: &[bool]) -> bool {
+        match self.pair() {
+            Some((from, to)) => {
+                let has = |r: usize| self.metas.get(r).is_some_and(Option::is_some);
+                has(from) && has(to)
+            }
+            None => self
+                .metas
+                .iter()
+                .zip(joined)
+                .all(|(m, &j)| m.is_some() || j),
+        }
+    }
+
+    /// The ranks it needs that have not submitted it.
+    fn missing(&self, joined: &[bool]) -> Vec<usize> {
+        match self.pair() {
+            Some((from, to)) => [from, to]
+                .into_iter()
+                .filter(|&r| self.metas.get(r).is_some_and(Option::is_none))
+                .collect(),
+            None => (0..self.metas.len())
+                .filter(|&r| self.metas[r].is_none() && !joined[r])
+                .collect(),
+        }
+    }
+}
+
 /// The table of requests seen from all ranks and not yet run.
 pub(crate) struct Negotiator {
     size: usize,
@@ -152,7 +194,7 @@ impl Negotiator {
         let ready: Vec<u64> = self
             .table
             .iter()
-            .filter(|(_, e)| e.metas.iter().zip(&joined).all(|(m, &j)| m.is_some() || j))
+            .filter(|(_, e)| e.ready(&joined))
             .map(|(&seq, _)| seq)
             .collect();
         let joined_ranks: Vec<usize> = (0..self.size).filter(|&r| joined[r]).collect();
@@ -192,9 +234,7 @@ impl Negotiator {
             let Some(first) = e.metas.iter().flatten().next() else {
                 continue;
             };
-            let missing: Vec<usize> = (0..self.size)
-                .filter(|&r| e.metas[r].is_none() && !self.joined[r])
-                .collect();
+            let missing = e.missing(&self.joined);
             if !missing.is_empty() {
                 parts.push(format!("{:?} is missing from ranks {missing:?}", first.key));
             }
@@ -217,10 +257,7 @@ impl Negotiator {
             .filter(|e| now.duration_since(e.since) >= after)
             .filter_map(|e| {
                 let key = e.metas.iter().flatten().next()?.key.to_string();
-                let missing = (0..self.size)
-                    .filter(|&r| e.metas[r].is_none() && !self.joined[r])
-                    .collect();
-                Some((key, missing))
+                Some((key, e.missing(&self.joined)))
             })
             .collect()
     }
@@ -274,6 +311,9 @@ fn check(key: &str, metas: &[Option<RequestMeta>], joined: &[usize]) -> Result<(
         name: key.to_string(),
         message: format!("{what} mismatch: {message}"),
     };
+    if kind.is_p2p() {
+        return check_p2p(key, metas);
+    }
     if let Some(m) = differ(metas, |m| m.kind, |k| k.name().to_string()) {
         return Err(fail("op", m));
     }
@@ -300,6 +340,41 @@ fn check(key: &str, metas: &[Option<RequestMeta>], joined: &[usize]) -> Result<(
         return Err(fail(what, m));
     }
     Ok(())
+}
+
+/// A point-to-point pair: a send on the sender and a receive on the receiver (the
+/// key names both ranks, so only a send meeting a send, or a receive a receive, on
+/// the two ranks can disagree).
+fn check_p2p(key: &str, metas: &[Option<RequestMeta>]) -> Result<(), Error> {
+    let mut sends = Vec::new();
+    let mut recvs = Vec::new();
+    for (rank, m) in metas.iter().enumerate() {
+        match m.as_ref().map(|m| m.kind) {
+            Some(OpKind::Send) => sends.push(rank),
+            Some(OpKind::Recv) => recvs.push(rank),
+            Some(other) => {
+                return Err(Error::Mismatch {
+                    op: other.name(),
+                    name: key.to_string(),
+                    message: format!(
+                        "rank {rank} submitted {} under a send/recv name",
+                        other.name()
+                    ),
+                })
+            }
+            None => {}
+        }
+    }
+    if sends.len() == 1 && recvs.len() == 1 {
+        return Ok(());
+    }
+    Err(Error::Mismatch {
+        op: "send",
+        name: key.to_string(),
+        message: format!(
+            "op mismatch: a send needs a recv on the other rank; ranks {sends:?} sent, ranks {recvs:?} received"
+        ),
+    })
 }
 
 /// The first of a request's tensors whose dtype or shape differs between ranks, as

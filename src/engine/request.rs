@@ -37,6 +37,10 @@ pub(crate) enum OpKind {
     Join,
     /// Makes a process set's communicator (its ranks are in the request's `splits`).
     AddProcessSet,
+    /// Point to point: this rank's tensor to the rank in `root`.
+    Send,
+    /// Point to point: a tensor from the rank in `root` (shape and dtype from the send).
+    Recv,
 }
 
 impl OpKind {
@@ -51,7 +55,14 @@ impl OpKind {
             OpKind::Barrier => "barrier",
             OpKind::Join => "join",
             OpKind::AddProcessSet => "add_process_set",
+            OpKind::Send => "send",
+            OpKind::Recv => "recv",
         }
+    }
+
+    /// Whether the op is point to point (two ranks, not all).
+    pub(crate) fn is_p2p(self) -> bool {
+        matches!(self, OpKind::Send | OpKind::Recv)
     }
 
     /// Whether the op can run while some ranks have joined (they contribute zeros).
@@ -113,6 +124,18 @@ pub(crate) struct RequestMeta {
     pub(crate) root: usize,
     pub(crate) splits: Option<Vec<usize>>,
     pub(crate) device: Device,
+}
+
+impl RequestMeta {
+    /// A point-to-point request's (sender, receiver), made on `rank`; `None` for
+    /// every other op.
+    pub(crate) fn p2p_pair(&self, rank: usize) -> Option<(usize, usize)> {
+        match self.kind {
+            OpKind::Send => Some((rank, self.root)),
+            OpKind::Recv => Some((self.root, rank)),
+            _ => None,
+        }
+    }
 }
 
 #[cfg(test)]

@@ -126,6 +126,8 @@ impl Executor {
                         self.trace_negotiation(&req.meta, req.submitted);
                         (Some(req.tensors), Some(req.done))
                     }
+                    // Not one of a send/recv pair's two ranks: nothing to do here.
+                    None if ready.kind.is_p2p() => return,
                     None => (None, None),
                 };
                 let span = tracing::debug_span!("op", kind = ready.kind.name(), key = %ready.key);

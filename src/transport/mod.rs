@@ -168,6 +168,24 @@ pub(crate) trait Transport: Send {
     /// Broadcast of `buf` from `root`.
     fn broadcast(&mut self, buf: &mut [u8], root: usize, dtype: DType) -> Result<()>;
 
+    /// Point to point: `buf` to rank `dest`, which runs the matching
+    /// [`Transport::recv`] at the same place of its cycle (the engine runs responses
+    /// in one order on every rank). The default: not available on this transport.
+    fn send(&mut self, buf: &[u8], dest: usize) -> Result<()> {
+        let _ = (buf, dest);
+        Err(Error::Internal(
+            "this transport has no point-to-point messages".into(),
+        ))
+    }
+
+    /// Point to point: fills `buf` from rank `src`'s [`Transport::send`].
+    fn recv(&mut self, buf: &mut [u8], src: usize) -> Result<()> {
+        let _ = (buf, src);
+        Err(Error::Internal(
+            "this transport has no point-to-point messages".into(),
+        ))
+    }
+
     /// Sends `send_counts[r]` elements to rank `r`, receives `recv_counts[r]` from it.
     fn alltoallv(
         &mut self,

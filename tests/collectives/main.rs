@@ -13,6 +13,7 @@ mod harness;
 mod issue31;
 mod optimizer;
 mod others;
+mod p2p;
 mod process_sets;
 mod soak;
 mod timeline;
@@ -55,6 +56,10 @@ const CASES: &[(&str, Case, usize)] = &[
     ("process_sets", process_sets::collectives, 1),
     ("process_set_errors", process_sets::errors, 1),
     ("process_sets_independent", process_sets::independent, 4),
+    ("p2p_ring", p2p::ring, 2),
+    ("p2p_same_name_other_pairs", p2p::same_name_other_pairs, 2),
+    ("p2p_errors", p2p::errors, 2),
+    ("p2p_in_process_set", p2p::in_process_set, 3),
     (
         "issue31_grouped_member_order",
         issue31::grouped_member_order,

@@ -296,3 +296,25 @@ fn stalled_lists_missing_ranks() {
         vec![("a".to_string(), vec![1, 2])]
     );
 }
+
+/// Issue 36: a send/recv pair is ready once its two ranks submitted it, whatever the
+/// other ranks do; a stall names only the missing one of the two.
+#[test]
+fn a_send_recv_pair_needs_its_two_ranks_only() {
+    let now = Instant::now();
+    let mut n = Negotiator::new(3);
+    let mut send = req("act@2->0", OpKind::Send, &[3]);
+    send.root = 0;
+    let mut recv = req("act@2->0", OpKind::Recv, &[]);
+    recv.tensors.clear();
+    recv.root = 2;
+    let r = responses(n.handle(&cycle(vec![vec![], vec![], vec![send]]), now));
+    assert!(r.is_empty());
+    let stalled = n.stalled(now, Duration::ZERO);
+    assert_eq!(stalled, [("act@2->0".to_string(), vec![0])]);
+    let r = responses(n.handle(&cycle(vec![vec![recv.clone()], vec![], vec![]]), now));
+    assert_eq!(keys(&r), ["act@2->0"]);
+    // Two receives under one pair's key (a program error) fail instead of running.
+    let r = responses(n.handle(&cycle(vec![vec![recv.clone()], vec![], vec![recv]]), now));
+    assert_eq!(keys(&r), ["fail:act@2->0"]);
+}

@@ -24,6 +24,7 @@ mod agree;
 use agree::and_into;
 mod group;
 mod hosts;
+mod p2p;
 mod rings;
 mod setup;
 mod types;
@@ -475,6 +476,14 @@ impl Transport for MpiTransport {
             return result;
         }
         allgatherv_on(self.world(), send, recv, counts_, dtype)
+    }
+
+    fn send(&mut self, buf: &[u8], dest: usize) -> Result<()> {
+        self.send_bytes(buf, dest)
+    }
+
+    fn recv(&mut self, buf: &mut [u8], src: usize) -> Result<()> {
+        self.recv_bytes(buf, src)
     }
 
     fn broadcast(&mut self, buf: &mut [u8], root: usize, dtype: DType) -> Result<()> {

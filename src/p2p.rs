@@ -1,0 +1,141 @@
+//! Point to point between two ranks (pipeline stages): `send` and `recv`, matched by
+//! name between the two ranks only, through the engine like every collective.
+
+use crate::engine::request::{Key, Named, OpKind, Submission};
+use crate::error::Result;
+use crate::handle::{self, Handle};
+use crate::ops::{process_set_option, Prepared};
+use crate::process_set::ProcessSet;
+use crate::runtime::Kolo;
+use crate::submit_error::SubmitError;
+use crate::tensor::Tensor;
+
+/// Point to point: each returns a builder.
+impl Kolo {
+    /// Sends `tensor` to rank `dest`, which receives it with [`Kolo::recv`] under the
+    /// same name. Matched by name between the two ranks only: other ranks take no
+    /// part, and the same name may be in use between other pairs at the same time.
+    /// The engine runs the pair at the same place of its order on both ranks, so
+    /// sends, receives and collectives never deadlock whatever order they are
+    /// submitted in. CPU tensors.
+    pub fn send(&self, name: impl Into<String>, tensor: Tensor, dest: usize) -> SendBuilder<'_> {
+        SendBuilder {
+            kolo: self,
+            refused: None,
+            name: name.into(),
+            tensor,
+            dest,
+        }
+    }
+
+    /// Receives the tensor rank `src` sends under `name` with [`Kolo::send`]; its
+    /// shape and dtype come from the sender.
+    pub fn recv(&self, name: impl Into<String>, src: usize) -> RecvBuilder<'_> {
+        RecvBuilder {
+            kolo: self,
+            refused: None,
+            name: name.into(),
+            src,
+        }
+    }
+}
+
+/// The negotiation key of a pair: the name and both ranks, so that other pairs may
+/// use the same name at the same time.
+fn pair_key(name: &str, from: usize, to: usize) -> Key {
+    Key::from(format!("{name}@{from}->{to}"))
+}
+
+/// Builder for [`Kolo::send`].
+#[derive(Debug)]
+#[must_use = "a send does nothing until .submit() or .wait()"]
+pub struct SendBuilder<'k> {
+    kolo: &'k Kolo,
+    refused: Option<String>,
+    name: String,
+    tensor: Tensor,
+    dest: usize,
+}
+
+impl<'k> SendBuilder<'k> {
+    process_set_option!();
+
+    /// Submits the send; the handle completes once the tensor has been handed to the
+    /// receiver (its data is sent; the tensor is not given back).
+    ///
+    /// # Errors
+    /// Submit-time errors only (empty or duplicate name, a destination that is not
+    /// another rank, a CUDA tensor, engine not running), with the tensor handed back.
+    pub fn submit(self) -> Result<Handle<()>, SubmitError> {
+        self.prepare().submit()
+    }
+
+    /// Submits and waits.
+    ///
+    /// # Errors
+    /// Submit-time errors, and a receiver that left or stalled.
+    pub fn wait(self) -> Result<()> {
+        self.prepare().wait()
+    }
+
+    fn prepare(self) -> Prepared<'k, ()> {
+        let key = pair_key(&self.name, self.kolo.rank(), self.dest);
+        let tensors: Named = smallvec::smallvec![(Key::from(self.name), self.tensor)];
+        let mut s = Submission::new(OpKind::Send, key, tensors);
+        s.root = self.dest;
+        Prepared {
+            kolo: self.kolo,
+            refused: self.refused,
+            s,
+            convert: handle::to_unit,
+        }
+    }
+}
+
+/// Builder for [`Kolo::recv`].
+#[derive(Debug)]
+#[must_use = "a recv does nothing until .submit() or .wait()"]
+pub struct RecvBuilder<'k> {
+    kolo: &'k Kolo,
+    refused: Option<String>,
+    name: String,
+    src: usize,
+}
+
+impl<'k> RecvBuilder<'k> {
+    process_set_option!();
+
+    /// Submits the receive; the handle gives the tensor the sender sent.
+    ///
+    /// # Errors
+    /// Submit-time errors only (empty or duplicate name, a source that is not another
+    /// rank, engine not running).
+    pub fn submit(self) -> Result<Handle<Tensor>, SubmitError> {
+        self.prepare().submit()
+    }
+
+    /// Submits and waits for the tensor.
+    ///
+    /// # Errors
+    /// Submit-time errors, and a sender that left or stalled.
+    pub fn wait(self) -> Result<Tensor> {
+        self.prepare().wait()
+    }
+
+    fn prepare(self) -> Prepared<'k, Tensor> {
+        let refused = self.refused.or_else(|| {
+            self.name.is_empty().then(|| {
+                "tensor names must not be empty (both ranks must use the same name)".into()
+            })
+        });
+        let key = pair_key(&self.name, self.src, self.kolo.rank());
+        let mut s = Submission::new(OpKind::Recv, key, Named::new());
+        s.root = self.src;
+        Prepared {
+            kolo: self.kolo,
+            refused,
+            s,
+            convert: handle::to_tensor,
+        }
+    }
+}

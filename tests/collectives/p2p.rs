@@ -1,0 +1,124 @@
+//! Point to point (issue 36): send and recv between two ranks, through the engine.
+
+use anyhow::{ensure, Result};
+use kolo::{DType, Kolo, ReduceOp, Tensor};
+
+/// A ring of sends: each rank sends to the next and receives from the previous, under
+/// one name, with collectives submitted in different orders on different ranks
+/// between them; shapes and dtypes come from the sender. (A send completes when its
+/// receive has run, so each rank waits for its send only after submitting what the
+/// others need from it.)
+pub(crate) fn ring(k: &Kolo) -> Result<()> {
+    let (rank, size) = (k.rank(), k.size());
+    let (next, prev) = ((rank + 1) % size, (rank + size - 1) % size);
+    for step in 0..20 {
+        let mine = Tensor::from_vec(vec![(rank * 100 + step) as i32; rank + 1], &[rank + 1])?;
+        let sum_in = Tensor::from_vec(vec![1.0f32; 3], &[3])?;
+        // Even ranks: receive, send, allreduce; odd ranks: allreduce first.
+        let (got, sum) = if rank.is_multiple_of(2) {
+            let r = k.recv("act", prev).submit()?;
+            let s = k.send("act", mine, next).submit()?;
+            let sum = k.allreduce("loss", sum_in).op(ReduceOp::Sum).wait()?;
+            s.wait()?;
+            (r.wait()?, sum)
+        } else {
+            let s = k.send("act", mine, next).submit()?;
+            let sum = k.allreduce("loss", sum_in).op(ReduceOp::Sum).wait()?;
+            let got = k.recv("act", prev).wait()?;
+            s.wait()?;
+            (got, sum)
+        };
+        ensure!(got.dtype() == DType::I32, "received {:?}", got.dtype());
+        ensure!(
+            got.shape() == [prev + 1],
+            "received shape {:?}",
+            got.shape()
+        );
+        let want = vec![(prev * 100 + step) as i32; prev + 1];
+        ensure!(
+            got.into_vec::<i32>()? == want,
+            "step {step}: wrong data from rank {prev}"
+        );
+        ensure!(
+            sum.into_vec::<f32>()? == vec![size as f32; 3],
+            "allreduce beside the ring"
+        );
+    }
+    // A rank that shut down now would fail the pairs still running between others.
+    k.barrier()?;
+    Ok(())
+}
+
+/// Two pairs use the same name at once (0 → 1 and 2 → 3): each gets its own tensor.
+pub(crate) fn same_name_other_pairs(k: &Kolo) -> Result<()> {
+    let rank = k.rank();
+    let peer = rank ^ 1;
+    let big: Vec<f32> = (0..(1 << 20)).map(|i| (i + rank) as f32).collect();
+    if peer >= k.size() {
+        // The odd one out at an odd np: no partner.
+    } else if rank.is_multiple_of(2) {
+        k.send("grad.stage", Tensor::from_vec(big, &[1 << 20])?, peer)
+            .wait()?;
+    } else {
+        let got = k.recv("grad.stage", peer).wait()?.into_vec::<f32>()?;
+        let want: Vec<f32> = (0..(1 << 20)).map(|i| (i + peer) as f32).collect();
+        ensure!(got == want, "rank {rank} got another pair's tensor");
+    }
+    k.barrier()?;
+    Ok(())
+}
+
+/// Bad arguments are refused at submit, naming the rank; the tensor comes back.
+pub(crate) fn errors(k: &Kolo) -> Result<()> {
+    let (rank, size) = (k.rank(), k.size());
+    let t = Tensor::from_vec(vec![1.0f32, 2.0], &[2])?;
+    let e = match k.send("x", t, rank).submit() {
+        Ok(_) => anyhow::bail!("a send to this rank was accepted"),
+        Err(e) => e,
+    };
+    ensure!(e.to_string().contains("is this rank"), "{e}");
+    let back = e.into_tensors();
+    ensure!(
+        back.len() == 1 && back[0].as_slice::<f32>()? == [1.0, 2.0],
+        "not handed back"
+    );
+    let e = k
+        .recv("x", size)
+        .submit()
+        .err()
+        .map(|e| e.to_string())
+        .unwrap_or_default();
+    ensure!(
+        e.contains(&format!("source rank {size} is out of range")),
+        "{e}"
+    );
+    let e = k
+        .recv("", (rank + 1) % size)
+        .submit()
+        .err()
+        .map(|e| e.to_string())
+        .unwrap_or_default();
+    ensure!(e.contains("must not be empty"), "{e}");
+    k.barrier()?;
+    Ok(())
+}
+
+/// Pipeline stages inside a process set of ranks 1 and 2: set rank 0 sends to set
+/// rank 1; rank 0 of the job takes no part.
+pub(crate) fn in_process_set(k: &Kolo) -> Result<()> {
+    let set = k.add_process_set(&[1, 2])?;
+    match set.rank() {
+        Some(0) => {
+            let t = Tensor::from_vec(vec![7u8, 8, 9], &[3])?;
+            k.send("stage", t, 1).process_set(&set).wait()?;
+        }
+        Some(_) => {
+            let got = k.recv("stage", 0).process_set(&set).wait()?;
+            ensure!(got.into_vec::<u8>()? == [7, 8, 9], "wrong data in the set");
+        }
+        None => {}
+    }
+    k.barrier()?;
+    k.remove_process_set(set)?;
+    Ok(())
+}
