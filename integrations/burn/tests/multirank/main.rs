@@ -935,7 +935,13 @@ const EXAMPLES: &[(&str, &[&str], &[usize])] = &[
     ),
     (
         "digits_example_sharded_optimizer",
-        &["--epochs", "10", "--sharded-optimizer", "--min-accuracy", "0.95"],
+        &[
+            "--epochs",
+            "10",
+            "--sharded-optimizer",
+            "--min-accuracy",
+            "0.95",
+        ],
         &[2],
     ),
 ];
