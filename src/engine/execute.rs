@@ -100,7 +100,10 @@ fn p2p(t: &mut dyn Transport, ready: &Ready, mut inputs: Tensors) -> Result<Outp
     match mine.kind {
         OpKind::Send => {
             let tensor = take_tensor(ready, &mut inputs)?;
-            t.send(tensor.host_bytes(), mine.root)?;
+            // An empty tensor sends nothing: the receiver posts no receive for it.
+            if !tensor.is_empty() {
+                t.send(tensor.host_bytes(), mine.root)?;
+            }
             Ok(Output::Unit)
         }
         _ => Ok(Output::Tensor(recv(t, ready)?)),

@@ -59,6 +59,7 @@ const CASES: &[(&str, Case, usize)] = &[
     ("p2p_ring", p2p::ring, 2),
     ("p2p_same_name_other_pairs", p2p::same_name_other_pairs, 2),
     ("p2p_errors", p2p::errors, 2),
+    ("p2p_dtypes_sizes_in_flight", p2p::dtypes_sizes_in_flight, 2),
     ("p2p_in_process_set", p2p::in_process_set, 3),
     (
         "issue31_grouped_member_order",

@@ -49,6 +49,50 @@ pub(crate) fn ring(k: &Kolo) -> Result<()> {
     Ok(())
 }
 
+/// Every dtype, an empty tensor and 16 MiB between ranks 0 and 1, many in flight at
+/// once, received in another order than sent.
+pub(crate) fn dtypes_sizes_in_flight(k: &Kolo) -> Result<()> {
+    let rank = k.rank();
+    let tensors = || -> Result<Vec<Tensor>> {
+        Ok(vec![
+            Tensor::from_vec(vec![1u8, 2, 3], &[3])?,
+            Tensor::from_vec(vec![-1i8, 2], &[2])?,
+            Tensor::from_vec(vec![7i32; 4], &[2, 2])?,
+            Tensor::from_vec(vec![-9i64], &[1])?,
+            Tensor::from_vec(vec![kolo::half::f16::from_f32(1.5); 2], &[2])?,
+            Tensor::from_vec(vec![kolo::half::bf16::from_f32(-2.5); 3], &[3])?,
+            Tensor::from_vec(Vec::<f32>::new(), &[0, 5])?,
+            Tensor::from_vec(vec![0.25f64; 5], &[5])?,
+            Tensor::from_vec(
+                (0..(4 << 20)).map(|i| i as f32).collect::<Vec<f32>>(),
+                &[4 << 20],
+            )?,
+        ])
+    };
+    if rank == 0 {
+        let handles = tensors()?
+            .into_iter()
+            .enumerate()
+            .map(|(i, t)| k.send(format!("t{i}"), t, 1).submit())
+            .collect::<std::result::Result<Vec<_>, _>>()?;
+        for h in handles {
+            h.wait()?;
+        }
+    } else if rank == 1 {
+        let want = tensors()?;
+        let handles = (0..want.len())
+            .rev()
+            .map(|i| k.recv(format!("t{i}"), 0).submit().map(|h| (i, h)))
+            .collect::<std::result::Result<Vec<_>, _>>()?;
+        for (i, h) in handles {
+            let got = h.wait()?;
+            ensure!(got == want[i], "t{i}: received {got:?}");
+        }
+    }
+    k.barrier()?;
+    Ok(())
+}
+
 /// Two pairs use the same name at once (0 → 1 and 2 → 3): each gets its own tensor.
 pub(crate) fn same_name_other_pairs(k: &Kolo) -> Result<()> {
     let rank = k.rank();
