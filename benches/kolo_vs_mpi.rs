@@ -109,6 +109,69 @@ fn raw_allreduce(buf: &mut [f32], in_place: bool, scratch: &mut Vec<f32>) {
     }
 }
 
+/// MPI_Send of bytes to `dest` on MPI_COMM_WORLD (the plain program's point to point).
+fn raw_send(buf: &[u8], dest: usize) {
+    // SAFETY: `buf` is valid for its length; a blocking send.
+    unsafe {
+        ffi::MPI_Send(
+            buf.as_ptr().cast(),
+            buf.len() as i32,
+            ffi::RSMPI_UINT8_T,
+            dest as i32,
+            5,
+            world(),
+        )
+    };
+}
+
+/// MPI_Recv of bytes from `src` on MPI_COMM_WORLD.
+fn raw_recv(buf: &mut [u8], src: usize) {
+    // SAFETY: `buf` is valid for its length; a blocking receive.
+    unsafe {
+        ffi::MPI_Recv(
+            buf.as_mut_ptr().cast(),
+            buf.len() as i32,
+            ffi::RSMPI_UINT8_T,
+            src as i32,
+            5,
+            world(),
+            ffi::RSMPI_STATUS_IGNORE,
+        )
+    };
+}
+
+/// One ping-pong of `bytes` between ranks 0 and 1 (others idle), timed on rank 0 and
+/// halved: the one-way time of a message. `kolo` sends through kolo, else plain MPI.
+fn ping_pong<'a>(k: Option<&'a Kolo>, bytes: usize) -> Way<'a> {
+    let (rank, _) = world_rank_size();
+    Box::new(move || {
+        let mut buf = vec![1u8; bytes];
+        raw_barrier();
+        let t = Instant::now();
+        match (k, rank) {
+            (Some(k), 0) => {
+                let out = Tensor::from_vec(buf, &[bytes]).expect("tensor");
+                k.send("pp", out, 1).wait().expect("send");
+                k.recv("pp.back", 1).wait().expect("recv");
+            }
+            (Some(k), 1) => {
+                let got = k.recv("pp", 0).wait().expect("recv");
+                k.send("pp.back", got, 0).wait().expect("send");
+            }
+            (None, 0) => {
+                raw_send(&buf, 1);
+                raw_recv(&mut buf, 1);
+            }
+            (None, 1) => {
+                raw_recv(&mut buf, 0);
+                raw_send(&buf, 0);
+            }
+            _ => {}
+        }
+        t.elapsed().as_secs_f64() / 2.0
+    })
+}
+
 fn percentile(v: &[f64], p: f64) -> f64 {
     let mut v = v.to_vec();
     v.sort_by(|a, b| a.total_cmp(b));
@@ -388,6 +451,24 @@ fn bench(k: Option<&Kolo>, reps: usize, quick: bool, only: Option<&[u32]>) -> Sa
         record(&mut samples, "6", reps, 2, ways);
     }
 
+    // 7. Point to point between ranks 0 and 1: 4 bytes and 16 MiB, one way (half a
+    // ping-pong), against MPI_Send/MPI_Recv.
+    if run(7) && size >= 2 {
+        let n_pp = if quick { 100 } else { 1000 };
+        let mut ways = Vec::new();
+        if let Some(k) = k {
+            ways.push(("kolo", ping_pong(Some(k), 4)));
+        }
+        ways.push(("raw", ping_pong(None, 4)));
+        record(&mut samples, "7", n_pp, 20, ways);
+        let mut ways = Vec::new();
+        if let Some(k) = k {
+            ways.push(("kolo", ping_pong(Some(k), 16 << 20)));
+        }
+        ways.push(("raw", ping_pong(None, 16 << 20)));
+        record(&mut samples, "7b", reps, 2, ways);
+    }
+
     // 5. Engine CPU: idle, and waiting for a rank that sleeps 2 s (kolo only).
     if let (true, Some(k)) = (run(5), k) {
         let idle = if quick { 2.0 } else { 10.0 };
@@ -581,6 +662,20 @@ const ROWS: &[Row] = &[
         kolo: "4|kolo",
         raw: "4|raw out of place",
         baseline: "MPI_Allreduce out of place",
+        p: 0.5,
+    },
+    Row {
+        scenario: "7. send/recv 4 B, one way (ping-pong / 2)",
+        kolo: "7|kolo",
+        raw: "7|raw",
+        baseline: "MPI_Send/MPI_Recv",
+        p: 0.5,
+    },
+    Row {
+        scenario: "7b. send/recv 16 MiB, one way",
+        kolo: "7b|kolo",
+        raw: "7b|raw",
+        baseline: "MPI_Send/MPI_Recv",
         p: 0.5,
     },
     Row {
