@@ -14,8 +14,9 @@
 //! caller is running a cycle: its op goes into theirs), once the engine has ended
 //! (a rank left, a stall, shutdown: the engine thread serves those), when the
 //! transport may not be called from another thread (MPI below
-//! `MPI_THREAD_SERIALIZED`), or once a device communicator is open (CUDA and NCCL
-//! calls stay on the engine thread). It then waits for its handle as any other.
+//! `MPI_THREAD_SERIALIZED`), or once a request on a device has been taken in (CUDA
+//! and NCCL calls, opening the communicator first, stay on the engine thread). It
+//! then waits for its handle as any other.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, TryLockError};
@@ -181,7 +182,7 @@ impl Drive for Driver {
 impl Engine {
     /// Whether a caller's thread may run this engine's cycles.
     fn may_be_driven(&self) -> bool {
-        self.transport.any_thread() && !self.exec.gpu.opened()
+        self.transport.any_thread() && !self.exec.gpu.opened() && !self.inbox.saw_device
     }
 
     /// Runs cycles on the caller's thread until `done()` (its op completed) or the
@@ -193,6 +194,11 @@ impl Engine {
                 return None;
             }
             self.take_in();
+            if self.inbox.saw_device {
+                // A device op: CUDA and NCCL calls (opening the communicator first of
+                // all) stay on the engine thread, which the caller kicks on leaving.
+                return None;
+            }
             let now = self.inbox.shutting_down || !self.inbox.outgoing.is_empty();
             if !now {
                 if !self.inbox.has_work() {

@@ -27,6 +27,9 @@ pub(super) struct Inbox {
     pub(super) rank: usize,
     /// Timeline start (Some path) / stop (None) requests, with where to answer.
     pub(super) timeline_requests: Vec<(Option<std::path::PathBuf>, SyncSender<Result<()>>)>,
+    /// A request on a device was taken in: from then on only the engine thread runs
+    /// cycles (CUDA and NCCL calls stay on it; see `driver.rs`).
+    pub(super) saw_device: bool,
 }
 
 impl Inbox {
@@ -40,6 +43,7 @@ impl Inbox {
             shutting_down: false,
             rank,
             timeline_requests: Vec::new(),
+            saw_device: false,
         }
     }
 
@@ -50,6 +54,9 @@ impl Inbox {
                     let err = stopped(&req.meta, self.rank, "this rank is shutting down");
                     req.fail(err);
                     return;
+                }
+                if req.meta.device != super::request::Device::Cpu {
+                    self.saw_device = true;
                 }
                 self.outgoing.push(req.meta.key.clone());
                 self.pending.insert(req.meta.key.clone(), req);

@@ -110,6 +110,9 @@ fn simulated_device_ops_give_the_host_results() {
         k.shutdown().unwrap_or_else(|e| panic!("{e}"));
     }
     assert_eq!(devices.violations(), Vec::<String>::new());
+    // Issue 34: blocking waits on device ops leave the device to the engine threads
+    // (callers drive only host work).
+    assert_eq!(devices.enqueuing_threads(), ["kolo-engine"]);
 }
 
 /// Issue 31, item 19: an op enqueued on the device when another rank leaves still

@@ -57,6 +57,8 @@ struct SimState {
     next_buffer: u64,
     /// What a real device would have done wrong.
     violations: Vec<String>,
+    /// The threads that enqueued ops (device calls must stay on engine threads).
+    threads: HashSet<String>,
 }
 
 impl SimDevices {
@@ -81,6 +83,13 @@ impl SimDevices {
     }
 
     /// What a real device would have done wrong so far.
+    /// The names of the threads that enqueued ops so far.
+    pub(crate) fn enqueuing_threads(&self) -> Vec<String> {
+        let mut v: Vec<String> = self.lock().threads.iter().cloned().collect();
+        v.sort();
+        v
+    }
+
     pub(crate) fn violations(&self) -> Vec<String> {
         self.lock().violations.clone()
     }
@@ -260,6 +269,9 @@ impl SimDevice {
         let number = self.next_op;
         let devices = self.devices.clone();
         let mut s = devices.lock();
+        let thread = std::thread::current();
+        s.threads
+            .insert(thread.name().unwrap_or("unnamed").to_string());
         if s.fail_enqueue == Some((self.rank, number)) {
             let why = format!(
                 "simulated enqueue failure of op {number} on rank {}",
