@@ -35,6 +35,15 @@ fn key_of(metas: &[Option<Arc<RequestMeta>>]) -> Option<&Key> {
     metas.iter().flatten().next().map(|m| &m.key)
 }
 
+/// Whether a response's requests are a send/recv pair.
+fn is_pair(metas: &[Option<Arc<RequestMeta>>]) -> bool {
+    metas
+        .iter()
+        .flatten()
+        .next()
+        .is_some_and(|m| m.kind.is_p2p())
+}
+
 /// The cache; see the module docs.
 #[derive(Debug)]
 pub(crate) struct ResponseCache {
@@ -46,6 +55,8 @@ pub(crate) struct ResponseCache {
     by_key: FxHashMap<Key, usize>,
     clock: u64,
     evictions_logged: bool,
+    /// How many slots hold a send/recv pair.
+    pairs: usize,
 }
 
 impl ResponseCache {
@@ -57,6 +68,7 @@ impl ResponseCache {
             by_key: FxHashMap::default(),
             clock: 0,
             evictions_logged: false,
+            pairs: 0,
         }
     }
 
@@ -69,8 +81,8 @@ impl ResponseCache {
         self.capacity > 0
     }
 
-    /// Whether requests of this kind can be cached: every collective on tensors (join
-    /// and barrier are not per-name work).
+    /// Whether requests of this kind can be cached: every op on tensors (join and
+    /// barrier are not per-name work).
     pub(crate) fn cacheable(kind: OpKind) -> bool {
         matches!(
             kind,
@@ -80,7 +92,26 @@ impl ResponseCache {
                 | OpKind::Reducescatter
                 | OpKind::Allgather
                 | OpKind::Alltoall
+                | OpKind::Send
+                | OpKind::Recv
         )
+    }
+
+    /// The cached send/recv pairs `rank` takes no part in. A rank sets their bits in
+    /// every cycle, so that the AND across ranks is set exactly when the pair's two
+    /// ranks both announced it.
+    pub(crate) fn pairs_without(&self, rank: usize) -> impl Iterator<Item = usize> + '_ {
+        self.slots.iter().enumerate().filter_map(move |(i, s)| {
+            let metas = &s.as_ref()?.metas;
+            let first = metas.iter().flatten().next()?;
+            (first.kind.is_p2p() && metas.get(rank).is_some_and(Option::is_none)).then_some(i)
+        })
+    }
+
+    /// Whether a send/recv pair is cached (then [`pairs_without`](Self::pairs_without)
+    /// is worth scanning).
+    pub(crate) fn has_pairs(&self) -> bool {
+        self.pairs > 0
     }
 
     /// The slot whose request from `rank` is identical to `meta`.
@@ -114,6 +145,9 @@ impl ResponseCache {
     pub(crate) fn invalidate(&mut self, key: &str) -> Option<usize> {
         let slot = self.by_key.remove(key)?;
         if let Some(s) = self.slots.get_mut(slot) {
+            if s.as_ref().is_some_and(|s| is_pair(&s.metas)) {
+                self.pairs -= 1;
+            }
             *s = None;
             self.free.push(slot);
         }
@@ -145,6 +179,9 @@ impl ResponseCache {
                 if let Some(k) = key_of(&old.metas) {
                     self.by_key.remove(&**k);
                 }
+                if is_pair(&old.metas) {
+                    self.pairs -= 1;
+                }
                 if !self.evictions_logged {
                     self.evictions_logged = true;
                     tracing::warn!(
@@ -157,6 +194,9 @@ impl ResponseCache {
             (lru, Some(lru))
         };
         self.by_key.insert(key, slot);
+        if is_pair(&metas) {
+            self.pairs += 1;
+        }
         self.slots[slot] = Some(Slot {
             metas,
             last_used: self.clock,

@@ -191,6 +191,11 @@ impl Engine {
             return None;
         }
         if !self.inbox.has_work() {
+            // Other ranks wait for a cycle that needs this one too (a send/recv pair
+            // between two of them, announced in full or cached): pace, do not idle.
+            if self.control.negotiator.has_entries() || self.control.cache.has_pairs() {
+                return Some(Sleep::Pace(self.config.cycle_time));
+            }
             // Right after a cycle that did something, the next submit usually follows
             // within microseconds (a training loop's next tensor): look for it briefly
             // before sleeping.

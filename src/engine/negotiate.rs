@@ -141,6 +141,11 @@ impl Negotiator {
         }
     }
 
+    /// Whether a request from some rank is waiting for others (this rank included).
+    pub(crate) fn has_entries(&self) -> bool {
+        !self.table.is_empty()
+    }
+
     /// Whether any request from any rank is waiting.
     #[cfg(test)]
     pub(crate) fn has_pending(&self) -> bool {
