@@ -487,12 +487,22 @@ fn multinode_faults() -> Vec<Trial> {
         }
         for want in [
             "has made no progress for",
-            "has not answered (waiting for its part of the cycle agreement)",
             "kolorun: mpirun has not ended the job",
         ] {
             if !run.output.contains(want) {
                 return fail(format!("the output lacks {want:?}"));
             }
+        }
+        // The rank that never answered is named when the cut catches the engines in
+        // the cycle agreement (most runs); a cut inside a collective's own MPI call
+        // leaves no peer to name, and the line says so (seen in about 1 run in 4 since
+        // waiting callers run the cycles themselves, issue 34).
+        let why = [
+            "has not answered (waiting for its part of the cycle agreement)",
+            "another rank is stopped or stuck, or its host is unreachable",
+        ];
+        if !why.iter().any(|w| run.output.contains(w)) {
+            return fail(format!("the output gives no reason ({why:?})"));
         }
         // "kolo: rank R: <engine> has made no progress … : rank W has not answered …"
         let named: Vec<String> = run

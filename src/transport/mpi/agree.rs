@@ -24,6 +24,24 @@ impl MpiTransport {
         idle: &mut dyn FnMut(Duration),
     ) -> Result<()> {
         let peer = count(call, peer)?;
+        // Named before anything is posted: a partitioned peer can hold up the posting
+        // itself (a TCP send that cannot drain), and the watchdog should still name it.
+        self.awaited
+            .set(self.job_ranks.get(to_usize(peer)).copied());
+        let swapped = self.post_and_wait(call, peer, send, recv, idle);
+        self.awaited.set(None);
+        swapped
+    }
+
+    /// [`swap_words`](Self::swap_words) once the awaited peer is recorded.
+    fn post_and_wait(
+        &mut self,
+        call: &'static str,
+        peer: c_int,
+        send: Option<&[u64]>,
+        recv: Option<&mut [u64]>,
+        idle: &mut dyn FnMut(Duration),
+    ) -> Result<()> {
         let comm = self.comm();
         let mut reqs = [null_request(), null_request()];
         if let Some(buf) = recv {
@@ -61,11 +79,8 @@ impl MpiTransport {
                 return Err(e);
             }
         }
-        self.awaited
-            .set(self.job_ranks.get(to_usize(peer)).copied());
         let first = self.wait(call, reqs[0], idle);
         let second = self.wait(call, reqs[1], idle);
-        self.awaited.set(None);
         first.and(second)
     }
 }
