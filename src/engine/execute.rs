@@ -106,25 +106,20 @@ fn p2p(t: &mut dyn Transport, ready: &Ready, mut inputs: Tensors) -> Result<Outp
             }
             Ok(Output::Unit)
         }
-        _ => Ok(Output::Tensor(recv(t, ready)?)),
+        _ => Ok(Output::Tensor(recv(t, ready, mine.root)?)),
     }
 }
 
-/// The receiving side of a send: a tensor of the sender's dtype and shape, filled
-/// from it.
-fn recv(t: &mut dyn Transport, ready: &Ready) -> Result<Tensor> {
+/// The receiving side of a send from rank `from`: a tensor of the sender's dtype and
+/// shape, filled from it.
+fn recv(t: &mut dyn Transport, ready: &Ready, from: usize) -> Result<Tensor> {
     let sent = ready
         .metas
-        .iter()
-        .flatten()
-        .find(|m| m.kind == OpKind::Send)
+        .get(from)
+        .and_then(Option::as_ref)
+        .filter(|m| m.kind == OpKind::Send)
         .and_then(|m| m.tensors.first())
         .ok_or_else(|| Error::Internal(format!("recv {:?} without its send", ready.key)))?;
-    let from = ready
-        .metas
-        .iter()
-        .position(|m| m.as_ref().is_some_and(|m| m.kind == OpKind::Send))
-        .unwrap_or_default();
     let mut out = Tensor::zeros(sent.dtype, &sent.shape);
     if !out.is_empty() {
         t.recv(out.host_bytes_mut(), from)?;
