@@ -55,8 +55,8 @@ pub(crate) struct ResponseCache {
     by_key: FxHashMap<Key, usize>,
     clock: u64,
     evictions_logged: bool,
-    /// How many slots hold a send/recv pair.
-    pairs: usize,
+    /// The slots that hold a send/recv pair (scanned every cycle while any exist).
+    pairs: Vec<usize>,
 }
 
 impl ResponseCache {
@@ -68,7 +68,7 @@ impl ResponseCache {
             by_key: FxHashMap::default(),
             clock: 0,
             evictions_logged: false,
-            pairs: 0,
+            pairs: Vec::new(),
         }
     }
 
@@ -101,17 +101,16 @@ impl ResponseCache {
     /// every cycle, so that the AND across ranks is set exactly when the pair's two
     /// ranks both announced it.
     pub(crate) fn pairs_without(&self, rank: usize) -> impl Iterator<Item = usize> + '_ {
-        self.slots.iter().enumerate().filter_map(move |(i, s)| {
-            let metas = &s.as_ref()?.metas;
-            let first = metas.iter().flatten().next()?;
-            (first.kind.is_p2p() && metas.get(rank).is_some_and(Option::is_none)).then_some(i)
+        self.pairs.iter().copied().filter(move |&i| {
+            self.metas(i)
+                .is_some_and(|metas| metas.get(rank).is_some_and(Option::is_none))
         })
     }
 
     /// Whether a send/recv pair is cached (then [`pairs_without`](Self::pairs_without)
     /// is worth scanning).
     pub(crate) fn has_pairs(&self) -> bool {
-        self.pairs > 0
+        !self.pairs.is_empty()
     }
 
     /// The slot whose request from `rank` is identical to `meta`.
@@ -145,10 +144,8 @@ impl ResponseCache {
     pub(crate) fn invalidate(&mut self, key: &str) -> Option<usize> {
         let slot = self.by_key.remove(key)?;
         if let Some(s) = self.slots.get_mut(slot) {
-            if s.as_ref().is_some_and(|s| is_pair(&s.metas)) {
-                self.pairs -= 1;
-            }
             *s = None;
+            self.pairs.retain(|&p| p != slot);
             self.free.push(slot);
         }
         Some(slot)
@@ -179,9 +176,7 @@ impl ResponseCache {
                 if let Some(k) = key_of(&old.metas) {
                     self.by_key.remove(&**k);
                 }
-                if is_pair(&old.metas) {
-                    self.pairs -= 1;
-                }
+                self.pairs.retain(|&p| p != lru);
                 if !self.evictions_logged {
                     self.evictions_logged = true;
                     tracing::warn!(
@@ -195,7 +190,7 @@ impl ResponseCache {
         };
         self.by_key.insert(key, slot);
         if is_pair(&metas) {
-            self.pairs += 1;
+            self.pairs.push(slot);
         }
         self.slots[slot] = Some(Slot {
             metas,
