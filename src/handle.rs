@@ -286,6 +286,12 @@ impl<T> Handle<T> {
         self
     }
 
+    /// Makes `wait` only wait, never run the engine on the waiting thread.
+    pub(crate) fn undriven(mut self) -> Self {
+        self.drive = None;
+        self
+    }
+
     /// Blocks until the collective has finished on this rank and returns its result.
     ///
     /// # Errors

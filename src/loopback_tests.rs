@@ -28,7 +28,7 @@ fn start(ends: Vec<Loopback>, config: impl Fn(usize) -> Config + Sync) -> Vec<Ko
             .map(|(r, end)| {
                 let config = config(r);
                 s.spawn(move || {
-                    spawn_engine(config, "kolo-engine".into(), None, move || {
+                    spawn_engine(config, "kolo-engine".into(), None, None, move || {
                         Ok(Box::new(end) as Box<dyn Transport>)
                     })
                 })

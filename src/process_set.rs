@@ -151,7 +151,7 @@ impl Kolo {
                 Error::Internal("add_process_set: the engine returned no transport".into())
             })?;
         let kolo = match *transport {
-            Some(t) => Some(self.start_set_engine(id, t)?),
+            Some(t) => Some(self.start_set_engine(id, &sorted, t)?),
             None => None,
         };
         Ok(ProcessSet::new(id, sorted, self.rank(), kolo))

@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 use crate::config::Config;
 use crate::engine::autotune::AutotuneState;
 use crate::engine::queue::{Queue, Refused};
-use crate::engine::request::{Command, Request, Submission, Tensors};
+use crate::engine::request::{self, Command, Named, OpKind, Request, Submission, Tensors};
 use crate::engine::Driver;
 use crate::error::{Error, Result};
 use crate::handle::{self, Handle, Output};
@@ -205,6 +205,7 @@ pub(crate) fn start(config: Config) -> Result<Kolo> {
         config,
         "kolo-engine".into(),
         None,
+        None,
         crate::transport::connect,
     )?;
     RANK.store(kolo.rank(), Ordering::SeqCst);
@@ -238,6 +239,7 @@ pub(crate) fn spawn_engine(
     config: Config,
     thread: String,
     parent: Option<Arc<Inner>>,
+    turns: Option<crate::engine::turn::TakeTurn>,
     connect: impl FnOnce() -> Result<Box<dyn crate::transport::Transport>> + Send + 'static,
 ) -> Result<Kolo> {
     let unknown_horovod = config.unknown_horovod.clone();
@@ -258,6 +260,7 @@ pub(crate) fn spawn_engine(
                 engine_driver,
                 started_tx,
                 engine_autotune,
+                turns,
                 connect,
             )
         })
@@ -442,6 +445,7 @@ impl Kolo {
     pub(crate) fn start_set_engine(
         &self,
         id: usize,
+        ranks: &[usize],
         t: Box<dyn crate::transport::Transport>,
     ) -> Result<Kolo> {
         let mut config = self.inner.config.clone();
@@ -454,6 +458,7 @@ impl Kolo {
             config,
             format!("kolo-engine-set{id}"),
             Some(self.inner.clone()),
+            Some(self.device_turns(id, ranks.to_vec())),
             move || Ok(t),
         )?;
         self.inner
@@ -461,6 +466,35 @@ impl Kolo {
             .engines
             .push((Arc::downgrade(&set.inner), set.inner.stopped.clone()));
         Ok(set)
+    }
+
+    /// How process set `id`'s engine (job ranks `ranks`) gets this rank's turn to
+    /// enqueue device work from this engine (see `engine::turn`): its `n`-th device
+    /// cycle asks under key `device_turn[id]#n`, the same on each of its ranks.
+    fn device_turns(&self, id: usize, ranks: Vec<usize>) -> crate::engine::turn::TakeTurn {
+        // Weak: the set's engine must not keep the job's engine from shutting down
+        // (the set's `Inner` holds it while the set exists).
+        let job = Arc::downgrade(&self.inner);
+        let mut n = 0u64;
+        Box::new(move || {
+            let inner = job.upgrade().ok_or_else(|| {
+                Error::Internal("the job's engine is gone; no device turn for a process set".into())
+            })?;
+            let job = Kolo { inner };
+            n += 1;
+            let mut s = Submission::new(
+                OpKind::DeviceTurn,
+                format!("{}device_turn[{id}]#{n}", request::RESERVED_PREFIX).into(),
+                Named::new(),
+            );
+            s.splits = Some(ranks.clone());
+            // Not driven from here: this thread runs the set's engine, and the job's
+            // engine, run here, would wait for the turn this thread is to drop.
+            let turn = job.submit(s, handle::to_detached)?.undriven().wait()?;
+            turn.downcast::<crate::engine::turn::Turn>()
+                .map(|t| *t)
+                .map_err(|_| Error::Internal("a device turn of another type".into()))
+        })
     }
 
     /// Forgets a process set's engine (it is being removed and stopped by the caller).

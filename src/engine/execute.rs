@@ -83,7 +83,10 @@ pub(crate) fn run(
             Ok(Output::Detached(Box::new(t.split(ranks)?)))
         }
         OpKind::Send | OpKind::Recv => p2p(t, ready, inputs),
-        OpKind::Join => Err(Error::Internal("join reached the executor".into())),
+        OpKind::Join | OpKind::DeviceTurn => Err(Error::Internal(format!(
+            "{} reached the executor",
+            ready.kind.name()
+        ))),
     }
 }
 

@@ -73,6 +73,12 @@ impl Gpu {
         self.timeout = Some(device_timeout(collective_timeout));
     }
 
+    /// How long a device call may take ([`device_timeout`]).
+    pub(super) fn limit(&self) -> Duration {
+        self.timeout
+            .unwrap_or_else(|| device_timeout(Duration::ZERO))
+    }
+
     /// Whether a device communicator is open (its CUDA and NCCL calls then stay on
     /// the engine thread).
     pub(super) fn opened(&self) -> bool {

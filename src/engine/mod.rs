@@ -20,6 +20,7 @@ mod respond;
 pub(crate) mod stall;
 pub(crate) mod timeline;
 mod tuning;
+pub(crate) mod turn;
 mod watchdog;
 
 use std::sync::mpsc::SyncSender;

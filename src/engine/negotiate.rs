@@ -12,7 +12,7 @@ use std::fmt::Debug;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use super::request::{CycleMsg, Key, OpKind, RequestMeta};
+use super::request::{Among, CycleMsg, Key, OpKind, RequestMeta};
 use crate::error::Error;
 
 /// A request that every rank (or, for joined ranks, their stand-in zeros) is ready to run.
@@ -77,25 +77,25 @@ struct Entry {
 }
 
 impl Entry {
-    /// The ranks this entry needs: sender and receiver of a point-to-point op (from
-    /// whichever of them announced it first), else every rank.
-    fn pair(&self) -> Option<(usize, usize)> {
+    /// The ranks this entry needs when not every rank: sender and receiver of a
+    /// point-to-point op (from whichever of them announced it first), a device turn's
+    /// process set.
+    fn among(&self) -> Option<Among<'_>> {
         let (rank, m) = self
             .metas
             .iter()
             .enumerate()
             .find_map(|(r, m)| Some((r, m.as_ref()?)))?;
-        m.p2p_pair(rank)
+        m.participants(rank)
     }
 
     /// Whether every rank it needs has submitted it (a joined rank stands in with
     /// zeros for a collective).
     fn ready(&self, joined: &[bool]) -> bool {
-        match self.pair() {
-            Some((from, to)) => {
-                let has = |r: usize| self.metas.get(r).is_some_and(Option::is_some);
-                has(from) && has(to)
-            }
+        match self.among() {
+            Some(among) => among
+                .ranks()
+                .all(|r| self.metas.get(r).is_some_and(Option::is_some)),
             None => self
                 .metas
                 .iter()
@@ -106,9 +106,9 @@ impl Entry {
 
     /// The ranks it needs that have not submitted it.
     fn missing(&self, joined: &[bool]) -> Vec<usize> {
-        match self.pair() {
-            Some((from, to)) => [from, to]
-                .into_iter()
+        match self.among() {
+            Some(among) => among
+                .ranks()
                 .filter(|&r| self.metas.get(r).is_some_and(Option::is_none))
                 .collect(),
             None => (0..self.metas.len())
@@ -318,6 +318,14 @@ fn check(key: &str, metas: &[Option<RequestMeta>], joined: &[usize]) -> Result<(
     };
     if kind.is_p2p() {
         return check_p2p(key, metas);
+    }
+    if kind == OpKind::DeviceTurn {
+        // Internal: the same set's engines ask under one key; the ranks of a joined
+        // job do not matter to it (only the set's ranks take part).
+        return match differ(metas, |m| (m.kind, m.splits.clone()), debug) {
+            Some(m) => Err(fail("device turn", m)),
+            None => Ok(()),
+        };
     }
     if let Some(m) = differ(metas, |m| m.kind, |k| k.name().to_string()) {
         return Err(fail("op", m));

@@ -41,6 +41,9 @@ pub(crate) enum OpKind {
     Send,
     /// Point to point: a tensor from the rank in `root` (shape and dtype from the send).
     Recv,
+    /// A process set's engine asks the job's engine for this rank's turn to enqueue
+    /// device work (the set's job ranks are in `splits`; see `engine::turn`).
+    DeviceTurn,
 }
 
 impl OpKind {
@@ -57,12 +60,18 @@ impl OpKind {
             OpKind::AddProcessSet => "add_process_set",
             OpKind::Send => "send",
             OpKind::Recv => "recv",
+            OpKind::DeviceTurn => "device_turn",
         }
     }
 
     /// Whether the op is point to point (two ranks, not all).
     pub(crate) fn is_p2p(self) -> bool {
         matches!(self, OpKind::Send | OpKind::Recv)
+    }
+
+    /// Whether the op needs only some of the ranks (see [`RequestMeta::participants`]).
+    pub(crate) fn is_partial(self) -> bool {
+        self.is_p2p() || self == OpKind::DeviceTurn
     }
 
     /// Whether the op can run while some ranks have joined (they contribute zeros).
@@ -126,13 +135,34 @@ pub(crate) struct RequestMeta {
     pub(crate) device: Device,
 }
 
+/// The ranks an op that needs only some of them waits for.
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum Among<'a> {
+    /// A point-to-point op's sender and receiver.
+    Pair(usize, usize),
+    /// A device turn's process set (job ranks, sorted).
+    Ranks(&'a [usize]),
+}
+
+impl<'a> Among<'a> {
+    /// The ranks that take part.
+    pub(crate) fn ranks(self) -> impl Iterator<Item = usize> + 'a {
+        let (pair, set) = match self {
+            Among::Pair(a, b) => (Some([a, b]), &[][..]),
+            Among::Ranks(r) => (None, r),
+        };
+        pair.into_iter().flatten().chain(set.iter().copied())
+    }
+}
+
 impl RequestMeta {
-    /// A point-to-point request's (sender, receiver), made on `rank`; `None` for
-    /// every other op.
-    pub(crate) fn p2p_pair(&self, rank: usize) -> Option<(usize, usize)> {
+    /// The ranks a request made on `rank` needs, when not every rank: a
+    /// point-to-point op's (sender, receiver), a device turn's process set.
+    pub(crate) fn participants(&self, rank: usize) -> Option<Among<'_>> {
         match self.kind {
-            OpKind::Send => Some((rank, self.root)),
-            OpKind::Recv => Some((self.root, rank)),
+            OpKind::Send => Some(Among::Pair(rank, self.root)),
+            OpKind::Recv => Some(Among::Pair(self.root, rank)),
+            OpKind::DeviceTurn => Some(Among::Ranks(self.splits.as_deref().unwrap_or_default())),
             _ => None,
         }
     }

@@ -7,9 +7,11 @@ use rustc_hash::FxHashMap;
 
 use super::fusion::FusionBuffer;
 use super::fusion::{self, Step};
-use super::negotiate::{Ready, Response};
+use super::negotiate::{self, Ready, Response};
+use super::request::OpKind;
 use super::request::{self, Key, Request, RequestMeta, Tensors};
 use super::timeline::Timeline;
+use super::turn::{TakeTurn, Turn};
 use super::{execute, gpu};
 use crate::handle::{self, Output};
 use crate::transport::Transport;
@@ -25,6 +27,10 @@ pub(super) struct Executor {
     pub(super) simulated_cost: Duration,
     /// Ops on device tensors (the transport's device communicator).
     pub(super) gpu: gpu::Gpu,
+    /// A process set's engine: how it gets this rank's turn to enqueue device work
+    /// from the job's engine (`turn.rs`); None on the job's engine, which gives the
+    /// turns.
+    pub(super) turns: Option<TakeTurn>,
 }
 
 impl Executor {
@@ -36,6 +42,7 @@ impl Executor {
             ready_at: Instant::now(),
             simulated_cost,
             gpu: gpu::Gpu::default(),
+            turns: None,
         }
     }
 }
@@ -66,6 +73,8 @@ impl Executor {
             t.in_place_group_bytes(),
         );
         let mut responses: Vec<Option<Response>> = responses.into_iter().map(Some).collect();
+        // Held while this cycle's device ops are enqueued (process sets only).
+        let _turn = self.take_turn(pending, &mut responses);
         for step in steps {
             match step {
                 Step::Single(i) => {
@@ -83,6 +92,52 @@ impl Executor {
                 }
             }
         }
+    }
+
+    /// On a process set's engine whose cycle has device ops: this rank's turn to
+    /// enqueue them, from the job's engine. Without one (the job's engine has
+    /// stopped) those ops fail here, before any rank enqueues them.
+    fn take_turn(
+        &mut self,
+        pending: &mut Pending,
+        responses: &mut [Option<Response>],
+    ) -> Option<Turn> {
+        let on_device = |r: &Option<Response>| {
+            matches!(r, Some(Response::Run(ready))
+                if ready.kind != OpKind::DeviceTurn
+                    && ready.first().device == request::Device::Cuda)
+        };
+        let take = self.turns.as_mut()?;
+        if !responses.iter().any(on_device) {
+            return None;
+        }
+        match take() {
+            Ok(turn) => Some(turn),
+            Err(e) => {
+                for r in responses.iter_mut().filter(|r| on_device(r)) {
+                    if let Some(Response::Run(ready)) = r.take() {
+                        if let Some(req) = pending.remove(&*ready.key) {
+                            req.fail(e.clone());
+                        }
+                    }
+                }
+                None
+            }
+        }
+    }
+
+    /// On the job's engine: hands a process set's engine on this rank its device
+    /// turn, and waits until its device ops are enqueued.
+    fn grant_turn(&mut self, pending: &mut Pending, ready: &negotiate::Ready) {
+        let Some(req) = pending.remove(&*ready.key) else {
+            return;
+        };
+        let limit = self.gpu.limit();
+        Turn::grant(
+            |turn| req.done.complete(Ok(Output::Detached(Box::new(turn)))),
+            limit,
+            &ready.key,
+        );
     }
 
     /// Records a ready op's negotiation span (from its submission here) on the timeline.
@@ -119,6 +174,9 @@ impl Executor {
     /// Runs one response: an op on its own, an error for its handle, or a join.
     fn respond(&mut self, t: &mut dyn Transport, pending: &mut Pending, response: Response) {
         match response {
+            Response::Run(ready) if ready.kind == OpKind::DeviceTurn => {
+                self.grant_turn(pending, &ready);
+            }
             Response::Run(ready) => {
                 let local = pending.remove(&*ready.key);
                 let (tensors, done) = match local {
@@ -127,7 +185,7 @@ impl Executor {
                         (Some(req.tensors), Some(req.done))
                     }
                     // Not one of a send/recv pair's two ranks: nothing to do here.
-                    None if ready.kind.is_p2p() => return,
+                    None if ready.kind.is_partial() => return,
                     None => (None, None),
                 };
                 let span = tracing::debug_span!("op", kind = ready.kind.name(), key = %ready.key);

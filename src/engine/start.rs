@@ -13,6 +13,7 @@ pub(crate) fn run(
     driver: Arc<Driver>,
     started: SyncSender<Result<Topology>>,
     autotune: Arc<Mutex<AutotuneState>>,
+    turns: Option<turn::TakeTurn>,
     connect: impl FnOnce() -> Result<Box<dyn Transport>>,
 ) {
     // Declared first, dropped last: after the engine's own pending requests.
@@ -37,6 +38,7 @@ pub(crate) fn run(
         &hierarchy,
         autotune,
     );
+    engine.exec.turns = turns;
     engine.open_configured_timeline();
     serve_or_abort(engine, &driver);
     tracing::debug!(rank = topology.rank, "engine stopped; finalising MPI");

@@ -268,3 +268,71 @@ fn issue31_a_rank_local_failure_before_the_enqueue_fails_the_op_everywhere() {
     }
     assert_eq!(devices.violations(), Vec::<String>::new());
 }
+
+/// Issue 31, item 21: the job's engine and a process set's engine each have a device
+/// communicator on a rank's one device. Here the first member's job enqueues and the
+/// second member's set enqueues are slowed, so that without an agreed order the first
+/// would enqueue the set's op before the job's and the second the job's before the
+/// set's — an order a real device can deadlock on. With the set's device cycles
+/// taking turns from the job's engine, every rank enqueues both communicators' ops in
+/// one order.
+fn device_ops_of_job_and_set_in_one_order(size: usize, members: &[usize]) {
+    let (ranks, devices) = device_job(size);
+    let sets = on_every_rank(&ranks, |_, k| {
+        k.add_process_set(members).unwrap_or_else(|e| panic!("{e}"))
+    });
+    devices.delay_enqueues(members[0], 0, Duration::from_millis(60));
+    devices.delay_enqueues(members[1], 1, Duration::from_millis(60));
+    let rounds = 3;
+    let job_sum = (1..=size).sum::<usize>() as f32;
+    let set_sum = members.iter().map(|&m| 10.0 * (m + 1) as f32).sum::<f32>();
+    on_every_rank(&ranks, |r, k| {
+        let set = &sets[r];
+        let x = r as f32 + 1.0;
+        std::thread::scope(|s| {
+            let job = s.spawn(|| {
+                for i in 0..rounds {
+                    let out = k
+                        .allreduce(format!("job.{i}"), devices.tensor(&[x], 0))
+                        .op(ReduceOp::Sum)
+                        .wait()
+                        .unwrap_or_else(|e| panic!("job op {i}: {e}"));
+                    assert_eq!(device_values(&out), [job_sum], "job op {i}");
+                }
+            });
+            for i in 0..rounds {
+                if !set.includes(r) {
+                    break;
+                }
+                let out = k
+                    .allreduce(format!("set.{i}"), devices.tensor(&[10.0 * x], 0))
+                    .op(ReduceOp::Sum)
+                    .process_set(set)
+                    .wait()
+                    .unwrap_or_else(|e| panic!("set op {i}: {e}"));
+                assert_eq!(device_values(&out), [set_sum], "set op {i}");
+            }
+            job.join()
+                .unwrap_or_else(|_| panic!("the job's ops panicked"));
+        });
+    });
+    assert_eq!(devices.order_conflicts(), Vec::<String>::new());
+    assert_eq!(devices.violations(), Vec::<String>::new());
+    let threads = devices.enqueuing_threads();
+    assert!(
+        threads.iter().all(|t| t.starts_with("kolo-engine")),
+        "device ops enqueued on {threads:?}"
+    );
+}
+
+#[test]
+fn job_and_process_set_device_ops_enqueue_in_one_order_on_every_rank() {
+    device_ops_of_job_and_set_in_one_order(2, &[0, 1]);
+}
+
+/// The same with a rank outside the set, whose job engine negotiates the set's turns
+/// without taking part in them.
+#[test]
+fn device_turns_of_a_set_pass_ranks_outside_it() {
+    device_ops_of_job_and_set_in_one_order(3, &[1, 2]);
+}

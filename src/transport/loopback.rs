@@ -55,6 +55,8 @@ struct Hub {
     /// Control-plane calls (cycle agreements and exchanges, heartbeats included) rank 0
     /// has completed.
     exchanges: Arc<std::sync::atomic::AtomicU64>,
+    /// The hubs of process sets split from this one, by split number.
+    sets: Mutex<HashMap<u64, Arc<Hub>>>,
 }
 
 /// One rank's end of the hub.
@@ -68,6 +70,12 @@ pub(crate) struct Loopback {
     in_place_group: usize,
     /// The job's simulated devices (`open_device`).
     devices: Arc<sim_device::SimDevices>,
+    /// This rank in the job (the process whose device it is).
+    job_rank: usize,
+    /// Which communicator: 0 for the job, a process set's split number otherwise.
+    comm: u64,
+    /// Process sets split so far (every rank splits in the same order).
+    splits: u64,
 }
 
 impl Loopback {
@@ -83,6 +91,9 @@ impl Loopback {
                 hub: hub.clone(),
                 in_place_group: 0,
                 devices: devices.clone(),
+                job_rank: rank,
+                comm: 0,
+                splits: 0,
             })
             .collect()
     }
@@ -237,10 +248,38 @@ impl Transport for Loopback {
         true
     }
 
-    fn split(&mut self, _ranks: &[usize]) -> Result<Option<Box<dyn Transport>>> {
-        Err(Error::Internal(
-            "the loopback transport has no process sets".into(),
-        ))
+    /// A process set of the job's ranks `ranks` (sorted; every rank calls this in
+    /// the same order): its ranks meet at a hub of their own; its simulated device
+    /// communicator is another one on each rank's device.
+    fn split(&mut self, ranks: &[usize]) -> Result<Option<Box<dyn Transport>>> {
+        if self.comm != 0 {
+            return Err(Error::Internal(
+                "the loopback transport splits only the job".into(),
+            ));
+        }
+        self.splits += 1;
+        let Ok(rank) = ranks.binary_search(&self.rank) else {
+            return Ok(None);
+        };
+        let hub = self
+            .hub
+            .sets
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .entry(self.splits)
+            .or_default()
+            .clone();
+        Ok(Some(Box::new(Loopback {
+            rank,
+            size: ranks.len(),
+            next: 0,
+            hub,
+            in_place_group: self.in_place_group,
+            devices: self.devices.clone(),
+            job_rank: self.job_rank,
+            comm: self.splits,
+            splits: 0,
+        })))
     }
 
     fn topology(&self) -> Topology {
@@ -263,12 +302,15 @@ impl Transport for Loopback {
         ordinal: Option<usize>,
         _timeout: Duration,
     ) -> Result<Box<dyn crate::transport::device::DeviceComm>> {
-        Ok(Box::new(sim_device::SimDevice::new(
-            self.rank,
-            self.size,
-            ordinal.unwrap_or(0),
-            self.devices.clone(),
-        )))
+        Ok(Box::new(
+            sim_device::SimDevice::new(
+                self.rank,
+                self.size,
+                ordinal.unwrap_or(0),
+                self.devices.clone(),
+            )
+            .on_comm(self.comm, self.job_rank),
+        ))
     }
 
     fn exchange(&mut self, local: &[u8], idle: &mut dyn FnMut(Duration)) -> Result<Vec<Vec<u8>>> {

@@ -59,6 +59,12 @@ struct SimState {
     violations: Vec<String>,
     /// The threads that enqueued ops (device calls must stay on engine threads).
     threads: HashSet<String>,
+    /// Each process's (job rank's) enqueues across its communicators, in order, as
+    /// `(communicator, op number)`.
+    order: HashMap<usize, Vec<(u64, u64)>>,
+    /// How long enqueues of a communicator on a process are delayed (to make engines
+    /// race).
+    delays: HashMap<(usize, u64), Duration>,
 }
 
 impl SimDevices {
@@ -82,7 +88,36 @@ impl SimDevices {
         self.lock().fail_enqueue = Some((rank, op));
     }
 
-    /// What a real device would have done wrong so far.
+    /// Delays every enqueue of communicator `comm` (0: the job's; a process set's
+    /// split number) on job rank `process` by `by`, before it is queued.
+    pub(crate) fn delay_enqueues(&self, process: usize, comm: u64, by: Duration) {
+        self.lock().delays.insert((process, comm), by);
+    }
+
+    /// Pairs of job ranks that enqueued the ops of two communicators in different
+    /// orders (a real device could deadlock), as messages naming both orders.
+    pub(crate) fn order_conflicts(&self) -> Vec<String> {
+        let s = self.lock();
+        let mut ranks: Vec<usize> = s.order.keys().copied().collect();
+        ranks.sort_unstable();
+        let mut out = Vec::new();
+        for (i, &p) in ranks.iter().enumerate() {
+            for &q in &ranks[i + 1..] {
+                let (a, b) = (&s.order[&p], &s.order[&q]);
+                let common = |x: &Vec<(u64, u64)>, y: &Vec<(u64, u64)>| -> Vec<(u64, u64)> {
+                    x.iter().filter(|op| y.contains(op)).copied().collect()
+                };
+                let (ca, cb) = (common(a, b), common(b, a));
+                if ca != cb {
+                    out.push(format!(
+                        "rank {p} enqueued (communicator, op) {ca:?}, rank {q} {cb:?}"
+                    ));
+                }
+            }
+        }
+        out
+    }
+
     /// The names of the threads that enqueued ops so far.
     pub(crate) fn enqueuing_threads(&self) -> Vec<String> {
         let mut v: Vec<String> = self.lock().threads.iter().cloned().collect();
@@ -222,6 +257,9 @@ unsafe impl Send for Queued {}
 
 /// One rank's simulated communicator.
 pub(crate) struct SimDevice {
+    /// Which communicator of the job (0: the job's own) and which job rank runs it.
+    comm: u64,
+    process: usize,
     rank: usize,
     size: usize,
     ordinal: usize,
@@ -236,6 +274,8 @@ impl SimDevice {
     /// Rank `rank` of `size` on `cuda:<ordinal>`.
     pub(crate) fn new(rank: usize, size: usize, ordinal: usize, devices: Arc<SimDevices>) -> Self {
         SimDevice {
+            comm: 0,
+            process: rank,
             rank,
             size,
             ordinal,
@@ -245,6 +285,20 @@ impl SimDevice {
             done: 0,
             aborted: None,
         }
+    }
+
+    /// The same on communicator `comm` (a process set's split number) of job rank
+    /// `process`.
+    pub(crate) fn on_comm(mut self, comm: u64, process: usize) -> Self {
+        self.comm = comm;
+        self.process = process;
+        self
+    }
+
+    /// Where op `number` of this communicator is kept among every communicator's ops
+    /// (the job's op numbers are kept as they are).
+    fn slot(&self, number: u64) -> u64 {
+        (self.comm << 40) | number
     }
 
     /// The simulated buffer behind `t`.
@@ -268,6 +322,14 @@ impl SimDevice {
         self.usable()?;
         let number = self.next_op;
         let devices = self.devices.clone();
+        let delay = devices
+            .lock()
+            .delays
+            .get(&(self.process, self.comm))
+            .copied();
+        if let Some(d) = delay {
+            std::thread::sleep(d);
+        }
         let mut s = devices.lock();
         let thread = std::thread::current();
         s.threads
@@ -301,8 +363,12 @@ impl SimDevice {
             *s.in_use.entry(*id).or_insert(0) += 1;
         }
         s.parts
-            .entry(number)
+            .entry(self.slot(number))
             .or_insert_with(|| vec![None; self.size])[self.rank] = Some(part);
+        s.order
+            .entry(self.process)
+            .or_default()
+            .push((self.comm, number));
         drop(s);
         devices.changed.notify_all();
         self.next_op += 1;
@@ -324,7 +390,7 @@ impl SimDevice {
             if s.hold || self.aborted.is_some() {
                 return;
             }
-            let Some(parts) = s.parts.get(&front.number) else {
+            let Some(parts) = s.parts.get(&self.slot(front.number)) else {
                 return;
             };
             let Some(parts) = parts.iter().cloned().collect::<Option<Vec<Vec<u8>>>>() else {
@@ -349,7 +415,11 @@ impl SimDevice {
                 Kind::Alltoall => {
                     let mut got = Vec::new();
                     for (i, p) in parts.iter().enumerate() {
-                        let send = s.sends.get(&(front.number, i)).cloned().unwrap_or_default();
+                        let send = s
+                            .sends
+                            .get(&(self.slot(front.number), i))
+                            .cloned()
+                            .unwrap_or_default();
                         let at = send.iter().take(me).sum::<usize>() * w;
                         let len = send.get(me).copied().unwrap_or(0) * w;
                         got.extend_from_slice(&p[at..at + len]);
@@ -480,7 +550,7 @@ impl DeviceComm for SimDevice {
         out: &Tensor,
         _recv: &[usize],
     ) -> Result<()> {
-        let key = (self.next_op, self.rank);
+        let key = (self.slot(self.next_op), self.rank);
         self.devices.lock().sends.insert(key, send.to_vec());
         self.enqueue(Kind::Alltoall, &[tensor], &[out], 1.0)
     }
