@@ -73,7 +73,9 @@ pub use optimizer::{
 };
 pub use p2p::{RecvBuilder, SendBuilder};
 pub use process_set::ProcessSet;
-pub use runtime::{build_info, cuda_device_count, init, nccl_library_present, BuildInfo, Kolo};
+pub use runtime::{
+    build_info, catch_panic, cuda_device_count, init, nccl_library_present, BuildInfo, Kolo,
+};
 pub use submit_error::SubmitError;
 pub use tensor::{DType, Device, Element, HostBuffer, Tensor};
 pub use vocab::{AlltoallOutput, ReduceOp};

@@ -32,6 +32,10 @@ fn install_panic_hook() {
     ONCE.call_once(|| {
         let previous = std::panic::take_hook();
         std::panic::set_hook(Box::new(move |info| {
+            if CATCHING.with(std::cell::Cell::get) > 0 {
+                // Inside `catch_panic`: the caller handles it.
+                return;
+            }
             let rank = RANK.load(Ordering::SeqCst);
             let thread = std::thread::current();
             let thread = thread.name().unwrap_or("<unnamed>");
@@ -49,6 +53,34 @@ fn install_panic_hook() {
             crate::transport::request_abort();
         }));
     });
+}
+
+thread_local! {
+    /// How many `catch_panic` calls this thread is inside.
+    static CATCHING: std::cell::Cell<u32> = const { std::cell::Cell::new(0) };
+}
+
+/// Runs `f` and hands back its panic instead of ending the job.
+///
+/// After [`init`], a panic on any thread aborts the whole job (so that no other rank
+/// waits for this one forever). Code whose failure the caller turns into an error —
+/// on every rank, so that nobody waits — runs inside `catch_panic`: while `f` runs on
+/// this thread, a panic of this thread unwinds to here, unreported (the caller reports
+/// it), as with [`std::panic::catch_unwind`]. A panic on another thread still ends the
+/// job. kolo-burn's pipeline uses it to check each stage's first forward pass.
+///
+/// # Errors
+/// The panic's payload, as `catch_unwind` gives it.
+pub fn catch_panic<T>(f: impl FnOnce() -> T) -> std::thread::Result<T> {
+    struct Leave;
+    impl Drop for Leave {
+        fn drop(&mut self) {
+            CATCHING.with(|c| c.set(c.get().saturating_sub(1)));
+        }
+    }
+    CATCHING.with(|c| c.set(c.get() + 1));
+    let _leave = Leave;
+    std::panic::catch_unwind(std::panic::AssertUnwindSafe(f))
 }
 
 /// Initialises MPI and starts this rank's engine with the configuration from the

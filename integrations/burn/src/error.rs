@@ -53,6 +53,18 @@ pub enum Error {
         message: String,
     },
 
+    /// A pipeline stage cannot run (its input, its forward, or an earlier stage's
+    /// failure passed on).
+    #[error("pipeline stage {stage} (ranks {ranks:?}): {message}")]
+    Pipeline {
+        /// The stage.
+        stage: usize,
+        /// The ranks that run it (one per replica).
+        ranks: Vec<usize>,
+        /// What went wrong.
+        message: String,
+    },
+
     /// A device this rank was asked to train on cannot be used here (no CUDA driver,
     /// no such GPU, or a build without the feature).
     #[error("rank {rank}: cannot use device {device}: {message}")]

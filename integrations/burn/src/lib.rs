@@ -47,6 +47,7 @@ mod layout;
 mod metrics;
 mod optim;
 mod overlap;
+mod pipeline;
 mod sampler;
 mod sharded;
 #[cfg(feature = "train")]
@@ -60,5 +61,6 @@ pub use grads::GradientReducer;
 pub use metrics::average_metrics;
 pub use optim::{DistributedOptimizer, DistributedState};
 pub use overlap::Overlap;
+pub use pipeline::{Pipeline, Schedule, StepOutput};
 pub use sampler::DistributedSampler;
 pub use sharded::ShardedOptimizer;

@@ -6,6 +6,7 @@ mod cube;
 #[path = "../../../../tests/collectives/harness.rs"]
 mod harness;
 mod issue31;
+mod pipeline;
 mod sharded;
 mod supervised;
 
@@ -916,6 +917,8 @@ const CASES: &[(&str, Case, &[usize])] = &[
     ("sharded_equivalence", sharded::equivalence, &[2, 4]),
     ("sharded_memory", sharded::memory, &[1, 2, 4]),
     ("sharded_bad_model", sharded::bad_model, &[2]),
+    ("pipeline_equivalence", pipeline::equivalence, &[2, 4]),
+    ("pipeline_bad_input", pipeline::bad_input, &[2, 4]),
 ];
 
 /// The digits example (`examples/train_digits.rs`) as a user runs it, with the accuracy

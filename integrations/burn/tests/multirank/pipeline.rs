@@ -1,0 +1,250 @@
+//! Issue 36: pipeline parallelism (`kolo_burn::Pipeline`) against one process training
+//! the whole model on the whole batch.
+
+use anyhow::{ensure, Result};
+use burn::module::{Module, ModuleVisitor, Param};
+use burn::nn::loss::CrossEntropyLossConfig;
+use burn::nn::{Linear, LinearConfig};
+use burn::optim::{AdamConfig, GradientsParams, ModuleOptimizer, SgdConfig};
+use burn::tensor::activation::relu;
+use burn::tensor::{Device, Int, Tensor, TensorData};
+use kolo::Kolo;
+use kolo_burn::{broadcast_parameters, Pipeline, Schedule};
+
+use super::assert_close;
+
+/// Layer widths of the 4-layer MLP (8 features in, 4 classes out).
+const WIDTHS: [usize; 5] = [8, 16, 16, 16, 4];
+
+/// Consecutive layers of the MLP: a whole model, or one stage of it.
+#[derive(Module, Debug)]
+pub(crate) struct Layers {
+    layers: Vec<Linear>,
+}
+
+impl Layers {
+    fn new(device: &Device) -> Self {
+        Layers {
+            layers: WIDTHS
+                .windows(2)
+                .map(|w| LinearConfig::new(w[0], w[1]).init(device))
+                .collect(),
+        }
+    }
+
+    /// Layers `range` of this model.
+    fn part(&self, range: std::ops::Range<usize>) -> Layers {
+        Layers {
+            layers: self.layers[range].to_vec(),
+        }
+    }
+
+    /// ReLU after every layer but the model's last (`ends` says this part holds it).
+    fn forward(&self, mut x: Tensor<2>, ends: bool) -> Tensor<2> {
+        let n = self.layers.len();
+        for (i, l) in self.layers.iter().enumerate() {
+            x = l.forward(x);
+            if !(ends && i + 1 == n) {
+                x = relu(x);
+            }
+        }
+        x
+    }
+}
+
+/// Every float parameter of `m`, flattened in module order.
+fn flat<M: Module>(m: &M) -> Vec<f32> {
+    struct Flat(Vec<f32>);
+    impl ModuleVisitor for Flat {
+        fn visit_float<const D: usize>(&mut self, p: &Param<Tensor<D>>) {
+            let v = p
+                .val()
+                .into_data()
+                .convert::<f32>()
+                .try_to_vec::<f32>()
+                .expect("a parameter converted to f32 reads as f32");
+            self.0.extend(v);
+        }
+    }
+    let mut f = Flat(Vec::new());
+    m.visit(&mut f);
+    f.0
+}
+
+/// Samples `ids` of a fixed synthetic dataset (8 features, 4 classes).
+fn samples(ids: std::ops::Range<usize>, device: &Device) -> (Tensor<2>, Tensor<1, Int>) {
+    let n = ids.len();
+    let mut x = Vec::with_capacity(n * 8);
+    let mut y = Vec::with_capacity(n);
+    for i in ids {
+        for j in 0..8 {
+            x.push((((i * 31 + j * 17) % 23) as f32 - 11.0) / 7.0);
+        }
+        y.push(((i * 7) % 4) as i64);
+    }
+    (
+        Tensor::from_data(TensorData::new(x, [n, 8]), device),
+        Tensor::from_data(TensorData::new(y, [n]), device),
+    )
+}
+
+fn optimizer(adam: bool) -> ModuleOptimizer {
+    if adam {
+        AdamConfig::new().init()
+    } else {
+        SgdConfig::new().init()
+    }
+}
+
+/// The layers stage `stage` of `stages` holds.
+fn stage_layers(stage: usize, stages: usize) -> std::ops::Range<usize> {
+    let n = WIDTHS.len() - 1;
+    stage * n / stages..(stage + 1) * n / stages
+}
+
+/// 20 steps of `stages` stages × the remaining replicas give every stage the
+/// parameters that one process training the whole model on the whole batch gives
+/// its layers, for SGD and Adam and both schedules.
+fn equivalent(k: &Kolo, stages: usize) -> Result<()> {
+    let device = Device::flex().autodiff();
+    device.seed(31);
+    let loss_fn = CrossEntropyLossConfig::new().init(&device);
+    let (b, micro) = (8, 4);
+    for schedule in [Schedule::OneFOneB, Schedule::FillDrain] {
+        for adam in [false, true] {
+            let whole = broadcast_parameters(k, Layers::new(&device), 0)?;
+            let mut pipe = Pipeline::new(k, stages)?
+                .micro_batches(micro)
+                .schedule(schedule);
+            let (stage, replica, replicas) = (pipe.stage(), pipe.replica(), pipe.replicas());
+            let range = stage_layers(stage, stages);
+            let mut part = pipe.broadcast_parameters(whole.part(range.clone()))?;
+            let (mut reference, mut ref_optim) = (whole, optimizer(adam));
+            let mut optim = optimizer(adam);
+            let mut last_loss = None;
+            for step in 0..20 {
+                // This replica's batch, and the whole batch of all replicas.
+                let base = step * b * replicas;
+                let mine = base + replica * b..base + (replica + 1) * b;
+                let (x, y) = samples(mine, &device);
+                let first = pipe.is_first().then_some(x);
+                let ends = pipe.is_last();
+                let out = pipe.step(
+                    &part,
+                    first,
+                    |m: &Layers, x: Tensor<2>| m.forward(x, ends),
+                    |out, rows| loss_fn.forward(out, y.clone().slice(rows)),
+                )?;
+                part = optim.step(0.05, part, out.grads);
+                last_loss = out.loss;
+
+                let (xa, ya) = samples(base..base + b * replicas, &device);
+                let loss = loss_fn.forward(reference.forward(xa, true), ya);
+                let grads = GradientsParams::from_grads(loss.backward(), &reference);
+                reference = ref_optim.step(0.05, reference, grads);
+            }
+            let what = format!(
+                "{stages} stages × {replicas} replicas, {schedule:?}, {}: stage {stage}",
+                if adam { "Adam" } else { "SGD" }
+            );
+            assert_close(&what, &flat(&part), &flat(&reference.part(range)), 1e-5)?;
+            ensure!(
+                last_loss.is_some() == pipe.is_last(),
+                "{what}: only the last stage reports the loss"
+            );
+            // Each rank holds only its stage: the stages of one replica add up to the
+            // model.
+            let held = flat(&part).len();
+            let all: Vec<usize> = k.allgather_object("pipeline.held", held)?;
+            let per_replica: usize = all[..stages].iter().sum();
+            ensure!(
+                per_replica == flat(&reference).len() && (stages == 1 || held < per_replica),
+                "{what}: stages hold {all:?} parameters, the model {}",
+                flat(&reference).len()
+            );
+        }
+    }
+    Ok(())
+}
+
+/// S = N at np 2 and np 4, and S = 2 × 2 replicas at np 4.
+pub(crate) fn equivalence(k: &Kolo) -> Result<()> {
+    equivalent(k, k.size())?;
+    if k.size() == 4 {
+        equivalent(k, 2)?;
+    }
+    Ok(())
+}
+
+/// Bad input fails on every rank with a message naming the stage: a stage count that
+/// does not divide the ranks, a stage whose input does not fit what the previous
+/// stage sends, a batch the micro-batches do not divide; after a bad batch the
+/// pipeline trains on.
+pub(crate) fn bad_input(k: &Kolo) -> Result<()> {
+    let device = Device::flex().autodiff();
+    let size = k.size();
+    let e = Pipeline::new(k, size + 1)
+        .map(|_| ())
+        .map_err(|e| e.to_string());
+    ensure!(
+        e.as_ref().is_err_and(|m| m.contains(&format!(
+            "{} pipeline stages do not divide the {size} ranks",
+            size + 1
+        ))),
+        "a stage count that does not divide the ranks: {e:?}"
+    );
+    let loss_fn = CrossEntropyLossConfig::new().init(&device);
+    // Stage 1 takes 7 features where stage 0 gives 16.
+    let mut pipe = Pipeline::new(k, 2)?.micro_batches(4);
+    let ends = pipe.is_last();
+    let model = if pipe.is_first() {
+        Layers {
+            layers: vec![LinearConfig::new(8, 16).init(&device)],
+        }
+    } else {
+        Layers {
+            layers: vec![LinearConfig::new(7, 4).init(&device)],
+        }
+    };
+    let (x, y) = samples(0..8, &device);
+    let first = pipe.is_first().then(|| x.clone());
+    let e = pipe
+        .step(
+            &model,
+            first,
+            |m: &Layers, x| m.forward(x, ends),
+            |out, rows| loss_fn.forward(out, y.clone().slice(rows)),
+        )
+        .map(|_| ())
+        .map_err(|e| e.to_string());
+    ensure!(
+        e.as_ref()
+            .is_err_and(|m| m.contains("pipeline stage 1 (ranks")
+                && m.contains("failed on an input of shape [2, 16]")),
+        "a stage whose input does not fit: {e:?}"
+    );
+
+    // A batch of 10 rows cannot be cut into 4 micro-batches, at the first step and
+    // at a later one; a good batch then trains.
+    let model = Layers::new(&device).part(stage_layers(pipe.stage(), 2));
+    for (rows, good) in [(10, false), (8, true), (10, false), (8, true)] {
+        let (x, y) = samples(0..rows, &device);
+        let first = pipe.is_first().then(|| x.clone());
+        let r = pipe
+            .step(
+                &model,
+                first,
+                |m: &Layers, x| m.forward(x, ends),
+                |out, r| loss_fn.forward(out, y.clone().slice(r)),
+            )
+            .map(|_| ())
+            .map_err(|e| e.to_string());
+        match (good, &r) {
+            (true, Ok(())) => {}
+            (false, Err(m))
+                if m.contains("a batch of 10 rows cannot be cut into 4 equal micro-batches") => {}
+            _ => anyhow::bail!("a batch of {rows} rows: {r:?}"),
+        }
+    }
+    Ok(())
+}
