@@ -99,9 +99,15 @@ pub fn save_checkpoint<M: Module>(
 }
 
 fn write_atomically(dir: &Path, bytes: &[u8]) -> Result<()> {
+    write_named_atomically(dir, FILE, bytes)
+}
+
+/// Writes `bytes` to `dir/name` so that a crash leaves the old file or the new one:
+/// a temporary file, flushed, renamed over the old one, the rename made durable.
+pub(crate) fn write_named_atomically(dir: &Path, name: &str, bytes: &[u8]) -> Result<()> {
     fs::create_dir_all(dir).map_err(io(dir))?;
-    let path = checkpoint_path(dir);
-    let tmp = dir.join(format!(".{FILE}.tmp-{}", std::process::id()));
+    let path = dir.join(name);
+    let tmp = dir.join(format!(".{name}.tmp-{}", std::process::id()));
     let mut f = File::create(&tmp).map_err(io(&tmp))?;
     f.write_all(bytes).map_err(io(&tmp))?;
     f.sync_all().map_err(io(&tmp))?;

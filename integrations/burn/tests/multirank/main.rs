@@ -919,6 +919,7 @@ const CASES: &[(&str, Case, &[usize])] = &[
     ("sharded_bad_model", sharded::bad_model, &[2]),
     ("pipeline_equivalence", pipeline::equivalence, &[2, 4]),
     ("pipeline_bad_input", pipeline::bad_input, &[2, 4]),
+    ("pipeline_checkpoint", pipeline::checkpoint, &[2, 4]),
 ];
 
 /// The digits example (`examples/train_digits.rs`) as a user runs it, with the accuracy

@@ -248,3 +248,92 @@ pub(crate) fn bad_input(k: &Kolo) -> Result<()> {
     }
     Ok(())
 }
+
+/// Trains `steps` of `pipe` on `part` from batch `from` on (SGD-free: Adam, so that a
+/// resume must restore its state too).
+fn train_steps(
+    pipe: &mut Pipeline,
+    mut part: Layers,
+    optim: &mut ModuleOptimizer,
+    steps: std::ops::Range<usize>,
+    device: &Device,
+) -> Result<Layers> {
+    let loss_fn = CrossEntropyLossConfig::new().init(device);
+    let b = 8;
+    let ends = pipe.is_last();
+    for step in steps {
+        let base = step * b * pipe.replicas();
+        let mine = base + pipe.replica() * b..base + (pipe.replica() + 1) * b;
+        let (x, y) = samples(mine, device);
+        let first = pipe.is_first().then_some(x);
+        let out = pipe.step(
+            &part,
+            first,
+            |m: &Layers, x: Tensor<2>| m.forward(x, ends),
+            |out, rows| loss_fn.forward(out, y.clone().slice(rows)),
+        )?;
+        part = optim.step(0.01, part, out.grads);
+    }
+    Ok(part)
+}
+
+/// Each stage saves its own model and Adam state; a fresh pipeline resumes from them
+/// and trains on exactly as the uninterrupted one; only the last step is kept; a
+/// pipeline of another number of stages is refused.
+pub(crate) fn checkpoint(k: &Kolo) -> Result<()> {
+    let device = Device::flex().autodiff();
+    device.seed(41);
+    let dir: String = k.broadcast_object(
+        "pipeline.dir",
+        std::env::temp_dir()
+            .join(format!("kolo-pipeline-ckpt-{}", std::process::id()))
+            .display()
+            .to_string(),
+        0,
+    )?;
+    let dir = std::path::PathBuf::from(dir);
+    let stages = 2;
+    let mut pipe = Pipeline::new(k, stages)?.micro_batches(2);
+    let range = stage_layers(pipe.stage(), stages);
+    let whole = broadcast_parameters(k, Layers::new(&device), 0)?;
+    let part = pipe.broadcast_parameters(whole.part(range.clone()))?;
+    let mut optim = optimizer(true);
+    let part = train_steps(&mut pipe, part, &mut optim, 0..3, &device)?;
+    pipe.save_checkpoint(&dir, &part, &optim, 3)?;
+    let straight = train_steps(&mut pipe, part, &mut optim, 3..6, &device)?;
+
+    // A fresh start: other weights, a new optimizer, a new pipeline.
+    let mut again = Pipeline::new(k, stages)?.micro_batches(2);
+    let fresh = Layers::new(&device).part(range.clone());
+    let restored = again
+        .load_checkpoint(&dir, fresh, optimizer(true))?
+        .ok_or_else(|| anyhow::anyhow!("no checkpoint found in {}", dir.display()))?;
+    ensure!(restored.step == 3, "resumed at step {}", restored.step);
+    let mut optim = restored.optim;
+    let resumed = train_steps(&mut again, restored.model, &mut optim, 3..6, &device)?;
+    assert_close("resumed pipeline", &flat(&resumed), &flat(&straight), 1e-6)?;
+
+    again.save_checkpoint(&dir, &resumed, &optim, 6)?;
+    k.barrier()?;
+    ensure!(
+        !dir.join("step-3").exists() && again.checkpoint_dir(&dir, 6).exists(),
+        "after saving step 6, step 3 is still there or step 6 is not"
+    );
+    if k.size() == 4 {
+        let four = Pipeline::new(k, 4)?;
+        let e = four
+            .load_checkpoint(&dir, Layers::new(&device), optimizer(true))
+            .map(|_| ())
+            .map_err(|e| e.to_string());
+        ensure!(
+            e.as_ref()
+                .is_err_and(|m| m.contains("written by a pipeline of 2 stages")),
+            "a 4-stage pipeline loading a 2-stage checkpoint: {e:?}"
+        );
+    }
+    k.barrier()?;
+    if k.rank() == 0 {
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+    Ok(())
+}

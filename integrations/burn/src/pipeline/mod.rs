@@ -9,12 +9,14 @@ use burn::optim::{GradientsAccumulator, GradientsParams};
 use burn::tensor::{DType, Device, Tensor};
 use kolo::{Handle, Kolo, ProcessSet};
 
+mod checkpoint;
+
 use crate::convert::{to_burn, to_kolo, Copied};
 use crate::error::{Error, Result};
 use crate::grads::GradientReducer;
 
 /// The order in which a stage runs the forward and backward passes of a step's
-/// micro-batches.
+/// micro-batches. Parsed from `1f1b` or `gpipe` (also `fill-drain`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum Schedule {
     /// GPipe: every micro-batch forward, then every micro-batch backward. Each stage
@@ -27,6 +29,20 @@ pub enum Schedule {
     /// memory stays flat as `M` grows.
     #[default]
     OneFOneB,
+}
+
+impl std::str::FromStr for Schedule {
+    type Err = String;
+
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        match s.to_ascii_lowercase().as_str() {
+            "1f1b" | "one-f-one-b" => Ok(Schedule::OneFOneB),
+            "gpipe" | "fill-drain" | "filldrain" => Ok(Schedule::FillDrain),
+            other => Err(format!(
+                "unknown pipeline schedule {other:?}: 1f1b (the default) or gpipe"
+            )),
+        }
+    }
 }
 
 /// What [`Pipeline::step`] returns on each rank.
@@ -129,10 +145,11 @@ pub struct Pipeline {
     replica: usize,
     micro: usize,
     schedule: Schedule,
-    /// This stage's replicas (None with one replica).
-    stage_set: Option<ProcessSet>,
+    /// This stage's replicas.
+    stage_set: ProcessSet,
     reducer: Option<GradientReducer>,
     steps: u64,
+    infers: u64,
     copied: Copied,
 }
 
@@ -188,19 +205,20 @@ impl Pipeline {
         }
         let replicas = size / stages;
         let (stage, replica) = (kolo.rank() % stages, kolo.rank() / stages);
+        // One process set per stage (also of one rank: checkpoints go through it).
         let mut stage_set = None;
-        if replicas > 1 {
-            for s in 0..stages {
-                let ranks: Vec<usize> = (0..replicas).map(|r| r * stages + s).collect();
-                let set = kolo.add_process_set(&ranks)?;
-                if s == stage {
-                    stage_set = Some(set);
-                }
+        for s in 0..stages {
+            let ranks: Vec<usize> = (0..replicas).map(|r| r * stages + s).collect();
+            let set = kolo.add_process_set(&ranks)?;
+            if s == stage {
+                stage_set = Some(set);
             }
         }
-        let reducer = stage_set
-            .as_ref()
-            .map(|set| GradientReducer::new(kolo).process_set(set));
+        let stage_set = stage_set.ok_or_else(|| Error::InvalidArgument {
+            what: "kolo_burn::Pipeline::new",
+            message: format!("rank {} is in no stage", kolo.rank()),
+        })?;
+        let reducer = (replicas > 1).then(|| GradientReducer::new(kolo).process_set(&stage_set));
         Ok(Pipeline {
             kolo: kolo.clone(),
             stages,
@@ -212,6 +230,7 @@ impl Pipeline {
             stage_set,
             reducer,
             steps: 0,
+            infers: 0,
             copied: Copied::default(),
         })
     }
@@ -278,10 +297,74 @@ impl Pipeline {
     /// # Errors
     /// As [`broadcast_parameters`](crate::broadcast_parameters).
     pub fn broadcast_parameters<M: Module>(&self, module: M) -> Result<M> {
-        match self.stage_set.as_ref().and_then(ProcessSet::kolo) {
-            Some(set) => crate::broadcast_parameters(set, module, 0),
-            None => Ok(module),
+        if self.replicas == 1 {
+            return Ok(module);
         }
+        crate::broadcast_parameters(self.stage_kolo()?, module, 0)
+    }
+
+    /// The process set of this stage's ranks (one per replica) as a [`Kolo`]: its rank
+    /// 0 is replica 0. Collectives among the replicas of a stage go through it.
+    ///
+    /// # Errors
+    /// [`Error::Kolo`] when the set's engine has stopped.
+    pub fn stage_kolo(&self) -> Result<&Kolo> {
+        self.stage_set.kolo().ok_or_else(|| {
+            Error::Kolo(kolo::Error::InvalidArgument {
+                op: "pipeline",
+                name: format!("stage {}", self.stage),
+                message: "this rank's stage has no process set".into(),
+            })
+        })
+    }
+
+    /// A forward pass of `input` through the whole pipeline, without gradients (for
+    /// evaluation): the first stage passes `input`, the last gets the model's output;
+    /// every other stage gets `None`. Every rank of the job calls it.
+    ///
+    /// # Errors
+    /// As [`step`](Self::step): the first stage got no input, a tensor of another
+    /// rank arrived, a send or receive failed.
+    pub fn infer<M, const DI: usize, const DO: usize>(
+        &mut self,
+        model: &M,
+        input: Option<Tensor<DI>>,
+        forward: impl Fn(&M, Tensor<DI>) -> Tensor<DO>,
+    ) -> Result<Option<Tensor<DO>>>
+    where
+        M: Module,
+    {
+        let device = input
+            .as_ref()
+            .map(Tensor::device)
+            .or_else(|| model.devices().into_iter().next())
+            .unwrap_or_default();
+        let n = self.infers;
+        self.infers += 1;
+        let key = format!("kolo_burn.pipeline.infer.{n}");
+        let me = self.kolo.rank();
+        let x = if self.is_first() {
+            let x = input.ok_or_else(|| {
+                self.failure("the first stage got no input (pass Some(batch) to infer)".into())
+            });
+            match x {
+                Ok(x) => x,
+                Err(e) => {
+                    self.pass_failure(&key, &e.to_string())?;
+                    return Err(e);
+                }
+            }
+        } else {
+            let t = self.receive(&key, me - 1)?;
+            self.as_burn::<DI>(&key, t, &device, "activations")?
+        };
+        let out = forward(model, x).detach();
+        if self.is_last() {
+            return Ok(Some(out));
+        }
+        let t = to_kolo(&key, out, &self.copied)?;
+        self.kolo.send(key, t, me + 1).wait()?;
+        Ok(None)
     }
 
     /// One training step of this rank's stage over one batch.
