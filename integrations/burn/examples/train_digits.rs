@@ -21,6 +21,14 @@
 //! epochs. `--scale-lr` applies the linear scaling rule that Horovod advises (Goyal et
 //! al., "Accurate, Large Minibatch SGD", 2017): the learning rate times the number of
 //! ranks, reached by a linear warm-up from `--lr` over `--warmup-epochs`.
+//!
+//! `--pipeline-stages S` trains the MLP pipeline-parallel instead
+//! (`kolo_burn::Pipeline`): each rank holds only its stage's layers (the MLP has
+//! `max(S, 2)` layers, cut at layer boundaries), each batch flows through the stages in
+//! `--micro-batches M` micro-batches (1F1B schedule, `--pipeline-schedule gpipe` for
+//! fill-drain), and with more ranks than stages the pipeline is replicated (ranks
+//! `r·S … r·S + S − 1` are replica `r`), each stage's gradients averaged over its
+//! replicas. With `--scale-lr` the learning rate scales with the replicas.
 
 use std::path::PathBuf;
 use std::time::Instant;
@@ -86,6 +94,18 @@ struct Args {
     /// rank keeping 1/N of it; the same training otherwise. Not with --checkpoint yet.
     #[arg(long, conflicts_with = "checkpoint")]
     sharded_optimizer: bool,
+    /// Pipeline parallelism: cut the MLP into this many stages, one per rank
+    /// (kolo_burn::Pipeline); the number of ranks must be a multiple.
+    #[arg(long, conflicts_with = "sharded_optimizer")]
+    pipeline_stages: Option<usize>,
+    /// Micro-batches per batch with --pipeline-stages (--batch-size must be a
+    /// multiple; the last partial batch of an epoch is dropped).
+    #[arg(long, default_value_t = 4)]
+    micro_batches: usize,
+    /// The pipeline's schedule: 1f1b (the default: activations of at most S
+    /// micro-batches kept per stage) or gpipe (fill-drain).
+    #[arg(long, default_value = "1f1b")]
+    pipeline_schedule: kolo_burn::Schedule,
 }
 
 #[derive(Module, Debug)]
@@ -213,6 +233,11 @@ fn main() -> anyhow::Result<()> {
         }
     };
     let data = load_digits(args.seed);
+    if let Some(stages) = args.pipeline_stages {
+        let acc = train_pipeline(&args, &kolo, &device, &data, stages)?;
+        kolo.shutdown()?;
+        return check_accuracy(&args, acc);
+    }
 
     // Every rank starts from rank 0's weights (Burn draws them at random per process).
     let model = broadcast_parameters(&kolo, Mlp::new(args.hidden, &device), 0)?;
@@ -336,19 +361,195 @@ fn main() -> anyhow::Result<()> {
         );
     }
     kolo.shutdown()?;
-    // The check is for the tests (--min-accuracy 0.95); a short run's lower accuracy
-    // is a result, not an error.
-    if let Some(min) = args
-        .min_accuracy
-        .filter(|_| !args.bench && start < args.epochs)
-    {
-        if last_acc < min {
+    if start >= args.epochs {
+        return Ok(());
+    }
+    check_accuracy(&args, Some(last_acc))
+}
+
+/// The check is for the tests (--min-accuracy 0.95); a short run's lower accuracy is a
+/// result, not an error. `None`: nothing was trained or evaluated.
+fn check_accuracy(args: &Args, acc: Option<f64>) -> anyhow::Result<()> {
+    if let (Some(min), Some(acc)) = (args.min_accuracy.filter(|_| !args.bench), acc) {
+        if acc < min {
             bail!(
                 "test accuracy {:.2}% is below --min-accuracy {:.2}%",
-                100.0 * last_acc,
+                100.0 * acc,
                 100.0 * min
             );
         }
     }
     Ok(())
+}
+
+/// Consecutive layers of the pipeline's MLP: one rank's stage.
+#[derive(Module, Debug)]
+struct Stage {
+    layers: Vec<Linear>,
+}
+
+impl Stage {
+    /// Layers `range` of an MLP of widths `widths`, made on this rank only.
+    fn new(widths: &[usize], range: std::ops::Range<usize>, device: &Device) -> Self {
+        Stage {
+            layers: range
+                .map(|i| LinearConfig::new(widths[i], widths[i + 1]).init(device))
+                .collect(),
+        }
+    }
+
+    /// ReLU after every layer but the MLP's last (`ends`: this stage holds it).
+    fn forward(&self, mut x: Tensor<2>, ends: bool) -> Tensor<2> {
+        let n = self.layers.len();
+        for (i, l) in self.layers.iter().enumerate() {
+            x = l.forward(x);
+            if !(ends && i + 1 == n) {
+                x = burn::tensor::activation::relu(x);
+            }
+        }
+        x
+    }
+}
+
+/// `--pipeline-stages`: the MLP cut into stages across ranks (see the module docs);
+/// the final test accuracy (None when nothing was evaluated).
+fn train_pipeline(
+    args: &Args,
+    kolo: &kolo::Kolo,
+    device: &Device,
+    data: &Digits,
+    stages: usize,
+) -> anyhow::Result<Option<f64>> {
+    let mut pipe = kolo_burn::Pipeline::new(kolo, stages)?
+        .micro_batches(args.micro_batches)
+        .schedule(args.pipeline_schedule);
+    let (stage, replica, replicas) = (pipe.stage(), pipe.replica(), pipe.replicas());
+    let layers = stages.max(2);
+    let mut widths = vec![64];
+    widths.extend(std::iter::repeat_n(args.hidden, layers - 1));
+    widths.push(10);
+    let range = stage * layers / stages..(stage + 1) * layers / stages;
+    let part = pipe.broadcast_parameters(Stage::new(&widths, range.clone(), device))?;
+    let optim = AdamConfig::new().init();
+    let (mut part, mut optim, start) = match &args.checkpoint {
+        Some(dir) if args.resume => match pipe.load_checkpoint(dir, part.clone(), optim.clone())? {
+            Some(r) => (r.model, r.optim, r.step),
+            None => (part, optim, 0),
+        },
+        _ => (part, optim, 0),
+    };
+    let held: usize = part.num_params();
+    let all_held: Vec<usize> = kolo.allgather_object("digits.held", held)?;
+    if kolo.rank() == 0 {
+        let whole: usize = all_held[..stages].iter().sum();
+        println!(
+            "kolo-burn: training a {widths:?} MLP as {stages} pipeline stages × {replicas} replicas \
+             ({} micro-batches of {}, {:?}), batch {}/replica, from epoch {start}; \
+             parameters per stage {:?} of {whole}",
+            args.micro_batches,
+            args.batch_size / args.micro_batches.max(1),
+            args.pipeline_schedule,
+            args.batch_size,
+            &all_held[..stages],
+        );
+    }
+    let ends = pipe.is_last();
+    let loss_fn: CrossEntropyLoss = CrossEntropyLossConfig::new().init(device);
+    let sampler = DistributedSampler::new(data.train.len(), replica, replicas, args.seed);
+    let test_shard =
+        DistributedSampler::new(data.test.len(), replica, replicas, 0).without_shuffle();
+    let started = Instant::now();
+    let mut samples = 0usize;
+    let mut last_acc = None;
+    for epoch in start..args.epochs {
+        let shard = sampler.indices(epoch);
+        let steps = shard.len() / args.batch_size;
+        let mut loss_sum = 0.0;
+        for (i, idx) in shard.chunks_exact(args.batch_size).enumerate() {
+            let lr = learning_rate(args, replicas, epoch as f64 + i as f64 / steps as f64);
+            let ids: Vec<usize> = idx.iter().map(|&i| data.train[i]).collect();
+            let (x, y) = batch(data, &ids, device);
+            let out = pipe.step(
+                &part,
+                pipe.is_first().then_some(x),
+                |m: &Stage, x: Tensor<2>| m.forward(x, ends),
+                |out, rows| loss_fn.forward(out, y.clone().slice(rows)),
+            )?;
+            loss_sum += out.loss.unwrap_or(0.0) * ids.len() as f64;
+            part = optim.step(lr, part, out.grads);
+            samples += ids.len();
+        }
+        if args.bench {
+            continue;
+        }
+        // The test set through the pipeline; the last stages count what is right.
+        let mut correct = 0usize;
+        let test = test_shard.indices(0);
+        for idx in test.chunks(256) {
+            let ids: Vec<usize> = idx.iter().map(|&i| data.test[i]).collect();
+            let (x, _) = batch(data, &ids, device);
+            let out = pipe.infer(&part, pipe.is_first().then_some(x), |m: &Stage, x| {
+                m.forward(x, ends)
+            })?;
+            if let Some(out) = out {
+                let pred = out
+                    .argmax(1)
+                    .into_data()
+                    .convert::<i64>()
+                    .try_to_vec::<i64>();
+                let pred = pred.map_err(|e| anyhow::anyhow!("{e:?}"))?;
+                correct += pred
+                    .iter()
+                    .zip(&ids)
+                    .filter(|(p, &i)| **p == data.y[i])
+                    .count();
+            }
+        }
+        // (loss × samples, samples, correct, tested) from the last stages only.
+        let mine = if ends {
+            (
+                loss_sum,
+                (steps * args.batch_size) as f64,
+                correct as f64,
+                test.len() as f64,
+            )
+        } else {
+            (0.0, 0.0, 0.0, 0.0)
+        };
+        let all: Vec<(f64, f64, f64, f64)> = kolo.allgather_object("digits.metrics", mine)?;
+        let sum = all.iter().fold((0.0, 0.0, 0.0, 0.0), |a, b| {
+            (a.0 + b.0, a.1 + b.1, a.2 + b.2, a.3 + b.3)
+        });
+        let acc = sum.2 / sum.3.max(1.0);
+        last_acc = Some(acc);
+        if kolo.rank() == 0 {
+            println!(
+                "epoch {:3}/{}: loss {:.4}  test accuracy {:.2}%",
+                epoch + 1,
+                args.epochs,
+                sum.0 / sum.1.max(1.0),
+                100.0 * acc
+            );
+        }
+        if let Some(dir) = &args.checkpoint {
+            pipe.save_checkpoint(dir, &part, &optim, epoch + 1)
+                .context("saving the pipeline checkpoint")?;
+        }
+    }
+    let secs = started.elapsed().as_secs_f64();
+    // Every stage of a replica saw the same samples: count the first stages'.
+    let first = if pipe.is_first() { samples } else { 0 };
+    let total: usize = kolo.allgather_object("samples", first)?.iter().sum();
+    if kolo.rank() == 0 {
+        println!(
+            "trained {total} samples in {secs:.2} s: {:.0} samples/s on {} ranks ({stages} stages × {replicas} replicas){}",
+            total as f64 / secs,
+            kolo.size(),
+            match last_acc {
+                Some(a) if !args.bench => format!("; final test accuracy {:.2}%", 100.0 * a),
+                _ => String::new(),
+            }
+        );
+    }
+    Ok(last_acc)
 }

@@ -948,6 +948,19 @@ const EXAMPLES: &[(&str, &[&str], &[usize])] = &[
         ],
         &[2],
     ),
+    // Two stages at np 2; two stages × two replicas at np 4.
+    (
+        "digits_example_pipeline",
+        &[
+            "--epochs",
+            "10",
+            "--pipeline-stages",
+            "2",
+            "--min-accuracy",
+            "0.95",
+        ],
+        &[2, 4],
+    ),
 ];
 
 /// The Cube route on Burn's CubeCL CPU runtime (feature `cpu`, issue 32): name, case,
