@@ -26,7 +26,9 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, ensure, Context, Result};
 use burn::nn::loss::CrossEntropyLossConfig;
 use burn::optim::{GradientsParams, ModuleOptimizer, SgdConfig};
-use kolo_burn::{broadcast_parameters, DistributedOptimizer, GradientReducer, ShardedOptimizer};
+use kolo_burn::{
+    broadcast_parameters, DistributedOptimizer, GradientReducer, Pipeline, ShardedOptimizer,
+};
 
 #[path = "common/mlp.rs"]
 mod mlp;
@@ -35,7 +37,34 @@ mod mlp;
 #[allow(dead_code)]
 mod harness;
 
-const PATHS: [&str; 4] = ["reducer", "overlapped", "optimizer", "sharded"];
+const PATHS: [&str; 5] = ["reducer", "overlapped", "optimizer", "sharded", "pipeline"];
+
+/// The layers of stage `stage` of `stages` of an MLP of widths `dims`: consecutive,
+/// cut where the stages' parameter counts are most even.
+fn stage_layers(dims: &[usize], stages: usize, stage: usize) -> std::ops::Range<usize> {
+    let sizes: Vec<usize> = dims.windows(2).map(|w| w[0] * w[1] + w[1]).collect();
+    let n = sizes.len();
+    // prefix[i]: the parameters of layers 0..i.
+    let prefix: Vec<usize> = std::iter::once(0)
+        .chain(sizes.iter().scan(0, |acc, s| {
+            *acc += s;
+            Some(*acc)
+        }))
+        .collect();
+    let mut cuts = vec![0];
+    for k in 1..stages {
+        let want = k * prefix[n] / stages;
+        // At least one layer per stage on either side of the cut.
+        let lo = cuts[k - 1] + 1;
+        let hi = n.saturating_sub(stages - k).max(lo);
+        let at = (lo..=hi)
+            .min_by_key(|&i| prefix[i.min(n)].abs_diff(want))
+            .unwrap_or(lo);
+        cuts.push(at.min(n));
+    }
+    cuts.push(n);
+    cuts[stage]..cuts[stage + 1]
+}
 
 /// One rank's side: trains `model` along `path` and prints rank 0's result line (the
 /// slowest rank's steps/s).
@@ -49,7 +78,7 @@ fn worker(
     let dims = mlp::dims(model).context("unknown model")?;
     let kolo = kolo::init()?;
     let device = backend.device(&kolo)?.autodiff();
-    let (x, y) = mlp::batch(kolo.rank(), dims[dims.len() - 1], &device);
+    let (x, y) = mlp::batch(kolo.rank(), dims, mlp::batch_size(model), &device);
     let start = broadcast_parameters(&kolo, mlp::Mlp::new(dims, &device), 0)?;
     let t = match path {
         "reducer" => {
@@ -140,6 +169,44 @@ fn worker(
             });
             if let Some(e) = failed {
                 bail!("sharded step failed: {e}");
+            }
+            t
+        }
+        "pipeline" => {
+            // S = the ranks, one replica; M = 8 micro-batches.
+            let stages = kolo.size();
+            let micro = std::env::var("KOLO_BENCH_MICRO")
+                .ok()
+                .and_then(|v| v.parse().ok())
+                .unwrap_or(mlp::MICRO_BATCHES);
+            let mut pipe = Pipeline::new(&kolo, stages)?.micro_batches(micro);
+            let range = stage_layers(dims, stages, pipe.stage());
+            let part = mlp::Mlp {
+                layers: start.layers[range].to_vec(),
+                act: start.act.clone(),
+            };
+            let ends = pipe.is_last();
+            let first = pipe.is_first().then(|| x.clone());
+            let loss = CrossEntropyLossConfig::new().init(&device);
+            let mut optim = SgdConfig::new().init();
+            let mut failed = None;
+            let t = mlp::time_steps(part, warmup, steps, |m| {
+                let out = pipe.step(
+                    &m,
+                    first.clone(),
+                    |m: &mlp::Mlp, x| m.forward_part(x, ends),
+                    |out, rows| loss.forward(out, y.clone().slice(rows)),
+                );
+                match out {
+                    Ok(out) => (optim.step(mlp::LR, m, out.grads), Duration::ZERO),
+                    Err(e) => {
+                        failed.get_or_insert(e.to_string());
+                        (m, Duration::ZERO)
+                    }
+                }
+            });
+            if let Some(e) = failed {
+                bail!("pipeline step failed: {e}");
             }
             t
         }
@@ -245,6 +312,7 @@ fn main() -> Result<()> {
         let (warmup, steps) = match (smoke, model.as_str()) {
             (true, _) => (1, 3),
             (false, "big") => (3, 20),
+            (false, "pipe") => (2, 8),
             (false, _) => (50, 1000),
         };
         let counts = [warmup.to_string(), steps.to_string()];
@@ -270,7 +338,7 @@ fn main() -> Result<()> {
         println!(
             "\n{model} MLP {:?} on {device_arg}, batch {} per rank, {reps} alternating launches ({:.0?})",
             mlp::dims(model).unwrap_or(&[]),
-            mlp::BATCH,
+            mlp::batch_size(model),
             Duration::from_secs(started.elapsed().as_secs())
         );
         println!(
@@ -297,6 +365,22 @@ fn main() -> Result<()> {
                         .map(|(k, b)| 1e6 * (1.0 / k - 1.0 / b))
                         .collect();
                     println!("  {path:<10} np1  overhead per step {} µs", show(&over));
+                }
+                if *path == "pipeline" && n == 1 {
+                    // Pipeline efficiency: steps/s of S = 2 stages over 2 × plain Burn's
+                    // (one rank running the whole model), against GPipe's ideal M/(M+S−1).
+                    let eff: Vec<f64> = sps
+                        .iter()
+                        .zip(&plain_sps)
+                        .map(|(k, b)| k / (2.0 * b))
+                        .collect();
+                    let m = mlp::MICRO_BATCHES as f64;
+                    println!(
+                        "  pipeline   np2  efficiency {} (ideal M/(M+S-1) = {:.3}; share of ideal {})",
+                        show(&eff),
+                        m / (m + 1.0),
+                        show(&eff.iter().map(|e| e / (m / (m + 1.0))).collect::<Vec<_>>())
+                    );
                 }
             }
         }

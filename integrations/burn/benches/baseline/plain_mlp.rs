@@ -20,7 +20,8 @@ use burn::tensor::Device;
 fn main() -> Result<(), String> {
     let args: Vec<String> = std::env::args().collect();
     let model = args.get(1).map_or("small", String::as_str);
-    let dims = mlp::dims(model).ok_or_else(|| format!("unknown model {model:?}: small or big"))?;
+    let dims =
+        mlp::dims(model).ok_or_else(|| format!("unknown model {model:?}: small, big or pipe"))?;
     let warmup = args.get(2).and_then(|v| v.parse().ok()).unwrap_or(3);
     let steps = args.get(3).and_then(|v| v.parse().ok()).unwrap_or(20);
     let device = match args.get(4).map_or("flex", String::as_str) {
@@ -32,8 +33,7 @@ fn main() -> Result<(), String> {
         other => return Err(format!("device {other:?} is not built in (see the docs)")),
     }
     .autodiff();
-    let classes = dims[dims.len() - 1];
-    let (x, y) = mlp::batch(0, classes, &device);
+    let (x, y) = mlp::batch(0, dims, mlp::batch_size(model), &device);
     let mut optim = SgdConfig::new().init();
     let t = mlp::time_steps(mlp::Mlp::new(dims, &device), warmup, steps, |m| {
         let g = mlp::grads(&m, x.clone(), y.clone());

@@ -9,8 +9,28 @@ use burn::nn::{Linear, LinearConfig, Relu};
 use burn::optim::GradientsParams;
 use burn::tensor::{Device, Int, Tensor, TensorData};
 
-/// Samples per rank per step.
+/// Samples per rank per step (the pipeline model's batch is [`batch_size`]).
 pub(crate) const BATCH: usize = 64;
+
+/// Micro-batches of the pipeline path.
+#[allow(dead_code)]
+pub(crate) const MICRO_BATCHES: usize = 8;
+
+/// Samples per step of `model`: `KOLO_BENCH_BATCH` when set, 1024 for the pipeline
+/// model (micro-batches of 128: Burn's CPU matmuls at 32 rows ran 2.7× slower per
+/// sample here, which no schedule can hide), else [`BATCH`].
+pub(crate) fn batch_size(model: &str) -> usize {
+    if let Some(b) = std::env::var("KOLO_BENCH_BATCH")
+        .ok()
+        .and_then(|v| v.parse().ok())
+    {
+        b
+    } else if model == "pipe" {
+        1024
+    } else {
+        BATCH
+    }
+}
 /// SGD's learning rate.
 pub(crate) const LR: f64 = 0.01;
 
@@ -32,11 +52,17 @@ impl Mlp {
         }
     }
 
-    pub(crate) fn forward(&self, mut x: Tensor<2>) -> Tensor<2> {
+    pub(crate) fn forward(&self, x: Tensor<2>) -> Tensor<2> {
+        self.forward_part(x, true)
+    }
+
+    /// The layers of this (part of an) MLP, with ReLU after each but the model's last
+    /// (`ends`: this part holds it).
+    pub(crate) fn forward_part(&self, mut x: Tensor<2>, ends: bool) -> Tensor<2> {
         let last = self.layers.len() - 1;
         for (i, l) in self.layers.iter().enumerate() {
             x = l.forward(x);
-            if i < last {
+            if !(ends && i == last) {
                 x = self.act.forward(x);
             }
         }
@@ -49,12 +75,20 @@ pub(crate) fn dims(model: &str) -> Option<&'static [usize]> {
     match model {
         "small" => Some(&[784, 512, 512, 10]),
         "big" => Some(&[784, 2048, 2048, 2048, 10]),
+        // Four equal layers (4.2 M parameters): two stages of the same cost.
+        "pipe" => Some(&[1024, 1024, 1024, 1024, 1024, 10]),
         _ => None,
     }
 }
 
 /// A fixed synthetic batch (the same every step), different per `seed`.
-pub(crate) fn batch(seed: usize, classes: usize, device: &Device) -> (Tensor<2>, Tensor<1, Int>) {
+pub(crate) fn batch(
+    seed: usize,
+    dims: &[usize],
+    rows: usize,
+    device: &Device,
+) -> (Tensor<2>, Tensor<1, Int>) {
+    let (inputs, classes) = (dims[0], dims[dims.len() - 1]);
     let mut s = seed as u64 * 0x9E37_79B9_7F4A_7C15 + 1;
     let mut next = || {
         s ^= s << 13;
@@ -62,15 +96,15 @@ pub(crate) fn batch(seed: usize, classes: usize, device: &Device) -> (Tensor<2>,
         s ^= s << 17;
         s
     };
-    let x: Vec<f32> = (0..BATCH * 784)
+    let x: Vec<f32> = (0..rows * inputs)
         .map(|_| (next() % 1000) as f32 / 1000.0)
         .collect();
-    let y: Vec<i64> = (0..BATCH)
+    let y: Vec<i64> = (0..rows)
         .map(|_| (next() % classes as u64) as i64)
         .collect();
     (
-        Tensor::from_data(TensorData::new(x, [BATCH, 784]), device),
-        Tensor::from_data(TensorData::new(y, [BATCH]), device),
+        Tensor::from_data(TensorData::new(x, [rows, inputs]), device),
+        Tensor::from_data(TensorData::new(y, [rows]), device),
     )
 }
 
