@@ -102,7 +102,7 @@ impl Control {
         t: &mut dyn Transport,
         inbox: &mut Inbox,
         tuning: &mut Option<Settings>,
-        poll: &mut dyn FnMut(),
+        poll: &mut dyn FnMut(&mut Inbox),
     ) -> Result<Negotiation> {
         Negotiate {
             t,
@@ -121,7 +121,7 @@ struct Negotiate<'a> {
     inbox: &'a mut Inbox,
     control: &'a mut Control,
     tuning: &'a mut Option<Settings>,
-    poll: &'a mut dyn FnMut(),
+    poll: &'a mut dyn FnMut(&mut Inbox),
 }
 
 impl Negotiate<'_> {
@@ -394,7 +394,7 @@ impl Negotiate<'_> {
         } = self;
         call(&mut **t, &mut |waited| {
             inbox.drain();
-            poll();
+            poll(inbox);
             stall.check_while_waiting(waited, &inbox.pending);
         })
     }

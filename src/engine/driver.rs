@@ -132,7 +132,7 @@ impl Driver {
                         }
                         let seen = engine.cycles;
                         drop(slot);
-                        if !sleep.sleep(queue) {
+                        if !sleep.sleep(queue) && sleep.cycles_when_over() {
                             due = Some(seen);
                         }
                         ran_last = false;
@@ -189,6 +189,7 @@ impl Engine {
     /// engine ends. Paces cycles as the engine thread does: while only other ranks are
     /// awaited, one per cycle time unless new work arrives.
     fn drive(&mut self, done: &dyn Fn() -> bool) -> Option<End> {
+        let start = std::time::Instant::now();
         loop {
             if done() {
                 return None;
@@ -202,8 +203,24 @@ impl Engine {
             let now = self.inbox.shutting_down || !self.inbox.outgoing.is_empty();
             if !now {
                 if !self.inbox.has_work() {
-                    // Nothing here to run: the op is complete or completing.
-                    return None;
+                    if !self.p2p.busy() {
+                        // Nothing here to run: the op is complete or completing.
+                        return None;
+                    }
+                    // A send or receive waits for its peer: poll it here, spinning
+                    // briefly (latency), then yielding, then napping on the queue
+                    // (new work ends a nap); heartbeats go on meanwhile.
+                    if self.last_cycle.elapsed() < super::HEARTBEAT {
+                        let waited = start.elapsed();
+                        if waited < std::time::Duration::from_micros(50) {
+                            std::hint::spin_loop();
+                        } else if waited < std::time::Duration::from_millis(1) {
+                            std::thread::yield_now();
+                        } else {
+                            self.inbox.queue.wait_for_command(self.p2p.poll_interval());
+                        }
+                        continue;
+                    }
                 }
                 if !self.control.last_cycle_had_news {
                     self.inbox.queue.wait_for_command(self.config.cycle_time);

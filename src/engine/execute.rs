@@ -82,52 +82,11 @@ pub(crate) fn run(
             })?;
             Ok(Output::Detached(Box::new(t.split(ranks)?)))
         }
-        OpKind::Send | OpKind::Recv => p2p(t, ready, inputs),
-        OpKind::Join | OpKind::DeviceTurn => Err(Error::Internal(format!(
-            "{} reached the executor",
-            ready.kind.name()
-        ))),
+        // Point to point goes around the cycles (`engine/p2p.rs`).
+        OpKind::Join | OpKind::DeviceTurn | OpKind::Send | OpKind::Recv => Err(Error::Internal(
+            format!("{} reached the executor", ready.kind.name()),
+        )),
     }
-}
-
-/// This rank's side of a send/recv pair (the response's kind is the lowest rank's).
-fn p2p(t: &mut dyn Transport, ready: &Ready, mut inputs: Tensors) -> Result<Output> {
-    let me = t.topology().rank;
-    let mine = ready
-        .metas
-        .get(me)
-        .and_then(Option::as_ref)
-        .ok_or_else(|| {
-            Error::Internal(format!("{:?}: rank {me} is not in this pair", ready.key))
-        })?;
-    match mine.kind {
-        OpKind::Send => {
-            let tensor = take_tensor(ready, &mut inputs)?;
-            // An empty tensor sends nothing: the receiver posts no receive for it.
-            if !tensor.is_empty() {
-                t.send(tensor.host_bytes(), mine.root)?;
-            }
-            Ok(Output::Unit)
-        }
-        _ => Ok(Output::Tensor(recv(t, ready, mine.root)?)),
-    }
-}
-
-/// The receiving side of a send from rank `from`: a tensor of the sender's dtype and
-/// shape, filled from it.
-fn recv(t: &mut dyn Transport, ready: &Ready, from: usize) -> Result<Tensor> {
-    let sent = ready
-        .metas
-        .get(from)
-        .and_then(Option::as_ref)
-        .filter(|m| m.kind == OpKind::Send)
-        .and_then(|m| m.tensors.first())
-        .ok_or_else(|| Error::Internal(format!("recv {:?} without its send", ready.key)))?;
-    let mut out = Tensor::zeros(sent.dtype, &sent.shape);
-    if !out.is_empty() {
-        t.recv(out.host_bytes_mut(), from)?;
-    }
-    Ok(out)
 }
 
 /// Completes an allreduce the cycle's agreement already summed (`sum`: the sum of

@@ -30,6 +30,9 @@ pub(super) struct Inbox {
     /// A request on a device was taken in: from then on only the engine thread runs
     /// cycles (CUDA and NCCL calls stay on it; see `driver.rs`).
     pub(super) saw_device: bool,
+    /// Sends and receives taken in, for the point-to-point lane (`p2p.rs`): they are
+    /// not negotiated.
+    pub(super) p2p: Vec<super::request::Request>,
 }
 
 impl Inbox {
@@ -44,6 +47,7 @@ impl Inbox {
             rank,
             timeline_requests: Vec::new(),
             saw_device: false,
+            p2p: Vec::new(),
         }
     }
 
@@ -53,6 +57,10 @@ impl Inbox {
                 if self.shutting_down {
                     let err = stopped(&req.meta, self.rank, "this rank is shutting down");
                     req.fail(err);
+                    return;
+                }
+                if req.meta.kind.is_p2p() {
+                    self.p2p.push(req);
                     return;
                 }
                 if req.meta.device != super::request::Device::Cpu {

@@ -14,6 +14,7 @@ mod gpu;
 mod inbox;
 pub(crate) mod layout;
 pub(crate) mod negotiate;
+mod p2p;
 pub(crate) mod queue;
 pub(crate) mod request;
 mod respond;
@@ -66,6 +67,9 @@ pub(crate) use start::run;
 /// One rank's engine: the inbox of local requests, the negotiation state, the
 /// executor and the tuner, around the transport they share.
 struct Engine {
+    /// Sends and receives, around the cycles. Declared first, so dropped first: its
+    /// channel is freed before the transport finalises MPI.
+    p2p: p2p::P2pLane,
     transport: Box<dyn Transport>,
     config: Config,
     inbox: Inbox,
@@ -76,6 +80,8 @@ struct Engine {
     cycles: u64,
     /// What the collective-timeout watchdog watches (None when it is off).
     progress: Option<Arc<watchdog::Progress>>,
+    /// When the last cycle ran (heartbeats go on while point to point is polled).
+    last_cycle: Instant,
     /// Test-only: panic this engine thread after two cycles.
     #[cfg(feature = "fault-injection")]
     fault_panic: bool,
@@ -102,6 +108,9 @@ enum Sleep {
     Idle,
     /// Only waiting for other ranks: pace cycles by the cycle time.
     Pace(Duration),
+    /// Only sends or receives are waiting: look at them again after this long (no
+    /// cycle is due when it runs out).
+    Poll(Duration),
 }
 
 impl Sleep {
@@ -113,8 +122,13 @@ impl Sleep {
                 queue.spin_for_command(ENGINE_SPIN) || queue.wait_for_command(HEARTBEAT)
             }
             Sleep::Idle => queue.wait_for_command(HEARTBEAT),
-            Sleep::Pace(t) => queue.wait_for_command(t),
+            Sleep::Pace(t) | Sleep::Poll(t) => queue.wait_for_command(t),
         }
+    }
+
+    /// Whether a sleep that ran out makes a cycle due.
+    fn cycles_when_over(self) -> bool {
+        !matches!(self, Sleep::Poll(_))
     }
 }
 
@@ -137,9 +151,12 @@ impl Engine {
         }
         if self.inbox.shutting_down {
             let rank = self.inbox.rank;
-            self.inbox
-                .fail_all(|m| stopped(m, rank, "this rank shut down before the op completed"));
+            let why = "this rank shut down before the op completed";
+            self.inbox.fail_all(|m| stopped(m, rank, why));
+            self.p2p
+                .fail_all(|op, name| Error::engine_stopped(op, name, rank, why));
         }
+        self.last_cycle = Instant::now();
         let leaving = self.inbox.shutting_down;
         match self.cycle() {
             Ok(Some(left)) => Some(End::RankLeft(left)),
@@ -152,6 +169,20 @@ impl Engine {
     /// What the engine thread does once the cycles ended: serves failures until this
     /// rank shuts down.
     fn finish(&mut self, end: End) {
+        let rank = self.inbox.rank;
+        match &end {
+            End::Left => {}
+            End::RankLeft(left) => self.p2p.fail_all(|op, name| Error::RankLeft {
+                op,
+                name: name.to_string(),
+                rank: *left,
+            }),
+            End::Failed(e) => {
+                let why = e.to_string();
+                self.p2p
+                    .fail_all(|op, name| Error::engine_stopped(op, name, rank, &why));
+            }
+        }
         match end {
             End::Left => {}
             End::RankLeft(left) => {
@@ -192,6 +223,14 @@ impl Engine {
             return None;
         }
         if !self.inbox.has_work() {
+            // Only sends and receives wait: poll them (no cycle needed), with a
+            // heartbeat cycle when one is due.
+            if self.p2p.busy() {
+                if self.last_cycle.elapsed() >= HEARTBEAT {
+                    return None;
+                }
+                return Some(Sleep::Poll(self.p2p.poll_interval()));
+            }
             // Other ranks wait for a cycle that needs this one too (a send/recv pair
             // between two of them, announced in full or cached): pace, do not idle.
             if self.control.negotiator.has_entries() || self.control.cache.has_pairs() {
@@ -208,10 +247,26 @@ impl Engine {
         (!self.control.last_cycle_had_news).then_some(Sleep::Pace(self.config.cycle_time))
     }
 
-    /// Takes in what is queued (without blocking) and answers timeline requests.
+    /// Takes in what is queued (without blocking), answers timeline requests and
+    /// moves point to point along.
     fn take_in(&mut self) {
         self.inbox.drain();
         self.serve_timeline_requests();
+        self.progress_p2p();
+    }
+
+    /// Posts the sends and receives taken in, polls those waiting, and warns about
+    /// those waiting too long.
+    fn progress_p2p(&mut self) {
+        self.p2p
+            .progress(&mut self.inbox.p2p, &mut self.exec.timeline);
+        if self.p2p.busy() && !self.config.stall_check_disable {
+            self.p2p.warn_stalled(
+                self.inbox.rank,
+                self.config.stall_check_time,
+                Instant::now(),
+            );
+        }
     }
 
     /// While ops run on the GPU and nothing new was submitted here, completes them as
@@ -276,7 +331,13 @@ impl Engine {
         self.cycles += 1;
         self.exec.timeline.cycle_start(cycle_start);
         let gpu = &mut self.exec.gpu;
-        let mut poll = || gpu.poll();
+        let (p2p, timeline) = (&mut self.p2p, &mut self.exec.timeline);
+        // While other ranks are awaited: device ops complete, and sends and receives
+        // move along (a pair never waits for the others' cycles).
+        let mut poll = |inbox: &mut Inbox| {
+            gpu.poll();
+            p2p.progress(&mut inbox.p2p, timeline);
+        };
         let negotiated = self.control.negotiate(
             &mut *self.transport,
             &mut self.inbox,

@@ -94,11 +94,12 @@ impl Engine {
     fn new(
         config: Config,
         queue: Arc<Queue>,
-        transport: Box<dyn Transport>,
+        mut transport: Box<dyn Transport>,
         agreed: Agreed,
         hierarchy: &HierarchyChoice,
         autotune: Arc<Mutex<AutotuneState>>,
     ) -> Engine {
+        let port = transport.p2p_port();
         let topology = transport.topology();
         let tuner = (agreed.autotune && topology.rank == 0)
             .then(|| {
@@ -140,6 +141,8 @@ impl Engine {
                 ),
                 awaited,
             ),
+            p2p: super::p2p::P2pLane::new(port),
+            last_cycle: Instant::now(),
             #[cfg(feature = "fault-injection")]
             fault_panic: std::env::var("KOLO_FAULT_ENGINE_PANIC_RANK")
                 .ok()

@@ -10,8 +10,32 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use crate::error::{Error, Result};
-use crate::tensor::DType;
+use crate::tensor::{DType, Tensor};
 use crate::vocab::ReduceOp;
+
+/// Point to point outside the cycles (see [`Transport::p2p_port`]).
+pub(crate) trait P2pPort: Send {
+    /// Posts `tensor` to rank `dest` under `name` (its name, dtype and shape, then its
+    /// bytes) and returns at once with an id that [`P2pPort::poll`] reports once the
+    /// send is done. The port keeps the tensor until then.
+    fn send(&mut self, dest: usize, name: &str, tensor: Tensor) -> Result<u64>;
+    /// Reports the sends that are done and the tensors that arrived whole (from any
+    /// rank, in the order each rank sent them).
+    fn poll(&mut self, events: &mut Vec<P2pEvent>) -> Result<()>;
+}
+
+/// What [`P2pPort::poll`] reports.
+#[derive(Debug)]
+pub(crate) enum P2pEvent {
+    /// The send [`Transport::p2p_send`] numbered so is done (its tensor dropped).
+    Sent(u64),
+    /// A whole tensor arrived from `src` under `name`.
+    Received {
+        src: usize,
+        name: String,
+        tensor: Tensor,
+    },
+}
 
 pub(crate) mod device;
 #[cfg(test)]
@@ -168,22 +192,11 @@ pub(crate) trait Transport: Send {
     /// Broadcast of `buf` from `root`.
     fn broadcast(&mut self, buf: &mut [u8], root: usize, dtype: DType) -> Result<()>;
 
-    /// Point to point: `buf` to rank `dest`, which runs the matching
-    /// [`Transport::recv`] at the same place of its cycle (the engine runs responses
-    /// in one order on every rank). The default: not available on this transport.
-    fn send(&mut self, buf: &[u8], dest: usize) -> Result<()> {
-        let _ = (buf, dest);
-        Err(Error::Internal(
-            "this transport has no point-to-point messages".into(),
-        ))
-    }
-
-    /// Point to point: fills `buf` from rank `src`'s [`Transport::send`].
-    fn recv(&mut self, buf: &mut [u8], src: usize) -> Result<()> {
-        let _ = (buf, src);
-        Err(Error::Internal(
-            "this transport has no point-to-point messages".into(),
-        ))
+    /// Point to point, on a channel of its own that the engine keeps beside the
+    /// transport (so that it can move sends and receives along while this transport
+    /// waits for other ranks): taken once, at the engine's start. The default: none.
+    fn p2p_port(&mut self) -> Option<Box<dyn P2pPort>> {
+        None
     }
 
     /// Sends `send_counts[r]` elements to rank `r`, receives `recv_counts[r]` from it.

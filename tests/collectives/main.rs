@@ -61,6 +61,7 @@ const CASES: &[(&str, Case, usize)] = &[
     ("p2p_errors", p2p::errors, 2),
     ("p2p_dtypes_sizes_in_flight", p2p::dtypes_sizes_in_flight, 2),
     ("p2p_in_process_set", p2p::in_process_set, 3),
+    ("p2p_pair_alone", p2p::pair_alone, 3),
     (
         "issue31_grouped_member_order",
         issue31::grouped_member_order,
@@ -96,6 +97,7 @@ const VARIANT_ONLY: &[(&str, Case)] = &[
     ("hierarchical_allgather", others::hierarchical_allgather),
     ("partition", faults::partition),
     ("stall_shutdown", faults::stall_shutdown),
+    ("p2p_stalled_recv", p2p::stalled_recv),
     ("timeline", timeline::trace),
     ("autotune_grid_point", autotune::grid_point),
     ("autotune_tune", autotune::tune),
@@ -282,6 +284,13 @@ const VARIANTS: &[Variant] = &[
             ("KOLO_STALL_SHUTDOWN_TIME_SECONDS", "3"),
         ],
         Some("have not submitted [\"stalled.x\"]"),
+    ),
+    (
+        "p2p_stalled_recv",
+        "p2p_stalled_recv",
+        &[2],
+        &[("KOLO_STALL_CHECK_TIME_SECONDS", "1")],
+        Some("stalled recv: rank 1 has waited"),
     ),
     (
         "timeline",

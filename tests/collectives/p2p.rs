@@ -1,4 +1,7 @@
-//! Point to point (issue 36): send and recv between two ranks, through the engine.
+//! Point to point (issue 36): send and recv between two ranks, around the engine's
+//! cycles.
+
+use std::time::{Duration, Instant};
 
 use anyhow::{ensure, Result};
 use kolo::{DType, Kolo, ReduceOp, Tensor};
@@ -164,5 +167,77 @@ pub(crate) fn in_process_set(k: &Kolo) -> Result<()> {
     }
     k.barrier()?;
     k.remove_process_set(set)?;
+    Ok(())
+}
+
+/// A pair needs no other rank (issue 36): the last rank stops itself (SIGSTOP) while
+/// ranks 0 and 1 exchange 50 round trips, and rank 0 then continues it (SIGCONT;
+/// after 20 s at the latest, so that a failure is not a hang). Through the cycles the
+/// pair would wait for the stopped rank's part of the next cycle agreement.
+pub(crate) fn pair_alone(k: &Kolo) -> Result<()> {
+    let (rank, size) = (k.rank(), k.size());
+    let pids: Vec<i32> = k.allgather_object("p2p.pids", std::process::id() as i32)?;
+    let last = size - 1;
+    k.barrier()?;
+    if rank == last {
+        // SAFETY: stopping our own process; rank 0 continues it.
+        unsafe { libc::kill(libc::getpid(), libc::SIGSTOP) };
+    } else if rank < 2 {
+        let pid = pids[last];
+        let fallback = (rank == 0).then(|| {
+            std::thread::spawn(move || {
+                std::thread::sleep(Duration::from_secs(20));
+                // SAFETY: continuing a rank of this job.
+                unsafe { libc::kill(pid, libc::SIGCONT) };
+            })
+        });
+        // Let the last rank stop first.
+        std::thread::sleep(Duration::from_millis(300));
+        let start = Instant::now();
+        for i in 0..50u32 {
+            let key = format!("pingpong.{i}");
+            if rank == 0 {
+                let t = Tensor::from_vec(vec![i as f32; 4], &[4])?;
+                k.send(key.as_str(), t, 1).wait()?;
+                let back = k.recv(key.as_str(), 1).wait()?;
+                ensure!(back.as_slice::<f32>()? == [i as f32 + 1.0; 4], "round {i}");
+            } else {
+                let got = k.recv(key.as_str(), 0).wait()?;
+                let v: Vec<f32> = got.as_slice::<f32>()?.iter().map(|x| x + 1.0).collect();
+                k.send(key.as_str(), Tensor::from_vec(v, &[4])?, 0).wait()?;
+            }
+        }
+        let took = start.elapsed();
+        if rank == 0 {
+            // SAFETY: continuing a rank of this job.
+            unsafe { libc::kill(pid, libc::SIGCONT) };
+        }
+        drop(fallback);
+        ensure!(
+            took < Duration::from_secs(10),
+            "50 round trips took {took:?} while rank {last} was stopped"
+        );
+    }
+    k.barrier()?;
+    Ok(())
+}
+
+/// A receive whose sender has not sent is reported by the stall inspector, naming
+/// both ranks and the name (with `KOLO_STALL_CHECK_TIME_SECONDS=1`); the send then
+/// comes and both complete.
+pub(crate) fn stalled_recv(k: &Kolo) -> Result<()> {
+    match k.rank() {
+        0 => {
+            std::thread::sleep(Duration::from_millis(2500));
+            k.send("late.x", Tensor::from_vec(vec![5u8], &[1])?, 1)
+                .wait()?;
+        }
+        1 => {
+            let got = k.recv("late.x", 0).wait()?;
+            ensure!(got.as_slice::<u8>()? == [5], "wrong data");
+        }
+        _ => {}
+    }
+    k.barrier()?;
     Ok(())
 }

@@ -90,7 +90,7 @@ impl Rank {
     fn responses(&mut self) -> Result<Vec<Response>, Negotiation> {
         let negotiated = self
             .control
-            .negotiate(&mut self.t, &mut self.inbox, &mut None, &mut || {})
+            .negotiate(&mut self.t, &mut self.inbox, &mut None, &mut |_| {})
             .unwrap();
         let responses = match negotiated {
             Negotiation::Ready { responses, .. } => responses,

@@ -104,6 +104,9 @@ pub(crate) struct MpiTransport {
     job_ranks: Vec<usize>,
     /// The peer the cycle agreement is waiting for (job numbering).
     awaited: Awaited,
+    /// Point to point, on a communicator of its own (`p2p.rs`), until the engine
+    /// takes it.
+    p2p: Option<p2p::P2p>,
     /// Test-only fault: every broadcast names a root outside the communicator
     /// (`KOLO_FAULT_MPI_BAD_ROOT=1`).
     #[cfg(feature = "fault-injection")]
@@ -478,12 +481,10 @@ impl Transport for MpiTransport {
         allgatherv_on(self.world(), send, recv, counts_, dtype)
     }
 
-    fn send(&mut self, buf: &[u8], dest: usize) -> Result<()> {
-        self.send_bytes(buf, dest)
-    }
-
-    fn recv(&mut self, buf: &mut [u8], src: usize) -> Result<()> {
-        self.recv_bytes(buf, src)
+    fn p2p_port(&mut self) -> Option<Box<dyn crate::transport::P2pPort>> {
+        self.p2p
+            .take()
+            .map(|p| Box::new(p) as Box<dyn crate::transport::P2pPort>)
     }
 
     fn broadcast(&mut self, buf: &mut [u8], root: usize, dtype: DType) -> Result<()> {

@@ -1,69 +1,269 @@
-//! Point to point between two ranks (pipeline stages): the bytes of one tensor, in
-//! pieces of at most `i32::MAX` bytes, non-blocking and completed through
-//! [`MpiTransport::wait`].
+//! Point to point between two ranks (pipeline stages), outside the engine's cycles:
+//! on a communicator of its own, a send posts a header (the tensor's name, dtype and
+//! shape) and then the tensor's bytes, in pieces of at most `i32::MAX` bytes, all
+//! non-blocking. [`MpiTransport::p2p_poll`] receives whatever headers have arrived
+//! (from any rank, in the order each rank sent them), posts the receives of their
+//! bytes, and reports finished sends and whole tensors. Messages between a pair stay
+//! in order (MPI does not overtake on one communicator and tag), so the bytes after a
+//! header are that header's.
+
+use serde::{Deserialize, Serialize};
 
 use super::*;
+use crate::tensor::Tensor;
+use crate::transport::{P2pEvent, P2pPort};
 
-/// The tag of point-to-point messages (the ring uses 7, the cycle agreement 11).
-const P2P_TAG: c_int = 13;
+/// The tags of headers and of data on the point-to-point communicator.
+const HEADER_TAG: c_int = 21;
+const DATA_TAG: c_int = 22;
 
 /// The largest piece one MPI call carries (its count is a C int).
 const PIECE: usize = i32::MAX as usize;
 
-impl MpiTransport {
-    /// Sends `buf` to `dest`, piece by piece.
-    pub(super) fn send_bytes(&mut self, buf: &[u8], dest: usize) -> Result<()> {
-        self.in_pieces(
-            "MPI_Isend (send)",
-            buf.as_ptr().cast_mut(),
-            buf.len(),
-            dest,
-            |p, n, peer, comm, req| {
-                // SAFETY: the piece lies in `buf`, which outlives the request (`in_pieces`
-                // completes it before the next piece or the return); MPI only reads it.
-                unsafe { ffi::MPI_Isend(p.cast(), n, ffi::RSMPI_UINT8_T, peer, P2P_TAG, comm, req) }
-            },
-        )
+/// What precedes a tensor's bytes.
+#[derive(Serialize, Deserialize)]
+struct Header {
+    name: String,
+    dtype: DType,
+    shape: Vec<usize>,
+}
+
+/// A send in flight: its requests and the buffers they read.
+struct Outgoing {
+    id: u64,
+    reqs: Vec<ffi::MPI_Request>,
+    _header: Vec<u8>,
+    _tensor: Tensor,
+}
+
+/// A tensor being received: its requests write into `tensor`.
+struct Incoming {
+    src: usize,
+    name: String,
+    tensor: Tensor,
+    reqs: Vec<ffi::MPI_Request>,
+}
+
+/// The point-to-point side of a transport, which the engine keeps beside it.
+pub(super) struct P2p {
+    comm: SimpleCommunicator,
+    next_id: u64,
+    sends: Vec<Outgoing>,
+    recvs: Vec<Incoming>,
+}
+
+impl P2p {
+    /// Point to point on `comm` (a duplicate of the transport's own communicator).
+    pub(super) fn new(comm: SimpleCommunicator) -> Self {
+        P2p {
+            comm,
+            next_id: 0,
+            sends: Vec::new(),
+            recvs: Vec::new(),
+        }
     }
 
-    /// Receives `buf.len()` bytes from `src`, piece by piece as they were sent.
-    pub(super) fn recv_bytes(&mut self, buf: &mut [u8], src: usize) -> Result<()> {
-        self.in_pieces(
-            "MPI_Irecv (recv)",
-            buf.as_mut_ptr(),
-            buf.len(),
-            src,
-            |p, n, peer, comm, req| {
-                // SAFETY: as for the send; MPI writes the piece, which nothing else uses.
-                unsafe { ffi::MPI_Irecv(p.cast(), n, ffi::RSMPI_UINT8_T, peer, P2P_TAG, comm, req) }
-            },
-        )
+    fn raw(&self) -> ffi::MPI_Comm {
+        self.comm.as_raw()
+    }
+}
+
+// SAFETY: as for `MpiTransport`: one thread at a time uses it (whoever holds the
+// engine), MPI handles are plain values, and MPI runs at MPI_THREAD_MULTIPLE or is
+// only called from the thread holding the engine.
+unsafe impl Send for P2p {}
+
+impl P2pPort for P2p {
+    fn send(&mut self, dest: usize, name: &str, tensor: Tensor) -> Result<u64> {
+        self.post_send(dest, name, tensor)
     }
 
-    /// Posts `post(piece, len, peer, comm, request)` for each piece of the `len` bytes
-    /// at `base` in turn, waiting for each before the next.
-    fn in_pieces(
-        &mut self,
-        call: &'static str,
-        base: *mut u8,
-        len: usize,
-        peer: usize,
-        mut post: impl FnMut(*mut u8, c_int, c_int, ffi::MPI_Comm, &mut ffi::MPI_Request) -> c_int,
-    ) -> Result<()> {
-        let peer = count(call, peer)?;
-        let mut at = 0;
-        while at < len {
-            let n = PIECE.min(len - at);
-            let mut req = null_request();
-            // `at < len`, so the piece starts inside the caller's buffer.
-            let piece = base.wrapping_add(at);
-            check(
-                call,
-                post(piece, count(call, n)?, peer, self.comm(), &mut req),
-            )?;
-            self.wait(call, req, &mut |_| {})?;
-            at += n;
+    fn poll(&mut self, events: &mut Vec<P2pEvent>) -> Result<()> {
+        self.poll_p2p(events)
+    }
+}
+
+/// Posts one non-blocking call per piece of the `len` bytes at `base`.
+fn post_pieces(
+    call: &'static str,
+    base: *mut u8,
+    len: usize,
+    reqs: &mut Vec<ffi::MPI_Request>,
+    mut post: impl FnMut(*mut u8, c_int, &mut ffi::MPI_Request) -> c_int,
+) -> Result<()> {
+    let mut at = 0;
+    while at < len {
+        let n = PIECE.min(len - at);
+        let mut req = null_request();
+        check(call, post(base.wrapping_add(at), count(call, n)?, &mut req))?;
+        reqs.push(req);
+        at += n;
+    }
+    Ok(())
+}
+
+/// Whether every request of `reqs` has completed (freed by MPI when it has).
+fn all_done(call: &'static str, reqs: &mut [ffi::MPI_Request]) -> Result<bool> {
+    if reqs.is_empty() {
+        return Ok(true);
+    }
+    let mut flag: c_int = 0;
+    // SAFETY: live requests of this transport's calls, whose buffers their owner keeps.
+    check(call, unsafe {
+        ffi::MPI_Testall(
+            count(call, reqs.len())?,
+            reqs.as_mut_ptr(),
+            &mut flag,
+            ffi::RSMPI_STATUSES_IGNORE,
+        )
+    })?;
+    Ok(flag != 0)
+}
+
+impl P2p {
+    /// Posts `tensor` to `dest` under `name`; see the module docs. The tensor stays
+    /// here until the send completes, also after an error (requests already posted
+    /// may still read it).
+    pub(super) fn post_send(&mut self, dest: usize, name: &str, tensor: Tensor) -> Result<u64> {
+        let call = "MPI_Isend (send)";
+        let header = postcard::to_stdvec(&Header {
+            name: name.to_string(),
+            dtype: tensor.dtype(),
+            shape: tensor.shape().to_vec(),
+        })
+        .map_err(|e| Error::Internal(format!("send header: {e}")))?;
+        let peer = count(call, dest)?;
+        let comm = self.raw();
+        let (base, len) = {
+            let b = tensor.as_bytes()?;
+            (b.as_ptr().cast_mut(), b.len())
+        };
+        let mut reqs = Vec::with_capacity(2);
+        let posted = post_pieces(
+            call,
+            header.as_ptr().cast_mut(),
+            header.len(),
+            &mut reqs,
+            |p, n, r| {
+                // SAFETY: the header lives in `Outgoing` until the request completes.
+                unsafe {
+                    ffi::MPI_Isend(p.cast(), n, ffi::RSMPI_UINT8_T, peer, HEADER_TAG, comm, r)
+                }
+            },
+        )
+        .and_then(|()| {
+            post_pieces(call, base, len, &mut reqs, |p, n, r| {
+                // SAFETY: the tensor's heap bytes stay in `Outgoing` (moving the tensor
+                // does not move them) until the request completes; MPI only reads them.
+                unsafe { ffi::MPI_Isend(p.cast(), n, ffi::RSMPI_UINT8_T, peer, DATA_TAG, comm, r) }
+            })
+        });
+        let id = if posted.is_ok() {
+            self.next_id
+        } else {
+            u64::MAX
+        };
+        self.next_id += 1;
+        self.sends.push(Outgoing {
+            id,
+            reqs,
+            _header: header,
+            _tensor: tensor,
+        });
+        posted.map(|()| id)
+    }
+
+    /// Progresses point to point; see the module docs.
+    pub(super) fn poll_p2p(&mut self, events: &mut Vec<P2pEvent>) -> Result<()> {
+        self.take_headers()?;
+        let call = "MPI_Testall (send)";
+        let mut i = 0;
+        while i < self.sends.len() {
+            if all_done(call, &mut self.sends[i].reqs)? {
+                let done = self.sends.remove(i);
+                if done.id != u64::MAX {
+                    events.push(P2pEvent::Sent(done.id));
+                }
+            } else {
+                i += 1;
+            }
+        }
+        let call = "MPI_Testall (recv)";
+        let mut i = 0;
+        while i < self.recvs.len() {
+            if all_done(call, &mut self.recvs[i].reqs)? {
+                let done = self.recvs.remove(i);
+                events.push(P2pEvent::Received {
+                    src: done.src,
+                    name: done.name,
+                    tensor: done.tensor,
+                });
+            } else {
+                i += 1;
+            }
         }
         Ok(())
+    }
+
+    /// Receives every header that has arrived and posts the receive of its bytes.
+    fn take_headers(&mut self) -> Result<()> {
+        let call = "MPI_Improbe (recv)";
+        let comm = self.raw();
+        loop {
+            let mut flag: c_int = 0;
+            // SAFETY: plain out-parameters.
+            let mut msg: ffi::MPI_Message = unsafe { ffi::RSMPI_MESSAGE_NULL };
+            let mut status: ffi::MPI_Status = unsafe { std::mem::zeroed() };
+            check(call, unsafe {
+                ffi::MPI_Improbe(
+                    ffi::RSMPI_ANY_SOURCE,
+                    HEADER_TAG,
+                    comm,
+                    &mut flag,
+                    &mut msg,
+                    &mut status,
+                )
+            })?;
+            if flag == 0 {
+                return Ok(());
+            }
+            let mut n: c_int = 0;
+            // SAFETY: the status of the matched message.
+            check("MPI_Get_count (recv)", unsafe {
+                ffi::MPI_Get_count(&status, ffi::RSMPI_UINT8_T, &mut n)
+            })?;
+            let mut buf = vec![0u8; to_usize(n)];
+            // SAFETY: `buf` holds the message's `n` bytes; the message was matched above.
+            check("MPI_Mrecv (recv)", unsafe {
+                ffi::MPI_Mrecv(
+                    buf.as_mut_ptr().cast(),
+                    n,
+                    ffi::RSMPI_UINT8_T,
+                    &mut msg,
+                    ffi::RSMPI_STATUS_IGNORE,
+                )
+            })?;
+            let src = to_usize(status.MPI_SOURCE);
+            let header: Header = postcard::from_bytes(&buf).map_err(|e| Error::Transport {
+                call: "recv",
+                message: format!("a malformed point-to-point header from rank {src}: {e}"),
+            })?;
+            let mut tensor = Tensor::try_zeros(header.dtype, &header.shape)?;
+            let mut reqs = Vec::with_capacity(1);
+            let peer = status.MPI_SOURCE;
+            let bytes = tensor.as_bytes_mut()?;
+            let (base, len) = (bytes.as_mut_ptr(), bytes.len());
+            post_pieces("MPI_Irecv (recv)", base, len, &mut reqs, |p, n, r| {
+                // SAFETY: the tensor's heap bytes stay in `Incoming` until the request
+                // completes; nothing else touches them meanwhile.
+                unsafe { ffi::MPI_Irecv(p.cast(), n, ffi::RSMPI_UINT8_T, peer, DATA_TAG, comm, r) }
+            })?;
+            self.recvs.push(Incoming {
+                src,
+                name: header.name,
+                tensor,
+                reqs,
+            });
+        }
     }
 }

@@ -53,7 +53,13 @@ impl MpiTransport {
             cross_size: to_usize(cross.size()),
         };
         let comm = parent.duplicate();
-        errors_return(&[comm.as_raw(), local.as_raw(), cross.as_raw()])?;
+        let p2p_comm = parent.duplicate();
+        errors_return(&[
+            comm.as_raw(),
+            local.as_raw(),
+            cross.as_raw(),
+            p2p_comm.as_raw(),
+        ])?;
         let half_ops = HalfOps::create()?;
         let hosts = hosts_of(parent, &local, size);
         let (ring, ring_pos) = hosts.ring(rank);
@@ -68,6 +74,7 @@ impl MpiTransport {
         Ok(MpiTransport {
             topology,
             comm,
+            p2p: Some(super::p2p::P2p::new(p2p_comm)),
             half_ops,
             local,
             cross,

@@ -1,0 +1,252 @@
+//! Point to point around the cycles: sends and receives never wait for the other
+//! ranks' negotiation. A send is posted to the transport as soon as the engine takes
+//! it in; a receive waits for the tensor of its name from its source, which the
+//! transport delivers whenever it arrives (kept here until the receive is posted, in
+//! the order the sender sent them). Only the two ranks of a pair take part: a
+//! pipeline stage's traffic moves at the pace of its neighbours, not of the slowest
+//! stage's cycles.
+
+use std::collections::VecDeque;
+use std::time::{Duration, Instant};
+
+use rustc_hash::FxHashMap;
+
+use super::request::{OpKind, Request};
+use super::timeline::Timeline;
+use crate::error::Error;
+use crate::handle::{Completer, Output};
+use crate::tensor::Tensor;
+use crate::transport::{P2pEvent, P2pPort};
+
+/// A send or receive waiting to complete.
+struct Waiting {
+    done: Completer,
+    /// The tensor's name (without the pair's ranks).
+    name: String,
+    /// The other rank.
+    peer: usize,
+    submitted: Instant,
+    /// When it was last reported as waiting.
+    reported: Option<Instant>,
+}
+
+/// This rank's point-to-point traffic.
+#[derive(Default)]
+pub(super) struct P2pLane {
+    /// The transport's point-to-point channel (None: the transport has none).
+    port: Option<Box<dyn P2pPort>>,
+    /// Sends in flight, by the transport's id.
+    sends: FxHashMap<u64, Waiting>,
+    /// Posted receives, by (source, name).
+    recvs: FxHashMap<(usize, String), Waiting>,
+    /// Tensors that arrived before their receive was posted, by (source, name), in the
+    /// order they were sent.
+    arrived: FxHashMap<(usize, String), VecDeque<Tensor>>,
+    events: Vec<P2pEvent>,
+    /// When a send or receive last completed (or was taken in): the polling interval
+    /// grows from then on.
+    last_progress: Option<Instant>,
+}
+
+/// The name a send or receive was made with: its key is `name@src->dst`.
+fn name_of(req: &Request) -> String {
+    let key: &str = &req.meta.key;
+    key.rsplit_once('@').map_or(key, |(n, _)| n).to_string()
+}
+
+impl P2pLane {
+    /// The lane over `port`.
+    pub(super) fn new(port: Option<Box<dyn P2pPort>>) -> Self {
+        P2pLane {
+            port,
+            ..P2pLane::default()
+        }
+    }
+
+    /// Whether sends or receives are waiting (the engine then keeps polling).
+    pub(super) fn busy(&self) -> bool {
+        !self.sends.is_empty() || !self.recvs.is_empty()
+    }
+
+    /// How long an engine with nothing else to do waits before polling again: 10 µs
+    /// right after progress, 100 µs after 200 µs without, 1 ms after 10 ms without
+    /// (a stage idle in the pipeline's bubble costs little CPU; new work wakes it).
+    pub(super) fn poll_interval(&self) -> Duration {
+        let quiet = self.last_progress.map_or(Duration::MAX, |t| t.elapsed());
+        if quiet < Duration::from_micros(200) {
+            Duration::from_micros(10)
+        } else if quiet < Duration::from_millis(10) {
+            Duration::from_micros(100)
+        } else {
+            Duration::from_millis(1)
+        }
+    }
+
+    /// Takes a submitted send (posted at once) or receive (completed at once when its
+    /// tensor is already here).
+    pub(super) fn accept(&mut self, mut req: Request, timeline: &mut Timeline) {
+        self.last_progress = Some(Instant::now());
+        let name = name_of(&req);
+        let peer = req.meta.root;
+        match req.meta.kind {
+            OpKind::Send => {
+                let Some(tensor) = req.tensors.pop() else {
+                    req.done.complete(Err(Error::Internal(format!(
+                        "send {name:?} without a tensor"
+                    ))));
+                    return;
+                };
+                let sent = match self.port.as_mut() {
+                    Some(port) => port.send(peer, &name, tensor),
+                    None => Err(Error::Internal(
+                        "this transport has no point-to-point messages".into(),
+                    )),
+                };
+                match sent {
+                    Ok(id) => {
+                        self.sends
+                            .insert(id, waiting(req.done, name, peer, req.submitted));
+                    }
+                    Err(e) => req.done.complete(Err(e)),
+                }
+            }
+            _ => {
+                let key = (peer, name);
+                if let Some(tensor) = self.take_arrived(&key) {
+                    trace(timeline, "RECV", &key.1, req.submitted);
+                    req.done.complete(Ok(Output::Tensor(tensor)));
+                } else {
+                    let (peer, name) = key.clone();
+                    self.recvs
+                        .insert(key, waiting(req.done, name, peer, req.submitted));
+                }
+            }
+        }
+    }
+
+    fn take_arrived(&mut self, key: &(usize, String)) -> Option<Tensor> {
+        let q = self.arrived.get_mut(key)?;
+        let t = q.pop_front();
+        if q.is_empty() {
+            self.arrived.remove(key);
+        }
+        t
+    }
+
+    /// Progresses the transport's point to point and completes what finished. An error
+    /// of the transport fails every send and receive waiting (with the error).
+    pub(super) fn poll(&mut self, timeline: &mut Timeline) {
+        let Some(port) = self.port.as_mut() else {
+            return;
+        };
+        let mut events = std::mem::take(&mut self.events);
+        if let Err(e) = port.poll(&mut events) {
+            self.fail_all(|_, _| e.clone());
+        }
+        if !events.is_empty() {
+            self.last_progress = Some(Instant::now());
+        }
+        for ev in events.drain(..) {
+            match ev {
+                P2pEvent::Sent(id) => {
+                    if let Some(w) = self.sends.remove(&id) {
+                        trace(timeline, "SEND", &w.name, w.submitted);
+                        w.done.complete(Ok(Output::Unit));
+                    }
+                }
+                P2pEvent::Received { src, name, tensor } => {
+                    let key = (src, name);
+                    match self.recvs.remove(&key) {
+                        Some(w) => {
+                            trace(timeline, "RECV", &w.name, w.submitted);
+                            w.done.complete(Ok(Output::Tensor(tensor)));
+                        }
+                        None => self.arrived.entry(key).or_default().push_back(tensor),
+                    }
+                }
+            }
+        }
+        self.events = events;
+    }
+
+    /// Takes in the sends and receives of `reqs` and polls those waiting.
+    pub(super) fn progress(&mut self, reqs: &mut Vec<Request>, timeline: &mut Timeline) {
+        for req in reqs.drain(..) {
+            self.accept(req, timeline);
+        }
+        if self.busy() {
+            self.poll(timeline);
+        }
+    }
+
+    /// Fails every send and receive waiting with `error(op, name)`.
+    pub(super) fn fail_all(&mut self, error: impl Fn(&'static str, &str) -> Error) {
+        for (_, w) in self.sends.drain() {
+            let e = error("send", &w.name);
+            w.done.complete(Err(e));
+        }
+        for (_, w) in self.recvs.drain() {
+            let e = error("recv", &w.name);
+            w.done.complete(Err(e));
+        }
+    }
+
+    /// Warns, naming both ranks and the name, about each receive (and send) that has
+    /// waited longer than `after` (again every `after`), as the stall inspector does
+    /// for collectives.
+    pub(super) fn warn_stalled(&mut self, rank: usize, after: Duration, now: Instant) {
+        if after.is_zero() {
+            return;
+        }
+        let due = |w: &Waiting| now.duration_since(w.reported.unwrap_or(w.submitted)) >= after;
+        for w in self.recvs.values_mut().filter(|w| due(w)) {
+            w.reported = Some(now);
+            tracing::warn!(
+                rank,
+                from = w.peer,
+                name = %w.name,
+                waited = ?now.duration_since(w.submitted),
+                "stalled recv: rank {rank} has waited {:.0?} for {:?} from rank {}, which has not sent it",
+                now.duration_since(w.submitted),
+                w.name,
+                w.peer
+            );
+        }
+        for w in self.sends.values_mut().filter(|w| due(w)) {
+            w.reported = Some(now);
+            tracing::warn!(
+                rank,
+                to = w.peer,
+                name = %w.name,
+                "stalled send: rank {rank}'s send of {:?} to rank {} has not completed after {:.0?}: rank {} has not received it",
+                w.name,
+                w.peer,
+                now.duration_since(w.submitted),
+                w.peer
+            );
+        }
+    }
+}
+
+fn waiting(done: Completer, name: String, peer: usize, submitted: Instant) -> Waiting {
+    Waiting {
+        done,
+        name,
+        peer,
+        submitted,
+        reported: None,
+    }
+}
+
+/// A finished send's or receive's span, from its submission to now.
+fn trace(timeline: &mut Timeline, phase: &str, name: &str, submitted: Instant) {
+    if timeline.enabled() {
+        timeline.span(
+            name,
+            phase,
+            submitted,
+            Instant::now(),
+            &serde_json::Value::Null,
+        );
+    }
+}
