@@ -35,15 +35,6 @@ fn key_of(metas: &[Option<Arc<RequestMeta>>]) -> Option<&Key> {
     metas.iter().flatten().next().map(|m| &m.key)
 }
 
-/// Whether a response's requests are a send/recv pair.
-fn is_pair(metas: &[Option<Arc<RequestMeta>>]) -> bool {
-    metas
-        .iter()
-        .flatten()
-        .next()
-        .is_some_and(|m| m.kind.is_p2p())
-}
-
 /// The cache; see the module docs.
 #[derive(Debug)]
 pub(crate) struct ResponseCache {
@@ -55,8 +46,6 @@ pub(crate) struct ResponseCache {
     by_key: FxHashMap<Key, usize>,
     clock: u64,
     evictions_logged: bool,
-    /// The slots that hold a send/recv pair (scanned every cycle while any exist).
-    pairs: Vec<usize>,
 }
 
 impl ResponseCache {
@@ -68,7 +57,6 @@ impl ResponseCache {
             by_key: FxHashMap::default(),
             clock: 0,
             evictions_logged: false,
-            pairs: Vec::new(),
         }
     }
 
@@ -92,25 +80,7 @@ impl ResponseCache {
                 | OpKind::Reducescatter
                 | OpKind::Allgather
                 | OpKind::Alltoall
-                | OpKind::Send
-                | OpKind::Recv
         )
-    }
-
-    /// The cached send/recv pairs `rank` takes no part in. A rank sets their bits in
-    /// every cycle, so that the AND across ranks is set exactly when the pair's two
-    /// ranks both announced it.
-    pub(crate) fn pairs_without(&self, rank: usize) -> impl Iterator<Item = usize> + '_ {
-        self.pairs.iter().copied().filter(move |&i| {
-            self.metas(i)
-                .is_some_and(|metas| metas.get(rank).is_some_and(Option::is_none))
-        })
-    }
-
-    /// Whether a send/recv pair is cached (then [`pairs_without`](Self::pairs_without)
-    /// is worth scanning).
-    pub(crate) fn has_pairs(&self) -> bool {
-        !self.pairs.is_empty()
     }
 
     /// The slot whose request from `rank` is identical to `meta`.
@@ -145,7 +115,6 @@ impl ResponseCache {
         let slot = self.by_key.remove(key)?;
         if let Some(s) = self.slots.get_mut(slot) {
             *s = None;
-            self.pairs.retain(|&p| p != slot);
             self.free.push(slot);
         }
         Some(slot)
@@ -176,7 +145,6 @@ impl ResponseCache {
                 if let Some(k) = key_of(&old.metas) {
                     self.by_key.remove(&**k);
                 }
-                self.pairs.retain(|&p| p != lru);
                 if !self.evictions_logged {
                     self.evictions_logged = true;
                     tracing::warn!(
@@ -189,9 +157,6 @@ impl ResponseCache {
             (lru, Some(lru))
         };
         self.by_key.insert(key, slot);
-        if is_pair(&metas) {
-            self.pairs.push(slot);
-        }
         self.slots[slot] = Some(Slot {
             metas,
             last_used: self.clock,

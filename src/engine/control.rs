@@ -217,11 +217,6 @@ impl Negotiate<'_> {
         for &slot in self.inbox.announced.keys() {
             cache::set_bit(&mut words[1..=cache_words], slot);
         }
-        if self.control.cache.has_pairs() {
-            for slot in self.control.cache.pairs_without(self.inbox.rank) {
-                cache::set_bit(&mut words[1..=cache_words], slot);
-            }
-        }
         let mut sum = [0f32; SPEC_VALUES];
         let spec = self.speculate(&mut sum);
         let (_, claims) = words.split_at_mut(1 + cache_words);

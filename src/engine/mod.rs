@@ -231,9 +231,9 @@ impl Engine {
                 }
                 return Some(Sleep::Poll(self.p2p.poll_interval()));
             }
-            // Other ranks wait for a cycle that needs this one too (a send/recv pair
-            // between two of them, announced in full or cached): pace, do not idle.
-            if self.control.negotiator.has_entries() || self.control.cache.has_pairs() {
+            // Other ranks wait for a cycle that needs this one too (a process set's
+            // device turn among some of them): pace, do not idle.
+            if self.control.negotiator.has_entries() {
                 return Some(Sleep::Pace(self.config.cycle_time));
             }
             // Right after a cycle that did something, the next submit usually follows

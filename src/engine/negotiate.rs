@@ -12,7 +12,7 @@ use std::fmt::Debug;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use super::request::{Among, CycleMsg, Key, OpKind, RequestMeta};
+use super::request::{CycleMsg, Key, OpKind, RequestMeta};
 use crate::error::Error;
 
 /// A request that every rank (or, for joined ranks, their stand-in zeros) is ready to run.
@@ -77,16 +77,10 @@ struct Entry {
 }
 
 impl Entry {
-    /// The ranks this entry needs when not every rank: sender and receiver of a
-    /// point-to-point op (from whichever of them announced it first), a device turn's
-    /// process set.
-    fn among(&self) -> Option<Among<'_>> {
-        let (rank, m) = self
-            .metas
-            .iter()
-            .enumerate()
-            .find_map(|(r, m)| Some((r, m.as_ref()?)))?;
-        m.participants(rank)
+    /// The ranks this entry needs when not every rank: a device turn's process set
+    /// (from whichever of its ranks announced it first).
+    fn among(&self) -> Option<&[usize]> {
+        self.metas.iter().flatten().next()?.participants()
     }
 
     /// Whether every rank it needs has submitted it (a joined rank stands in with
@@ -94,8 +88,8 @@ impl Entry {
     fn ready(&self, joined: &[bool]) -> bool {
         match self.among() {
             Some(among) => among
-                .ranks()
-                .all(|r| self.metas.get(r).is_some_and(Option::is_some)),
+                .iter()
+                .all(|&r| self.metas.get(r).is_some_and(Option::is_some)),
             None => self
                 .metas
                 .iter()
@@ -108,7 +102,8 @@ impl Entry {
     fn missing(&self, joined: &[bool]) -> Vec<usize> {
         match self.among() {
             Some(among) => among
-                .ranks()
+                .iter()
+                .copied()
                 .filter(|&r| self.metas.get(r).is_some_and(Option::is_none))
                 .collect(),
             None => (0..self.metas.len())
@@ -316,9 +311,6 @@ fn check(key: &str, metas: &[Option<RequestMeta>], joined: &[usize]) -> Result<(
         name: key.to_string(),
         message: format!("{what} mismatch: {message}"),
     };
-    if kind.is_p2p() {
-        return check_p2p(key, metas);
-    }
     if kind == OpKind::DeviceTurn {
         // Internal: the same set's engines ask under one key; the ranks of a joined
         // job do not matter to it (only the set's ranks take part).
@@ -353,41 +345,6 @@ fn check(key: &str, metas: &[Option<RequestMeta>], joined: &[usize]) -> Result<(
         return Err(fail(what, m));
     }
     Ok(())
-}
-
-/// A point-to-point pair: a send on the sender and a receive on the receiver (the
-/// key names both ranks, so only a send meeting a send, or a receive a receive, on
-/// the two ranks can disagree).
-fn check_p2p(key: &str, metas: &[Option<RequestMeta>]) -> Result<(), Error> {
-    let mut sends = Vec::new();
-    let mut recvs = Vec::new();
-    for (rank, m) in metas.iter().enumerate() {
-        match m.as_ref().map(|m| m.kind) {
-            Some(OpKind::Send) => sends.push(rank),
-            Some(OpKind::Recv) => recvs.push(rank),
-            Some(other) => {
-                return Err(Error::Mismatch {
-                    op: other.name(),
-                    name: key.to_string(),
-                    message: format!(
-                        "rank {rank} submitted {} under a send/recv name",
-                        other.name()
-                    ),
-                })
-            }
-            None => {}
-        }
-    }
-    if sends.len() == 1 && recvs.len() == 1 {
-        return Ok(());
-    }
-    Err(Error::Mismatch {
-        op: "send",
-        name: key.to_string(),
-        message: format!(
-            "op mismatch: a send needs a recv on the other rank; ranks {sends:?} sent, ranks {recvs:?} received"
-        ),
-    })
 }
 
 /// The first of a request's tensors whose dtype or shape differs between ranks, as

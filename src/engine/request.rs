@@ -69,9 +69,10 @@ impl OpKind {
         matches!(self, OpKind::Send | OpKind::Recv)
     }
 
-    /// Whether the op needs only some of the ranks (see [`RequestMeta::participants`]).
+    /// Whether the op is negotiated among some of the ranks only (see
+    /// [`RequestMeta::participants`]).
     pub(crate) fn is_partial(self) -> bool {
-        self.is_p2p() || self == OpKind::DeviceTurn
+        self == OpKind::DeviceTurn
     }
 
     /// Whether the op can run while some ranks have joined (they contribute zeros).
@@ -135,34 +136,12 @@ pub(crate) struct RequestMeta {
     pub(crate) device: Device,
 }
 
-/// The ranks an op that needs only some of them waits for.
-#[derive(Debug, Clone, Copy)]
-pub(crate) enum Among<'a> {
-    /// A point-to-point op's sender and receiver.
-    Pair(usize, usize),
-    /// A device turn's process set (job ranks, sorted).
-    Ranks(&'a [usize]),
-}
-
-impl<'a> Among<'a> {
-    /// The ranks that take part.
-    pub(crate) fn ranks(self) -> impl Iterator<Item = usize> + 'a {
-        let (pair, set) = match self {
-            Among::Pair(a, b) => (Some([a, b]), &[][..]),
-            Among::Ranks(r) => (None, r),
-        };
-        pair.into_iter().flatten().chain(set.iter().copied())
-    }
-}
-
 impl RequestMeta {
-    /// The ranks a request made on `rank` needs, when not every rank: a
-    /// point-to-point op's (sender, receiver), a device turn's process set.
-    pub(crate) fn participants(&self, rank: usize) -> Option<Among<'_>> {
+    /// The ranks a request needs, when not every rank: a device turn's process set
+    /// (job ranks, sorted). Sends and receives are never negotiated (`engine/p2p.rs`).
+    pub(crate) fn participants(&self) -> Option<&[usize]> {
         match self.kind {
-            OpKind::Send => Some(Among::Pair(rank, self.root)),
-            OpKind::Recv => Some(Among::Pair(self.root, rank)),
-            OpKind::DeviceTurn => Some(Among::Ranks(self.splits.as_deref().unwrap_or_default())),
+            OpKind::DeviceTurn => Some(self.splits.as_deref().unwrap_or_default()),
             _ => None,
         }
     }

@@ -184,7 +184,7 @@ impl Executor {
                         self.trace_negotiation(&req.meta, req.submitted);
                         (Some(req.tensors), Some(req.done))
                     }
-                    // Not one of a send/recv pair's two ranks: nothing to do here.
+                    // Not one of a device turn's set: nothing to do here.
                     None if ready.kind.is_partial() => return,
                     None => (None, None),
                 };

@@ -297,24 +297,25 @@ fn stalled_lists_missing_ranks() {
     );
 }
 
-/// Issue 36: a send/recv pair is ready once its two ranks submitted it, whatever the
-/// other ranks do; a stall names only the missing one of the two.
+/// Issue 31, item 21: a process set's device turn is ready once the set's ranks
+/// submitted it, whatever the other ranks do; a stall names only the set's missing
+/// rank; the set's ranks must agree on the set.
 #[test]
-fn a_send_recv_pair_needs_its_two_ranks_only() {
+fn a_device_turn_needs_its_set_only() {
     let now = Instant::now();
     let mut n = Negotiator::new(3);
-    let mut send = req("act@2->0", OpKind::Send, &[3]);
-    send.root = 0;
-    let mut recv = req("act@2->0", OpKind::Recv, &[]);
-    recv.tensors.clear();
-    recv.root = 2;
-    let r = responses(n.handle(&cycle(vec![vec![], vec![], vec![send]]), now));
+    let mut turn = req("turn#1", OpKind::DeviceTurn, &[]);
+    turn.tensors.clear();
+    turn.splits = Some(vec![0, 2]);
+    let r = responses(n.handle(&cycle(vec![vec![], vec![], vec![turn.clone()]]), now));
     assert!(r.is_empty());
     let stalled = n.stalled(now, Duration::ZERO);
-    assert_eq!(stalled, [("act@2->0".to_string(), vec![0])]);
-    let r = responses(n.handle(&cycle(vec![vec![recv.clone()], vec![], vec![]]), now));
-    assert_eq!(keys(&r), ["act@2->0"]);
-    // Two receives under one pair's key (a program error) fail instead of running.
-    let r = responses(n.handle(&cycle(vec![vec![recv.clone()], vec![], vec![recv]]), now));
-    assert_eq!(keys(&r), ["fail:act@2->0"]);
+    assert_eq!(stalled, [("turn#1".to_string(), vec![0])]);
+    let r = responses(n.handle(&cycle(vec![vec![turn.clone()], vec![], vec![]]), now));
+    assert_eq!(keys(&r), ["turn#1"]);
+    // Another set under the same key (a bug) fails instead of running.
+    let mut other = turn.clone();
+    other.splits = Some(vec![0, 1, 2]);
+    let r = responses(n.handle(&cycle(vec![vec![turn], vec![], vec![other]]), now));
+    assert_eq!(keys(&r), ["fail:turn#1"]);
 }
