@@ -26,14 +26,20 @@ struct Header {
     name: String,
     dtype: DType,
     shape: Vec<usize>,
+    /// The bytes follow the header in its own message (small tensors: one message
+    /// instead of two, and no receive to post for the data).
+    inline: bool,
 }
+
+/// Tensors up to this size travel inside their header's message.
+const INLINE_BYTES: usize = 16 << 10;
 
 /// A send in flight: its requests and the buffers they read.
 struct Outgoing {
     id: u64,
     reqs: Vec<ffi::MPI_Request>,
     _header: Vec<u8>,
-    _tensor: Tensor,
+    tensor: Tensor,
 }
 
 /// A tensor being received: its requests write into `tensor`.
@@ -50,7 +56,14 @@ pub(super) struct P2p {
     next_id: u64,
     sends: Vec<Outgoing>,
     recvs: Vec<Incoming>,
+    /// Tensors whose sends completed, kept to receive into (a pipeline stage sends and
+    /// receives tensors of the same shapes; fresh memory costs a page fault per 4 KiB).
+    spare: Vec<Tensor>,
 }
+
+/// How many sent tensors [`P2p::spare`] keeps, and how many bytes in all.
+const SPARE_TENSORS: usize = 8;
+const SPARE_BYTES: usize = 1 << 30;
 
 impl P2p {
     /// Point to point on `comm` (a duplicate of the transport's own communicator).
@@ -60,6 +73,7 @@ impl P2p {
             next_id: 0,
             sends: Vec::new(),
             recvs: Vec::new(),
+            spare: Vec::new(),
         }
     }
 
@@ -126,17 +140,24 @@ impl P2p {
     /// may still read it).
     pub(super) fn post_send(&mut self, dest: usize, name: &str, tensor: Tensor) -> Result<u64> {
         let call = "MPI_Isend (send)";
-        let header = postcard::to_stdvec(&Header {
+        let inline = tensor.num_bytes() <= INLINE_BYTES;
+        let mut header = postcard::to_stdvec(&Header {
             name: name.to_string(),
             dtype: tensor.dtype(),
             shape: tensor.shape().to_vec(),
+            inline,
         })
         .map_err(|e| Error::Internal(format!("send header: {e}")))?;
         let peer = count(call, dest)?;
         let comm = self.raw();
         let (base, len) = {
             let b = tensor.as_bytes()?;
-            (b.as_ptr().cast_mut(), b.len())
+            if inline {
+                header.extend_from_slice(b);
+                (b.as_ptr().cast_mut(), 0)
+            } else {
+                (b.as_ptr().cast_mut(), b.len())
+            }
         };
         let mut reqs = Vec::with_capacity(2);
         let posted = post_pieces(
@@ -168,9 +189,41 @@ impl P2p {
             id,
             reqs,
             _header: header,
-            _tensor: tensor,
+            tensor,
         });
         posted.map(|()| id)
+    }
+
+    /// Keeps a sent tensor's memory for a later receive (the oldest goes first).
+    fn keep_spare(&mut self, t: Tensor) {
+        if t.num_bytes() == 0 || t.num_bytes() > SPARE_BYTES {
+            return;
+        }
+        self.spare.push(t);
+        let mut total: usize = self.spare.iter().map(Tensor::num_bytes).sum();
+        while self.spare.len() > SPARE_TENSORS || total > SPARE_BYTES {
+            total -= self.spare.remove(0).num_bytes();
+        }
+    }
+
+    /// Memory to receive a tensor of `dtype` and `shape` into: a spare of that size, or
+    /// new.
+    fn receive_buffer(&mut self, dtype: DType, shape: &[usize]) -> Result<Tensor> {
+        let mut i = 0;
+        while i < self.spare.len() {
+            let t = self.spare.swap_remove(i);
+            match t.reuse_as(dtype, shape) {
+                Ok(t) => return Ok(t),
+                Err(t) => {
+                    // Put back where it was.
+                    self.spare.push(t);
+                    let last = self.spare.len() - 1;
+                    self.spare.swap(i, last);
+                    i += 1;
+                }
+            }
+        }
+        Tensor::try_zeros(dtype, shape)
     }
 
     /// Progresses point to point; see the module docs.
@@ -184,6 +237,7 @@ impl P2p {
                 if done.id != u64::MAX {
                     events.push(P2pEvent::Sent(done.id));
                 }
+                self.keep_spare(done.tensor);
             } else {
                 i += 1;
             }
@@ -244,11 +298,34 @@ impl P2p {
                 )
             })?;
             let src = to_usize(status.MPI_SOURCE);
-            let header: Header = postcard::from_bytes(&buf).map_err(|e| Error::Transport {
-                call: "recv",
-                message: format!("a malformed point-to-point header from rank {src}: {e}"),
-            })?;
-            let mut tensor = Tensor::try_zeros(header.dtype, &header.shape)?;
+            let (header, rest): (Header, &[u8]) =
+                postcard::take_from_bytes(&buf).map_err(|e| Error::Transport {
+                    call: "recv",
+                    message: format!("a malformed point-to-point header from rank {src}: {e}"),
+                })?;
+            let mut tensor = self.receive_buffer(header.dtype, &header.shape)?;
+            if header.inline {
+                let bytes = tensor.as_bytes_mut()?;
+                if bytes.len() != rest.len() {
+                    return Err(Error::Transport {
+                        call: "recv",
+                        message: format!(
+                            "rank {src} sent {} bytes for {:?} of shape {:?}",
+                            rest.len(),
+                            header.name,
+                            header.shape
+                        ),
+                    });
+                }
+                bytes.copy_from_slice(rest);
+                self.recvs.push(Incoming {
+                    src,
+                    name: header.name,
+                    tensor,
+                    reqs: Vec::new(),
+                });
+                continue;
+            }
             let mut reqs = Vec::with_capacity(1);
             let peer = status.MPI_SOURCE;
             let bytes = tensor.as_bytes_mut()?;
