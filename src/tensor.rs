@@ -552,7 +552,11 @@ impl Tensor {
     /// vector of its own (not another framework's buffer, not a device); else itself.
     /// Point to point reuses a sent tensor's memory for the next receive this way, so
     /// that a receive does not fault in fresh pages.
-    pub(crate) fn reuse_as(self, dtype: DType, shape: &[usize]) -> std::result::Result<Tensor, Tensor> {
+    pub(crate) fn reuse_as(
+        self,
+        dtype: DType,
+        shape: &[usize],
+    ) -> std::result::Result<Tensor, Tensor> {
         let fits = self.external.is_none()
             && self.device() == Device::Cpu
             && self.dtype() == dtype
