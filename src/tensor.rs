@@ -547,26 +547,20 @@ impl Tensor {
         }
     }
 
-    /// This tensor's own host memory as a tensor of `dtype` and `shape` (old contents
-    /// left in place), when it holds exactly that many elements of that dtype in a
-    /// vector of its own (not another framework's buffer, not a device); else itself.
-    /// Point to point reuses a sent tensor's memory for the next receive this way, so
-    /// that a receive does not fault in fresh pages.
-    pub(crate) fn reuse_as(
-        self,
-        dtype: DType,
-        shape: &[usize],
-    ) -> std::result::Result<Tensor, Tensor> {
+    /// Makes this tensor one of `dtype` and `shape` (old contents left in place) when
+    /// it holds exactly that many elements of that dtype in a vector of its own (not
+    /// another framework's buffer, not a device); false, unchanged, otherwise. Point
+    /// to point reuses a sent tensor's memory for the next receive this way, so that
+    /// a receive does not fault in fresh pages.
+    pub(crate) fn reuse_as(&mut self, dtype: DType, shape: &[usize]) -> bool {
         let fits = self.external.is_none()
             && self.device() == Device::Cpu
             && self.dtype() == dtype
             && checked_len(shape, dtype).is_ok_and(|n| n == self.len());
-        if !fits {
-            return Err(self);
+        if fits {
+            self.shape = shape.to_vec();
         }
-        let mut t = self;
-        t.shape = shape.to_vec();
-        Ok(t)
+        fits
     }
 
     pub(crate) fn from_parts(data: Storage, shape: Vec<usize>) -> Tensor {

@@ -209,21 +209,10 @@ impl P2p {
     /// Memory to receive a tensor of `dtype` and `shape` into: a spare of that size, or
     /// new.
     fn receive_buffer(&mut self, dtype: DType, shape: &[usize]) -> Result<Tensor> {
-        let mut i = 0;
-        while i < self.spare.len() {
-            let t = self.spare.swap_remove(i);
-            match t.reuse_as(dtype, shape) {
-                Ok(t) => return Ok(t),
-                Err(t) => {
-                    // Put back where it was.
-                    self.spare.push(t);
-                    let last = self.spare.len() - 1;
-                    self.spare.swap(i, last);
-                    i += 1;
-                }
-            }
+        match self.spare.iter_mut().position(|t| t.reuse_as(dtype, shape)) {
+            Some(i) => Ok(self.spare.remove(i)),
+            None => Tensor::try_zeros(dtype, shape),
         }
-        Tensor::try_zeros(dtype, shape)
     }
 
     /// Progresses point to point; see the module docs.
