@@ -131,6 +131,12 @@ pub(crate) struct Args {
     #[arg(long)]
     pub(crate) dry_run: bool,
 
+    /// Relaunch the job when it fails, up to this many times (0: never, as mpirun).
+    /// Each rank finds the attempt in `KOLO_RESTART_COUNT` (0 for the first); resume
+    /// from the last checkpoint on a relaunch (e.g. `--checkpoint DIR --resume`).
+    #[arg(long, value_name = "N", default_value_t = 0)]
+    pub(crate) max_restarts: u32,
+
     /// The program and its arguments.
     #[arg(
         trailing_var_arg = true,

@@ -28,7 +28,7 @@ use args::{normalize, Args};
 use command::{command_line, plan, threads_per_rank};
 
 use hosts::{check_hosts, flag_hosts, hostfile_hosts, remote_agent};
-use supervise::{catch_signals, supervise, ABORT_GRACE};
+use supervise::{catch_signals, supervise_job, ABORT_GRACE};
 
 fn check_build() {
     let b = kolo::build_info();
@@ -116,20 +116,49 @@ fn main() {
         eprintln!("kolorun: {}", command_line(&plan));
     }
     reach_hosts(&args, hosts, &mpi_args, &env);
-    let mut cmd = Command::new("mpirun");
-    cmd.args(&plan.argv);
-    for u in &plan.unset {
-        cmd.env_remove(u);
-    }
     catch_signals();
-    match supervise(cmd, ABORT_GRACE, std::io::stderr()) {
-        Ok(code) => std::process::exit(code),
-        Err(e) => {
-            eprintln!(
-                "kolorun: cannot run mpirun: {e} (install OpenMPI: apt-get install openmpi-bin)"
-            );
-            std::process::exit(127);
+    let attempts = args.max_restarts + 1;
+    let mut attempt = 0u32;
+    loop {
+        let mut cmd = Command::new("mpirun");
+        if args.max_restarts > 0 {
+            // Every rank learns which attempt it is part of.
+            cmd.args(["-x", "KOLO_RESTART_COUNT"])
+                .env("KOLO_RESTART_COUNT", attempt.to_string());
         }
+        cmd.args(&plan.argv);
+        for u in &plan.unset {
+            cmd.env_remove(u);
+        }
+        let ended = match supervise_job(cmd, ABORT_GRACE, std::io::stderr()) {
+            Ok(e) => e,
+            Err(e) => {
+                eprintln!(
+                    "kolorun: cannot run mpirun: {e} (install OpenMPI: apt-get install openmpi-bin)"
+                );
+                std::process::exit(127);
+            }
+        };
+        if ended.code == 0 || ended.signalled || args.max_restarts == 0 {
+            std::process::exit(ended.code);
+        }
+        let why = if ended.cause.is_empty() {
+            String::new()
+        } else {
+            format!(": {}", ended.cause.join(" | "))
+        };
+        attempt += 1;
+        if attempt >= attempts {
+            eprintln!(
+                "kolorun: attempt {attempts} of {attempts} failed (exit code {}){why}; no restarts left (--max-restarts {})",
+                ended.code, args.max_restarts
+            );
+            std::process::exit(ended.code);
+        }
+        eprintln!(
+            "kolorun: attempt {attempt} of {attempts} failed (exit code {}){why}; relaunching {np} ranks (KOLO_RESTART_COUNT={attempt})",
+            ended.code
+        );
     }
 }
 

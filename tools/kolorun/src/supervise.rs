@@ -34,9 +34,9 @@ extern "C" fn note_signal(signal: libc::c_int) {
     RECEIVED.store(signal, Ordering::SeqCst);
 }
 
-/// Catches SIGINT, SIGTERM and SIGHUP from here on: [`supervise`] passes each to
+/// Catches SIGINT, SIGTERM and SIGHUP from here on: [`supervise_job`] passes each to
 /// mpirun (which ends the ranks and prints its last messages) instead of kolorun
-/// dying and leaving mpirun and the ranks behind. Call it before [`supervise`].
+/// dying and leaving mpirun and the ranks behind. Call it before [`supervise_job`].
 pub(crate) fn catch_signals() {
     for signal in [libc::SIGINT, libc::SIGTERM, libc::SIGHUP] {
         // SAFETY: a zeroed sigaction is valid (no flags, empty mask); the handler
@@ -98,8 +98,31 @@ fn children_of(parent: i32) -> Vec<(i32, i32)> {
     .collect()
 }
 
-/// Runs mpirun, passing its stderr through to `out`, and returns the exit code kolorun
-/// should end with.
+/// How a job ended: [`supervise_job`]'s exit code, whether kolorun passed a signal on
+/// (the user ended it: no relaunch), and the job's first lines that say which rank
+/// failed and why.
+#[derive(Debug, Default)]
+pub(crate) struct Ended {
+    pub(crate) code: i32,
+    pub(crate) signalled: bool,
+    pub(crate) cause: Vec<String>,
+}
+
+/// Whether a line of the job's stderr names a failing rank or why it failed: kolo's
+/// own reports, a Rust error or panic, or mpirun's summary of the first process that
+/// failed.
+pub(crate) fn names_failure(line: &str) -> bool {
+    line.contains("kolo: rank")
+        || line.contains("panicked")
+        || line.contains("Error:")
+        || line.contains("exited on signal")
+        || line.contains("Process name:")
+        || line.contains("Exit code:")
+        || line.contains("has shut down")
+}
+
+/// Runs mpirun, passing its stderr through to `out`, and tells how the job ended
+/// ([`Ended`]: the exit code kolorun should end with, and why).
 ///
 /// - Once the job is being aborted, mpirun waits for every host's daemon to confirm;
 ///   a host that is unreachable (a partition) never does, and mpirun would wait for
@@ -111,44 +134,59 @@ fn children_of(parent: i32) -> Vec<(i32, i32)> {
 ///
 /// Before it returns, the last of the job's stderr is passed through (bounded by
 /// [`STDERR_DRAIN`]).
-pub(crate) fn supervise(
+pub(crate) fn supervise_job(
     mut cmd: Command,
     grace: Duration,
     out: impl Write + Send + 'static,
-) -> std::io::Result<i32> {
+) -> std::io::Result<Ended> {
     let mut child = cmd.stderr(std::process::Stdio::piped()).spawn()?;
+    let cause: Arc<Mutex<Vec<String>>> = Arc::default();
     let aborted_at: Arc<Mutex<Option<Instant>>> = Arc::default();
     let (drained, copied) = std::sync::mpsc::channel::<()>();
     if let Some(stderr) = child.stderr.take() {
         let aborted_at = aborted_at.clone();
+        let cause = cause.clone();
         let mut out = out;
         std::thread::spawn(move || {
             for line in std::io::BufReader::new(stderr).split(b'\n') {
                 let Ok(line) = line else { break };
                 let _ = out.write_all(&line);
                 let _ = out.write_all(b"\n");
-                if aborting(&String::from_utf8_lossy(&line)) {
+                let text = String::from_utf8_lossy(&line);
+                if aborting(&text) {
                     let mut at = aborted_at.lock().unwrap_or_else(|p| p.into_inner());
                     at.get_or_insert_with(Instant::now);
+                }
+                if names_failure(&text) {
+                    let mut c = cause.lock().unwrap_or_else(|p| p.into_inner());
+                    if c.len() < 3 {
+                        c.push(text.trim().to_string());
+                    }
                 }
             }
             let _ = out.flush();
             drop(drained);
         });
     }
-    let code = watch(&mut child, grace, &aborted_at)?;
+    let (code, signalled) = watch(&mut child, grace, &aborted_at)?;
     // The copier ends at the end of the pipe (the sender is dropped, which
     // `recv_timeout` reports as disconnected), or the wait runs out.
     let _ = copied.recv_timeout(STDERR_DRAIN);
-    Ok(code)
+    let cause = std::mem::take(&mut *cause.lock().unwrap_or_else(|p| p.into_inner()));
+    Ok(Ended {
+        code,
+        signalled,
+        cause,
+    })
 }
 
-/// Waits for mpirun to end, passing signals on and ending a job that does not end.
+/// Waits for mpirun to end, passing signals on and ending a job that does not end:
+/// the exit code, and whether a signal was passed on.
 fn watch(
     child: &mut Child,
     grace: Duration,
     aborted_at: &Mutex<Option<Instant>>,
-) -> std::io::Result<i32> {
+) -> std::io::Result<(i32, bool)> {
     // The first signal received, and when.
     let mut signalled: Option<(i32, Instant)> = None;
     loop {
@@ -160,8 +198,8 @@ fn watch(
         }
         if let Some(status) = child.try_wait()? {
             return Ok(match signalled {
-                Some((signal, _)) => 128 + signal,
-                None => exit_code(status),
+                Some((signal, _)) => (128 + signal, true),
+                None => (exit_code(status), false),
             });
         }
         if let Some((signal, _)) = signalled.filter(|(_, at)| at.elapsed() > grace) {
@@ -171,7 +209,7 @@ fn watch(
                 grace.as_secs()
             );
             kill_job(child);
-            return Ok(128 + signal);
+            return Ok((128 + signal, true));
         }
         let since = *aborted_at.lock().unwrap_or_else(|p| p.into_inner());
         if since.is_some_and(|at| at.elapsed() > grace) {
@@ -182,7 +220,7 @@ fn watch(
                 grace.as_secs()
             );
             kill_job(child);
-            return Ok(1);
+            return Ok((1, false));
         }
         std::thread::sleep(Duration::from_millis(50));
     }
@@ -209,12 +247,12 @@ mod tests {
             "echo 'MPI_ABORT was invoked on rank 0' >&2; exec sleep 30",
         ]);
         let start = std::time::Instant::now();
-        assert_eq!(supervise(hang, short, std::io::sink()).unwrap(), 1);
+        assert_eq!(supervise_job(hang, short, std::io::sink()).unwrap().code, 1);
         assert!(start.elapsed() < std::time::Duration::from_secs(5));
         // Exit codes pass through; a job that only prints is left alone.
         let mut ok = Command::new("sh");
         ok.args(["-c", "echo working >&2; sleep 0.5; exit 3"]);
-        assert_eq!(supervise(ok, short, std::io::sink()).unwrap(), 3);
+        assert_eq!(supervise_job(ok, short, std::io::sink()).unwrap().code, 3);
     }
 
     /// A terminal that takes its time: each write waits 100 ms.
@@ -241,7 +279,9 @@ mod tests {
             "-c",
             "echo 'rank 0: loss 0.2' >&2; echo 'rank 1: out of memory' >&2; exit 5",
         ]);
-        let code = supervise(job, ABORT_GRACE, SlowTerminal(Arc::clone(&text))).unwrap();
+        let code = supervise_job(job, ABORT_GRACE, SlowTerminal(Arc::clone(&text)))
+            .unwrap()
+            .code;
         assert_eq!(code, 5);
         let text = text.lock().unwrap_or_else(|p| p.into_inner()).clone();
         assert_eq!(
@@ -254,10 +294,20 @@ mod tests {
     fn issue31_mpirun_dying_of_a_signal_gives_128_plus_the_signal() {
         let mut job = Command::new("sh");
         job.args(["-c", "kill -TERM $$"]);
-        assert_eq!(supervise(job, ABORT_GRACE, std::io::sink()).unwrap(), 143);
+        assert_eq!(
+            supervise_job(job, ABORT_GRACE, std::io::sink())
+                .unwrap()
+                .code,
+            143
+        );
         let mut job = Command::new("sh");
         job.args(["-c", "kill -KILL $$"]);
-        assert_eq!(supervise(job, ABORT_GRACE, std::io::sink()).unwrap(), 137);
+        assert_eq!(
+            supervise_job(job, ABORT_GRACE, std::io::sink())
+                .unwrap()
+                .code,
+            137
+        );
     }
 
     /// Whether process `pid` is gone (or a zombie, which runs nothing).

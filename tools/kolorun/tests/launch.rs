@@ -222,3 +222,67 @@ fn issue31_sigterm_to_kolorun_alone_ends_the_job() {
     );
     assert!(rank_gone, "the rank outlived kolorun: {stderr}");
 }
+
+/// Issue 37: `--max-restarts` relaunches a failed job, each rank finding the attempt
+/// in `KOLO_RESTART_COUNT`, with one line per relaunch naming the exit code.
+#[test]
+fn a_failed_job_is_relaunched_with_its_attempt_number() {
+    let out = run(kolorun()
+        .args(["-np", "2", "--oversubscribe", "--max-restarts", "3"])
+        .args([
+            "sh",
+            "-c",
+            "echo attempt $KOLO_RESTART_COUNT; test $KOLO_RESTART_COUNT -ge 2",
+        ]));
+    let (stdout, stderr) = (
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr),
+    );
+    assert!(out.status.success(), "{stdout}\n{stderr}");
+    for a in 0..3 {
+        assert_eq!(
+            stdout.matches(&format!("attempt {a}")).count(),
+            2,
+            "both ranks of attempt {a}: {stdout}"
+        );
+    }
+    assert!(!stdout.contains("attempt 3"), "{stdout}");
+    assert_eq!(stderr.matches("relaunching 2 ranks").count(), 2, "{stderr}");
+    assert!(
+        stderr.contains("attempt 1 of 4 failed (exit code 1)")
+            && stderr.contains("(KOLO_RESTART_COUNT=1)"),
+        "{stderr}"
+    );
+}
+
+/// Once the restarts are used up, kolorun says so and exits with the job's code;
+/// without `--max-restarts` a failed job is not relaunched.
+#[test]
+fn restarts_end_when_they_are_used_up() {
+    let out = run(kolorun()
+        .args(["-np", "2", "--oversubscribe", "--max-restarts", "1"])
+        .args(["sh", "-c", "echo ran; exit 3"]));
+    let (stdout, stderr) = (
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr),
+    );
+    assert_eq!(out.status.code(), Some(3), "{stderr}");
+    assert_eq!(
+        stdout.matches("ran").count(),
+        4,
+        "two attempts of two ranks: {stdout}"
+    );
+    assert!(
+        stderr.contains("attempt 1 of 2 failed (exit code 3)")
+            && stderr.contains("attempt 2 of 2 failed (exit code 3)")
+            && stderr.contains("no restarts left"),
+        "{stderr}"
+    );
+    let out =
+        run(kolorun()
+            .args(["-np", "2", "--oversubscribe"])
+            .args(["sh", "-c", "echo ran; exit 3"]));
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(stdout.matches("ran").count(), 2, "one attempt: {stdout}");
+    assert!(!String::from_utf8_lossy(&out.stderr).contains("relaunching"));
+}
