@@ -53,6 +53,8 @@ pub struct Config {
     pub(crate) stall_check_time: Duration,
     pub(crate) stall_shutdown_time: Duration,
     pub(crate) stall_check_disable: bool,
+    /// Keep large freed blocks in the heap (glibc's malloc; see [`Config::malloc_tuning`]).
+    pub(crate) malloc_tuning: bool,
     pub(crate) collective_timeout: Duration,
     pub(crate) start_timeout: Duration,
     pub(crate) hierarchical_allreduce: bool,
@@ -100,6 +102,7 @@ impl Default for Config {
             hierarchical_allgather_explicit: false,
             grouped_ring: None,
             stall_check_disable: false,
+            malloc_tuning: true,
             autotune: false,
             autotune_log: None,
             autotune_warmup_samples: 3,
@@ -255,6 +258,18 @@ impl Config {
     pub fn hierarchical_allgather(mut self, on: bool) -> Self {
         self.hierarchical_allgather = on;
         self.hierarchical_allgather_explicit = true;
+        self
+    }
+
+    /// Whether `init` tunes glibc's malloc for training (default on;
+    /// `KOLO_MALLOC_TUNING=0` turns it off): blocks up to 32 MiB come from the heap
+    /// instead of fresh `mmap`s, and the heap is not trimmed below 2 GiB, so the
+    /// gradient, fusion and activation buffers a training step frees are reused by the
+    /// next step instead of being handed back to the kernel and faulted in again page by
+    /// page. It applies to the whole process (the framework's own allocations too);
+    /// the cost is memory the process keeps after freeing it. No effect without glibc.
+    pub fn malloc_tuning(mut self, on: bool) -> Self {
+        self.malloc_tuning = on;
         self
     }
 

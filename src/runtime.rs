@@ -83,6 +83,23 @@ pub fn catch_panic<T>(f: impl FnOnce() -> T) -> std::thread::Result<T> {
     std::panic::catch_unwind(std::panic::AssertUnwindSafe(f))
 }
 
+/// See [`Config::malloc_tuning`]: large blocks from the heap (up to glibc's limit for
+/// the threshold, 32 MiB), the heap kept up to 2 GiB of free memory.
+fn tune_malloc() {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    {
+        // SAFETY: mallopt only changes glibc's allocation parameters; any thread may
+        // call it, and it takes the arena lock itself.
+        let ok = unsafe {
+            libc::mallopt(libc::M_MMAP_THRESHOLD, 32 << 20) == 1
+                && libc::mallopt(libc::M_TRIM_THRESHOLD, i32::MAX) == 1
+        };
+        if !ok {
+            tracing::debug!("glibc refused the malloc tuning; allocations stay as they were");
+        }
+    }
+}
+
 /// Initialises MPI and starts this rank's engine with the configuration from the
 /// environment (`KOLO_*`, or the `HOROVOD_*` aliases). Every rank must call it.
 ///
@@ -226,6 +243,9 @@ impl Config {
 /// calls MPI. All-or-nothing: on any failure the thread is joined before returning.
 pub(crate) fn start(config: Config) -> Result<Kolo> {
     crate::logging::install(&config);
+    if config.malloc_tuning {
+        tune_malloc();
+    }
     if STARTED.swap(true, Ordering::SeqCst) {
         return Err(Error::Init(
             "kolo was already initialised in this process; MPI can start only once per process \

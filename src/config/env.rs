@@ -5,7 +5,7 @@
 use super::*;
 
 /// Every setting kolo reads, as `KOLO_<key>` or `HOROVOD_<key>`.
-pub(crate) const KEYS: [&str; 22] = [
+pub(crate) const KEYS: [&str; 23] = [
     "FUSION_THRESHOLD",
     "FUSION_MAX_TENSOR_BYTES",
     "CYCLE_TIME",
@@ -15,6 +15,7 @@ pub(crate) const KEYS: [&str; 22] = [
     "STALL_CHECK_TIME_SECONDS",
     "STALL_SHUTDOWN_TIME_SECONDS",
     "STALL_CHECK_DISABLE",
+    "MALLOC_TUNING",
     "COLLECTIVE_TIMEOUT_SECONDS",
     "START_TIMEOUT",
     "HIERARCHICAL_ALLREDUCE",
@@ -124,6 +125,9 @@ impl Config {
         }
         if let Some((var, v)) = env.get("STALL_CHECK_DISABLE") {
             self.stall_check_disable = parse_bool(&var, &v)?;
+        }
+        if let Some((var, v)) = env.get("MALLOC_TUNING") {
+            self.malloc_tuning = parse_bool(&var, &v)?;
         }
         Ok(())
     }

@@ -37,6 +37,10 @@ mod mlp;
 #[allow(dead_code)]
 mod harness;
 
+/// glibc's tunables for what `kolo::Config::malloc_tuning` sets with `mallopt`.
+const PLAIN_MALLOC: &str =
+    "glibc.malloc.mmap_threshold=33554432:glibc.malloc.trim_threshold=2147483647";
+
 const PATHS: [&str; 5] = ["reducer", "overlapped", "optimizer", "sharded", "pipeline"];
 
 /// The layers of stage `stage` of `stages` of an MLP of widths `dims`: consecutive,
@@ -321,6 +325,11 @@ fn main() -> Result<()> {
         let started = Instant::now();
         for rep in 0..reps {
             let mut cmd = Command::new(&plain);
+            // The same malloc settings kolo's `init` makes (KOLO_MALLOC_TUNING, on by
+            // default): plain Burn gained as much from them as kolo's ranks (+40% on
+            // the big model here), so the ratios compare the distributed training,
+            // not the allocator.
+            cmd.env("GLIBC_TUNABLES", PLAIN_MALLOC);
             cmd.arg(model).args(&counts).arg(&device_arg);
             plain_sps.push(result_of(cmd, "plain Burn")?.0);
             for (p, path) in PATHS.iter().enumerate() {
