@@ -40,8 +40,10 @@ fn every_variable_is_read() {
         ("KOLO_AUTOTUNE_GAUSSIAN_PROCESS_NOISE", "0.25"),
         ("KOLO_SIMULATED_COLLECTIVE_COST_US", "30"),
         ("KOLO_LOG_LEVEL", "DEBUG"),
+        ("KOLO_MALLOC_TUNING", "0"),
     ])
     .unwrap();
+    assert!(!c.malloc_tuning);
     assert_eq!(c.autotune_warmup_samples, 7);
     assert_eq!(c.autotune_steps_per_sample, 4);
     assert_eq!(c.autotune_max_samples, 9);
