@@ -312,8 +312,13 @@ fn read_range<M: Module>(module: &M, plan: &Plan) -> Vec<f32> {
             if lo >= hi {
                 return;
             }
-            if let Ok(v) = param.val().into_data().try_into_vec::<f32>() {
-                self.out.extend_from_slice(&v[lo - start..hi - start]);
+            // Only the overlapping elements are copied out of the parameter.
+            let part = param
+                .val()
+                .reshape([end - start])
+                .slice(lo - start..hi - start);
+            if let Ok(v) = part.into_data().try_into_vec::<f32>() {
+                self.out.extend_from_slice(&v);
             }
         }
     }
