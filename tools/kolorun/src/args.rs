@@ -3,7 +3,7 @@
 
 use clap::Parser;
 
-#[derive(Parser, Debug)]
+#[derive(Parser, Debug, Clone)]
 #[command(
     name = "kolorun",
     version,
@@ -136,6 +136,18 @@ pub(crate) struct Args {
     /// from the last checkpoint on a relaunch (e.g. `--checkpoint DIR --resume`).
     #[arg(long, value_name = "N", default_value_t = 0)]
     pub(crate) max_restarts: u32,
+
+    /// With --max-restarts across hosts: a host whose rank failed (or that does not
+    /// answer at start) is left out of later attempts, which run on fewer ranks as
+    /// long as at least this many remain (default: -np, i.e. never fewer).
+    #[arg(long, value_name = "M", value_parser = clap::value_parser!(u32).range(1..))]
+    pub(crate) min_np: Option<u32>,
+
+    /// A program printing the job's hosts, `host:slots` per line (horovodrun's
+    /// contract), run before every attempt in place of -H/--hostfile: replaced hosts
+    /// join on the next attempt.
+    #[arg(long, value_name = "FILE", conflicts_with_all = ["hosts", "hostfile"])]
+    pub(crate) host_discovery_script: Option<String>,
 
     /// The program and its arguments.
     #[arg(

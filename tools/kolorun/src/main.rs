@@ -16,6 +16,7 @@
 
 mod args;
 mod command;
+mod elastic;
 mod hosts;
 mod nic;
 mod supervise;
@@ -80,46 +81,64 @@ fn main() {
         Some(s) => shlex::split(s)
             .unwrap_or_else(|| fail(&format!("--mpi-args {s:?} has an unclosed quote"))),
     };
-    let hosts = job_hosts(&args);
-    let per_host: Vec<usize> = hosts.iter().map(|&(_, slots)| slots).collect();
     // SAFETY: geteuid has no preconditions.
     let root = unsafe { libc::geteuid() } == 0;
-    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-    let threads = threads_per_rank(
-        &args,
-        np,
-        cores,
-        &per_host,
-        std::env::var("RAYON_NUM_THREADS").ok(),
-    );
     let env: Vec<(String, String)> = std::env::vars_os()
         .filter_map(|(k, v)| Some((k.into_string().ok()?, v.into_string().ok()?)))
         .collect();
-    let plan = plan(
-        &args,
-        np,
-        root,
-        &threads,
-        &env,
-        &mpi_args,
-        &nic::local_addresses(),
-    )
-    .unwrap_or_else(|e| fail(&e));
-    for n in &plan.notes {
-        eprintln!("{n}");
-    }
-    if args.dry_run {
-        println!("{}", command_line(&plan));
-        return;
-    }
-    if args.verbose {
-        eprintln!("kolorun: {}", command_line(&plan));
-    }
-    reach_hosts(&args, hosts, &mpi_args, &env);
-    catch_signals();
+    let min_np = args.min_np.unwrap_or(np).min(np);
+    // Hosts left out of later attempts: their ranks died, or they did not answer.
+    let mut left_out: Vec<String> = Vec::new();
     let attempts = args.max_restarts + 1;
     let mut attempt = 0u32;
+    let mut signals_caught = false;
     loop {
+        let (run_args, run_np, hosts) = attempt_layout(&args, np, min_np, &left_out);
+        let per_host: Vec<usize> = hosts.iter().map(|&(_, slots)| slots).collect();
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+        let threads = threads_per_rank(
+            &run_args,
+            run_np,
+            cores,
+            &per_host,
+            std::env::var("RAYON_NUM_THREADS").ok(),
+        );
+        let plan = plan(
+            &run_args,
+            run_np,
+            root,
+            &threads,
+            &env,
+            &mpi_args,
+            &nic::local_addresses(),
+        )
+        .unwrap_or_else(|e| fail(&e));
+        if attempt == 0 {
+            for n in &plan.notes {
+                eprintln!("{n}");
+            }
+        }
+        if args.dry_run {
+            println!("{}", command_line(&plan));
+            return;
+        }
+        if args.verbose {
+            eprintln!("kolorun: {}", command_line(&plan));
+        }
+        let unreachable = reach_hosts(&args, &hosts, &mpi_args, &env);
+        if !unreachable.is_empty() {
+            // Only with restarts: without them reach_hosts has ended kolorun.
+            eprintln!(
+                "kolorun: leaving out host(s) that do not answer: {}",
+                unreachable.join(", ")
+            );
+            left_out.extend(unreachable);
+            continue;
+        }
+        if !signals_caught {
+            catch_signals();
+            signals_caught = true;
+        }
         let mut cmd = Command::new("mpirun");
         if args.max_restarts > 0 {
             // Every rank learns which attempt it is part of.
@@ -155,11 +174,62 @@ fn main() {
             );
             std::process::exit(ended.code);
         }
+        let mut next = String::new();
+        if let Some(h) = elastic::failed_host(&ended.cause) {
+            if hosts.iter().any(|(name, _)| *name == h) && !left_out.contains(&h) {
+                next = format!("; leaving host {h} out");
+                left_out.push(h);
+            }
+        }
         eprintln!(
-            "kolorun: attempt {attempt} of {attempts} failed (exit code {}){why}; relaunching {np} ranks (KOLO_RESTART_COUNT={attempt})",
+            "kolorun: attempt {attempt} of {attempts} failed (exit code {}){why}{next}; relaunching (KOLO_RESTART_COUNT={attempt})",
             ended.code
         );
     }
+}
+
+/// The arguments, number of ranks and hosts of the next attempt: as given, or — with a
+/// discovery script, or hosts left out — the hosts that remain, with as many ranks as
+/// they have slots (at most -np, at least --min-np, else kolorun ends saying so).
+fn attempt_layout(
+    args: &Args,
+    np: u32,
+    min_np: u32,
+    left_out: &[String],
+) -> (Args, u32, Vec<(String, usize)>) {
+    let hosts = match &args.host_discovery_script {
+        Some(script) => discover(script),
+        None => job_hosts(args),
+    };
+    if hosts.is_empty() || (left_out.is_empty() && args.host_discovery_script.is_none()) {
+        if args.host_discovery_script.is_some() {
+            fail("the --host-discovery-script printed no host");
+        }
+        return (args.clone(), np, hosts);
+    }
+    let (kept, run_np) = elastic::next_layout(&hosts, left_out, np, min_np)
+        .unwrap_or_else(|e| fail(&format!("cannot relaunch: {e}")));
+    let mut a = args.clone();
+    a.hosts = Some(elastic::hosts_flag(&kept));
+    a.hostfile = None;
+    a.host_discovery_script = None;
+    (a, run_np, kept)
+}
+
+/// Runs the `--host-discovery-script` and reads its hosts, or ends kolorun saying why.
+fn discover(script: &str) -> Vec<(String, usize)> {
+    let out = Command::new(script)
+        .output()
+        .unwrap_or_else(|e| fail(&format!("cannot run --host-discovery-script {script}: {e}")));
+    if !out.status.success() {
+        fail(&format!(
+            "--host-discovery-script {script} failed ({}): {}",
+            out.status,
+            String::from_utf8_lossy(&out.stderr).trim()
+        ));
+    }
+    elastic::discovered(&String::from_utf8_lossy(&out.stdout))
+        .unwrap_or_else(|e| fail(&format!("--host-discovery-script {script}: {e}")))
 }
 
 /// The hosts of `-H`, else of `--hostfile` (empty: this machine), or the end of
@@ -183,27 +253,41 @@ fn job_hosts(args: &Args) -> Vec<(String, usize)> {
     }
 }
 
-/// Ends kolorun with the hosts it cannot reach within `--start-timeout`, before
-/// mpirun waits for them.
+/// The hosts of `hosts` that do not answer within `--start-timeout` (checked before
+/// mpirun would wait for them for ever). Without `--max-restarts` kolorun ends naming
+/// them; with it, the caller leaves them out of the attempt.
 fn reach_hosts(
     args: &Args,
-    hosts: Vec<(String, usize)>,
+    hosts: &[(String, usize)],
     mpi_args: &[String],
     env: &[(String, String)],
-) {
-    let mut names: Vec<String> = hosts.into_iter().map(|(name, _)| name).collect();
+) -> Vec<String> {
+    let mut names: Vec<String> = hosts.iter().map(|(name, _)| name.clone()).collect();
     names.dedup();
-    if !names.is_empty() {
-        let timeout = std::time::Duration::from_secs(args.start_timeout.unwrap_or(30).into());
-        let failed = check_hosts(&names, &remote_agent(mpi_args, env), timeout);
-        if !failed.is_empty() {
-            fail(&format!(
-                "cannot reach {} of the job's hosts (--start-timeout {} s):\n  {}",
-                failed.len(),
-                timeout.as_secs(),
-                failed.join("\n  ")
-            ));
-        }
+    if names.is_empty() {
+        return Vec::new();
+    }
+    let timeout = std::time::Duration::from_secs(args.start_timeout.unwrap_or(30).into());
+    let failed = check_hosts(&names, &remote_agent(mpi_args, env), timeout);
+    if failed.is_empty() {
+        return Vec::new();
+    }
+    // Each line is "host: why"; one that names no host (no agent) ends kolorun.
+    let named: Option<Vec<String>> = failed
+        .iter()
+        .map(|l| {
+            let (h, _) = l.split_once(": ")?;
+            names.iter().find(|n| *n == h).cloned()
+        })
+        .collect();
+    match named {
+        Some(hosts) if args.max_restarts > 0 => hosts,
+        _ => fail(&format!(
+            "cannot reach {} of the job's hosts (--start-timeout {} s):\n  {}",
+            failed.len(),
+            timeout.as_secs(),
+            failed.join("\n  ")
+        )),
     }
 }
 

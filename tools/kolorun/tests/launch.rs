@@ -247,7 +247,7 @@ fn a_failed_job_is_relaunched_with_its_attempt_number() {
         );
     }
     assert!(!stdout.contains("attempt 3"), "{stdout}");
-    assert_eq!(stderr.matches("relaunching 2 ranks").count(), 2, "{stderr}");
+    assert_eq!(stderr.matches("; relaunching (").count(), 2, "{stderr}");
     assert!(
         stderr.contains("attempt 1 of 4 failed (exit code 1)")
             && stderr.contains("(KOLO_RESTART_COUNT=1)"),
@@ -285,4 +285,59 @@ fn restarts_end_when_they_are_used_up() {
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert_eq!(stdout.matches("ran").count(), 2, "one attempt: {stdout}");
     assert!(!String::from_utf8_lossy(&out.stderr).contains("relaunching"));
+}
+
+/// A `--host-discovery-script` gives every attempt its hosts (`host:slots` lines); the
+/// job runs on as many ranks as they have slots, at most -np, and not at all when
+/// fewer than `--min-np` remain.
+#[test]
+fn discovered_hosts_set_each_attempts_ranks() {
+    let dir = std::env::temp_dir().join(format!("kolorun-discovery-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("temp dir");
+    let script = |name: &str, body: &str| {
+        let p = dir.join(name);
+        std::fs::write(&p, format!("#!/bin/sh\n{body}\n")).expect("write script");
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o755)).expect("chmod");
+        p.display().to_string()
+    };
+    let two = script("two.sh", "echo localhost:2");
+    let out = run(kolorun()
+        .args([
+            "-np",
+            "3",
+            "--min-np",
+            "1",
+            "--oversubscribe",
+            "--max-restarts",
+            "1",
+            "--verbose",
+        ])
+        .args(["--host-discovery-script", &two])
+        .args([
+            "sh",
+            "-c",
+            "echo attempt $KOLO_RESTART_COUNT; test $KOLO_RESTART_COUNT -ge 1",
+        ]));
+    let (stdout, stderr) = (
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr),
+    );
+    assert!(out.status.success(), "{stdout}\n{stderr}");
+    // Two slots discovered: two ranks per attempt, not three.
+    assert_eq!(stdout.matches("attempt 0").count(), 2, "{stdout}");
+    assert_eq!(stdout.matches("attempt 1").count(), 2, "{stdout}");
+    assert!(stderr.contains("-H localhost:2"), "{stderr}");
+    let one = script("one.sh", "echo localhost:1");
+    let out = run(kolorun()
+        .args(["-np", "2", "--max-restarts", "1", "--min-np", "2"])
+        .args(["--host-discovery-script", &one])
+        .args(["sh", "-c", "true"]));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(
+        stderr.contains("1 rank(s) left on 1 host(s)") && stderr.contains("fewer than --min-np 2"),
+        "{stderr}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
 }
