@@ -4,7 +4,7 @@
 use std::time::Duration;
 
 use anyhow::Result;
-use kolo::{DType, Kolo, Tensor};
+use kolo::{DType, Kolo, ReduceOp, Tensor};
 
 /// The last rank panics on a helper thread while its main thread is busy and the other
 /// ranks wait for it in a collective.
@@ -120,6 +120,33 @@ pub(crate) fn sigstop(k: &Kolo) -> Result<()> {
 /// must end the job (no hang, no orphans).
 pub(crate) fn sigkill(k: &Kolo) -> Result<()> {
     last_rank_signalled(k, libc::SIGKILL)
+}
+
+/// Issue 37: on the first attempt the last rank (on h2) is killed while the others
+/// wait in an allreduce; kolorun (`--max-restarts 1 --min-np 2`) leaves h2 out and
+/// relaunches on h1's two ranks, which finish (and say so).
+pub(crate) fn elastic(k: &Kolo) -> Result<()> {
+    let attempt: u32 = std::env::var("KOLO_RESTART_COUNT")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0);
+    if attempt == 0 && k.rank() == k.size() - 1 {
+        std::thread::sleep(Duration::from_millis(300));
+        // SAFETY: killing our own process.
+        unsafe { libc::kill(libc::getpid(), libc::SIGKILL) };
+    }
+    let t = k
+        .allreduce("elastic", Tensor::from_vec(vec![1.0f32], &[1])?)
+        .op(ReduceOp::Sum)
+        .wait()?;
+    let sum = t.as_slice::<f32>()?[0];
+    anyhow::ensure!(
+        attempt == 1 && k.size() == 2 && sum == 2.0,
+        "attempt {attempt} finished on {} ranks (sum {sum})",
+        k.size()
+    );
+    println!("elastic: attempt {attempt} finished on {} ranks", k.size());
+    Ok(())
 }
 
 /// The last rank sends itself `signal` after 300 ms; every rank then waits in an

@@ -217,6 +217,16 @@ pub(crate) fn kolorun_hosts(
     timeout: Duration,
     extra_env: &[(&str, &str)],
 ) -> Result<Run, String> {
+    kolorun_hosts_with(case, timeout, extra_env, &[])
+}
+
+/// [`kolorun_hosts`] with more kolorun flags (`--max-restarts 1`, …).
+pub(crate) fn kolorun_hosts_with(
+    case: &str,
+    timeout: Duration,
+    extra_env: &[(&str, &str)],
+    flags: &[&str],
+) -> Result<Run, String> {
     let dir = multinode().ok_or("KOLO_MULTINODE is not set: the emulated hosts are not up")?;
     let exe = std::env::current_exe().map_err(|e| e.to_string())?;
     // target/release/deps/collectives-… → target/release/kolorun
@@ -230,6 +240,7 @@ pub(crate) fn kolorun_hosts(
     let mut cmd = Command::new(dir.join("on-h1.sh"));
     cmd.arg(kolorun)
         .args(["-np", "4", "-H", "h1:2,h2:2", "--network-interface", "eth0"])
+        .args(flags)
         .arg("--mpi-args")
         .arg(format!(
             "--mca plm_rsh_agent {} --mca mpi_yield_when_idle 1 --mca mpi_event_tick_rate 1",

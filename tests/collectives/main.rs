@@ -96,6 +96,7 @@ const VARIANT_ONLY: &[(&str, Case)] = &[
     ("hierarchical_allreduce", allreduce::hierarchical),
     ("hierarchical_allgather", others::hierarchical_allgather),
     ("partition", faults::partition),
+    ("elastic", faults::elastic),
     ("stall_shutdown", faults::stall_shutdown),
     ("p2p_stalled_recv", p2p::stalled_recv),
     ("timeline", timeline::trace),
@@ -459,6 +460,32 @@ fn multinode_faults() -> Vec<Trial> {
             "process rank 3 with PID",
         )
     });
+    // Issue 37: a rank on h2 is killed on the first attempt; kolorun leaves h2 out and
+    // the second attempt finishes on h1's two ranks.
+    let elastic = multinode_trial("elastic_host_left_out", || {
+        let run = harness::kolorun_hosts_with(
+            "elastic",
+            Duration::from_secs(120),
+            &[],
+            &["--max-restarts", "1", "--min-np", "2"],
+        )?;
+        let fail =
+            |why: &str| -> Result<(), Failed> { Err(format!("{why}\n{}", run.output).into()) };
+        if !run.success {
+            return fail("the relaunched job did not succeed");
+        }
+        for want in [
+            "attempt 1 of 2 failed",
+            "on node h2",
+            "leaving host h2 out",
+            "elastic: attempt 1 finished on 2 ranks",
+        ] {
+            if !run.output.contains(want) {
+                return fail(&format!("the output lacks {want:?}"));
+            }
+        }
+        Ok(())
+    });
     let partition = multinode_trial("fault_partition", || {
         let link = |state: &str| {
             std::process::Command::new("ip")
@@ -704,7 +731,7 @@ fn multinode_faults() -> Vec<Trial> {
         }
         Ok(())
     });
-    trials.extend([kolorun, sigkill, partition]);
+    trials.extend([kolorun, sigkill, partition, elastic]);
     trials
 }
 
