@@ -149,6 +149,23 @@ pub(crate) fn elastic(k: &Kolo) -> Result<()> {
     Ok(())
 }
 
+/// Issue 36: the last rank is killed while rank 0 waits to receive from it and the
+/// others wait in a barrier: the job ends (no hang), mpirun naming the rank.
+pub(crate) fn p2p_dead_sender(k: &Kolo) -> Result<()> {
+    let last = k.size() - 1;
+    if k.rank() == last {
+        std::thread::sleep(Duration::from_millis(300));
+        // SAFETY: killing our own process.
+        unsafe { libc::kill(libc::getpid(), libc::SIGKILL) };
+    }
+    if k.rank() == 0 {
+        k.recv("never.sent", last).wait()?;
+    } else {
+        k.barrier()?;
+    }
+    Ok(())
+}
+
 /// The last rank sends itself `signal` after 300 ms; every rank then waits in an
 /// allreduce the last rank never reaches.
 fn last_rank_signalled(k: &Kolo, signal: libc::c_int) -> Result<()> {
