@@ -533,16 +533,18 @@ impl Kolo {
                 Error::Internal("the job's engine is gone; no device turn for a process set".into())
             })?;
             let job = Kolo { inner };
-            n += 1;
             let mut s = Submission::new(
                 OpKind::DeviceTurn,
-                format!("{}device_turn[{id}]#{n}", request::RESERVED_PREFIX).into(),
+                format!("{}device_turn[{id}]#{}", request::RESERVED_PREFIX, n + 1).into(),
                 Named::new(),
             );
             s.splits = Some(ranks.clone());
             // Not driven from here: this thread runs the set's engine, and the job's
             // engine, run here, would wait for the turn this thread is to drop.
-            let turn = job.submit(s, handle::to_detached)?.undriven().wait()?;
+            let handle = job.submit(s, handle::to_detached)?;
+            // Counted once submitted (the same count on every rank of the set).
+            n += 1;
+            let turn = handle.undriven().wait()?;
             turn.downcast::<crate::engine::turn::Turn>()
                 .map(|t| *t)
                 .map_err(|_| Error::Internal("a device turn of another type".into()))

@@ -46,6 +46,9 @@ pub(super) struct P2pLane {
     /// When a send or receive last completed (or was taken in): the polling interval
     /// grows from then on.
     last_progress: Option<Instant>,
+    /// The transport's error that broke point to point (a message stream out of step):
+    /// every later send and receive fails with it.
+    broken: Option<Error>,
 }
 
 /// The name a send or receive was made with: its key is `name@src->dst`.
@@ -86,6 +89,10 @@ impl P2pLane {
     /// tensor is already here).
     pub(super) fn accept(&mut self, mut req: Request, timeline: &mut Timeline) {
         self.last_progress = Some(Instant::now());
+        if let Some(e) = &self.broken {
+            req.done.complete(Err(e.clone()));
+            return;
+        }
         let name = name_of(&req);
         let peer = req.meta.root;
         match req.meta.kind {
@@ -142,6 +149,7 @@ impl P2pLane {
         let mut events = std::mem::take(&mut self.events);
         if let Err(e) = port.poll(&mut events) {
             self.fail_all(|_, _| e.clone());
+            self.broken = Some(e);
         }
         if !events.is_empty() {
             self.last_progress = Some(Instant::now());

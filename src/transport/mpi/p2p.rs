@@ -82,6 +82,40 @@ impl P2p {
     }
 }
 
+impl Drop for P2p {
+    /// Requests still in flight must not read or write freed memory: receives are
+    /// cancelled, and every request is waited for up to a second; the buffers of any
+    /// still live after that are leaked rather than freed under MPI.
+    fn drop(&mut self) {
+        for r in &mut self.recvs {
+            for req in &mut r.reqs {
+                // SAFETY: a live receive request of this port.
+                unsafe { ffi::MPI_Cancel(req) };
+            }
+        }
+        let deadline = std::time::Instant::now() + Duration::from_secs(1);
+        let settled = |reqs: &mut Vec<ffi::MPI_Request>| loop {
+            if all_done("MPI_Testall (drop)", reqs).unwrap_or(false) {
+                return true;
+            }
+            if std::time::Instant::now() >= deadline {
+                return false;
+            }
+            std::thread::sleep(Duration::from_micros(100));
+        };
+        for mut s in std::mem::take(&mut self.sends) {
+            if !settled(&mut s.reqs) {
+                std::mem::forget(s);
+            }
+        }
+        for mut r in std::mem::take(&mut self.recvs) {
+            if !settled(&mut r.reqs) {
+                std::mem::forget(r);
+            }
+        }
+    }
+}
+
 // SAFETY: as for `MpiTransport`: one thread at a time uses it (whoever holds the
 // engine), MPI handles are plain values, and MPI runs at MPI_THREAD_MULTIPLE or is
 // only called from the thread holding the engine.
@@ -233,8 +267,13 @@ impl P2p {
         }
         let call = "MPI_Testall (recv)";
         let mut i = 0;
+        // Tensors of one name from one source are handed on in the order they were
+        // sent: a later one that completes first (a small one, inline) waits.
+        let mut waiting: Vec<(usize, String)> = Vec::new();
         while i < self.recvs.len() {
-            if all_done(call, &mut self.recvs[i].reqs)? {
+            let r = &self.recvs[i];
+            let behind = waiting.iter().any(|(s, n)| *s == r.src && *n == r.name);
+            if !behind && all_done(call, &mut self.recvs[i].reqs)? {
                 let done = self.recvs.remove(i);
                 events.push(P2pEvent::Received {
                     src: done.src,
@@ -242,6 +281,8 @@ impl P2p {
                     tensor: done.tensor,
                 });
             } else {
+                let r = &self.recvs[i];
+                waiting.push((r.src, r.name.clone()));
                 i += 1;
             }
         }
@@ -319,17 +360,21 @@ impl P2p {
             let peer = status.MPI_SOURCE;
             let bytes = tensor.as_bytes_mut()?;
             let (base, len) = (bytes.as_mut_ptr(), bytes.len());
-            post_pieces("MPI_Irecv (recv)", base, len, &mut reqs, |p, n, r| {
+            let posted = post_pieces("MPI_Irecv (recv)", base, len, &mut reqs, |p, n, r| {
                 // SAFETY: the tensor's heap bytes stay in `Incoming` until the request
                 // completes; nothing else touches them meanwhile.
                 unsafe { ffi::MPI_Irecv(p.cast(), n, ffi::RSMPI_UINT8_T, peer, DATA_TAG, comm, r) }
-            })?;
+            });
+            // Kept also after a failed post: pieces already posted write into it.
             self.recvs.push(Incoming {
                 src,
                 name: header.name,
                 tensor,
                 reqs,
             });
+            // A failure here leaves this source's data stream out of step with its
+            // headers: the caller fails the whole lane (see `P2pLane::poll`).
+            posted?;
         }
     }
 }

@@ -3,6 +3,14 @@
 
 use crate::hosts::flag_hosts;
 
+/// Whether `name` (as mpirun printed it) is `host` (as -H gave it): equal, or equal
+/// without the domain (mpirun may print a full name where -H had the short one).
+pub(crate) fn same_host(name: &str, host: &str) -> bool {
+    let short = |h: &str| h.split('.').next().unwrap_or(h).to_string();
+    let address = |h: &str| h.starts_with('[') || h.parse::<std::net::IpAddr>().is_ok();
+    name == host || (!address(name) && !address(host) && short(name) == short(host))
+}
+
 /// The host mpirun names in a failure line ("… on node NAME exited on signal 9", "…
 /// on node NAME").
 pub(crate) fn failed_host(lines: &[String]) -> Option<String> {
@@ -84,6 +92,8 @@ mod tests {
         ];
         assert_eq!(failed_host(&lines).as_deref(), Some("h2"));
         assert_eq!(failed_host(&["no host here".to_string()]), None);
+        assert!(same_host("h2.cluster.local", "h2") && same_host("h2", "h2"));
+        assert!(!same_host("h3", "h2") && !same_host("10.0.0.2", "10.0.0.3"));
     }
 
     #[test]

@@ -175,10 +175,14 @@ fn main() {
             std::process::exit(ended.code);
         }
         let mut next = String::new();
-        if let Some(h) = elastic::failed_host(&ended.cause) {
-            if hosts.iter().any(|(name, _)| *name == h) && !left_out.contains(&h) {
+        if let Some(named) = elastic::failed_host(&ended.cause) {
+            let host = hosts
+                .iter()
+                .map(|(h, _)| h)
+                .find(|h| elastic::same_host(&named, h));
+            if let Some(h) = host.filter(|h| !left_out.contains(h)) {
                 next = format!("; leaving host {h} out");
-                left_out.push(h);
+                left_out.push(h.clone());
             }
         }
         eprintln!(

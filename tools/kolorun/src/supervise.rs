@@ -159,7 +159,12 @@ pub(crate) fn supervise_job(
                 }
                 if names_failure(&text) {
                     let mut c = cause.lock().unwrap_or_else(|p| p.into_inner());
-                    if c.len() < 3 {
+                    // The first three, and mpirun's line naming the failed node
+                    // wherever it comes (usually after the ranks' own reports).
+                    if c.len() < 3
+                        || (text.contains(" on node ")
+                            && !c.iter().any(|l| l.contains(" on node ")))
+                    {
                         c.push(text.trim().to_string());
                     }
                 }
