@@ -91,6 +91,19 @@ pub(crate) fn to_kolo<const D: usize>(
     from_bytes(name, bytes, dtype, &dims, copied)
 }
 
+/// `t` as a kolo tensor in host memory, whatever its device: what send/recv carry
+/// (kolo's point to point takes host tensors; a CUDA tensor is copied to the host).
+pub(crate) fn to_kolo_host<const D: usize>(
+    name: &str,
+    t: Tensor<D>,
+    copied: &Copied,
+) -> Result<kolo::Tensor> {
+    let dims = t.dims();
+    let dtype = kolo_dtype(name, t.dtype())?;
+    let (bytes, _, _) = t.into_data().into_parts();
+    from_bytes(name, bytes, dtype, &dims, copied)
+}
+
 /// A gradient's bytes as a kolo tensor: lent as they are when they are exactly the
 /// tensor's size and aligned for its element type, else the tensor's bytes (the
 /// buffer's first `elements × size` bytes) copied once and counted in `copied`.

@@ -42,6 +42,18 @@ impl Pipeline {
     ) -> Result<()> {
         let stage_dir = self.checkpoint_dir(dir, step);
         save_checkpoint(self.stage_kolo()?, &stage_dir, model, optim, step)?;
+        if self.replica == 0 {
+            // The new directories' entries are durable before the record names them
+            // (save_checkpoint makes the file and its own directory durable).
+            for d in [stage_dir.parent(), Some(dir)].into_iter().flatten() {
+                fs::File::open(d)
+                    .and_then(|f| f.sync_all())
+                    .map_err(|source| Error::Io {
+                        path: d.to_path_buf(),
+                        source,
+                    })?;
+            }
+        }
         // Every stage's file is in place before the record names the step.
         self.kolo.barrier()?;
         if self.kolo.rank() == 0 {

@@ -11,7 +11,7 @@ use kolo::{Handle, Kolo, ProcessSet};
 
 mod checkpoint;
 
-use crate::convert::{to_burn, to_kolo, Copied};
+use crate::convert::{to_burn, to_kolo_host, Copied};
 use crate::error::{Error, Result};
 use crate::grads::GradientReducer;
 
@@ -362,7 +362,7 @@ impl Pipeline {
         if self.is_last() {
             return Ok(Some(out));
         }
-        let t = to_kolo(&key, out, &self.copied)?;
+        let t = to_kolo_host(&key, out, &self.copied)?;
         self.kolo.send(key, t, me + 1).wait()?;
         Ok(None)
     }
@@ -542,7 +542,7 @@ impl Pipeline {
         t: Tensor<D>,
         to: usize,
     ) -> Result<()> {
-        let t = to_kolo(&key, t, &self.copied)?;
+        let t = to_kolo_host(&key, t, &self.copied)?;
         sends.push(self.kolo.send(key, t, to).submit()?);
         Ok(())
     }
@@ -631,7 +631,7 @@ impl Pipeline {
     ) -> Result<()> {
         let me = self.kolo.rank();
         let key = "kolo_burn.pipeline.check";
-        let mine: Option<String> = (|| -> Result<Option<String>> {
+        let mine = (|| -> Result<Option<String>> {
             let x = if self.is_first() {
                 match self.micro_rows(input) {
                     Ok(rows) => input.map(|x| x.clone().narrow(0, 0, rows)),
@@ -668,7 +668,7 @@ impl Pipeline {
             });
             match ran {
                 Ok(Some(out)) => {
-                    let t = to_kolo(key, out, &self.copied)?;
+                    let t = to_kolo_host(key, out, &self.copied)?;
                     self.kolo.send(key, t, me + 1).wait()?;
                     Ok(None)
                 }
@@ -689,7 +689,16 @@ impl Pipeline {
                     Ok(Some(why))
                 }
             }
-        })()?;
+        })();
+        // A rank whose own check failed (a send or receive refused) still tells the
+        // stages after it and takes part in the agreement below: nobody waits for it.
+        let mine = match mine {
+            Ok(m) => m,
+            Err(e) => {
+                let _ = self.pass_failure(key, "");
+                Some(self.failure(e.to_string()).to_string())
+            }
+        };
         let all: Vec<Option<String>> = self
             .kolo
             .allgather_object("kolo_burn.pipeline.checked", mine)?;
