@@ -185,20 +185,20 @@ fn evaluate(
     for idx in shard.chunks(256) {
         let ids: Vec<usize> = idx.iter().map(|&i| d.test[i]).collect();
         let (x, _) = batch(d, &ids, device);
-        let pred = model
-            .forward(x)
-            .argmax(1)
-            .into_data()
-            .convert::<i64>()
-            .try_to_vec::<i64>();
-        let pred = pred.map_err(|e| anyhow::anyhow!("{e:?}"))?;
-        correct += pred
-            .iter()
-            .zip(&ids)
-            .filter(|(p, &i)| **p == d.y[i])
-            .count();
+        correct += count_correct(model.forward(x), &ids, d)?;
     }
     Ok((correct, shard.len()))
+}
+
+/// How many of the samples `ids` the model's outputs `out` classify right.
+fn count_correct(out: Tensor<2>, ids: &[usize], d: &Digits) -> anyhow::Result<usize> {
+    let pred = out
+        .argmax(1)
+        .into_data()
+        .convert::<i64>()
+        .try_to_vec::<i64>();
+    let pred = pred.map_err(|e| anyhow::anyhow!("{e:?}"))?;
+    Ok(pred.iter().zip(ids).filter(|(p, &i)| **p == d.y[i]).count())
 }
 
 /// The learning rate at `progress` epochs into training: `lr`, or with `--scale-lr`
@@ -492,17 +492,7 @@ fn train_pipeline(
                 m.forward(x, ends)
             })?;
             if let Some(out) = out {
-                let pred = out
-                    .argmax(1)
-                    .into_data()
-                    .convert::<i64>()
-                    .try_to_vec::<i64>();
-                let pred = pred.map_err(|e| anyhow::anyhow!("{e:?}"))?;
-                correct += pred
-                    .iter()
-                    .zip(&ids)
-                    .filter(|(p, &i)| **p == data.y[i])
-                    .count();
+                correct += count_correct(out, &ids, data)?;
             }
         }
         // (loss × samples, samples, correct, tested) from the last stages only.

@@ -174,6 +174,15 @@ fn panic_text(p: &(dyn std::any::Any + Send)) -> String {
         .unwrap_or_else(|| "it panicked".into())
 }
 
+/// Where this stage's tensors live: the input batch's device on the first stage, else
+/// the model's (Burn's default device for a stage without parameters).
+fn stage_device<M: Module, const D: usize>(model: &M, input: Option<&Tensor<D>>) -> Device {
+    input
+        .map(Tensor::device)
+        .or_else(|| model.devices().into_iter().next())
+        .unwrap_or_default()
+}
+
 /// Burn's element type for a kolo tensor received as activations or gradients.
 fn burn_dtype(t: &kolo::Tensor) -> DType {
     match t.dtype() {
@@ -334,11 +343,7 @@ impl Pipeline {
     where
         M: Module,
     {
-        let device = input
-            .as_ref()
-            .map(Tensor::device)
-            .or_else(|| model.devices().into_iter().next())
-            .unwrap_or_default();
+        let device = stage_device(model, input.as_ref());
         let n = self.infers;
         self.infers += 1;
         let key = format!("kolo_burn.pipeline.infer.{n}");
@@ -399,11 +404,7 @@ impl Pipeline {
     where
         M: Module,
     {
-        let device = input
-            .as_ref()
-            .map(Tensor::device)
-            .or_else(|| model.devices().into_iter().next())
-            .unwrap_or_default();
+        let device = stage_device(model, input.as_ref());
         let input = if self.is_first() { input } else { None };
         if self.steps == 0 {
             self.check(model, input.as_ref(), &device, &forward, &mut loss)?;

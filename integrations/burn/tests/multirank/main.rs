@@ -49,7 +49,7 @@ impl Small {
 }
 
 /// Every float parameter, flattened in module order.
-fn params(m: &Small) -> Vec<f32> {
+fn params<M: Module>(m: &M) -> Vec<f32> {
     struct Flat(Vec<f32>);
     impl ModuleVisitor for Flat {
         fn visit_float<const D: usize>(&mut self, p: &Param<Tensor<D>>) {

@@ -2,16 +2,16 @@
 //! the whole model on the whole batch.
 
 use anyhow::{ensure, Result};
-use burn::module::{Module, ModuleVisitor, Param};
+use burn::module::Module;
 use burn::nn::loss::CrossEntropyLossConfig;
 use burn::nn::{Linear, LinearConfig};
 use burn::optim::{AdamConfig, GradientsParams, ModuleOptimizer, SgdConfig};
 use burn::tensor::activation::relu;
-use burn::tensor::{Device, Int, Tensor, TensorData};
+use burn::tensor::{Device, Tensor};
 use kolo::Kolo;
 use kolo_burn::{broadcast_parameters, Pipeline, Schedule};
 
-use super::assert_close;
+use super::{assert_close, params, samples};
 
 /// Layer widths of the 4-layer MLP (8 features in, 4 classes out).
 const WIDTHS: [usize; 5] = [8, 16, 16, 16, 4];
@@ -52,39 +52,23 @@ impl Layers {
     }
 }
 
-/// Every float parameter of `m`, flattened in module order.
-fn flat<M: Module>(m: &M) -> Vec<f32> {
-    struct Flat(Vec<f32>);
-    impl ModuleVisitor for Flat {
-        fn visit_float<const D: usize>(&mut self, p: &Param<Tensor<D>>) {
-            let v = p
-                .val()
-                .into_data()
-                .convert::<f32>()
-                .try_to_vec::<f32>()
-                .expect("a parameter converted to f32 reads as f32");
-            self.0.extend(v);
-        }
-    }
-    let mut f = Flat(Vec::new());
-    m.visit(&mut f);
-    f.0
-}
-
-/// Samples `ids` of a fixed synthetic dataset (8 features, 4 classes).
-fn samples(ids: std::ops::Range<usize>, device: &Device) -> (Tensor<2>, Tensor<1, Int>) {
-    let n = ids.len();
-    let mut x = Vec::with_capacity(n * 8);
-    let mut y = Vec::with_capacity(n);
-    for i in ids {
-        for j in 0..8 {
-            x.push((((i * 31 + j * 17) % 23) as f32 - 11.0) / 7.0);
-        }
-        y.push(((i * 7) % 4) as i64);
-    }
-    (
-        Tensor::from_data(TensorData::new(x, [n, 8]), device),
-        Tensor::from_data(TensorData::new(y, [n]), device),
+/// One pipeline step of `part` on samples `ids` with cross-entropy (the batch on the
+/// first stage, the targets on the last).
+fn step_on(
+    pipe: &mut Pipeline,
+    part: &Layers,
+    ids: std::ops::Range<usize>,
+    device: &Device,
+) -> kolo_burn::Result<kolo_burn::StepOutput> {
+    let loss_fn = CrossEntropyLossConfig::new().init(device);
+    let (x, y) = samples(ids, device);
+    let ends = pipe.is_last();
+    let first = pipe.is_first().then_some(x);
+    pipe.step(
+        part,
+        first,
+        |m: &Layers, x: Tensor<2>| m.forward(x, ends),
+        |out, rows| loss_fn.forward(out, y.clone().slice(rows)),
     )
 }
 
@@ -126,15 +110,7 @@ fn equivalent(k: &Kolo, stages: usize) -> Result<()> {
                 // This replica's batch, and the whole batch of all replicas.
                 let base = step * b * replicas;
                 let mine = base + replica * b..base + (replica + 1) * b;
-                let (x, y) = samples(mine, &device);
-                let first = pipe.is_first().then_some(x);
-                let ends = pipe.is_last();
-                let out = pipe.step(
-                    &part,
-                    first,
-                    |m: &Layers, x: Tensor<2>| m.forward(x, ends),
-                    |out, rows| loss_fn.forward(out, y.clone().slice(rows)),
-                )?;
+                let out = step_on(&mut pipe, &part, mine, &device)?;
                 part = optim.step(0.05, part, out.grads);
                 last_loss = out.loss;
 
@@ -147,20 +123,20 @@ fn equivalent(k: &Kolo, stages: usize) -> Result<()> {
                 "{stages} stages × {replicas} replicas, {schedule:?}, {}: stage {stage}",
                 if adam { "Adam" } else { "SGD" }
             );
-            assert_close(&what, &flat(&part), &flat(&reference.part(range)), 1e-5)?;
+            assert_close(&what, &params(&part), &params(&reference.part(range)), 1e-5)?;
             ensure!(
                 last_loss.is_some() == pipe.is_last(),
                 "{what}: only the last stage reports the loss"
             );
             // Each rank holds only its stage: the stages of one replica add up to the
             // model.
-            let held = flat(&part).len();
+            let held = params(&part).len();
             let all: Vec<usize> = k.allgather_object("pipeline.held", held)?;
             let per_replica: usize = all[..stages].iter().sum();
             ensure!(
-                per_replica == flat(&reference).len() && (stages == 1 || held < per_replica),
+                per_replica == params(&reference).len() && (stages == 1 || held < per_replica),
                 "{what}: stages hold {all:?} parameters, the model {}",
-                flat(&reference).len()
+                params(&reference).len()
             );
         }
     }
@@ -193,10 +169,8 @@ pub(crate) fn bad_input(k: &Kolo) -> Result<()> {
         ))),
         "a stage count that does not divide the ranks: {e:?}"
     );
-    let loss_fn = CrossEntropyLossConfig::new().init(&device);
     // Stage 1 takes 7 features where stage 0 gives 16.
     let mut pipe = Pipeline::new(k, 2)?.micro_batches(4);
-    let ends = pipe.is_last();
     let model = if pipe.is_first() {
         Layers {
             layers: vec![LinearConfig::new(8, 16).init(&device)],
@@ -206,15 +180,7 @@ pub(crate) fn bad_input(k: &Kolo) -> Result<()> {
             layers: vec![LinearConfig::new(7, 4).init(&device)],
         }
     };
-    let (x, y) = samples(0..8, &device);
-    let first = pipe.is_first().then(|| x.clone());
-    let e = pipe
-        .step(
-            &model,
-            first,
-            |m: &Layers, x| m.forward(x, ends),
-            |out, rows| loss_fn.forward(out, y.clone().slice(rows)),
-        )
+    let e = step_on(&mut pipe, &model, 0..8, &device)
         .map(|_| ())
         .map_err(|e| e.to_string());
     ensure!(
@@ -228,15 +194,7 @@ pub(crate) fn bad_input(k: &Kolo) -> Result<()> {
     // at a later one; a good batch then trains.
     let model = Layers::new(&device).part(stage_layers(pipe.stage(), 2));
     for (rows, good) in [(10, false), (8, true), (10, false), (8, true)] {
-        let (x, y) = samples(0..rows, &device);
-        let first = pipe.is_first().then(|| x.clone());
-        let r = pipe
-            .step(
-                &model,
-                first,
-                |m: &Layers, x| m.forward(x, ends),
-                |out, r| loss_fn.forward(out, y.clone().slice(r)),
-            )
+        let r = step_on(&mut pipe, &model, 0..rows, &device)
             .map(|_| ())
             .map_err(|e| e.to_string());
         match (good, &r) {
@@ -258,20 +216,11 @@ fn train_steps(
     steps: std::ops::Range<usize>,
     device: &Device,
 ) -> Result<Layers> {
-    let loss_fn = CrossEntropyLossConfig::new().init(device);
     let b = 8;
-    let ends = pipe.is_last();
     for step in steps {
         let base = step * b * pipe.replicas();
         let mine = base + pipe.replica() * b..base + (pipe.replica() + 1) * b;
-        let (x, y) = samples(mine, device);
-        let first = pipe.is_first().then_some(x);
-        let out = pipe.step(
-            &part,
-            first,
-            |m: &Layers, x: Tensor<2>| m.forward(x, ends),
-            |out, rows| loss_fn.forward(out, y.clone().slice(rows)),
-        )?;
+        let out = step_on(pipe, &part, mine, device)?;
         part = optim.step(0.01, part, out.grads);
     }
     Ok(part)
@@ -311,7 +260,12 @@ pub(crate) fn checkpoint(k: &Kolo) -> Result<()> {
     ensure!(restored.step == 3, "resumed at step {}", restored.step);
     let mut optim = restored.optim;
     let resumed = train_steps(&mut again, restored.model, &mut optim, 3..6, &device)?;
-    assert_close("resumed pipeline", &flat(&resumed), &flat(&straight), 1e-6)?;
+    assert_close(
+        "resumed pipeline",
+        &params(&resumed),
+        &params(&straight),
+        1e-6,
+    )?;
 
     again.save_checkpoint(&dir, &resumed, &optim, 6)?;
     k.barrier()?;
