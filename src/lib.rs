@@ -44,6 +44,7 @@ mod engine;
 mod error;
 mod handle;
 mod logging;
+mod metrics;
 #[cfg(test)]
 mod loopback_tests;
 mod objects;
@@ -53,6 +54,7 @@ mod order;
 mod p2p;
 mod process_set;
 mod runtime;
+mod sampler;
 mod submit_error;
 mod tensor;
 mod transport;
@@ -63,6 +65,7 @@ pub use config::{Config, DEFAULT_FUSION_THRESHOLD};
 pub use engine::autotune::{AutotuneChange, AutotuneState};
 pub use error::{ConversionError, Error, Result};
 pub use handle::Handle;
+pub use metrics::average_metrics;
 pub use ops::{
     AllgatherBuilder, AllreduceBuilder, AlltoallBuilder, BroadcastBuilder, GroupedAllreduceBuilder,
     ReducescatterBuilder,
@@ -76,6 +79,7 @@ pub use process_set::ProcessSet;
 pub use runtime::{
     build_info, catch_panic, cuda_device_count, init, nccl_library_present, BuildInfo, Kolo,
 };
+pub use sampler::DistributedSampler;
 pub use submit_error::SubmitError;
 pub use tensor::{DType, Device, Element, HostBuffer, Tensor};
 pub use vocab::{AlltoallOutput, ReduceOp};

@@ -48,7 +48,6 @@ mod metrics;
 mod optim;
 mod overlap;
 mod pipeline;
-mod sampler;
 mod sharded;
 #[cfg(feature = "train")]
 pub mod train;
@@ -62,5 +61,5 @@ pub use metrics::average_metrics;
 pub use optim::{DistributedOptimizer, DistributedState};
 pub use overlap::Overlap;
 pub use pipeline::{Pipeline, Schedule, StepOutput};
-pub use sampler::DistributedSampler;
+pub use kolo::DistributedSampler;
 pub use sharded::ShardedOptimizer;

@@ -1,6 +1,7 @@
-//! Averaging metrics across ranks for logging.
+//! Averaging metrics across ranks for logging: the core's [`kolo::average_metrics`]
+//! with kolo-burn's error type.
 
-use kolo::{Kolo, ReduceOp, Tensor};
+use kolo::Kolo;
 
 use crate::error::Result;
 
@@ -10,20 +11,5 @@ use crate::error::Result;
 /// # Errors
 /// The allreduce fails, or ranks pass different numbers of values.
 pub fn average_metrics(kolo: &Kolo, name: &str, values: &[f64], weight: f64) -> Result<Vec<f64>> {
-    let mut v: Vec<f64> = values.iter().map(|x| x * weight).collect();
-    v.push(weight);
-    let n = v.len();
-    let sums = kolo
-        .allreduce(
-            format!("kolo_burn.metrics.{name}"),
-            Tensor::from_vec(v, &[n])?,
-        )
-        .op(ReduceOp::Sum)
-        .wait()?
-        .into_vec::<f64>()?;
-    let total = sums[n - 1];
-    Ok(sums[..n - 1]
-        .iter()
-        .map(|s| if total > 0.0 { s / total } else { 0.0 })
-        .collect())
+    Ok(kolo::average_metrics(kolo, name, values, weight)?)
 }

@@ -1,4 +1,5 @@
-//! A distributed sampler: each rank's share of a dataset, reshuffled every epoch.
+//! A distributed sampler: each rank's share of a dataset, reshuffled every epoch (framework-free:
+//! kolo-burn and kolo-candle re-export it).
 
 /// Splits `0..len` among ranks like PyTorch's `DistributedSampler`: every epoch the
 /// indices are shuffled from `(seed, epoch)` — the same permutation on every rank —
