@@ -129,28 +129,9 @@ impl Mlp {
     }
 }
 
-/// The digits, pixels scaled to [0, 1], split 80/20 by a fixed shuffle.
-struct Digits {
-    x: Vec<f32>,
-    y: Vec<i64>,
-    train: Vec<usize>,
-    test: Vec<usize>,
-}
-
-fn load_digits(seed: u64) -> Digits {
-    let d = smartcore::dataset::digits::load_dataset();
-    let x = d.data.iter().map(|p| p / 16.0).collect();
-    let y = d.target.iter().map(|&t| t as i64).collect();
-    // The same sampler that shards training data gives a fixed permutation here.
-    let order = DistributedSampler::new(d.num_samples, 0, 1, seed ^ 0xD161_7500).indices(0);
-    let n_test = d.num_samples / 5;
-    Digits {
-        x,
-        y,
-        test: order[..n_test].to_vec(),
-        train: order[n_test..].to_vec(),
-    }
-}
+#[path = "../../shared/digits.rs"]
+mod digits;
+use digits::{load_digits, Digits};
 
 fn batch(d: &Digits, idx: &[usize], device: &Device) -> (Tensor<2>, Tensor<1, Int>) {
     let mut x = Vec::with_capacity(idx.len() * 64);

@@ -57,9 +57,9 @@ pub use checkpoint::{checkpoint_path, load_checkpoint, save_checkpoint, Restored
 pub use device::{cuda_device, Backend};
 pub use error::{Error, Result};
 pub use grads::GradientReducer;
+pub use kolo::DistributedSampler;
 pub use metrics::average_metrics;
 pub use optim::{DistributedOptimizer, DistributedState};
 pub use overlap::Overlap;
 pub use pipeline::{Pipeline, Schedule, StepOutput};
-pub use kolo::DistributedSampler;
 pub use sharded::ShardedOptimizer;

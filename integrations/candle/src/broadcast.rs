@@ -23,7 +23,10 @@ pub fn broadcast_parameters(kolo: &Kolo, varmap: &VarMap, root: usize) -> Result
     if root >= kolo.size() {
         return Err(Error::InvalidArgument {
             what: WHAT,
-            message: format!("root {root} is not a rank (the job has {} ranks)", kolo.size()),
+            message: format!(
+                "root {root} is not a rank (the job has {} ranks)",
+                kolo.size()
+            ),
         });
     }
     let mut vars: Vec<(String, candle_core::Var)> = {
@@ -34,8 +37,16 @@ pub fn broadcast_parameters(kolo: &Kolo, varmap: &VarMap, root: usize) -> Result
         data.iter().map(|(n, v)| (n.clone(), v.clone())).collect()
     };
     vars.sort_by(|a, b| a.0.cmp(&b.0));
-    let described = vars.iter().map(|(n, v)| describe(n, v.as_tensor())).collect();
-    agree(kolo, WHAT, "kolo_candle.broadcast_parameters.vars", described)?;
+    let described = vars
+        .iter()
+        .map(|(n, v)| describe(n, v.as_tensor()))
+        .collect();
+    agree(
+        kolo,
+        WHAT,
+        "kolo_candle.broadcast_parameters.vars",
+        described,
+    )?;
     for (name, v) in &vars {
         check_dtype(WHAT, name, v.dtype())?;
     }

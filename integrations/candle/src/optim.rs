@@ -138,8 +138,11 @@ impl<O: Optimizer> DistributedOptimizer<O> {
     /// # Errors
     /// A rank left or failed; a gradient kolo cannot carry.
     pub fn reduce(&self, grads: &GradStore) -> Result<GradStore> {
-        let local: Vec<Option<Tensor>> =
-            self.vars.iter().map(|v| grads.get(v.as_tensor()).cloned()).collect();
+        let local: Vec<Option<Tensor>> = self
+            .vars
+            .iter()
+            .map(|v| grads.get(v.as_tensor()).cloned())
+            .collect();
         self.reduce_local(local, 1)
     }
 
@@ -210,7 +213,11 @@ impl<O: Optimizer> DistributedOptimizer<O> {
         // name stays pending into the next step.
         let mut out = GradStore::default();
         for (v, h) in handles {
-            match h.wait().map_err(Error::from).and_then(|t| from_kolo(t, v.device())) {
+            match h
+                .wait()
+                .map_err(Error::from)
+                .and_then(|t| from_kolo(t, v.device()))
+            {
                 Ok(g) => {
                     out.insert(v.as_tensor(), g);
                 }

@@ -54,7 +54,12 @@ pub(crate) fn in_creation_order(what: &'static str, vars: Vec<Var>) -> Result<Ve
 /// Fails on every rank when the ranks' lists differ, naming the first differing
 /// variable and what each rank holds there. `key` names the exchange (unique per call
 /// site).
-pub(crate) fn agree(kolo: &Kolo, what: &'static str, key: &str, mine: Vec<Described>) -> Result<()> {
+pub(crate) fn agree(
+    kolo: &Kolo,
+    what: &'static str,
+    key: &str,
+    mine: Vec<Described>,
+) -> Result<()> {
     let all: Vec<Vec<Described>> = kolo.allgather_object(key, mine)?;
     match first_difference(&all) {
         None => Ok(()),
@@ -68,9 +73,7 @@ pub(crate) fn first_difference(all: &[Vec<Described>]) -> Option<String> {
     let first = all.first()?;
     let at = all
         .iter()
-        .filter_map(|l| {
-            (0..l.len().max(first.len())).find(|&i| l.get(i) != first.get(i))
-        })
+        .filter_map(|l| (0..l.len().max(first.len())).find(|&i| l.get(i) != first.get(i)))
         .min()?;
     let label = |d: Option<&Described>| match d {
         Some((name, _, _)) if !name.is_empty() => format!("\"{name}\""),
@@ -98,7 +101,11 @@ pub(crate) fn first_difference(all: &[Vec<Described>]) -> Option<String> {
         .map(|(held, ranks)| {
             let who = if ranks.len() == 1 { "rank" } else { "ranks" };
             let list: Vec<String> = ranks.iter().map(usize::to_string).collect();
-            format!("{who} {} hold{} {held}", list.join(", "), if ranks.len() == 1 { "s" } else { "" })
+            format!(
+                "{who} {} hold{} {held}",
+                list.join(", "),
+                if ranks.len() == 1 { "s" } else { "" }
+            )
         })
         .collect();
     Some(format!("variable {var}: {}", parts.join("; ")))
@@ -139,9 +146,13 @@ mod tests {
         let a = Var::zeros(3, DType::F32, &Device::Cpu).expect("var");
         let b = Var::zeros(3, DType::F32, &Device::Cpu).expect("var");
         let (na, nb) = (creation_number(&a), creation_number(&b));
-        assert!(na.is_some() && nb.is_some(), "candle's TensorId Debug form changed");
+        assert!(
+            na.is_some() && nb.is_some(),
+            "candle's TensorId Debug form changed"
+        );
         assert!(na < nb);
-        let sorted = in_creation_order("test", vec![b.clone(), a.clone(), b.clone()]).expect("order");
+        let sorted =
+            in_creation_order("test", vec![b.clone(), a.clone(), b.clone()]).expect("order");
         assert_eq!(sorted.len(), 2);
         assert_eq!(sorted[0].as_tensor().id(), a.as_tensor().id());
     }
