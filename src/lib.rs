@@ -44,9 +44,9 @@ mod engine;
 mod error;
 mod handle;
 mod logging;
-mod metrics;
 #[cfg(test)]
 mod loopback_tests;
+mod metrics;
 mod objects;
 mod ops;
 mod optimizer;
