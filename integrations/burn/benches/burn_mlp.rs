@@ -33,13 +33,13 @@ use kolo_burn::{
 #[path = "common/mlp.rs"]
 mod mlp;
 
+#[path = "../../shared/bench.rs"]
+mod bench;
+use bench::{show, PLAIN_MALLOC};
+
 #[path = "../../../tests/collectives/harness.rs"]
 #[allow(dead_code)]
 mod harness;
-
-/// glibc's tunables for what `kolo::Config::malloc_tuning` sets with `mallopt`.
-const PLAIN_MALLOC: &str =
-    "glibc.malloc.mmap_threshold=33554432:glibc.malloc.trim_threshold=2147483647";
 
 const PATHS: [&str; 5] = ["reducer", "overlapped", "optimizer", "sharded", "pipeline"];
 
@@ -235,39 +235,9 @@ fn worker(
 }
 
 /// Runs `cmd` and reads its result line: (steps/s, communication share).
-fn result_of(mut cmd: Command, what: &str) -> Result<(f64, f64)> {
-    cmd.env("RAYON_NUM_THREADS", "1");
-    let out = cmd.output().with_context(|| format!("starting {what}"))?;
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    ensure!(
-        out.status.success(),
-        "{what} failed ({}):\n{stdout}\n{}",
-        out.status,
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let line = stdout
-        .lines()
-        .find_map(|l| l.strip_prefix("RESULT "))
-        .with_context(|| format!("{what} printed no result:\n{stdout}"))?;
-    let field = |k: &str| -> Result<f64> {
-        line.split_whitespace()
-            .find_map(|f| f.strip_prefix(k)?.strip_prefix('='))
-            .with_context(|| format!("{what}: no {k} in {line:?}"))?
-            .parse()
-            .with_context(|| format!("{what}: {line:?}"))
-    };
-    Ok((field("steps_per_s")?, field("comm_share")?))
-}
-
-fn median_range(v: &[f64]) -> (f64, f64, f64) {
-    let mut s = v.to_vec();
-    s.sort_by(f64::total_cmp);
-    (s[s.len() / 2], s[0], s[s.len() - 1])
-}
-
-fn show(v: &[f64]) -> String {
-    let (m, lo, hi) = median_range(v);
-    format!("{m:8.2} [{lo:.2}-{hi:.2}]")
+fn result_of(cmd: Command, what: &str) -> Result<(f64, f64)> {
+    let v = bench::result_of(cmd, what, &["steps_per_s", "comm_share"])?;
+    Ok((v[0], v[1]))
 }
 
 fn main() -> Result<()> {
@@ -326,9 +296,7 @@ fn main() -> Result<()> {
         for rep in 0..reps {
             let mut cmd = Command::new(&plain);
             // The same malloc settings kolo's `init` makes (KOLO_MALLOC_TUNING, on by
-            // default): plain Burn gained as much from them as kolo's ranks (+40% on
-            // the big model here), so the ratios compare the distributed training,
-            // not the allocator.
+            // default; see `PLAIN_MALLOC`).
             cmd.env("GLIBC_TUNABLES", PLAIN_MALLOC);
             cmd.arg(model).args(&counts).arg(&device_arg);
             plain_sps.push(result_of(cmd, "plain Burn")?.0);
