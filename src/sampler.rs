@@ -41,21 +41,43 @@ impl DistributedSampler {
 
     /// This rank's indices for `epoch`.
     pub fn indices(&self, epoch: u64) -> Vec<usize> {
-        let mut all: Vec<usize> = (0..self.len).collect();
+        self.indices_from(epoch, 0)
+    }
+
+    /// This rank's indices for the rest of `epoch`, after the first `consumed` samples
+    /// of the epoch's order: the samples all ranks together went through before a
+    /// commit (`steps × batch × ranks`, see [`consumed`](Self::consumed)). The rest is
+    /// dealt out among this sampler's ranks, which need not be as many as before: a
+    /// job resumed on fewer ranks goes on with the samples the epoch has left, each
+    /// once (padded, as [`indices`](Self::indices) pads, so the shares stay equal).
+    /// With the same number of ranks and `consumed` a multiple of it, the result is
+    /// the tail of [`indices`](Self::indices) — an interrupted epoch resumes exactly.
+    pub fn indices_from(&self, epoch: u64, consumed: usize) -> Vec<usize> {
+        let mut order: Vec<usize> = (0..self.len).collect();
         if self.shuffle {
             let mut rng = SplitMix(self.seed ^ epoch.wrapping_mul(0x9E37_79B9_7F4A_7C15));
-            for i in (1..all.len()).rev() {
+            for i in (1..order.len()).rev() {
                 let j = (rng.next() % (i as u64 + 1)) as usize;
-                all.swap(i, j);
+                order.swap(i, j);
             }
         }
-        let total = self.num_samples() * self.size;
+        let mut rest = order[consumed.min(self.len)..].to_vec();
+        // Padded with the epoch's first samples until the ranks' shares are equal.
         let mut i = 0;
-        while all.len() < total && self.len > 0 {
-            all.push(all[i]);
+        while rest.len() % self.size != 0 && self.len > 0 {
+            rest.push(order[i % self.len]);
             i += 1;
         }
-        all.into_iter().skip(self.rank).step_by(self.size).collect()
+        rest.into_iter()
+            .skip(self.rank)
+            .step_by(self.size)
+            .collect()
+    }
+
+    /// The samples of an epoch all ranks went through in `steps` steps of `batch`
+    /// samples per rank: the `consumed` of [`indices_from`](Self::indices_from).
+    pub fn consumed(&self, steps: usize, batch: usize) -> usize {
+        steps.saturating_mul(batch).saturating_mul(self.size)
     }
 }
 
@@ -98,6 +120,47 @@ mod tests {
                 "at most size - 1 samples repeat (the padding)"
             );
         }
+    }
+
+    #[test]
+    fn resumes_the_epoch_where_it_stopped() {
+        // Same ranks: the tail of the full epoch, padding included.
+        for (len, size) in [(10, 3), (101, 4), (7, 2)] {
+            for r in 0..size {
+                let s = DistributedSampler::new(len, r, size, 5);
+                let all = s.indices(3);
+                for steps in 0..=all.len() {
+                    let from = s.indices_from(3, s.consumed(steps, 1));
+                    assert_eq!(
+                        from,
+                        all[steps.min(all.len())..].to_vec(),
+                        "len {len} size {size} rank {r} steps {steps}"
+                    );
+                }
+            }
+        }
+        // Fewer ranks: the rest of the epoch, each remaining sample at least once,
+        // none of the consumed ones, equal shares.
+        let (len, consumed) = (103, 40);
+        let before: Vec<usize> = (0..4)
+            .flat_map(|r| DistributedSampler::new(len, r, 4, 9).indices(1)[..10].to_vec())
+            .collect();
+        let after: Vec<Vec<usize>> = (0..3)
+            .map(|r| DistributedSampler::new(len, r, 3, 9).indices_from(1, consumed))
+            .collect();
+        assert!(after.iter().all(|a| a.len() == after[0].len()));
+        let mut seen = vec![0; len];
+        for &i in before.iter().chain(after.iter().flatten()) {
+            seen[i] += 1;
+        }
+        assert!(
+            seen.iter().all(|&c| c >= 1),
+            "a sample of the epoch was skipped"
+        );
+        assert_eq!(
+            seen.iter().filter(|&&c| c > 1).count(),
+            3 * after[0].len() - (len - consumed)
+        );
     }
 
     #[test]
