@@ -53,6 +53,7 @@ mod optimizer;
 mod order;
 mod p2p;
 mod process_set;
+mod progress;
 mod runtime;
 mod sampler;
 mod submit_error;
@@ -76,6 +77,7 @@ pub use optimizer::{
 };
 pub use p2p::{RecvBuilder, SendBuilder};
 pub use process_set::ProcessSet;
+pub use progress::{restart_count, Progress};
 pub use runtime::{
     build_info, catch_panic, cuda_device_count, init, nccl_library_present, BuildInfo, Kolo,
 };

@@ -3,7 +3,8 @@
 //!
 //! ```sh
 //! mpirun -np 2 --bind-to none target/release/examples/train_digits [--epochs 30] \
-//!     [--scale-lr [--warmup-epochs 2]] [--checkpoint DIR [--resume]] [--bench] \
+//!     [--scale-lr [--warmup-epochs 2]] [--checkpoint DIR [--resume] [--commit-every K]] \
+//!     [--max-steps N] [--bench] \
 //!     [--min-accuracy 0.95] [--device flex|cpu|cuda]
 //! ```
 //!
@@ -42,8 +43,8 @@ use burn::tensor::{Device, Int, Tensor, TensorData};
 use clap::Parser;
 use indicatif::{ProgressBar, ProgressStyle};
 use kolo_burn::{
-    average_metrics, broadcast_optimizer_state, broadcast_parameters, load_checkpoint,
-    save_checkpoint, DistributedSampler, GradientReducer, ShardedOptimizer,
+    average_metrics, broadcast_optimizer_state, broadcast_parameters, commit, load_checkpoint,
+    DistributedSampler, GradientReducer, Progress, ShardedOptimizer,
 };
 
 #[derive(Parser, Debug)]
@@ -79,9 +80,19 @@ struct Args {
     /// Save a checkpoint to this directory after every epoch (rank 0 writes it).
     #[arg(long)]
     checkpoint: Option<PathBuf>,
-    /// Resume from the checkpoint in --checkpoint.
+    /// Resume from the checkpoint in --checkpoint. A job relaunched by `kolorun
+    /// --max-restarts` (KOLO_RESTART_COUNT above 0) resumes without it.
     #[arg(long, requires = "checkpoint")]
     resume: bool,
+    /// Also commit every this many steps (model, optimizer, epoch and samples of it
+    /// consumed, step), so that a relaunched job goes on from there, on as many ranks
+    /// as it then has.
+    #[arg(long, requires = "checkpoint", value_name = "STEPS")]
+    commit_every: Option<u64>,
+    /// Stop after this many steps in total (counting restored ones), committing first
+    /// when --checkpoint is given: for a time-limited allocation.
+    #[arg(long, value_name = "STEPS")]
+    max_steps: Option<u64>,
     /// Burn's backend: flex (Burn's CPU backend), cuda (one GPU per rank, reduced by
     /// NCCL) or cpu (Burn's CubeCL CPU runtime); cuda and cpu need
     /// scripts/build-cuda.sh.
@@ -220,18 +231,38 @@ fn main() -> anyhow::Result<()> {
         return check_accuracy(&args, acc);
     }
 
-    // Every rank starts from rank 0's weights (Burn draws them at random per process).
+    // Every rank starts from rank 0's weights (Burn draws them at random per process),
+    // drawn from --seed: the same run twice trains the same parameters.
+    device.seed(args.seed);
     let model = broadcast_parameters(&kolo, Mlp::new(args.hidden, &device), 0)?;
     let optim = AdamConfig::new().init();
-    let (mut model, optim, start) = match &args.checkpoint {
-        Some(dir) if args.resume => {
+    let restarted = kolo::restart_count() > 0;
+    let (mut model, optim, progress) = match &args.checkpoint {
+        Some(dir) if args.resume || restarted => {
             match load_checkpoint(&kolo, dir, model.clone(), optim.clone())? {
-                Some(r) => (r.model, r.optim, r.step),
-                None => (model, optim, 0),
+                Some(r) => {
+                    // A checkpoint without progress (save_checkpoint) counts epochs.
+                    let p = r.progress.unwrap_or(Progress {
+                        epoch: r.step,
+                        ..Progress::default()
+                    });
+                    if rank == 0 {
+                        println!(
+                            "resumed from the commit at step {} (epoch {}, {} of its samples done, committed on {} ranks)",
+                            p.step,
+                            p.epoch + 1,
+                            p.consumed,
+                            p.ranks
+                        );
+                    }
+                    (r.model, r.optim, p)
+                }
+                None => (model, optim, Progress::default()),
             }
         }
-        _ => (model, optim, 0),
+        _ => (model, optim, Progress::default()),
     };
+    let start = progress.epoch;
     let mut optim = broadcast_optimizer_state(&kolo, optim, 0)?;
     if rank == 0 {
         println!(
@@ -266,9 +297,26 @@ fn main() -> anyhow::Result<()> {
     let started = Instant::now();
     let mut samples = 0usize;
     let mut last_acc = 0.0;
-    for epoch in start..args.epochs {
-        let shard = sampler.indices(epoch);
-        let steps = shard.len().div_ceil(args.batch_size);
+    let mut step = progress.step;
+    let mut stopped = false;
+    // Where training stands after `steps_in` steps of `epoch` past `skip` samples.
+    let at = |epoch: u64, skip: usize, steps_in: usize, step: u64| Progress {
+        epoch,
+        consumed: (skip + sampler.consumed(steps_in, args.batch_size)) as u64,
+        step,
+        seed: args.seed,
+        ranks: size as u64,
+    };
+    'epochs: for epoch in start..args.epochs {
+        // The epoch's samples, past those consumed before a commit this run resumed.
+        let skip = if epoch == start {
+            progress.consumed as usize
+        } else {
+            0
+        };
+        let shard = sampler.indices_from(epoch, skip);
+        let steps = sampler.num_samples().div_ceil(args.batch_size);
+        let done = skip / (args.batch_size * size);
         let bar = if rank == 0 && !args.bench {
             let bar = ProgressBar::new(steps as u64);
             bar.set_style(
@@ -281,8 +329,9 @@ fn main() -> anyhow::Result<()> {
             ProgressBar::hidden()
         };
         let mut loss_sum = 0.0;
+        bar.set_position(done as u64);
         for (i, idx) in shard.chunks(args.batch_size).enumerate() {
-            let lr = learning_rate(&args, size, epoch as f64 + i as f64 / steps as f64);
+            let lr = learning_rate(&args, size, epoch as f64 + (done + i) as f64 / steps as f64);
             let ids: Vec<usize> = idx.iter().map(|&i| data.train[i]).collect();
             let (x, y) = batch(&data, &ids, &device);
             let loss = loss_fn.forward(model.forward(x), y);
@@ -297,6 +346,22 @@ fn main() -> anyhow::Result<()> {
             };
             samples += ids.len();
             bar.inc(1);
+            step += 1;
+            let stop = args.max_steps.is_some_and(|m| step >= m);
+            if let Some(dir) = &args.checkpoint {
+                if stop || args.commit_every.is_some_and(|k| k > 0 && step % k == 0) {
+                    commit(&kolo, dir, &model, &optim, &at(epoch, skip, i + 1, step))
+                        .context("committing")?;
+                }
+            }
+            if stop {
+                bar.finish_and_clear();
+                if rank == 0 {
+                    println!("stopped after step {step} (--max-steps)");
+                }
+                stopped = true;
+                break 'epochs;
+            }
         }
         bar.finish_and_clear();
         if args.bench {
@@ -323,7 +388,7 @@ fn main() -> anyhow::Result<()> {
             );
         }
         if let Some(dir) = &args.checkpoint {
-            save_checkpoint(&kolo, dir, &model, &optim, epoch + 1)
+            commit(&kolo, dir, &model, &optim, &at(epoch + 1, 0, 0, step))
                 .context("saving the checkpoint")?;
         }
     }
@@ -334,18 +399,48 @@ fn main() -> anyhow::Result<()> {
         println!(
             "trained {total} samples in {secs:.2} s: {:.0} samples/s on {size} ranks{}",
             total as f64 / secs,
-            if args.bench {
+            if args.bench || stopped {
                 String::new()
             } else {
                 format!("; final test accuracy {:.2}%", 100.0 * last_acc)
             }
         );
+        // Bit-for-bit the same parameters print the same line (resume tests).
+        println!(
+            "parameters fingerprint {:016x} after step {step}",
+            fingerprint(&model)?
+        );
     }
     kolo.shutdown()?;
-    if start >= args.epochs {
+    if start >= args.epochs || stopped {
         return Ok(());
     }
     check_accuracy(&args, Some(last_acc))
+}
+
+/// FNV-1a over the bits of every parameter, in module order.
+fn fingerprint<M: Module>(model: &M) -> anyhow::Result<u64> {
+    struct Fnv(u64, Option<String>);
+    impl burn::module::ModuleVisitor for Fnv {
+        fn visit_float<const D: usize>(&mut self, p: &burn::module::Param<Tensor<D>>) {
+            match p.val().into_data().convert::<f32>().try_to_vec::<f32>() {
+                Ok(v) => {
+                    for x in v {
+                        for b in x.to_bits().to_le_bytes() {
+                            self.0 = (self.0 ^ u64::from(b)).wrapping_mul(0x100_0000_01b3);
+                        }
+                    }
+                }
+                Err(e) => self.1 = Some(format!("{e:?}")),
+            }
+        }
+    }
+    let mut f = Fnv(0xcbf2_9ce4_8422_2325, None);
+    model.visit(&mut f);
+    match f.1 {
+        Some(e) => bail!("reading a parameter: {e}"),
+        None => Ok(f.0),
+    }
 }
 
 /// The check is for the tests (--min-accuracy 0.95); a short run's lower accuracy is a

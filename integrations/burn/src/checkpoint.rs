@@ -8,16 +8,28 @@ use burn::module::Module;
 use burn::optim::ModuleOptimizer;
 use burn::store::ModuleRecord;
 use burn::tensor::Bytes;
-use kolo::Kolo;
+use kolo::{Kolo, Progress};
 use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, Result};
 
 const FILE: &str = "checkpoint.kolo";
-const MAGIC: &str = "kolo-burn checkpoint v1";
+const MAGIC: &str = "kolo-burn checkpoint v2";
+const MAGIC_V1: &str = "kolo-burn checkpoint v1";
 
 #[derive(Serialize, Deserialize)]
 struct Checkpoint {
+    magic: String,
+    step: u64,
+    model: Vec<u8>,
+    optim: Vec<u8>,
+    /// Where training stood ([`commit`]); `None` from [`save_checkpoint`].
+    progress: Option<Progress>,
+}
+
+/// The format before commits: read for files written by older versions.
+#[derive(Deserialize)]
+struct CheckpointV1 {
     magic: String,
     step: u64,
     model: Vec<u8>,
@@ -32,12 +44,15 @@ pub struct Restored<M> {
     pub optim: ModuleOptimizer,
     /// The step the checkpoint was taken at.
     pub step: u64,
+    /// Where training stood, for a checkpoint written by [`commit`].
+    pub progress: Option<Progress>,
 }
 
 impl<M> std::fmt::Debug for Restored<M> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Restored")
             .field("step", &self.step)
+            .field("progress", &self.progress)
             .finish_non_exhaustive()
     }
 }
@@ -69,6 +84,38 @@ pub fn save_checkpoint<M: Module>(
     optim: &ModuleOptimizer,
     step: u64,
 ) -> Result<()> {
+    write_checkpoint(kolo, dir, model, optim, step, None)
+}
+
+/// Commits the training state (issue 37's elastic training): `model`, `optim` and
+/// where training stands (`progress`: epoch, samples of it consumed, step, seed,
+/// ranks), written crash-safely to `dir/checkpoint.kolo` like [`save_checkpoint`].
+/// Call it every few steps; after a failure, [`load_checkpoint`] on the relaunched
+/// job gives it back in [`Restored::progress`], and
+/// [`DistributedSampler::indices_from`](kolo::DistributedSampler::indices_from) goes on
+/// with the samples the epoch has left, on as many ranks as the job now has.
+/// [`kolo::restart_count`] tells a program that it was relaunched.
+///
+/// # Errors
+/// As [`save_checkpoint`].
+pub fn commit<M: Module>(
+    kolo: &Kolo,
+    dir: &Path,
+    model: &M,
+    optim: &ModuleOptimizer,
+    progress: &Progress,
+) -> Result<()> {
+    write_checkpoint(kolo, dir, model, optim, progress.step, Some(*progress))
+}
+
+fn write_checkpoint<M: Module>(
+    kolo: &Kolo,
+    dir: &Path,
+    model: &M,
+    optim: &ModuleOptimizer,
+    step: u64,
+    progress: Option<Progress>,
+) -> Result<()> {
     if kolo.rank() == 0 {
         let record = |e: burn::store::RecordError, what| Error::Record {
             what,
@@ -87,6 +134,7 @@ pub fn save_checkpoint<M: Module>(
                 .into_bytes()
                 .map_err(|e| record(e, "serialising the optimizer"))?
                 .to_vec(),
+            progress,
         };
         let bytes = postcard::to_stdvec(&ckpt).map_err(|e| Error::Checkpoint {
             path: dir.to_path_buf(),
@@ -156,11 +204,24 @@ pub fn load_checkpoint<M: Module>(
         path: path.clone(),
         message,
     };
-    let ckpt: Checkpoint = postcard::from_bytes(&bytes)
-        .map_err(|e| bad(format!("not a kolo-burn checkpoint ({e})")))?;
-    if ckpt.magic != MAGIC {
-        return Err(bad(format!("unknown format {:?}", ckpt.magic)));
-    }
+    let ckpt: Checkpoint = match postcard::from_bytes::<Checkpoint>(&bytes) {
+        Ok(c) if c.magic == MAGIC => c,
+        first => match postcard::from_bytes::<CheckpointV1>(&bytes) {
+            Ok(c) if c.magic == MAGIC_V1 => Checkpoint {
+                magic: c.magic,
+                step: c.step,
+                model: c.model,
+                optim: c.optim,
+                progress: None,
+            },
+            _ => {
+                return Err(bad(match first {
+                    Ok(c) => format!("unknown format {:?}", c.magic),
+                    Err(e) => format!("not a kolo-burn checkpoint ({e})"),
+                }))
+            }
+        },
+    };
     let record = ModuleRecord::from_bytes(Bytes::from_bytes_vec(ckpt.model))
         .map_err(|e| bad(e.to_string()))?;
     let model = model.load_record(record);
@@ -171,5 +232,6 @@ pub fn load_checkpoint<M: Module>(
         model,
         optim,
         step: ckpt.step,
+        progress: ckpt.progress,
     }))
 }

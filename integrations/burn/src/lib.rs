@@ -53,11 +53,12 @@ mod sharded;
 pub mod train;
 
 pub use broadcast::{broadcast_optimizer_state, broadcast_parameters};
-pub use checkpoint::{checkpoint_path, load_checkpoint, save_checkpoint, Restored};
+pub use checkpoint::{checkpoint_path, commit, load_checkpoint, save_checkpoint, Restored};
 pub use device::{cuda_device, Backend};
 pub use error::{Error, Result};
 pub use grads::GradientReducer;
 pub use kolo::DistributedSampler;
+pub use kolo::{restart_count, Progress};
 pub use metrics::average_metrics;
 pub use optim::{DistributedOptimizer, DistributedState};
 pub use overlap::Overlap;

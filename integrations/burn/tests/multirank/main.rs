@@ -3,6 +3,7 @@
 
 #[cfg(any(feature = "cpu", feature = "cuda"))]
 mod cube;
+mod elastic;
 #[path = "../../../../tests/collectives/harness.rs"]
 mod harness;
 mod issue31;
@@ -1061,6 +1062,7 @@ fn main() {
             ));
         }
     }
+    trials.extend(elastic::trials());
     trials.extend(harness::gpu_trials(
         GPU_CASES,
         Duration::from_secs(300),

@@ -1,0 +1,229 @@
+//! Issue 37, part 3: the digits example commits every few steps and a relaunched job
+//! goes on from its last commit — exactly, and after a rank is killed under
+//! `kolorun --max-restarts`.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use libtest_mimic::Trial;
+
+/// `target/release/<name>`, beside this test binary's directory.
+fn built(name: &str) -> Result<PathBuf, String> {
+    let exe = std::env::current_exe().map_err(|e| e.to_string())?;
+    exe.parent()
+        .and_then(|d| d.parent())
+        .map(|d| d.join(name))
+        .filter(|p| p.exists())
+        .ok_or_else(|| {
+            format!(
+                "target/release/{name} is missing: cargo build --release --workspace --examples"
+            )
+        })
+}
+
+/// A scratch directory, removed when dropped.
+struct Scratch(PathBuf);
+
+impl Scratch {
+    fn new(name: &str) -> Result<Scratch, String> {
+        let dir = std::env::temp_dir().join(format!("kolo-{name}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).map_err(|e| e.to_string())?;
+        Ok(Scratch(dir))
+    }
+}
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// Runs `launcher` (mpirun or kolorun with their flags) on the digits example with
+/// `args`, output to `log`; `during` is called every 10 ms while it runs. Kills the
+/// whole process group after `limit`. Returns whether it succeeded, and its output.
+fn run_digits(
+    launcher: &[String],
+    args: &[&str],
+    log: &Path,
+    limit: Duration,
+    mut during: impl FnMut(),
+) -> Result<(bool, String), String> {
+    let example = built("examples/train_digits")?;
+    let out = std::fs::File::create(log).map_err(|e| e.to_string())?;
+    let err = out.try_clone().map_err(|e| e.to_string())?;
+    let mut cmd = Command::new(&launcher[0]);
+    cmd.args(&launcher[1..]).arg(&example).args(args);
+    super::harness::mpi_env(&mut cmd);
+    cmd.env("RAYON_NUM_THREADS", "1")
+        .stdin(Stdio::null())
+        .stdout(out)
+        .stderr(err);
+    std::os::unix::process::CommandExt::process_group(&mut cmd, 0);
+    let mut child = cmd
+        .spawn()
+        .map_err(|e| format!("cannot run {}: {e}", launcher[0]))?;
+    let start = Instant::now();
+    let status = loop {
+        if let Some(s) = child.try_wait().map_err(|e| e.to_string())? {
+            break Some(s);
+        }
+        if start.elapsed() > limit {
+            // SAFETY: signalling the process group this function started.
+            unsafe { libc::killpg(child.id() as i32, libc::SIGKILL) };
+            let _ = child.wait();
+            break None;
+        }
+        during();
+        std::thread::sleep(Duration::from_millis(10));
+    };
+    let text = std::fs::read_to_string(log).unwrap_or_default();
+    match status {
+        None => Err(format!("timed out after {limit:?}:\n{text}")),
+        Some(s) => Ok((s.success(), text)),
+    }
+}
+
+/// The `parameters fingerprint … after step N` line of a run.
+fn fingerprint(text: &str) -> Option<&str> {
+    text.lines()
+        .find_map(|l| l.split("parameters fingerprint ").nth(1))
+}
+
+fn mpirun(np: usize) -> Vec<String> {
+    ["mpirun", "-np", &np.to_string(), "--bind-to", "none"]
+        .map(String::from)
+        .to_vec()
+}
+
+/// A run stopped at step 30 (`--max-steps`, a commit at 28 and at 30, mid-epoch) and
+/// resumed trains bit for bit the parameters of an uninterrupted run.
+fn resume_is_exact(np: usize) -> Result<(), String> {
+    let dir = Scratch::new("resume-exact")?;
+    let ck = |n: &str| dir.0.join(n).display().to_string();
+    let (a, b) = (ck("a"), ck("b"));
+    let common = ["--epochs", "2", "--commit-every", "7", "--seed", "5"];
+    let limit = Duration::from_secs(120);
+    let run = |extra: &[&str], log: &str| -> Result<String, String> {
+        let args: Vec<&str> = common.iter().chain(extra).copied().collect();
+        let (ok, text) = run_digits(&mpirun(np), &args, &dir.0.join(log), limit, || {})?;
+        if !ok {
+            return Err(format!("train_digits {args:?} failed:\n{text}"));
+        }
+        Ok(text)
+    };
+    let whole = run(&["--checkpoint", &a], "whole.log")?;
+    let first = run(&["--checkpoint", &b, "--max-steps", "30"], "first.log")?;
+    let rest = run(&["--checkpoint", &b, "--resume"], "rest.log")?;
+    if !first.contains("stopped after step 30")
+        || !rest.contains("resumed from the commit at step 30")
+    {
+        return Err(format!(
+            "the run did not stop at 30 and resume there:\n{first}\n{rest}"
+        ));
+    }
+    let (want, got) = (fingerprint(&whole), fingerprint(&rest));
+    if want.is_none() || want != got {
+        return Err(format!(
+            "resumed parameters differ: uninterrupted {want:?}, resumed {got:?}\n{whole}\n{rest}"
+        ));
+    }
+    Ok(())
+}
+
+/// The pids of the digits example's ranks whose command line names `dir`.
+fn ranks_of(dir: &str) -> Vec<i32> {
+    let Ok(procs) = std::fs::read_dir("/proc") else {
+        return Vec::new();
+    };
+    procs
+        .filter_map(|e| {
+            let pid: i32 = e.ok()?.file_name().to_str()?.parse().ok()?;
+            let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).ok()?;
+            let args: Vec<&[u8]> = cmdline.split(|&b| b == 0).collect();
+            let is_example = args.first()?.ends_with(b"/train_digits");
+            let names_dir = args.iter().any(|a| *a == dir.as_bytes());
+            (is_example && names_dir).then_some(pid)
+        })
+        .collect()
+}
+
+/// Under `kolorun --max-restarts 2 -np 2`, one rank is SIGKILLed as soon as the first
+/// commit is on disk: kolorun relaunches, the job resumes from a commit (not from the
+/// start) and finishes with at least 95% test accuracy.
+fn restart_after_kill() -> Result<(), String> {
+    let dir = Scratch::new("restart-after-kill")?;
+    let ck = dir.0.join("ck").display().to_string();
+    let kolorun = built("kolorun")?.display().to_string();
+    let launcher: Vec<String> = [kolorun.as_str(), "-np", "2", "--max-restarts", "2"]
+        .map(String::from)
+        .to_vec();
+    let args = [
+        "--epochs",
+        "10",
+        "--hidden",
+        "2048",
+        "--commit-every",
+        "10",
+        "--checkpoint",
+        &ck,
+        "--min-accuracy",
+        "0.95",
+    ];
+    let file = kolo_burn::checkpoint_path(Path::new(&ck));
+    let mut killed: Option<Duration> = None;
+    let mut back: Option<Duration> = None;
+    let start = Instant::now();
+    let log = dir.0.join("log");
+    let (ok, text) = run_digits(&launcher, &args, &log, Duration::from_secs(300), || {
+        if killed.is_some() && back.is_none() {
+            // When the relaunched job has restored its commit (the time a user waits).
+            let text = std::fs::read_to_string(&log).unwrap_or_default();
+            if text.contains("resumed from the commit") {
+                back = Some(start.elapsed());
+            }
+        }
+        if killed.is_none() && file.exists() {
+            if let Some(&pid) = ranks_of(&ck).last() {
+                // SAFETY: a rank of the job this test started.
+                unsafe { libc::kill(pid, libc::SIGKILL) };
+                killed = Some(start.elapsed());
+            }
+        }
+    })?;
+    let Some(at) = killed else {
+        return Err(format!("no rank was killed (no commit seen):\n{text}"));
+    };
+    let resumed = text
+        .lines()
+        .find_map(|l| l.split("resumed from the commit at step ").nth(1))
+        .and_then(|r| r.split_whitespace().next())
+        .and_then(|s| s.parse::<u64>().ok());
+    if !ok
+        || !text.contains("relaunching (KOLO_RESTART_COUNT=1)")
+        || !resumed.is_some_and(|s| s >= 10)
+        || !text.contains("final test accuracy")
+    {
+        return Err(format!(
+            "killed a rank after {at:?}; the job did not resume from a commit and finish (resumed at {resumed:?}, success {ok}):\n{text}"
+        ));
+    }
+    eprintln!(
+        "restart_after_kill: killed at {at:?}, training again from step {resumed:?} {:?} later, done after {:?}",
+        back.map(|b| b.saturating_sub(at)),
+        start.elapsed()
+    );
+    Ok(())
+}
+
+/// The trials of this module.
+pub(crate) fn trials() -> Vec<Trial> {
+    vec![
+        Trial::test("digits_resume_exact/np2", || Ok(resume_is_exact(2)?)),
+        Trial::test(
+            "digits_restart_after_kill/np2",
+            || Ok(restart_after_kill()?),
+        ),
+    ]
+}
