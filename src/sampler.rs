@@ -64,7 +64,7 @@ impl DistributedSampler {
         let mut rest = order[consumed.min(self.len)..].to_vec();
         // Padded with the epoch's first samples until the ranks' shares are equal.
         let mut i = 0;
-        while rest.len() % self.size != 0 && self.len > 0 {
+        while !rest.len().is_multiple_of(self.size) && self.len > 0 {
             rest.push(order[i % self.len]);
             i += 1;
         }

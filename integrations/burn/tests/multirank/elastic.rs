@@ -143,7 +143,7 @@ fn ranks_of(dir: &str) -> Vec<i32> {
             let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).ok()?;
             let args: Vec<&[u8]> = cmdline.split(|&b| b == 0).collect();
             let is_example = args.first()?.ends_with(b"/train_digits");
-            let names_dir = args.iter().any(|a| *a == dir.as_bytes());
+            let names_dir = args.contains(&dir.as_bytes());
             (is_example && names_dir).then_some(pid)
         })
         .collect()
@@ -202,7 +202,7 @@ fn restart_after_kill() -> Result<(), String> {
         .and_then(|s| s.parse::<u64>().ok());
     if !ok
         || !text.contains("relaunching (KOLO_RESTART_COUNT=1)")
-        || !resumed.is_some_and(|s| s >= 10)
+        || resumed.is_none_or(|s| s < 10)
         || !text.contains("final test accuracy")
     {
         return Err(format!(
