@@ -49,6 +49,7 @@ mod optim;
 mod overlap;
 mod pipeline;
 mod sharded;
+mod sync_bn;
 #[cfg(feature = "train")]
 pub mod train;
 
@@ -64,3 +65,4 @@ pub use optim::{DistributedOptimizer, DistributedState};
 pub use overlap::Overlap;
 pub use pipeline::{Pipeline, Schedule, StepOutput};
 pub use sharded::ShardedOptimizer;
+pub use sync_bn::SyncBatchNorm;

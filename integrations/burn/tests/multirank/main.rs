@@ -10,6 +10,7 @@ mod issue31;
 mod pipeline;
 mod sharded;
 mod supervised;
+mod sync_bn;
 
 use std::time::Duration;
 
@@ -889,6 +890,9 @@ fn overlap(k: &Kolo) -> Result<()> {
 use harness::Case;
 
 const CASES: &[(&str, Case, &[usize])] = &[
+    ("sync_bn_rank3", sync_bn::sync_bn_rank3, &[2, 4]),
+    ("sync_bn_rank4", sync_bn::sync_bn_rank4, &[2, 4]),
+    ("sync_bn_uneven", sync_bn::sync_bn_uneven, &[2, 3]),
     ("equivalence", equivalence, &[2, 3]),
     ("replica_consistency", replica_consistency, &[2, 4]),
     ("backward_passes_per_step", backward_passes, &[1, 2]),
@@ -949,6 +953,19 @@ const EXAMPLES: &[(&str, &[&str], &[usize])] = &[
         ],
         &[2],
     ),
+    // The CNN example (issue 39): 8 samples per rank, SyncBatchNorm.
+    (
+        "cnn_digits_example",
+        &[
+            "--epochs",
+            "10",
+            "--batch-size",
+            "8",
+            "--min-accuracy",
+            "0.97",
+        ],
+        &[2, 4],
+    ),
     // Two stages at np 2; two stages × two replicas at np 4.
     (
         "digits_example_pipeline",
@@ -1008,16 +1025,22 @@ const CUBE_EXAMPLE_LIMIT: Duration = Duration::from_secs(900);
 
 /// Worker side of an example case: becomes the example binary (built beside this test
 /// by `cargo test`), before MPI starts here, so that it is this rank.
-fn exec_example(args: &[&str]) -> ! {
+fn exec_example(case: &str, args: &[&str]) -> ! {
     use std::os::unix::process::CommandExt;
+    // `cnn_…` cases run the CNN example, the others the MLP one.
+    let name = if case.starts_with("cnn_") {
+        "train_digits_cnn"
+    } else {
+        "train_digits"
+    };
     let example = std::env::current_exe()
         .ok()
-        .and_then(|exe| Some(exe.parent()?.parent()?.join("examples/train_digits")))
+        .and_then(|exe| Some(exe.parent()?.parent()?.join("examples").join(name)))
         .filter(|p| p.exists());
     let Some(example) = example else {
         eprintln!(
-            "target/release/examples/train_digits is missing: \
-             cargo build --release -p kolo-burn --example train_digits"
+            "target/release/examples/{name} is missing: \
+             cargo build --release -p kolo-burn --examples"
         );
         std::process::exit(2);
     };
@@ -1030,7 +1053,7 @@ fn main() {
     if let Ok(case) = std::env::var("KOLO_TEST_CASE") {
         let examples = EXAMPLES.iter().copied().chain(cube_examples());
         if let Some((_, args, _)) = examples.clone().find(|(n, _, _)| *n == case) {
-            exec_example(args);
+            exec_example(&case, args);
         }
         let cases: Vec<(&str, Case)> = CASES
             .iter()
