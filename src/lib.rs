@@ -68,8 +68,8 @@ pub use error::{ConversionError, Error, Result};
 pub use handle::Handle;
 pub use metrics::average_metrics;
 pub use ops::{
-    AllgatherBuilder, AllreduceBuilder, AlltoallBuilder, BroadcastBuilder, GroupedAllreduceBuilder,
-    ReducescatterBuilder,
+    AllgatherBuilder, AllreduceBuilder, AlltoallBuilder, BroadcastBuilder, GroupedAllgatherBuilder,
+    GroupedAllreduceBuilder, GroupedReducescatterBuilder, ReducescatterBuilder,
 };
 pub use optimizer::{
     broadcast_parameters, Compression, DistributedOptimizer, DistributedOptimizerBuilder,

@@ -151,6 +151,10 @@ macro_rules! process_set_option {
 }
 
 pub(crate) use process_set_option;
+pub(crate) use reduce_options;
+
+mod grouped;
+pub use grouped::{GroupedAllgatherBuilder, GroupedReducescatterBuilder};
 
 /// A builder's request, ready to go to `kolo` unless a process set refused it (the
 /// tensors then come back in the error).

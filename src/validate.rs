@@ -90,7 +90,10 @@ fn check_names(s: &Submission) -> std::result::Result<(), String> {
 
 /// A group: at least one member, no name twice.
 fn check_group(s: &Submission) -> std::result::Result<(), String> {
-    if s.kind != OpKind::GroupedAllreduce {
+    if !matches!(
+        s.kind,
+        OpKind::GroupedAllreduce | OpKind::GroupedAllgather | OpKind::GroupedReducescatter
+    ) {
         return Ok(());
     }
     if s.tensors.is_empty() {
@@ -132,6 +135,22 @@ fn check_scales(s: &Submission) -> std::result::Result<(), String> {
 /// splits that cover it, one per rank.
 fn check_rows(s: &Submission, size: usize) -> std::result::Result<(), String> {
     let op = s.kind.name();
+    if matches!(
+        s.kind,
+        OpKind::GroupedAllgather | OpKind::GroupedReducescatter
+    ) {
+        if let Some((n, _)) = s.tensors.iter().find(|(_, t)| t.shape().is_empty()) {
+            return Err(format!(
+                "{op} needs tensors with at least one dimension; member {n:?} is 0-d (a scalar)"
+            ));
+        }
+        if let Some((n, _)) = s.tensors.iter().find(|(_, t)| t.device().is_cuda()) {
+            return Err(format!(
+                "{op} of CUDA tensors is not supported yet (member {n:?}); submit them one by one or as host tensors"
+            ));
+        }
+        return Ok(());
+    }
     let Some((_, t)) = s.tensors.first() else {
         return Ok(());
     };

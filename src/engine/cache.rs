@@ -80,6 +80,8 @@ impl ResponseCache {
                 | OpKind::Reducescatter
                 | OpKind::Allgather
                 | OpKind::Alltoall
+                | OpKind::GroupedAllgather
+                | OpKind::GroupedReducescatter
         )
     }
 

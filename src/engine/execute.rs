@@ -57,6 +57,12 @@ pub(crate) fn run(
             t, inputs, first, size, buffer,
         )?)),
         OpKind::Allgather => Ok(Output::Tensor(allgather(t, &take(&mut inputs)?, ready)?)),
+        OpKind::GroupedAllgather => Ok(Output::Tensors(super::grouped::allgather(
+            t, inputs, ready, buffer,
+        )?)),
+        OpKind::GroupedReducescatter => Ok(Output::Tensors(super::grouped::reducescatter(
+            t, inputs, ready, buffer,
+        )?)),
         OpKind::Broadcast => {
             let mut tensor = take(&mut inputs)?;
             let dtype = tensor.dtype();

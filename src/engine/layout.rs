@@ -51,12 +51,21 @@ pub(super) type PerRank = SmallVec<[usize; 8]>;
 /// rank; a joined rank contributes nothing). Inline: a fused batch computes one per
 /// tensor.
 pub(super) fn allgather_layout(ready: &Ready, shape: &[usize]) -> Result<(PerRank, Shape)> {
+    member_allgather_layout(ready, 0, shape)
+}
+
+/// [`allgather_layout`] of member `i` of a group (0: a single-tensor allgather).
+pub(super) fn member_allgather_layout(
+    ready: &Ready,
+    i: usize,
+    shape: &[usize],
+) -> Result<(PerRank, Shape)> {
     let row = row_len(shape);
     let mut counts = PerRank::with_capacity(ready.metas.len());
     let mut rows = 0;
     for (r, m) in ready.metas.iter().enumerate() {
         let d0 = match m {
-            Some(m) => dim0(m, r)?,
+            Some(m) => member_dim0(m, r, i)?,
             None => 0,
         };
         counts.push(d0 * row);
@@ -83,7 +92,24 @@ pub(super) fn first_tensor(m: &RequestMeta, r: usize) -> Result<&TensorMeta> {
 
 /// Dim 0 of rank `r`'s tensor.
 fn dim0(m: &RequestMeta, r: usize) -> Result<usize> {
-    first_tensor(m, r)?.shape.first().copied().ok_or_else(|| {
+    member_dim0(m, r, 0)
+}
+
+/// Dim 0 of member `i` of rank `r`'s request.
+fn member_dim0(m: &RequestMeta, r: usize, i: usize) -> Result<usize> {
+    let t = m.tensors.get(i).ok_or_else(|| {
+        Error::Internal(format!(
+            "rank {r} sent a {} request for {:?} without a tensor{}",
+            m.kind.name(),
+            m.key,
+            if i == 0 {
+                String::new()
+            } else {
+                format!(" {i} (members 0..{})", m.tensors.len())
+            }
+        ))
+    })?;
+    t.shape.first().copied().ok_or_else(|| {
         Error::Internal(format!(
             "rank {r} sent a 0-d tensor for the {} of {:?}",
             m.kind.name(),

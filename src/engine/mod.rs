@@ -11,6 +11,7 @@ mod control;
 pub(crate) mod execute;
 pub(crate) mod fusion;
 mod gpu;
+mod grouped;
 mod inbox;
 pub(crate) mod layout;
 pub(crate) mod negotiate;

@@ -349,31 +349,43 @@ fn check(key: &str, metas: &[Option<RequestMeta>], joined: &[usize]) -> Result<(
 
 /// The first of a request's tensors whose dtype or shape differs between ranks, as
 /// (what, message): the full shape, or for allgather and alltoall every dim but the
-/// first.
+/// first. A group's message names the member.
 fn tensors_differ(
     metas: &[Option<RequestMeta>],
     tensors: usize,
     kind: OpKind,
 ) -> Option<(&'static str, String)> {
+    let grouped = matches!(
+        kind,
+        OpKind::GroupedAllreduce | OpKind::GroupedAllgather | OpKind::GroupedReducescatter
+    );
+    let first = metas.iter().flatten().next()?;
     for i in 0..tensors {
+        let named = |m: String| match first.tensors.get(i) {
+            Some(t) if grouped => format!("member {:?}: {m}", &*t.name),
+            _ => m,
+        };
         if let Some(m) = differ(metas, |m| m.tensors[i].dtype, |d| d.to_string()) {
-            return Some(("dtype", m));
+            return Some(("dtype", named(m)));
         }
         let shape = |m: &RequestMeta| m.tensors[i].shape.clone();
         match kind {
-            OpKind::Allgather | OpKind::Alltoall => {
+            OpKind::Allgather | OpKind::GroupedAllgather | OpKind::Alltoall => {
                 let tail = |m: &RequestMeta| {
                     let s = &m.tensors[i].shape;
                     (s.len(), s.get(1..).map(<[usize]>::to_vec))
                 };
                 if differ(metas, tail, |_| String::new()).is_some() {
                     let m = differ(metas, shape, debug).unwrap_or_default();
-                    return Some(("shape", format!("{m} (all dims but the first must match)")));
+                    return Some((
+                        "shape",
+                        named(format!("{m} (all dims but the first must match)")),
+                    ));
                 }
             }
             _ => {
                 if let Some(m) = differ(metas, shape, debug) {
-                    return Some(("shape", m));
+                    return Some(("shape", named(m)));
                 }
             }
         }
@@ -386,7 +398,10 @@ fn tensors_differ(
 fn settings_differ(metas: &[Option<RequestMeta>], kind: OpKind) -> Option<(&'static str, String)> {
     if matches!(
         kind,
-        OpKind::Allreduce | OpKind::GroupedAllreduce | OpKind::Reducescatter
+        OpKind::Allreduce
+            | OpKind::GroupedAllreduce
+            | OpKind::Reducescatter
+            | OpKind::GroupedReducescatter
     ) {
         if let Some(m) = differ(metas, |m| m.op, debug) {
             return Some(("reduce op", m));

@@ -30,6 +30,10 @@ pub(crate) enum OpKind {
     Allreduce,
     GroupedAllreduce,
     Allgather,
+    /// Several allgathers as one unit (a group key, members as tensors).
+    GroupedAllgather,
+    /// Several reducescatters as one unit.
+    GroupedReducescatter,
     Broadcast,
     Alltoall,
     Reducescatter,
@@ -52,6 +56,8 @@ impl OpKind {
             OpKind::Allreduce => "allreduce",
             OpKind::GroupedAllreduce => "grouped_allreduce",
             OpKind::Allgather => "allgather",
+            OpKind::GroupedAllgather => "grouped_allgather",
+            OpKind::GroupedReducescatter => "grouped_reducescatter",
             OpKind::Broadcast => "broadcast",
             OpKind::Alltoall => "alltoall",
             OpKind::Reducescatter => "reducescatter",

@@ -22,7 +22,9 @@ pub(super) fn tuned_bytes(r: &Response) -> u64 {
     };
     match ready.kind {
         request::OpKind::Allreduce | request::OpKind::GroupedAllreduce => bytes(ready.first()),
-        request::OpKind::Allgather => ready.metas.iter().flatten().map(|m| bytes(m)).sum(),
+        request::OpKind::Allgather | request::OpKind::GroupedAllgather => {
+            ready.metas.iter().flatten().map(|m| bytes(m)).sum()
+        }
         _ => 0,
     }
 }

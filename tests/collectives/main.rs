@@ -9,6 +9,7 @@ mod faults;
 mod fusion;
 #[cfg(feature = "nccl")]
 mod gpu;
+mod grouped;
 mod harness;
 mod issue31;
 mod optimizer;
@@ -34,6 +35,8 @@ const CASES: &[(&str, Case, usize)] = &[
     ("allreduce_async", allreduce::asynchronous, 1),
     ("allreduce_errors", allreduce::errors, 1),
     ("grouped_allreduce", allreduce::grouped, 1),
+    ("grouped_allgather", grouped::grouped_allgather, 1),
+    ("grouped_reducescatter", grouped::grouped_reducescatter, 1),
     ("allgather", others::allgather, 1),
     ("broadcast", others::broadcast, 1),
     ("alltoall", others::alltoall, 1),

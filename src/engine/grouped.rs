@@ -1,0 +1,181 @@
+//! Running grouped allgathers and reducescatters on the host: the members of one
+//! dtype that are small enough (each at most the fusion buffer's per-tensor limit)
+//! move in one collective through the fusion buffer; larger members, and a dtype's
+//! only small one, go on their own, without a copy.
+
+use super::fusion::FusionBuffer;
+use super::layout::{member_allgather_layout, post_factor, reducescatter_layout, scale_bytes};
+use super::negotiate::Ready;
+use super::request::Tensors;
+use crate::error::{Error, Result};
+use crate::tensor::{DType, Tensor};
+use crate::transport::Transport;
+
+/// The members of `tensors` by dtype, in member order, each dtype once.
+fn by_dtype(tensors: &[Tensor]) -> Vec<(DType, Vec<usize>)> {
+    let mut out: Vec<(DType, Vec<usize>)> = Vec::new();
+    for (i, x) in tensors.iter().enumerate() {
+        match out.iter_mut().find(|(d, _)| *d == x.dtype()) {
+            Some((_, idx)) => idx.push(i),
+            None => out.push((x.dtype(), vec![i])),
+        }
+    }
+    out
+}
+
+/// Every member concatenated on dim 0 over the ranks, in member order.
+pub(super) fn allgather(
+    t: &mut dyn Transport,
+    inputs: Tensors,
+    ready: &Ready,
+    buffer: &mut FusionBuffer,
+) -> Result<Vec<Tensor>> {
+    let tensors = inputs.into_vec();
+    let size = t.topology().size;
+    let mut layouts = Vec::with_capacity(tensors.len());
+    for (i, x) in tensors.iter().enumerate() {
+        layouts.push(member_allgather_layout(ready, i, x.shape())?);
+    }
+    let mut outputs: Vec<Tensor> = tensors
+        .iter()
+        .zip(&layouts)
+        .map(|(x, (_, shape))| Tensor::zeros(x.dtype(), shape))
+        .collect();
+    for (dtype, members) in by_dtype(&tensors) {
+        let w = dtype.size_of();
+        let (small, large): (Vec<usize>, Vec<usize>) = members
+            .into_iter()
+            .partition(|&i| outputs[i].num_bytes() <= buffer.max_tensor);
+        let (small, large) = match small.as_slice() {
+            [_] => (Vec::new(), [large, small].concat()),
+            _ => (small, large),
+        };
+        for i in large {
+            if !outputs[i].is_empty() {
+                t.allgatherv(
+                    tensors[i].host_bytes(),
+                    outputs[i].host_bytes_mut(),
+                    &layouts[i].0,
+                    dtype,
+                )?;
+            }
+        }
+        if small.is_empty() {
+            continue;
+        }
+        let per_rank: Vec<usize> = (0..size)
+            .map(|r| small.iter().map(|&i| layouts[i].0[r]).sum())
+            .collect();
+        let send_len: usize = small.iter().map(|&i| tensors[i].len()).sum();
+        let recv_len: usize = per_rank.iter().sum();
+        if recv_len == 0 {
+            continue;
+        }
+        let buf = buffer.bytes_mut((send_len + recv_len) * w);
+        let (send, recv) = buf.split_at_mut(send_len * w);
+        let mut at = 0;
+        for &i in &small {
+            let n = tensors[i].num_bytes();
+            send[at..at + n].copy_from_slice(tensors[i].host_bytes());
+            at += n;
+        }
+        t.allgatherv(send, recv, &per_rank, dtype)?;
+        // The blocks arrive rank by rank, each rank's members in member order.
+        let mut filled = vec![0usize; outputs.len()];
+        let mut at = 0;
+        for r in 0..size {
+            for &i in &small {
+                let n = layouts[i].0[r] * w;
+                outputs[i].host_bytes_mut()[filled[i]..filled[i] + n]
+                    .copy_from_slice(&recv[at..at + n]);
+                filled[i] += n;
+                at += n;
+            }
+        }
+    }
+    Ok(outputs)
+}
+
+/// Every member reduced over the ranks, this rank keeping its block of dim 0, in
+/// member order.
+pub(super) fn reducescatter(
+    t: &mut dyn Transport,
+    inputs: Tensors,
+    ready: &Ready,
+    buffer: &mut FusionBuffer,
+) -> Result<Vec<Tensor>> {
+    let meta = ready.first();
+    let (size, me) = (t.topology().size, t.topology().rank);
+    let mut tensors = inputs.into_vec();
+    let layouts: Vec<(Vec<usize>, Vec<usize>)> = tensors
+        .iter()
+        .map(|x| match x.shape() {
+            [] => Err(Error::Internal(format!("a 0-d member in {:?}", ready.key))),
+            s => Ok(reducescatter_layout(s, size, me)),
+        })
+        .collect::<Result<_>>()?;
+    let mut outputs: Vec<Tensor> = tensors
+        .iter()
+        .zip(&layouts)
+        .map(|(x, (_, shape))| Tensor::zeros(x.dtype(), shape))
+        .collect();
+    let post = post_factor(meta, size);
+    for (dtype, members) in by_dtype(&tensors) {
+        let w = dtype.size_of();
+        let (small, large): (Vec<usize>, Vec<usize>) = members
+            .into_iter()
+            .partition(|&i| tensors[i].num_bytes() <= buffer.max_tensor);
+        let (small, large) = match small.as_slice() {
+            [_] => (Vec::new(), [large, small].concat()),
+            _ => (small, large),
+        };
+        for i in large {
+            scale_bytes(tensors[i].host_bytes_mut(), dtype, meta.prescale);
+            t.reduce_scatter(
+                tensors[i].host_bytes(),
+                outputs[i].host_bytes_mut(),
+                &layouts[i].0,
+                dtype,
+                meta.op,
+            )?;
+            scale_bytes(outputs[i].host_bytes_mut(), dtype, post);
+        }
+        if small.is_empty() {
+            continue;
+        }
+        // Rank r's block of the buffer: each small member's rows for r, in member
+        // order; one reduce-scatter leaves this rank its block of every member.
+        let per_rank: Vec<usize> = (0..size)
+            .map(|r| small.iter().map(|&i| layouts[i].0[r]).sum())
+            .collect();
+        let send_len: usize = per_rank.iter().sum();
+        if send_len == 0 {
+            continue;
+        }
+        let buf = buffer.bytes_mut((send_len + per_rank[me]) * w);
+        let (send, recv) = buf.split_at_mut(send_len * w);
+        let mut offsets = vec![0usize; tensors.len()];
+        let mut at = 0;
+        for r in 0..size {
+            for &i in &small {
+                let n = layouts[i].0[r] * w;
+                send[at..at + n]
+                    .copy_from_slice(&tensors[i].host_bytes()[offsets[i]..offsets[i] + n]);
+                offsets[i] += n;
+                at += n;
+            }
+        }
+        scale_bytes(send, dtype, meta.prescale);
+        t.reduce_scatter(send, recv, &per_rank, dtype, meta.op)?;
+        scale_bytes(recv, dtype, post);
+        let mut at = 0;
+        for &i in &small {
+            let n = outputs[i].num_bytes();
+            outputs[i]
+                .host_bytes_mut()
+                .copy_from_slice(&recv[at..at + n]);
+            at += n;
+        }
+    }
+    Ok(outputs)
+}
