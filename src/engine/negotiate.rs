@@ -217,6 +217,7 @@ impl Negotiator {
                 Err(error) => Response::Fail { key, error },
             });
         }
+        responses.extend(self.mismatched_groups(&joined));
         if self.joined.iter().all(|&j| j) {
             responses.push(Response::JoinDone {
                 last: self.last_joined,
@@ -224,6 +225,110 @@ impl Negotiator {
             self.joined = vec![false; self.size];
         }
         Outcome::Responses(responses)
+    }
+
+    /// Groups whose member lists differ between ranks: each group is keyed by its
+    /// member names, so such groups never become ready. A member that every rank
+    /// (but joined ones) submitted in some group, each rank in exactly one of two or
+    /// more different groups, is such a mismatch: those groups fail on every rank,
+    /// naming the member and what each rank sent. (A rank with the member in two
+    /// pending groups at once is not judged: it may be submitting in another order.)
+    fn mismatched_groups(&mut self, joined: &[bool]) -> Vec<Response> {
+        let grouped = |k: OpKind| {
+            matches!(
+                k,
+                OpKind::GroupedAllreduce | OpKind::GroupedAllgather | OpKind::GroupedReducescatter
+            )
+        };
+        // Member name → the pending groups holding it.
+        let mut holders: FxHashMap<Key, Vec<u64>> = FxHashMap::default();
+        for (&seq, e) in &self.table {
+            let Some(first) = e.metas.iter().flatten().next() else {
+                continue;
+            };
+            if !grouped(first.kind) {
+                continue;
+            }
+            for t in &first.tensors {
+                holders.entry(t.name.clone()).or_default().push(seq);
+            }
+        }
+        let mut failed: Vec<u64> = Vec::new();
+        let mut responses = Vec::new();
+        let mut members: Vec<(&Key, &Vec<u64>)> =
+            holders.iter().filter(|(_, seqs)| seqs.len() > 1).collect();
+        members.sort_by(|a, b| a.0.cmp(b.0));
+        for (member, seqs) in members {
+            if seqs.iter().any(|s| failed.contains(s)) {
+                continue;
+            }
+            // Which group each rank sent the member in; None: none yet.
+            let mut of_rank: Vec<Option<u64>> = vec![None; self.size];
+            let mut twice = false;
+            for &seq in seqs {
+                let Some(e) = self.table.get(&seq) else {
+                    continue;
+                };
+                for (r, m) in e.metas.iter().enumerate() {
+                    if m.is_some() {
+                        twice |= of_rank[r].is_some();
+                        of_rank[r] = Some(seq);
+                    }
+                }
+            }
+            let covered = of_rank.iter().zip(joined).all(|(g, &j)| g.is_some() || j);
+            if twice || !covered {
+                continue;
+            }
+            let lists: Vec<(usize, String)> = of_rank
+                .iter()
+                .enumerate()
+                .filter_map(|(r, g)| {
+                    let m = self.table.get(&(*g)?)?.metas[r].as_ref()?;
+                    let names: Vec<&str> = m.tensors.iter().map(|t| &*t.name).collect();
+                    Some((r, format!("{names:?}")))
+                })
+                .collect();
+            let mut groups: Vec<(String, Vec<usize>)> = Vec::new();
+            for (r, l) in lists {
+                match groups.iter_mut().find(|(g, _)| *g == l) {
+                    Some((_, ranks)) => ranks.push(r),
+                    None => groups.push((l, vec![r])),
+                }
+            }
+            let sent: Vec<String> = groups
+                .iter()
+                .map(|(l, ranks)| {
+                    let who = if ranks.len() == 1 { "rank" } else { "ranks" };
+                    let list: Vec<String> = ranks.iter().map(usize::to_string).collect();
+                    format!("{who} {} sent {l}", list.join(", "))
+                })
+                .collect();
+            for &seq in seqs {
+                let Some(e) = self.table.remove(&seq) else {
+                    continue;
+                };
+                let Some(first) = e.metas.iter().flatten().next() else {
+                    continue;
+                };
+                let key = first.key.clone();
+                self.by_key.remove(&*key);
+                failed.push(seq);
+                responses.push(Response::Fail {
+                    error: Error::Mismatch {
+                        op: first.kind.name(),
+                        name: key.to_string(),
+                        message: format!(
+                            "group members mismatch: member {:?} is in different groups: {}",
+                            &**member,
+                            sent.join(", ")
+                        ),
+                    },
+                    key,
+                });
+            }
+        }
+        responses
     }
 
     /// Which ranks are missing which requests, for the error every rank reports when

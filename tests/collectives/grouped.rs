@@ -201,3 +201,42 @@ pub(crate) fn grouped_reducescatter(k: &Kolo) -> Result<()> {
     }
     Ok(())
 }
+
+/// Rank 1 lists one member more: each rank's group is keyed by its own member list,
+/// so the groups would never match; every rank gets an error naming a shared member
+/// and what each rank sent, for all three grouped ops, and the job goes on.
+pub(crate) fn grouped_member_lists(k: &Kolo) -> Result<()> {
+    let (rank, size) = (k.rank(), k.size());
+    let members = |prefix: &str| {
+        let mut v = vec![
+            (format!("{prefix}.a"), Tensor::zeros(DType::F32, &[size])),
+            (format!("{prefix}.b"), Tensor::zeros(DType::F32, &[size])),
+        ];
+        if rank == 1 {
+            v.push((format!("{prefix}.c"), Tensor::zeros(DType::F32, &[size])));
+        }
+        v
+    };
+    let others: Vec<String> = (0..size)
+        .filter(|&r| r != 1)
+        .map(|r| r.to_string())
+        .collect();
+    let who = if others.len() == 1 { "rank" } else { "ranks" };
+    for (prefix, result) in [
+        ("ml1", k.grouped_allreduce(members("ml1")).wait()),
+        ("ml2", k.grouped_allgather(members("ml2")).wait()),
+        ("ml3", k.grouped_reducescatter(members("ml3")).wait()),
+    ] {
+        let want = format!(
+            "group members mismatch: member \"{prefix}.a\" is in different groups: {who} {} sent [\"{prefix}.a\", \"{prefix}.b\"], rank 1 sent [\"{prefix}.a\", \"{prefix}.b\", \"{prefix}.c\"]",
+            others.join(", ")
+        );
+        expect_err(prefix, result, &[&want])?;
+    }
+    let sum = k
+        .allreduce("after", Tensor::from_vec(vec![1.0f32], &[1])?)
+        .op(ReduceOp::Sum)
+        .wait()?;
+    ensure!(sum.as_slice::<f32>()? == [size as f32], "after: {sum:?}");
+    Ok(())
+}

@@ -37,6 +37,7 @@ const CASES: &[(&str, Case, usize)] = &[
     ("grouped_allreduce", allreduce::grouped, 1),
     ("grouped_allgather", grouped::grouped_allgather, 1),
     ("grouped_reducescatter", grouped::grouped_reducescatter, 1),
+    ("grouped_member_lists", grouped::grouped_member_lists, 2),
     ("allgather", others::allgather, 1),
     ("broadcast", others::broadcast, 1),
     ("alltoall", others::alltoall, 1),
