@@ -315,3 +315,11 @@ pub(crate) fn err_text<T>(r: Result<T>) -> String {
 
 /// `Result` with kolo's [`Error`].
 pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// The exit status kolo ends a job with when the job, not the program, failed: a peer
+/// stopped answering (the watchdog, `KOLO_COLLECTIVE_TIMEOUT_SECONDS`) or did not shut
+/// down in time (`Kolo::shutdown_timeout`). `kolorun --max-restarts` relaunches a job
+/// that ended with it (or whose rank died of a signal), but not one that ended with
+/// the program's own error — a panic, a failed assertion, `exit(1)` — unless given
+/// `--restart-on-error`. 75 is `EX_TEMPFAIL` of BSD's `sysexits.h`: "try again later".
+pub const RESTARTABLE_EXIT_CODE: i32 = 75;

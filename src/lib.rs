@@ -64,7 +64,7 @@ mod vocab;
 
 pub use config::{Config, DEFAULT_FUSION_THRESHOLD};
 pub use engine::autotune::{AutotuneChange, AutotuneState};
-pub use error::{ConversionError, Error, Result};
+pub use error::{ConversionError, Error, Result, RESTARTABLE_EXIT_CODE};
 pub use handle::Handle;
 pub use metrics::average_metrics;
 pub use ops::{

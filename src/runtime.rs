@@ -50,7 +50,8 @@ fn install_panic_hook() {
             let line = format!("kolo: rank {rank} panicked on thread '{thread}'{at}: {message}; aborting the whole job\n");
             let _ = std::io::Write::write_all(&mut std::io::stderr().lock(), line.as_bytes());
             previous(info);
-            crate::transport::request_abort();
+            // The program's own failure: not one kolorun relaunches.
+            crate::transport::request_abort(1);
         }));
     });
 }

@@ -147,8 +147,9 @@ impl Engine {
         }
         if abort_requested() {
             // A panic somewhere in this process: end the whole job now rather than
-            // leave the other ranks waiting (see `runtime::install_panic_hook`).
-            self.transport.abort(1);
+            // leave the other ranks waiting (see `runtime::install_panic_hook`), with
+            // the status asked for (the watchdog's says the job may be relaunched).
+            self.transport.abort(crate::transport::abort_code());
         }
         if self.inbox.shutting_down {
             let rank = self.inbox.rank;

@@ -116,13 +116,13 @@ pub(crate) fn start(
                 awaited.get(),
             );
             let _ = std::io::Write::write_all(&mut std::io::stderr().lock(), line.as_bytes());
-            crate::transport::request_abort();
+            crate::transport::request_abort(crate::RESTARTABLE_EXIT_CODE);
             std::thread::sleep(GRACE);
             if !watched.stopped.load(Ordering::Relaxed) {
                 // The engine sits in a blocking call that will not return: end this
                 // process; mpirun then ends the others.
                 // SAFETY: `_exit` ends the process at once; no Rust state is used after.
-                unsafe { libc::_exit(1) };
+                unsafe { libc::_exit(crate::RESTARTABLE_EXIT_CODE) };
             }
             return;
         });

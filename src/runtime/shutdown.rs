@@ -170,7 +170,7 @@ impl Inner {
                  have not shut down); aborting the whole job\n"
             );
             let _ = std::io::Write::write_all(&mut std::io::stderr().lock(), line.as_bytes());
-            crate::transport::request_abort();
+            crate::transport::request_abort(crate::RESTARTABLE_EXIT_CODE);
             if !finished_within(&engine, ABORT_GRACE) {
                 std::process::abort();
             }

@@ -5,7 +5,7 @@
 //! engine thread only, so implementations need not be thread-safe, and MPI is
 //! initialised on that same thread.
 
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicI32, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -230,15 +230,26 @@ pub(crate) fn connect() -> Result<Box<dyn Transport>> {
     Ok(Box::new(mpi::MpiTransport::init()?))
 }
 
-static ABORT_REQUESTED: AtomicBool = AtomicBool::new(false);
+/// The exit status of a requested abort; 0: none requested.
+static ABORT_CODE: AtomicI32 = AtomicI32::new(0);
 
-/// Asks the engine thread to abort the whole job (from a panic hook, on any thread).
-/// The engine notices within one wait-loop iteration or one idle heartbeat.
-pub(crate) fn request_abort() {
-    ABORT_REQUESTED.store(true, Ordering::SeqCst);
+/// Asks the engine thread to abort the whole job with exit status `code` (from a panic
+/// hook or the watchdog, on any thread; the first request's code stands). The engine
+/// notices within one wait-loop iteration or one idle heartbeat.
+pub(crate) fn request_abort(code: i32) {
+    let code = if code == 0 { 1 } else { code };
+    let _ = ABORT_CODE.compare_exchange(0, code, Ordering::SeqCst, Ordering::SeqCst);
 }
 
 /// Whether [`request_abort`] was called.
 pub(crate) fn abort_requested() -> bool {
-    ABORT_REQUESTED.load(Ordering::SeqCst)
+    ABORT_CODE.load(Ordering::SeqCst) != 0
+}
+
+/// The exit status the requested abort asked for (1 when none was requested).
+pub(crate) fn abort_code() -> i32 {
+    match ABORT_CODE.load(Ordering::SeqCst) {
+        0 => 1,
+        c => c,
+    }
 }

@@ -149,6 +149,8 @@ fn collect(
 /// What a finished launch produced.
 pub(crate) struct Run {
     pub(crate) success: bool,
+    /// mpirun's exit status (None: ended by a signal).
+    pub(crate) code: Option<i32>,
     pub(crate) elapsed: Duration,
     pub(crate) output: String,
 }
@@ -316,6 +318,7 @@ pub(crate) fn launch(
     match status {
         Some(s) => Ok(Run {
             success: s.success(),
+            code: s.code(),
             elapsed,
             output,
         }),

@@ -847,6 +847,20 @@ fn main() {
                 };
                 let run = harness::mpirun(name, np, Duration::from_secs(60), &env)
                     .map_err(Failed::from)?;
+                // Issue 37, part 4: a peer that stopped answering ends the job with
+                // kolo's restartable status; a panic with the program's own.
+                let code = match name {
+                    "sigstop" => Some(kolo::RESTARTABLE_EXIT_CODE),
+                    "panic_before_collective" => Some(1),
+                    _ => run.code,
+                };
+                if run.code != code {
+                    return Err(format!(
+                        "{name} at np={np}: mpirun exited with {:?}, expected {code:?}\n{}",
+                        run.code, run.output
+                    )
+                    .into());
+                }
                 ended_by_fault(&run, &format!("{name} at np={np}"), FAULT_DEADLINE, &expect)
             }));
         }

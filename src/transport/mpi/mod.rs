@@ -157,7 +157,7 @@ impl MpiTransport {
                 return Ok(());
             }
             if abort_requested() {
-                self.abort(1);
+                self.abort(super::abort_code());
             }
             let waited = start.elapsed();
             idle(waited);

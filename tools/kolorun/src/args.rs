@@ -133,9 +133,17 @@ pub(crate) struct Args {
 
     /// Relaunch the job when it fails, up to this many times (0: never, as mpirun).
     /// Each rank finds the attempt in `KOLO_RESTART_COUNT` (0 for the first); resume
-    /// from the last checkpoint on a relaunch (e.g. `--checkpoint DIR --resume`).
+    /// from the last commit on a relaunch (e.g. `--checkpoint DIR --commit-every K`).
+    /// Relaunched: a rank that died of a signal (killed, out of memory), a job kolo
+    /// ended because a peer stopped answering (exit status 75), a failed start. Not
+    /// relaunched: the program's own error (a panic, a failed assertion, any other
+    /// exit status), unless --restart-on-error.
     #[arg(long, value_name = "N", default_value_t = 0)]
     pub(crate) max_restarts: u32,
+
+    /// With --max-restarts: relaunch on any failure, the program's own errors too.
+    #[arg(long, requires = "max_restarts")]
+    pub(crate) restart_on_error: bool,
 
     /// With --max-restarts across hosts: a host whose rank failed (or that does not
     /// answer at start) is left out of later attempts, which run on fewer ranks as

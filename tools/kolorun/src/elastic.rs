@@ -79,8 +79,39 @@ pub(crate) fn hosts_flag(hosts: &[(String, usize)]) -> String {
         .join(",")
 }
 
+/// Whether a job that ended with exit status `code` and mpirun's `cause` lines failed
+/// as a job (and may be relaunched) rather than by the program's own error: a rank
+/// died of a signal (mpirun exits with 128 + the signal, or names it), kolo ended it
+/// because a peer stopped answering ([`kolo::RESTARTABLE_EXIT_CODE`]), or mpirun could
+/// not start every rank.
+pub(crate) fn restartable(code: i32, cause: &[String]) -> bool {
+    code == kolo::RESTARTABLE_EXIT_CODE
+        || code > 128
+        || cause.iter().any(|l| {
+            let l = l.to_ascii_lowercase();
+            l.contains("signal") || l.contains("unable to") || l.contains("failed to start")
+        })
+}
+
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn signals_kolos_status_and_failed_starts_restart_program_errors_do_not() {
+        use super::restartable;
+        let none: Vec<String> = Vec::new();
+        assert!(restartable(75, &none));
+        assert!(restartable(137, &none));
+        assert!(!restartable(1, &none));
+        assert!(!restartable(3, &none));
+        let killed = vec![
+            "mpirun noticed that process rank 1 with PID 7 on node h2 exited on signal 9 (Killed)."
+                .to_string(),
+        ];
+        assert!(restartable(1, &killed));
+        let start = vec!["ORTE was unable to reliably start one or more daemons.".to_string()];
+        assert!(restartable(1, &start));
+    }
+
     use super::*;
 
     #[test]

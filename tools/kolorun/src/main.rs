@@ -166,6 +166,15 @@ fn main() {
         } else {
             format!(": {}", ended.cause.join(" | "))
         };
+        if !args.restart_on_error && !elastic::restartable(ended.code, &ended.cause) {
+            eprintln!(
+                "kolorun: attempt {} of {attempts} failed with the program's own error (exit code {}){why}; not relaunched (only signals, kolo's exit status {} and failed starts are; --restart-on-error relaunches on any failure)",
+                attempt + 1,
+                ended.code,
+                kolo::RESTARTABLE_EXIT_CODE
+            );
+            std::process::exit(ended.code);
+        }
         attempt += 1;
         if attempt >= attempts {
             eprintln!(

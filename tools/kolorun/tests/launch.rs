@@ -232,7 +232,8 @@ fn a_failed_job_is_relaunched_with_its_attempt_number() {
         .args([
             "sh",
             "-c",
-            "echo attempt $KOLO_RESTART_COUNT; test $KOLO_RESTART_COUNT -ge 2",
+            // kolo's status for a job that may be relaunched (a peer stopped answering).
+            "echo attempt $KOLO_RESTART_COUNT; test $KOLO_RESTART_COUNT -ge 2 || exit 75",
         ]));
     let (stdout, stderr) = (
         String::from_utf8_lossy(&out.stdout),
@@ -249,7 +250,7 @@ fn a_failed_job_is_relaunched_with_its_attempt_number() {
     assert!(!stdout.contains("attempt 3"), "{stdout}");
     assert_eq!(stderr.matches("; relaunching (").count(), 2, "{stderr}");
     assert!(
-        stderr.contains("attempt 1 of 4 failed (exit code 1)")
+        stderr.contains("attempt 1 of 4 failed (exit code 75)")
             && stderr.contains("(KOLO_RESTART_COUNT=1)"),
         "{stderr}"
     );
@@ -260,7 +261,14 @@ fn a_failed_job_is_relaunched_with_its_attempt_number() {
 #[test]
 fn restarts_end_when_they_are_used_up() {
     let out = run(kolorun()
-        .args(["-np", "2", "--oversubscribe", "--max-restarts", "1"])
+        .args([
+            "-np",
+            "2",
+            "--oversubscribe",
+            "--max-restarts",
+            "1",
+            "--restart-on-error",
+        ])
         .args(["sh", "-c", "echo ran; exit 3"]));
     let (stdout, stderr) = (
         String::from_utf8_lossy(&out.stdout),
@@ -285,6 +293,46 @@ fn restarts_end_when_they_are_used_up() {
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert_eq!(stdout.matches("ran").count(), 2, "one attempt: {stdout}");
     assert!(!String::from_utf8_lossy(&out.stderr).contains("relaunching"));
+}
+
+/// Issue 37, part 4: the program's own error (any exit status but kolo's 75, no
+/// signal) ends the job at once under `--max-restarts`, saying why; a rank killed by a
+/// signal is relaunched.
+#[test]
+fn a_programs_own_error_is_not_relaunched() {
+    let out = run(kolorun()
+        .args(["-np", "2", "--oversubscribe", "--max-restarts", "2"])
+        .args(["sh", "-c", "echo ran; exit 3"]));
+    let (stdout, stderr) = (
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr),
+    );
+    assert_eq!(out.status.code(), Some(3), "{stderr}");
+    assert_eq!(stdout.matches("ran").count(), 2, "one attempt: {stdout}");
+    assert!(
+        stderr.contains("failed with the program's own error (exit code 3)")
+            && stderr.contains("not relaunched")
+            && !stderr.contains("relaunching"),
+        "{stderr}"
+    );
+    // A rank that kills itself on the first attempt: relaunched, and the second
+    // attempt succeeds.
+    let out = run(kolorun()
+        .args(["-np", "2", "--oversubscribe", "--max-restarts", "2"])
+        .args([
+            "sh",
+            "-c",
+            "echo attempt $KOLO_RESTART_COUNT; if [ $KOLO_RESTART_COUNT = 0 ] && [ $OMPI_COMM_WORLD_RANK = 1 ]; then kill -9 $$; fi; sleep 0.2",
+        ]));
+    let (stdout, stderr) = (
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr),
+    );
+    assert!(out.status.success(), "{stdout}\n{stderr}");
+    assert!(
+        stderr.contains("relaunching (KOLO_RESTART_COUNT=1)"),
+        "{stderr}"
+    );
 }
 
 /// A `--host-discovery-script` gives every attempt its hosts (`host:slots` lines); the
@@ -317,7 +365,7 @@ fn discovered_hosts_set_each_attempts_ranks() {
         .args([
             "sh",
             "-c",
-            "echo attempt $KOLO_RESTART_COUNT; test $KOLO_RESTART_COUNT -ge 1",
+            "echo attempt $KOLO_RESTART_COUNT; test $KOLO_RESTART_COUNT -ge 1 || exit 75",
         ]));
     let (stdout, stderr) = (
         String::from_utf8_lossy(&out.stdout),
