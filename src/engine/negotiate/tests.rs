@@ -1,4 +1,5 @@
 use super::*;
+use crate::engine::request::TensorMeta;
 use crate::tensor::DType;
 use crate::vocab::ReduceOp;
 
@@ -318,4 +319,70 @@ fn a_device_turn_needs_its_set_only() {
     other.splits = Some(vec![0, 1, 2]);
     let r = responses(n.handle(&cycle(vec![vec![turn], vec![], vec![other]]), now));
     assert_eq!(keys(&r), ["fail:turn#1"]);
+}
+
+/// A group request keyed `key` with `members` (each a 4-float tensor).
+fn group(key: &str, members: &[&str]) -> RequestMeta {
+    let mut m = req(key, OpKind::GroupedAllgather, &[4]);
+    let t = m.tensors[0].clone();
+    m.tensors = members
+        .iter()
+        .map(|n| TensorMeta {
+            name: (*n).into(),
+            ..t.clone()
+        })
+        .collect();
+    m
+}
+
+#[test]
+fn groups_with_different_member_lists_fail_on_every_rank_naming_a_member() {
+    let now = Instant::now();
+    let mut n = Negotiator::new(3);
+    let ab = group("@group[a,b]", &["a", "b"]);
+    let abc = group("@group[a,b,c]", &["a", "b", "c"]);
+    // Ranks 0 and 2 sent {a, b}, rank 1 {a, b, c}: neither group can become ready.
+    let r = responses(n.handle(
+        &cycle(vec![vec![ab.clone()], vec![abc.clone()], vec![]]),
+        now,
+    ));
+    assert!(
+        r.is_empty(),
+        "judged before rank 2 sent anything: {:?}",
+        keys(&r)
+    );
+    let r = responses(n.handle(&cycle(vec![vec![], vec![], vec![ab.clone()]]), now));
+    assert_eq!(keys(&r), ["fail:@group[a,b]", "fail:@group[a,b,c]"]);
+    let Response::Fail { error, .. } = &r[0] else {
+        panic!("not a failure");
+    };
+    let text = error.to_string();
+    assert!(
+        text.contains(
+            "member \"a\" is in different groups: ranks 0, 2 sent [\"a\", \"b\"], rank 1 sent [\"a\", \"b\", \"c\"]"
+        ),
+        "{text}"
+    );
+    assert!(!n.has_pending(), "the failed groups stay in the table");
+}
+
+#[test]
+fn a_member_in_two_pending_groups_of_one_rank_is_not_judged() {
+    // Rank 0 has {a, b} and {b, c} pending; rank 1 sent {b, c}, rank 2 {a, b}: each
+    // group waits for one rank, which may be submitting in another order.
+    let now = Instant::now();
+    let mut n = Negotiator::new(3);
+    let ab = group("@group[a,b]", &["a", "b"]);
+    let bc = group("@group[b,c]", &["b", "c"]);
+    let r = responses(n.handle(
+        &cycle(vec![
+            vec![ab.clone(), bc.clone()],
+            vec![bc.clone()],
+            vec![ab.clone()],
+        ]),
+        now,
+    ));
+    assert!(r.is_empty(), "{:?}", keys(&r));
+    let r = responses(n.handle(&cycle(vec![vec![], vec![ab], vec![bc]]), now));
+    assert_eq!(keys(&r), ["@group[a,b]", "@group[b,c]"]);
 }
