@@ -19,22 +19,22 @@ use std::time::Instant;
 
 use anyhow::{bail, Context};
 use burn::module::Module;
-use burn::nn::conv::{Conv2d, Conv2dConfig};
 use burn::nn::loss::CrossEntropyLossConfig;
-use burn::nn::pool::{MaxPool2d, MaxPool2dConfig};
-use burn::nn::{BatchNorm, BatchNormConfig, Linear, LinearConfig, PaddingConfig2d, Relu};
 use burn::optim::{AdamConfig, GradientsParams};
-use burn::tensor::{Device, Int, Tensor, TensorData};
+use burn::tensor::Device;
 use clap::{Parser, ValueEnum};
-use kolo::Kolo;
 use kolo_burn::{
     average_metrics, broadcast_optimizer_state, broadcast_parameters, commit, load_checkpoint,
-    DistributedSampler, GradientReducer, Progress, SyncBatchNorm,
+    DistributedSampler, GradientReducer, Progress,
 };
 
 #[path = "../../shared/digits.rs"]
 mod digits;
 use digits::{load_digits, Digits};
+
+#[path = "common/cnn.rs"]
+mod cnn;
+use cnn::{batch, Cnn};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 enum Norm {
@@ -76,89 +76,6 @@ struct Args {
     min_accuracy: Option<f64>,
 }
 
-/// One of the two kinds of batch norm (a model switches by this type alone).
-#[derive(Module, Debug)]
-struct Bn {
-    sync: Option<SyncBatchNorm>,
-    plain: Option<BatchNorm>,
-}
-
-impl Bn {
-    fn new(kolo: &Kolo, norm: Norm, channels: usize, device: &Device) -> Self {
-        let config = BatchNormConfig::new(channels);
-        match norm {
-            Norm::Sync => Bn {
-                sync: Some(SyncBatchNorm::new(kolo, &config, device)),
-                plain: None,
-            },
-            Norm::Batch => Bn {
-                sync: None,
-                plain: Some(config.init(device)),
-            },
-        }
-    }
-
-    fn forward(&self, x: Tensor<4>) -> Tensor<4> {
-        match (&self.sync, &self.plain) {
-            (Some(s), _) => s.forward(x),
-            (None, Some(p)) => p.forward(x),
-            (None, None) => x,
-        }
-    }
-}
-
-#[derive(Module, Debug)]
-struct Cnn {
-    conv1: Conv2d,
-    bn1: Bn,
-    conv2: Conv2d,
-    bn2: Bn,
-    pool: MaxPool2d,
-    act: Relu,
-    head: Linear,
-}
-
-impl Cnn {
-    fn new(kolo: &Kolo, norm: Norm, device: &Device) -> Self {
-        let conv = |i, o| {
-            Conv2dConfig::new([i, o], [3, 3])
-                .with_padding(PaddingConfig2d::Explicit(1, 1, 1, 1))
-                .init(device)
-        };
-        Cnn {
-            conv1: conv(1, 16),
-            bn1: Bn::new(kolo, norm, 16, device),
-            conv2: conv(16, 32),
-            bn2: Bn::new(kolo, norm, 32, device),
-            pool: MaxPool2dConfig::new([2, 2]).init(),
-            act: Relu::new(),
-            head: LinearConfig::new(32 * 4 * 4, 10).init(device),
-        }
-    }
-
-    fn forward(&self, x: Tensor<4>) -> Tensor<2> {
-        let x = self.act.forward(self.bn1.forward(self.conv1.forward(x)));
-        let x = self.act.forward(self.bn2.forward(self.conv2.forward(x)));
-        let x = self.pool.forward(x);
-        let [b, c, h, w] = x.dims();
-        self.head.forward(x.reshape([b, c * h * w]))
-    }
-}
-
-/// The images `ids` as `[n, 1, 8, 8]` and their labels.
-fn batch(d: &Digits, ids: &[usize], device: &Device) -> (Tensor<4>, Tensor<1, Int>) {
-    let mut x = Vec::with_capacity(ids.len() * 64);
-    let mut y = Vec::with_capacity(ids.len());
-    for &i in ids {
-        x.extend_from_slice(&d.x[i * 64..(i + 1) * 64]);
-        y.push(d.y[i]);
-    }
-    (
-        Tensor::from_data(TensorData::new(x, [ids.len(), 1, 8, 8]), device),
-        Tensor::from_data(TensorData::new(y, [ids.len()]), device),
-    )
-}
-
 /// Correct predictions of the evaluation copy `model` (running statistics, no
 /// communication) on `ids`.
 fn correct(model: &Cnn, d: &Digits, ids: &[usize], device: &Device) -> anyhow::Result<usize> {
@@ -192,7 +109,11 @@ fn main() -> anyhow::Result<()> {
     let device = plain_device.clone().autodiff();
     let data = load_digits(args.seed);
     device.seed(args.seed);
-    let model = broadcast_parameters(&kolo, Cnn::new(&kolo, args.norm, &device), 0)?;
+    let model = broadcast_parameters(
+        &kolo,
+        Cnn::new((args.norm == Norm::Sync).then_some(&kolo), &device),
+        0,
+    )?;
     let optim = AdamConfig::new().init();
     let resume = args.resume || kolo::restart_count() > 0;
     let (mut model, optim, start) = match &args.checkpoint {
