@@ -214,6 +214,25 @@ pub enum Error {
 }
 
 impl Error {
+    /// Whether this is the job's failure rather than the program's: another rank left
+    /// ([`Error::RankLeft`]) or the stall inspector ended the pending ops
+    /// ([`Error::Stalled`]). Relaunching the job (on the ranks that remain) may get past
+    /// it, so a program ending with it should exit with [`Error::exit_code`].
+    pub fn is_job_failure(&self) -> bool {
+        matches!(self, Error::RankLeft { .. } | Error::Stalled { .. })
+    }
+
+    /// The exit status for a program that ends with this error:
+    /// [`RESTARTABLE_EXIT_CODE`] for a job failure ([`is_job_failure`](Self::is_job_failure)),
+    /// which `kolorun --max-restarts` relaunches, 1 otherwise.
+    pub fn exit_code(&self) -> i32 {
+        if self.is_job_failure() {
+            RESTARTABLE_EXIT_CODE
+        } else {
+            1
+        }
+    }
+
     /// The engine on `rank` is not running (`reason`).
     pub(crate) fn engine_stopped(
         op: &'static str,

@@ -64,7 +64,13 @@ pub(crate) fn run_worker(case: &str, cases: &[(&str, Case)]) -> ! {
         Ok(()) => std::process::exit(0),
         Err(e) => {
             eprintln!("rank {rank}: case {case} failed: {e:#}");
-            std::process::exit(1);
+            // As a program should: a job failure (a rank left) exits with kolo's
+            // restartable status, anything else with 1.
+            let code = e
+                .chain()
+                .find_map(|c| c.downcast_ref::<kolo::Error>())
+                .map_or(1, kolo::Error::exit_code);
+            std::process::exit(code);
         }
     }
 }

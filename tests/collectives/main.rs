@@ -850,7 +850,9 @@ fn main() {
                 // Issue 37, part 4: a peer that stopped answering ends the job with
                 // kolo's restartable status; a panic with the program's own.
                 let code = match name {
-                    "sigstop" => Some(kolo::RESTARTABLE_EXIT_CODE),
+                    // The watchdog; and the other ranks' ops failing with RankLeft,
+                    // which the worker turns into the same status.
+                    "sigstop" | "early_exit" => Some(kolo::RESTARTABLE_EXIT_CODE),
                     "panic_before_collective" => Some(1),
                     _ => run.code,
                 };

@@ -207,7 +207,29 @@ fn learning_rate(args: &Args, ranks: usize, progress: f64) -> f64 {
     args.lr * (1.0 + (ranks as f64 - 1.0) * warm)
 }
 
-fn main() -> anyhow::Result<()> {
+/// Runs the training; a failure of the job (another rank left, a stall) exits with
+/// `kolo::RESTARTABLE_EXIT_CODE`, so that `kolorun --max-restarts` relaunches it, the
+/// program's own errors with 1.
+fn main() {
+    if let Err(e) = run() {
+        let code = e
+            .chain()
+            .find_map(|c| {
+                c.downcast_ref::<kolo::Error>()
+                    .or_else(|| match c.downcast_ref() {
+                        Some(kolo_burn::Error::Kolo(k)) => Some(k),
+                        _ => None,
+                    })
+            })
+            .map_or(1, kolo::Error::exit_code);
+        // One write, so that mpirun's tagged output keeps the line whole.
+        let line = format!("train_digits: {e:#}\n");
+        let _ = std::io::Write::write_all(&mut std::io::stderr().lock(), line.as_bytes());
+        std::process::exit(code);
+    }
+}
+
+fn run() -> anyhow::Result<()> {
     let args = Args::parse();
     let kolo = kolo::init()?;
     let (rank, size) = (kolo.rank(), kolo.size());
