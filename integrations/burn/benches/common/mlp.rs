@@ -9,6 +9,9 @@ use burn::nn::{Linear, LinearConfig, Relu};
 use burn::optim::GradientsParams;
 use burn::tensor::{Device, Int, Tensor, TensorData};
 
+#[path = "../../../shared/synthetic.rs"]
+mod synthetic;
+
 /// Samples per rank per step (the pipeline model's batch is [`batch_size`]).
 pub(crate) const BATCH: usize = 64;
 
@@ -89,19 +92,8 @@ pub(crate) fn batch(
     device: &Device,
 ) -> (Tensor<2>, Tensor<1, Int>) {
     let (inputs, classes) = (dims[0], dims[dims.len() - 1]);
-    let mut s = seed as u64 * 0x9E37_79B9_7F4A_7C15 + 1;
-    let mut next = || {
-        s ^= s << 13;
-        s ^= s >> 7;
-        s ^= s << 17;
-        s
-    };
-    let x: Vec<f32> = (0..rows * inputs)
-        .map(|_| (next() % 1000) as f32 / 1000.0)
-        .collect();
-    let y: Vec<i64> = (0..rows)
-        .map(|_| (next() % classes as u64) as i64)
-        .collect();
+    let (x, y) = synthetic::batch(seed, inputs, classes, rows);
+    let y: Vec<i64> = y.into_iter().map(|c| c as i64).collect();
     (
         Tensor::from_data(TensorData::new(x, [rows, inputs]), device),
         Tensor::from_data(TensorData::new(y, [rows]), device),

@@ -7,6 +7,9 @@ use std::time::Instant;
 use candle_core::{DType, Device, Result, Tensor};
 use candle_nn::{linear, Linear, Module, Optimizer, VarBuilder, VarMap};
 
+#[path = "../../../shared/synthetic.rs"]
+mod synthetic;
+
 /// Samples per rank per step.
 pub(crate) const BATCH: usize = 64;
 /// SGD's learning rate.
@@ -51,19 +54,8 @@ impl Mlp {
 /// A fixed synthetic batch (the same every step), different per `seed`.
 pub(crate) fn batch(seed: usize, dims: &[usize], rows: usize) -> Result<(Tensor, Tensor)> {
     let (inputs, classes) = (dims[0], dims[dims.len() - 1]);
-    let mut s = seed as u64 * 0x9E37_79B9_7F4A_7C15 + 1;
-    let mut next = || {
-        s ^= s << 13;
-        s ^= s >> 7;
-        s ^= s << 17;
-        s
-    };
-    let x: Vec<f32> = (0..rows * inputs)
-        .map(|_| (next() % 1000) as f32 / 1000.0)
-        .collect();
-    let y: Vec<u32> = (0..rows)
-        .map(|_| (next() % classes as u64) as u32)
-        .collect();
+    let (x, y) = synthetic::batch(seed, inputs, classes, rows);
+    let y: Vec<u32> = y.into_iter().map(|c| c as u32).collect();
     Ok((
         Tensor::from_vec(x, (rows, inputs), &Device::Cpu)?,
         Tensor::from_vec(y, rows, &Device::Cpu)?,

@@ -54,17 +54,9 @@ fn samples(ids: std::ops::Range<usize>) -> candle_core::Result<(Tensor, Tensor)>
     ))
 }
 
-/// Every variable's values by name.
+/// Every variable's values by name (f32 variables).
 fn values(varmap: &VarMap) -> Result<HashMap<String, Vec<f32>>> {
-    let data = varmap
-        .data()
-        .lock()
-        .map_err(|_| anyhow::anyhow!("poisoned"))?;
-    let mut out = HashMap::new();
-    for (name, v) in data.iter() {
-        out.insert(name.clone(), v.as_tensor().flatten_all()?.to_vec1::<f32>()?);
-    }
-    Ok(out)
+    values_f32(varmap)
 }
 
 /// Sets `to`'s variables to `from`'s values, by name.
