@@ -23,6 +23,21 @@ fn by_dtype(tensors: &[Tensor]) -> Vec<(DType, Vec<usize>)> {
     out
 }
 
+/// A dtype's `members` as (packed together, on their own): those of at most `max`
+/// bytes go through the fusion buffer, unless only one is that small.
+fn split(
+    members: Vec<usize>,
+    bytes: impl Fn(usize) -> usize,
+    max: usize,
+) -> (Vec<usize>, Vec<usize>) {
+    let (small, large): (Vec<usize>, Vec<usize>) =
+        members.into_iter().partition(|&i| bytes(i) <= max);
+    match small.as_slice() {
+        [_] => (Vec::new(), [large, small].concat()),
+        _ => (small, large),
+    }
+}
+
 /// Every member concatenated on dim 0 over the ranks, in member order.
 pub(super) fn allgather(
     t: &mut dyn Transport,
@@ -43,13 +58,7 @@ pub(super) fn allgather(
         .collect();
     for (dtype, members) in by_dtype(&tensors) {
         let w = dtype.size_of();
-        let (small, large): (Vec<usize>, Vec<usize>) = members
-            .into_iter()
-            .partition(|&i| outputs[i].num_bytes() <= buffer.max_tensor);
-        let (small, large) = match small.as_slice() {
-            [_] => (Vec::new(), [large, small].concat()),
-            _ => (small, large),
-        };
+        let (small, large) = split(members, |i| outputs[i].num_bytes(), buffer.max_tensor);
         for i in large {
             if !outputs[i].is_empty() {
                 t.allgatherv(
@@ -122,13 +131,7 @@ pub(super) fn reducescatter(
     let post = post_factor(meta, size);
     for (dtype, members) in by_dtype(&tensors) {
         let w = dtype.size_of();
-        let (small, large): (Vec<usize>, Vec<usize>) = members
-            .into_iter()
-            .partition(|&i| tensors[i].num_bytes() <= buffer.max_tensor);
-        let (small, large) = match small.as_slice() {
-            [_] => (Vec::new(), [large, small].concat()),
-            _ => (small, large),
-        };
+        let (small, large) = split(members, |i| tensors[i].num_bytes(), buffer.max_tensor);
         for i in large {
             scale_bytes(tensors[i].host_bytes_mut(), dtype, meta.prescale);
             t.reduce_scatter(

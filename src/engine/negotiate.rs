@@ -280,30 +280,13 @@ impl Negotiator {
             if twice || !covered {
                 continue;
             }
-            let lists: Vec<(usize, String)> = of_rank
-                .iter()
-                .enumerate()
-                .filter_map(|(r, g)| {
-                    let m = self.table.get(&(*g)?)?.metas[r].as_ref()?;
-                    let names: Vec<&str> = m.tensors.iter().map(|t| &*t.name).collect();
-                    Some((r, format!("{names:?}")))
-                })
-                .collect();
-            let mut groups: Vec<(String, Vec<usize>)> = Vec::new();
-            for (r, l) in lists {
-                match groups.iter_mut().find(|(g, _)| *g == l) {
-                    Some((_, ranks)) => ranks.push(r),
-                    None => groups.push((l, vec![r])),
-                }
-            }
-            let sent: Vec<String> = groups
-                .iter()
-                .map(|(l, ranks)| {
-                    let who = if ranks.len() == 1 { "rank" } else { "ranks" };
-                    let list: Vec<String> = ranks.iter().map(usize::to_string).collect();
-                    format!("{who} {} sent {l}", list.join(", "))
-                })
-                .collect();
+            let lists = of_rank.iter().enumerate().filter_map(|(r, g)| {
+                let m = self.table.get(&(*g)?)?.metas[r].as_ref()?;
+                let names: Vec<&str> = m.tensors.iter().map(|t| &*t.name).collect();
+                Some((r, format!("{names:?}")))
+            });
+            // The groups differ (their keys are their member lists): two values at least.
+            let sent = ranks_sent(lists, String::clone).unwrap_or_default();
             for &seq in seqs {
                 let Some(e) = self.table.remove(&seq) else {
                     continue;
@@ -320,8 +303,7 @@ impl Negotiator {
                         name: key.to_string(),
                         message: format!(
                             "group members mismatch: member {:?} is in different groups: {}",
-                            &**member,
-                            sent.join(", ")
+                            &**member, sent
                         ),
                     },
                     key,
@@ -375,10 +357,23 @@ fn differ<T: PartialEq>(
     what: impl Fn(&RequestMeta) -> T,
     show: impl Fn(&T) -> String,
 ) -> Option<String> {
+    ranks_sent(
+        metas
+            .iter()
+            .enumerate()
+            .filter_map(|(rank, m)| Some((rank, what(m.as_ref()?)))),
+        show,
+    )
+}
+
+/// The ranks grouped by the value each sent, in order of first appearance, as
+/// `rank 0 sent X, ranks 1, 2 sent Y`; `None` when they all sent the same.
+fn ranks_sent<T: PartialEq>(
+    sent: impl IntoIterator<Item = (usize, T)>,
+    show: impl Fn(&T) -> String,
+) -> Option<String> {
     let mut groups: Vec<(T, Vec<usize>)> = Vec::new();
-    for (rank, m) in metas.iter().enumerate() {
-        let Some(m) = m else { continue };
-        let v = what(m);
+    for (rank, v) in sent {
         match groups.iter_mut().find(|(g, _)| *g == v) {
             Some((_, ranks)) => ranks.push(rank),
             None => groups.push((v, vec![rank])),
