@@ -81,16 +81,9 @@ impl GradientReducer {
     /// divides by the set's size. On a rank outside the set, `reduce` fails naming the
     /// rank and the set.
     pub fn process_set(mut self, set: &kolo::ProcessSet) -> Self {
-        match set.kolo() {
-            Some(k) => self.kolo = k.clone(),
-            None => {
-                self.refused = Some(format!(
-                "rank {} is not in process set {} (ranks {:?}); only its ranks may reduce in it",
-                self.kolo.rank(),
-                set.id(),
-                set.ranks()
-            ))
-            }
+        match in_set(&self.kolo, set, "reduce in it") {
+            Ok(k) => self.kolo = k,
+            Err(why) => self.refused = Some(why),
         }
         self
     }
@@ -443,4 +436,20 @@ impl ModuleVisitor for Give<'_> {
             }
         }
     }
+}
+/// `set`'s handle for this rank (`kolo`'s rank), or why this rank cannot `may` in it
+/// (it is outside the set): the refusal kolo-burn's process-set options keep.
+pub(crate) fn in_set(
+    kolo: &Kolo,
+    set: &kolo::ProcessSet,
+    may: &str,
+) -> std::result::Result<Kolo, String> {
+    set.kolo().cloned().ok_or_else(|| {
+        format!(
+            "rank {} is not in process set {} (ranks {:?}); only its ranks may {may}",
+            kolo.rank(),
+            set.id(),
+            set.ranks()
+        )
+    })
 }

@@ -122,16 +122,9 @@ impl SyncBatchNorm {
     /// training forward pass panics naming the rank and the set.
     pub fn process_set(mut self, set: &ProcessSet) -> Self {
         if let Some(s) = &mut self.sync {
-            match set.kolo() {
-                Some(k) => s.kolo = k.clone(),
-                None => {
-                    s.refused = Some(format!(
-                        "rank {} is not in process set {} (ranks {:?}); only its ranks may use a layer synchronized in it",
-                        s.kolo.rank(),
-                        set.id(),
-                        set.ranks()
-                    ))
-                }
+            match crate::grads::in_set(&s.kolo, set, "use a layer synchronized in it") {
+                Ok(k) => s.kolo = k,
+                Err(why) => s.refused = Some(why),
             }
         }
         self
