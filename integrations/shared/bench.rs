@@ -53,3 +53,44 @@ pub(crate) fn show(v: &[f64]) -> String {
     let (m, lo, hi) = median_range(v);
     format!("{m:8.2} [{lo:.2}-{hi:.2}]")
 }
+
+/// The value after `flag` on the command line `args`.
+pub(crate) fn arg(args: &[String], flag: &str) -> Option<String> {
+    args.iter()
+        .position(|a| a == flag)
+        .and_then(|i| args.get(i + 1))
+        .cloned()
+}
+
+/// What a benchmark launch covers.
+pub(crate) struct Plan {
+    /// No `--bench` (as `cargo test --all-targets` runs it): one short smoke run.
+    pub(crate) smoke: bool,
+    /// Repetitions: `KOLO_BENCH_REPS` (default 5), 1 for a smoke run.
+    pub(crate) reps: usize,
+    /// `--model`'s, or the small model for a smoke run, else small and big.
+    pub(crate) models: Vec<String>,
+}
+
+/// The [`Plan`] that `args` ask for.
+pub(crate) fn plan(args: &[String]) -> Plan {
+    let smoke = !args.iter().any(|a| a == "--bench");
+    let reps = if smoke {
+        1
+    } else {
+        std::env::var("KOLO_BENCH_REPS")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(5)
+    };
+    let models = match arg(args, "--model") {
+        Some(m) => vec![m],
+        None if smoke => vec!["small".into()],
+        None => vec!["small".into(), "big".into()],
+    };
+    Plan {
+        smoke,
+        reps,
+        models,
+    }
+}

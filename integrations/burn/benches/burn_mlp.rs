@@ -242,12 +242,7 @@ fn result_of(cmd: Command, what: &str) -> Result<(f64, f64)> {
 
 fn main() -> Result<()> {
     let args: Vec<String> = std::env::args().collect();
-    let arg = |k: &str| {
-        args.iter()
-            .position(|a| a == k)
-            .and_then(|i| args.get(i + 1))
-            .cloned()
-    };
+    let arg = |k: &str| bench::arg(&args, k);
     let device_arg = arg("--device").unwrap_or_else(|| "flex".into());
     if let Some(model) = arg("--worker") {
         let path = arg("--path").unwrap_or_else(|| "reducer".into());
@@ -256,20 +251,11 @@ fn main() -> Result<()> {
         let backend = device_arg.parse().map_err(anyhow::Error::msg)?;
         return worker(&model, &path, backend, warmup, steps);
     }
-    let smoke = !args.iter().any(|a| a == "--bench");
-    let reps: usize = if smoke {
-        1
-    } else {
-        std::env::var("KOLO_BENCH_REPS")
-            .ok()
-            .and_then(|v| v.parse().ok())
-            .unwrap_or(5)
-    };
-    let models: Vec<String> = match arg("--model") {
-        Some(m) => vec![m],
-        None if smoke => vec!["small".into()],
-        None => vec!["small".into(), "big".into()],
-    };
+    let bench::Plan {
+        smoke,
+        reps,
+        models,
+    } = bench::plan(&args);
     let backend: kolo_burn::Backend = device_arg.parse().map_err(anyhow::Error::msg)?;
     // NCCL refuses two ranks on one GPU.
     let nps: &[&str] =

@@ -68,30 +68,16 @@ fn worker(model: &str, warmup: usize, steps: usize) -> Result<()> {
 
 fn main() -> Result<()> {
     let args: Vec<String> = std::env::args().collect();
-    let arg = |k: &str| {
-        args.iter()
-            .position(|a| a == k)
-            .and_then(|i| args.get(i + 1))
-            .cloned()
-    };
+    let arg = |k: &str| bench::arg(&args, k);
     let count = |k: &str, default: usize| arg(k).and_then(|v| v.parse().ok()).unwrap_or(default);
     if let Some(model) = arg("--worker") {
         return worker(&model, count("--warmup", 3), count("--steps", 20));
     }
-    let smoke = !args.iter().any(|a| a == "--bench");
-    let reps: usize = if smoke {
-        1
-    } else {
-        std::env::var("KOLO_BENCH_REPS")
-            .ok()
-            .and_then(|v| v.parse().ok())
-            .unwrap_or(5)
-    };
-    let models: Vec<String> = match arg("--model") {
-        Some(m) => vec![m],
-        None if smoke => vec!["small".into()],
-        None => vec!["small".into(), "big".into()],
-    };
+    let bench::Plan {
+        smoke,
+        reps,
+        models,
+    } = bench::plan(&args);
     let exe = std::env::current_exe()?;
     // Cargo builds the package's binaries before its benchmarks and gives their paths.
     let plain = std::path::PathBuf::from(env!("CARGO_BIN_EXE_kolo-candle-plain-mlp"));
