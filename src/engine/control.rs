@@ -74,6 +74,8 @@ pub(super) enum Negotiation {
     Ready {
         responses: Vec<Response>,
         tuning: Option<Settings>,
+        /// When the agreement ended (the responses' negotiation spans end here).
+        at: Instant,
     },
 }
 
@@ -103,6 +105,7 @@ impl Control {
         inbox: &mut Inbox,
         tuning: &mut Option<Settings>,
         poll: &mut dyn FnMut(&mut Inbox),
+        started: Instant,
     ) -> Result<Negotiation> {
         Negotiate {
             t,
@@ -110,6 +113,7 @@ impl Control {
             control: self,
             tuning,
             poll,
+            started,
         }
         .run()
     }
@@ -122,6 +126,8 @@ struct Negotiate<'a> {
     control: &'a mut Control,
     tuning: &'a mut Option<Settings>,
     poll: &'a mut dyn FnMut(&mut Inbox),
+    /// When the cycle started (one clock read per cycle serves its bookkeeping).
+    started: Instant,
 }
 
 impl Negotiate<'_> {
@@ -196,6 +202,7 @@ impl Negotiate<'_> {
         Ok(Negotiation::Ready {
             responses,
             tuning: msgs.first().and_then(|m| m.tuning),
+            at: now,
         })
     }
 
@@ -212,7 +219,10 @@ impl Negotiate<'_> {
             || self.control.stall_abort
             || self.tuning.is_some();
         let cache_words = self.control.cache.words();
-        let mut words = vec![0u64; 1 + cache_words + 2 * SPEC_SLOTS];
+        // On the stack for the default cache capacity: a small op's cycle allocates
+        // as little as it can.
+        let mut words: SmallVec<[u64; 64]> =
+            smallvec::smallvec![0u64; 1 + cache_words + 2 * SPEC_SLOTS];
         words[0] = u64::from(!has_full);
         for &slot in self.inbox.announced.keys() {
             cache::set_bit(&mut words[1..=cache_words], slot);
@@ -349,7 +359,7 @@ impl Negotiate<'_> {
         }
         // Looking at every bit-announced request's age is not free with thousands of
         // them: do it a few times per stall interval, not every cycle.
-        let now = Instant::now();
+        let now = self.started;
         if self.control.stall.enabled() && now >= self.control.next_demotion_scan {
             let limit = self.control.stall.after() / 2;
             // Capped, so that a stall time near `Duration::MAX` cannot overflow the Instant.

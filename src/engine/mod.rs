@@ -138,8 +138,12 @@ impl Engine {
     /// by a panic elsewhere in this process, failing everything once this rank shuts
     /// down. Returns how the engine ended, if it did.
     fn step(&mut self) -> Option<End> {
+        // One clock read for the cycle's bookkeeping (the watchdog's mark, the
+        // heartbeat, the cycle's start): a small op's cycle takes a few microseconds.
+        let now = Instant::now();
+        self.last_cycle = now;
         if let Some(p) = &self.progress {
-            p.mark(self.cycles);
+            p.mark(self.cycles, now);
         }
         #[cfg(feature = "fault-injection")]
         if self.fault_panic && self.cycles >= 2 {
@@ -158,9 +162,8 @@ impl Engine {
             self.p2p
                 .fail_all(|op, name| Error::engine_stopped(op, name, rank, why));
         }
-        self.last_cycle = Instant::now();
         let leaving = self.inbox.shutting_down;
-        match self.cycle() {
+        match self.cycle(now) {
             Ok(Some(left)) => Some(End::RankLeft(left)),
             Ok(None) if leaving => Some(End::Left),
             Ok(None) => None,
@@ -328,8 +331,7 @@ impl Engine {
 
     /// One negotiation cycle and the responses it makes ready. Returns the rank that
     /// left, if one did.
-    fn cycle(&mut self) -> Result<Option<usize>> {
-        let cycle_start = Instant::now();
+    fn cycle(&mut self, cycle_start: Instant) -> Result<Option<usize>> {
         self.cycles += 1;
         self.exec.timeline.cycle_start(cycle_start);
         let gpu = &mut self.exec.gpu;
@@ -345,23 +347,28 @@ impl Engine {
             &mut self.inbox,
             &mut self.tuning.pending,
             &mut poll,
+            cycle_start,
         )?;
-        let (responses, tuning) = match negotiated {
+        let (responses, tuning, ready_at) = match negotiated {
             Negotiation::RankLeft(left) => return Ok(Some(left)),
-            Negotiation::Ready { responses, tuning } => (responses, tuning),
+            Negotiation::Ready {
+                responses,
+                tuning,
+                at,
+            } => (responses, tuning, at),
         };
         let reduced_bytes: u64 = responses.iter().map(tuned_bytes).sum();
-        self.execute(responses);
+        self.execute(responses, ready_at);
         self.after_cycle(tuning, reduced_bytes, cycle_start);
         Ok(None)
     }
 
     /// Execution: runs the agreed responses, fused as the plan says.
-    fn execute(&mut self, responses: Vec<Response>) {
+    fn execute(&mut self, responses: Vec<Response>, ready_at: Instant) {
         self.exec.run(
             &mut *self.transport,
             &mut self.inbox.pending,
-            responses,
+            (responses, ready_at),
             self.control.agreed.fusion_threshold,
             self.control.agreed.fusion_max_tensor,
         );
@@ -382,8 +389,7 @@ impl Engine {
         if let Some(s) = tuning {
             self.apply_tuning(s);
         }
-        self.tuning
-            .observe(reduced_bytes, cycle_start, Instant::now());
+        self.tuning.observe(reduced_bytes, cycle_start, now);
     }
 
     /// Switches to the autotuner's settings: every rank does this at the end of the

@@ -53,18 +53,18 @@ impl Executor {
 pub(super) type Pending = FxHashMap<Key, Request>;
 
 impl Executor {
-    /// Runs the agreed responses of a cycle, fused as the plan for `fusion_threshold`
-    /// and tensors up to `max_tensor` bytes says, completing the handles of this
-    /// rank's requests.
+    /// Runs the agreed responses of a cycle (agreed at `ready_at`), fused as the plan
+    /// for `fusion_threshold` and tensors up to `max_tensor` bytes says, completing the
+    /// handles of this rank's requests.
     pub(super) fn run(
         &mut self,
         t: &mut dyn Transport,
         pending: &mut Pending,
-        responses: Vec<Response>,
+        (responses, ready_at): (Vec<Response>, Instant),
         fusion_threshold: usize,
         max_tensor: usize,
     ) {
-        self.ready_at = Instant::now();
+        self.ready_at = ready_at;
         self.fusion_buffer.max_tensor = max_tensor;
         let steps = fusion::plan(
             &responses,
@@ -160,9 +160,14 @@ impl Executor {
         }
     }
 
+    /// When an op starts, if the timeline records it (no clock read otherwise).
+    fn op_start(&self) -> Option<Instant> {
+        self.timeline.enabled().then(Instant::now)
+    }
+
     /// Records an op's span, from `started` to now, on the timeline.
-    fn trace_op(&mut self, meta: &RequestMeta, started: Instant) {
-        if self.timeline.enabled() {
+    fn trace_op(&mut self, meta: &RequestMeta, started: Option<Instant>) {
+        if let Some(started) = started.filter(|_| self.timeline.enabled()) {
             let (args, end) = (trace_args(meta), Instant::now());
             let phase = meta.kind.name().to_ascii_uppercase();
             for t in &meta.tensors {
@@ -189,7 +194,7 @@ impl Executor {
                     None => (None, None),
                 };
                 let span = tracing::debug_span!("op", kind = ready.kind.name(), key = %ready.key);
-                let started = Instant::now();
+                let started = self.op_start();
                 if ready.first().device == request::Device::Cuda {
                     // Enqueued on the GPU; the handle completes when the device is done.
                     span.in_scope(|| self.gpu.respond(t, &ready, tensors, done));
@@ -211,7 +216,7 @@ impl Executor {
                     return;
                 };
                 self.trace_negotiation(&req.meta, req.submitted);
-                let started = Instant::now();
+                let started = self.op_start();
                 let size = t.topology().size;
                 let result = execute::finish_speculated(&ready, req.tensors, &mut sum, size);
                 self.trace_op(ready.first(), started);

@@ -39,9 +39,10 @@ impl Progress {
         }
     }
 
-    /// The engine finished a cycle (or started serving).
-    pub(crate) fn mark(&self, cycles: u64) {
-        let ms = u64::try_from(self.start.elapsed().as_millis()).unwrap_or(u64::MAX);
+    /// The engine finished a cycle (or started serving) at `now`.
+    pub(crate) fn mark(&self, cycles: u64, now: Instant) {
+        let since = now.saturating_duration_since(self.start);
+        let ms = u64::try_from(since.as_millis()).unwrap_or(u64::MAX);
         self.last_ms.store(ms, Ordering::Relaxed);
         self.cycles.store(cycles, Ordering::Relaxed);
     }

@@ -90,7 +90,13 @@ impl Rank {
     fn responses(&mut self) -> Result<Vec<Response>, Negotiation> {
         let negotiated = self
             .control
-            .negotiate(&mut self.t, &mut self.inbox, &mut None, &mut |_| {})
+            .negotiate(
+                &mut self.t,
+                &mut self.inbox,
+                &mut None,
+                &mut |_| {},
+                Instant::now(),
+            )
             .unwrap();
         let responses = match negotiated {
             Negotiation::Ready { responses, .. } => responses,

@@ -29,6 +29,7 @@ mod rings;
 mod setup;
 mod types;
 
+use smallvec::SmallVec;
 use std::ffi::{c_int, c_void};
 use std::time::{Duration, Instant};
 
@@ -310,10 +311,13 @@ impl Transport for MpiTransport {
         }
         // One message per step: the words, then the f32 values two to a word.
         let nw = words.len();
-        let mut mine = vec![0u64; nw + sum.len().div_ceil(2)];
+        // On the stack for the default cache capacity (a cycle of a small op should not
+        // allocate).
+        let len = nw + sum.len().div_ceil(2);
+        let mut mine: SmallVec<[u64; 128]> = smallvec::smallvec![0u64; len];
         mine[..nw].copy_from_slice(words);
         bytemuck::cast_slice_mut::<u64, f32>(&mut mine[nw..])[..sum.len()].copy_from_slice(sum);
-        let mut theirs = vec![0u64; mine.len()];
+        let mut theirs: SmallVec<[u64; 128]> = smallvec::smallvec![0u64; len];
         let combine = |mine: &mut [u64], theirs: &[u64]| {
             and_into(&mut mine[..nw], &theirs[..nw]);
             let acc = bytemuck::cast_slice_mut::<u64, f32>(&mut mine[nw..]);
