@@ -21,7 +21,7 @@
 //! ops, checked counts).
 
 mod agree;
-use agree::and_into;
+use agree::{and_into, pack_sparse, sparse_capacity, unpack_sparse, Words};
 mod group;
 mod hosts;
 mod p2p;
@@ -309,15 +309,16 @@ impl Transport for MpiTransport {
         if n == 1 {
             return Ok(());
         }
-        // One message per step: the words, then the f32 values two to a word.
+        // One message per step: the words, then the f32 values two to a word, sent
+        // sparse (`agree::pack_sparse`).
         let nw = words.len();
-        // On the stack for the default cache capacity (a cycle of a small op should not
-        // allocate).
         let len = nw + sum.len().div_ceil(2);
-        let mut mine: SmallVec<[u64; 128]> = smallvec::smallvec![0u64; len];
+        let mut mine: Words = smallvec::smallvec![0u64; len];
         mine[..nw].copy_from_slice(words);
         bytemuck::cast_slice_mut::<u64, f32>(&mut mine[nw..])[..sum.len()].copy_from_slice(sum);
-        let mut theirs: SmallVec<[u64; 128]> = smallvec::smallvec![0u64; len];
+        let mut theirs: Words = smallvec::smallvec![0u64; len];
+        let mut packed = Words::new();
+        let mut msg: Words = smallvec::smallvec![0u64; sparse_capacity(len)];
         let combine = |mine: &mut [u64], theirs: &[u64]| {
             and_into(&mut mine[..nw], &theirs[..nw]);
             let acc = bytemuck::cast_slice_mut::<u64, f32>(&mut mine[nw..]);
@@ -332,23 +333,29 @@ impl Transport for MpiTransport {
         };
         let p = 1usize << (usize::BITS - 1 - n.leading_zeros());
         if me >= p {
-            self.swap_words(CALL, me - p, Some(&mine), None, idle)?;
-            self.swap_words(CALL, me - p, None, Some(&mut mine), idle)?;
+            pack_sparse(&mine, &mut packed);
+            self.swap_words(CALL, me - p, Some(&packed), None, idle)?;
+            self.swap_words(CALL, me - p, None, Some(&mut msg), idle)?;
+            unpack_sparse(&msg, &mut mine);
         } else {
             if me + p < n {
-                self.swap_words(CALL, me + p, None, Some(&mut theirs), idle)?;
+                self.swap_words(CALL, me + p, None, Some(&mut msg), idle)?;
+                unpack_sparse(&msg, &mut theirs);
                 combine(&mut mine, &theirs);
             }
             let mut mask = 1;
             while mask < p {
-                // `swap_words` completes the send before returning, so `mine` is only
-                // changed once the peer has it.
-                self.swap_words(CALL, me ^ mask, Some(&mine), Some(&mut theirs), idle)?;
+                // `swap_words` completes the send before returning, so `packed` is
+                // only changed once the peer has it.
+                pack_sparse(&mine, &mut packed);
+                self.swap_words(CALL, me ^ mask, Some(&packed), Some(&mut msg), idle)?;
+                unpack_sparse(&msg, &mut theirs);
                 combine(&mut mine, &theirs);
                 mask <<= 1;
             }
             if me + p < n {
-                self.swap_words(CALL, me + p, Some(&mine), None, idle)?;
+                pack_sparse(&mine, &mut packed);
+                self.swap_words(CALL, me + p, Some(&packed), None, idle)?;
             }
         }
         words.copy_from_slice(&mine[..nw]);
