@@ -334,14 +334,23 @@ fn sorted_members(mut tensors: Members) -> (Members, Option<Box<[u32]>>) {
 /// The negotiation key of a group: its member names (sorted, see [`sorted_members`]),
 /// so that two different groups never collide and the same group matches on every rank.
 fn group_key(tensors: &[(String, Tensor)]) -> String {
+    use std::fmt::Write;
     // Quoted (Rust string syntax), so that names holding ", " or quotes cannot make two
-    // different groups share a key; in kolo's reserved key space.
-    let names: Vec<String> = tensors.iter().map(|(n, _)| format!("{n:?}")).collect();
-    format!(
-        "{}group[{}]",
-        crate::engine::request::RESERVED_PREFIX,
-        names.join(", ")
-    )
+    // different groups share a key; in kolo's reserved key space. Written into one
+    // string (a group of a thousand members is built on every step).
+    let names: usize = tensors.iter().map(|(n, _)| n.len() + 4).sum();
+    let mut key = String::with_capacity(names + 16);
+    key.push(crate::engine::request::RESERVED_PREFIX);
+    key.push_str("group[");
+    for (i, (n, _)) in tensors.iter().enumerate() {
+        if i > 0 {
+            key.push_str(", ");
+        }
+        // Writing into a String cannot fail.
+        let _ = write!(key, "{n:?}");
+    }
+    key.push(']');
+    key
 }
 
 /// Builder for [`Kolo::allgather`].

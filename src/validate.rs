@@ -2,8 +2,6 @@
 //! on the submitting thread so that these errors are immediate and local (the checks
 //! across ranks are in `engine::negotiate`).
 
-use std::collections::HashSet;
-
 use crate::engine::request::{OpKind, Submission, RESERVED_PREFIX};
 use crate::error::{Error, Result};
 
@@ -99,7 +97,8 @@ fn check_group(s: &Submission) -> std::result::Result<(), String> {
     if s.tensors.is_empty() {
         return Err("a group needs at least one tensor".into());
     }
-    let mut seen = HashSet::new();
+    let mut seen =
+        rustc_hash::FxHashSet::with_capacity_and_hasher(s.tensors.len(), Default::default());
     if let Some((n, _)) = s.tensors.iter().find(|(n, _)| !seen.insert(n)) {
         return Err(format!("the name {n:?} appears twice in the group"));
     }
