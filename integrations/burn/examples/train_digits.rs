@@ -38,7 +38,7 @@ use anyhow::{bail, Context};
 use burn::module::Module;
 use burn::nn::loss::{CrossEntropyLoss, CrossEntropyLossConfig};
 use burn::nn::{Linear, LinearConfig, Relu};
-use burn::optim::{AdamConfig, GradientsParams};
+use burn::optim::{AdamConfig, GradientsParams, ModuleOptimizer};
 use burn::tensor::{Device, Int, Tensor, TensorData};
 use clap::Parser;
 use indicatif::{ProgressBar, ProgressStyle};
@@ -102,8 +102,9 @@ struct Args {
     #[arg(long)]
     bench: bool,
     /// Shard Adam's state across the ranks (ZeRO: kolo_burn::ShardedOptimizer), each
-    /// rank keeping 1/N of it; the same training otherwise. Not with --checkpoint yet.
-    #[arg(long, conflicts_with = "checkpoint")]
+    /// rank keeping 1/N of it; the same training otherwise. Commits hold the whole
+    /// state (consolidated), so a job resumes at any number of ranks.
+    #[arg(long)]
     sharded_optimizer: bool,
     /// Pipeline parallelism: cut the MLP into this many stages, one per rank
     /// (kolo_burn::Pipeline); the number of ranks must be a multiple.
@@ -313,6 +314,11 @@ fn run() -> anyhow::Result<()> {
     let mut sharded = args
         .sharded_optimizer
         .then(|| ShardedOptimizer::new(&kolo, AdamConfig::new().init()));
+    if let Some(s) = &mut sharded {
+        // The restored state (consolidated when it was committed), re-sharded for this
+        // job's ranks; nothing before the first commit.
+        s.load_consolidated(&model, &optim)?;
+    }
     let loss_fn: CrossEntropyLoss = CrossEntropyLossConfig::new().init(&device);
     let sampler = DistributedSampler::new(data.train.len(), rank, size, args.seed);
     let test_shard = DistributedSampler::new(data.test.len(), rank, size, 0).without_shuffle();
@@ -372,7 +378,8 @@ fn run() -> anyhow::Result<()> {
             let stop = args.max_steps.is_some_and(|m| step >= m);
             if let Some(dir) = &args.checkpoint {
                 if stop || args.commit_every.is_some_and(|k| k > 0 && step % k == 0) {
-                    commit(&kolo, dir, &model, &optim, &at(epoch, skip, i + 1, step))
+                    let state = saved_state(&mut sharded, &model, &optim)?;
+                    commit(&kolo, dir, &model, &state, &at(epoch, skip, i + 1, step))
                         .context("committing")?;
                 }
             }
@@ -410,7 +417,8 @@ fn run() -> anyhow::Result<()> {
             );
         }
         if let Some(dir) = &args.checkpoint {
-            commit(&kolo, dir, &model, &optim, &at(epoch + 1, 0, 0, step))
+            let state = saved_state(&mut sharded, &model, &optim)?;
+            commit(&kolo, dir, &model, &state, &at(epoch + 1, 0, 0, step))
                 .context("saving the checkpoint")?;
         }
     }
@@ -441,6 +449,20 @@ fn run() -> anyhow::Result<()> {
 }
 
 /// FNV-1a over the bits of every parameter, in module order.
+/// The optimizer state a commit saves: the sharded optimizer's, consolidated (every
+/// rank's share gathered, so that the job can resume at another rank count), or the
+/// plain optimizer's.
+fn saved_state<M: Module>(
+    sharded: &mut Option<ShardedOptimizer>,
+    model: &M,
+    optim: &ModuleOptimizer,
+) -> kolo_burn::Result<ModuleOptimizer> {
+    match sharded {
+        Some(s) => s.consolidate(model),
+        None => Ok(optim.clone()),
+    }
+}
+
 fn fingerprint<M: Module>(model: &M) -> anyhow::Result<u64> {
     struct Fnv(u64, Option<String>);
     impl burn::module::ModuleVisitor for Fnv {

@@ -98,12 +98,17 @@ fn mpirun(np: usize) -> Vec<String> {
 }
 
 /// A run stopped at step 30 (`--max-steps`, a commit at 28 and at 30, mid-epoch) and
-/// resumed trains bit for bit the parameters of an uninterrupted run.
-fn resume_is_exact(np: usize) -> Result<(), String> {
-    let dir = Scratch::new("resume-exact")?;
+/// resumed trains bit for bit the parameters of an uninterrupted run (with `extra`
+/// arguments for both, e.g. the sharded optimizer, whose commits hold its
+/// consolidated state).
+fn resume_is_exact(np: usize, extra: &[&str]) -> Result<(), String> {
+    let dir = Scratch::new(&format!("resume-exact{}", extra.len()))?;
     let ck = |n: &str| dir.0.join(n).display().to_string();
     let (a, b) = (ck("a"), ck("b"));
-    let common = ["--epochs", "2", "--commit-every", "7", "--seed", "5"];
+    let common: Vec<&str> = ["--epochs", "2", "--commit-every", "7", "--seed", "5"]
+        .into_iter()
+        .chain(extra.iter().copied())
+        .collect();
     let limit = Duration::from_secs(120);
     let run = |extra: &[&str], log: &str| -> Result<String, String> {
         let args: Vec<&str> = common.iter().chain(extra).copied().collect();
@@ -220,7 +225,10 @@ fn restart_after_kill() -> Result<(), String> {
 /// The trials of this module.
 pub(crate) fn trials() -> Vec<Trial> {
     vec![
-        Trial::test("digits_resume_exact/np2", || Ok(resume_is_exact(2)?)),
+        Trial::test("digits_resume_exact/np2", || Ok(resume_is_exact(2, &[])?)),
+        Trial::test("digits_resume_exact_sharded/np2", || {
+            Ok(resume_is_exact(2, &["--sharded-optimizer"])?)
+        }),
         Trial::test(
             "digits_restart_after_kill/np2",
             || Ok(restart_after_kill()?),

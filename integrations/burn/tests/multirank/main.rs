@@ -922,6 +922,9 @@ const CASES: &[(&str, Case, &[usize])] = &[
     ("sharded_equivalence", sharded::equivalence, &[2, 4]),
     ("sharded_memory", sharded::memory, &[1, 2, 4]),
     ("sharded_bad_model", sharded::bad_model, &[2]),
+    // Launched in turn by `sharded_checkpoint_reshard` (no trials of their own).
+    ("sharded_reshard_save", sharded::reshard_save, &[]),
+    ("sharded_reshard_load", sharded::reshard_load, &[]),
     ("pipeline_equivalence", pipeline::equivalence, &[2, 4]),
     ("pipeline_bad_input", pipeline::bad_input, &[2, 4]),
     ("pipeline_checkpoint", pipeline::checkpoint, &[2, 4]),
@@ -1086,6 +1089,10 @@ fn main() {
         }
     }
     trials.extend(elastic::trials());
+    trials.push(Trial::test(
+        "sharded_checkpoint_reshard/np4-np2-np1",
+        || Ok(sharded::reshard_trial()?),
+    ));
     trials.extend(harness::gpu_trials(
         GPU_CASES,
         Duration::from_secs(300),

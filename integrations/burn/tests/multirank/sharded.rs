@@ -7,7 +7,7 @@ use burn::optim::momentum::MomentumConfig;
 use burn::optim::{AdamConfig, GradientsParams, ModuleOptimizer, SgdConfig};
 use burn::tensor::{Device, Tensor, TensorData};
 use kolo::Kolo;
-use kolo_burn::{broadcast_parameters, GradientReducer, ShardedOptimizer};
+use kolo_burn::{broadcast_parameters, save_checkpoint, GradientReducer, ShardedOptimizer};
 
 use super::{assert_close, grads_for, params, Small};
 
@@ -133,4 +133,120 @@ pub(crate) fn bad_model(k: &Kolo) -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// The global batch of the resharding test: the same samples at every rank count.
+const GLOBAL: usize = 24;
+
+/// This rank's samples of global step `step` (a contiguous share of `GLOBAL`).
+fn share(step: usize, rank: usize, size: usize) -> std::ops::Range<usize> {
+    let b = GLOBAL / size;
+    let base = step * GLOBAL;
+    base + rank * b..base + (rank + 1) * b
+}
+
+/// The scratch directory the chained launches share (`KOLO_TEST_DIR`).
+fn scratch() -> Result<std::path::PathBuf> {
+    std::env::var_os("KOLO_TEST_DIR")
+        .map(std::path::PathBuf::from)
+        .ok_or_else(|| anyhow::anyhow!("KOLO_TEST_DIR is not set"))
+}
+
+/// First launch (np 4): five steps of sharded Adam, the consolidated state saved with
+/// `save_checkpoint`, then the step an uninterrupted run takes next, whose parameters
+/// rank 0 writes down for the later launches.
+pub(crate) fn reshard_save(k: &Kolo) -> Result<()> {
+    let (rank, size) = (k.rank(), k.size());
+    let dir = scratch()?;
+    let device = Device::flex().autodiff();
+    device.seed(31);
+    let mut model = broadcast_parameters(k, Small::new(&device), 0)?;
+    let mut optim = ShardedOptimizer::new(k, AdamConfig::new().init());
+    for step in 0..5 {
+        let grads = grads_for(&model, share(step, rank, size), &device);
+        model = optim.step(0.05, model, grads)?;
+    }
+    let full = optim.consolidate(&model)?;
+    save_checkpoint(k, &dir, &model, &full, 5)?;
+    let grads = grads_for(&model, share(5, rank, size), &device);
+    let model = optim.step(0.05, model, grads)?;
+    if rank == 0 {
+        let bits: Vec<String> = params(&model)
+            .iter()
+            .map(|x| x.to_bits().to_string())
+            .collect();
+        std::fs::write(dir.join("after"), bits.join(" "))?;
+    }
+    Ok(())
+}
+
+/// Later launches (np 2, np 1): the checkpoint of `reshard_save` resumes sharded at
+/// this rank count and unsharded (the plain optimizer loading the consolidated state),
+/// and both take the uninterrupted run's next step.
+pub(crate) fn reshard_load(k: &Kolo) -> Result<()> {
+    let (rank, size) = (k.rank(), k.size());
+    let dir = scratch()?;
+    let device = Device::flex().autodiff();
+    let want: Vec<f32> = std::fs::read_to_string(dir.join("after"))?
+        .split_whitespace()
+        .map(|b| b.parse::<u32>().map(f32::from_bits))
+        .collect::<Result<_, _>>()?;
+    let r = kolo_burn::load_checkpoint(k, &dir, Small::new(&device), AdamConfig::new().init())?
+        .ok_or_else(|| anyhow::anyhow!("no checkpoint in {}", dir.display()))?;
+    ensure!(r.step == 5, "checkpoint of step {}", r.step);
+    let mut sharded = ShardedOptimizer::new(k, AdamConfig::new().init());
+    sharded.load_consolidated(&r.model, &r.optim)?;
+    let grads = grads_for(&r.model, share(5, rank, size), &device);
+    let a = sharded.step(0.05, r.model.clone(), grads)?;
+    assert_close(
+        &format!("sharded Adam saved at np 4, resumed at np {size}"),
+        &params(&a),
+        &want,
+        1e-5,
+    )?;
+    let mut plain = r.optim;
+    let grads = GradientReducer::new(k)
+        .reduce(&r.model, grads_for(&r.model, share(5, rank, size), &device))?;
+    let b = plain.step(0.05, r.model, grads);
+    assert_close(
+        &format!("the plain optimizer from the consolidated state, at np {size}"),
+        &params(&b),
+        &want,
+        1e-5,
+    )?;
+    // A state that is not this model's is refused on every rank, naming the parameter.
+    let other = ShardedOptimizer::new(k, AdamConfig::new().init()).load_consolidated(
+        &Wide {
+            fc1: LinearConfig::new(8, 16).init(&device),
+            act: Relu::new(),
+            fc2: LinearConfig::new(16, 4).init(&device),
+        },
+        &plain,
+    );
+    match other {
+        Ok(()) => anyhow::bail!("another model's optimizer state was taken"),
+        Err(e) => ensure!(e.to_string().contains("fc1.weight"), "{e}"),
+    }
+    Ok(())
+}
+
+/// The chained launches: saved at np 4, resumed at np 2 and at np 1.
+pub(crate) fn reshard_trial() -> Result<(), String> {
+    let dir = std::env::temp_dir().join(format!("kolo-sharded-reshard-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).map_err(|e| e.to_string())?;
+    let d = dir.display().to_string();
+    let env = [("KOLO_TEST_DIR", d.as_str()), ("RAYON_NUM_THREADS", "1")];
+    let limit = std::time::Duration::from_secs(180);
+    let result = (|| {
+        super::harness::mpirun("sharded_reshard_save", 4, limit, &env)?
+            .succeeded("saving at np 4")?;
+        for np in [2, 1] {
+            super::harness::mpirun("sharded_reshard_load", np, limit, &env)?
+                .succeeded(&format!("resuming at np {np}"))?;
+        }
+        Ok(())
+    })();
+    let _ = std::fs::remove_dir_all(&dir);
+    result
 }

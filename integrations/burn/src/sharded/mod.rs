@@ -12,6 +12,8 @@ use kolo::{Kolo, ReduceOp};
 use crate::error::{Error, Result};
 use crate::layout::Layout;
 
+mod consolidate;
+
 /// A drop-in for Burn's `ModuleOptimizer` in a training loop that keeps only this
 /// rank's share of the optimizer state (DeepSpeed's ZeRO stage 1, and stage 2 for the
 /// reduced gradients; PyTorch's `ZeroRedundancyOptimizer`), across processes and
@@ -51,7 +53,24 @@ use crate::layout::Layout;
 /// parameter, i.e. a `ModuleOptimizer` with gradient clipping — a range mixes
 /// parameters), which would need sharding by whole tensors; parameters other than f32;
 /// gradient accumulation (accumulate with Burn's `GradientsAccumulator` before
-/// `step`); process sets; saving the sharded state in [`save_checkpoint`](crate::save_checkpoint).
+/// `step`); process sets.
+///
+/// **Checkpoints.** [`consolidate`](Self::consolidate) gives the whole state as the
+/// plain optimizer holds it (every rank's share gathered), which
+/// [`save_checkpoint`](crate::save_checkpoint) and [`commit`](crate::commit) save like
+/// any optimizer; [`load_consolidated`](Self::load_consolidated) takes this rank's share
+/// back at any number of ranks, and the plain optimizer loads it as its own:
+/// ```no_run
+/// # use burn::module::Module;
+/// # fn demo<M: Module>(kolo: &kolo::Kolo, model: M, optim: &mut kolo_burn::ShardedOptimizer, dir: &std::path::Path) -> kolo_burn::Result<()> {
+/// use burn::optim::AdamConfig;
+/// kolo_burn::save_checkpoint(kolo, dir, &model, &optim.consolidate(&model)?, 100)?;
+/// // later, at any number of ranks:
+/// if let Some(r) = kolo_burn::load_checkpoint(kolo, dir, model, AdamConfig::new().init())? {
+///     optim.load_consolidated(&r.model, &r.optim)?;
+/// }
+/// # Ok(()) }
+/// ```
 ///
 /// **Gradients** must be this rank's own, straight from `backward`: gradients already
 /// averaged by a [`GradientReducer`](crate::GradientReducer) would be averaged again,
