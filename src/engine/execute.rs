@@ -453,7 +453,7 @@ fn reducescatter(
     let dtype = tensor.dtype();
     scale_bytes(tensor.host_bytes_mut(), dtype, meta.prescale);
     t.reduce_scatter(
-        tensor.host_bytes(),
+        tensor.host_bytes_mut(),
         out.host_bytes_mut(),
         &counts,
         dtype,

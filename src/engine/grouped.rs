@@ -135,7 +135,7 @@ pub(super) fn reducescatter(
         for i in large {
             scale_bytes(tensors[i].host_bytes_mut(), dtype, meta.prescale);
             t.reduce_scatter(
-                tensors[i].host_bytes(),
+                tensors[i].host_bytes_mut(),
                 outputs[i].host_bytes_mut(),
                 &layouts[i].0,
                 dtype,

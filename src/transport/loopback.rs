@@ -417,7 +417,7 @@ impl Transport for Loopback {
 
     fn reduce_scatter(
         &mut self,
-        send: &[u8],
+        send: &mut [u8],
         recv: &mut [u8],
         counts: &[usize],
         dtype: DType,

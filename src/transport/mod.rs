@@ -210,10 +210,10 @@ pub(crate) trait Transport: Send {
     ) -> Result<()>;
 
     /// Reduces `send` over all ranks and leaves block `r` (of `counts[r]` elements) on
-    /// rank `r`.
+    /// rank `r`. `send` may be used as scratch (its contents are undefined after).
     fn reduce_scatter(
         &mut self,
-        send: &[u8],
+        send: &mut [u8],
         recv: &mut [u8],
         counts: &[usize],
         dtype: DType,

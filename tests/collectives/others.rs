@@ -319,3 +319,43 @@ pub(crate) fn hierarchical_allgather(k: &Kolo) -> Result<()> {
     }
     Ok(())
 }
+
+/// Reduce-scatters large enough for the ring (256 KiB and up on one host), every
+/// dtype, uneven rows and a row length that is not a multiple of the ranks, Sum and
+/// Average: each rank gets its rows of the sum, the same bits everywhere.
+pub(crate) fn large_reducescatter(k: &Kolo) -> Result<()> {
+    let (rank, size) = (k.rank(), k.size());
+    for dtype in DTYPES {
+        let cols = ((600 << 10) / (dtype.size_of() * (2 * size + 1))) | 1;
+        let d0 = 2 * size + 1;
+        let n = d0 * cols;
+        let of = |r: usize| values(dtype, n, size, &mut Rng::new(5 + 131 * r as u64));
+        let mut sum = vec![0.0; n];
+        for r in 0..size {
+            for (s, x) in sum.iter_mut().zip(of(r)) {
+                *s += x;
+            }
+        }
+        let rows = |r: usize| 2 + usize::from(r == 0);
+        let start: usize = (0..rank).map(rows).sum::<usize>() * cols;
+        let mine = start..start + rows(rank) * cols;
+        let name = format!("rs.large.{dtype:?}");
+        let out = k
+            .reducescatter(&name, tensor(dtype, &of(rank), &[d0, cols])?)
+            .op(ReduceOp::Sum)
+            .wait()?;
+        ensure!(
+            out.shape() == [rows(rank), cols],
+            "{name}: shape {:?}",
+            out.shape()
+        );
+        assert_close(&name, dtype, &to_f64(&out)?, &sum[mine.clone()])?;
+        let name = format!("rs.large.avg.{dtype:?}");
+        let v = of(0);
+        let out = k
+            .reducescatter(&name, tensor(dtype, &v, &[d0, cols])?)
+            .wait()?;
+        assert_close(&name, dtype, &to_f64(&out)?, &v[mine])?;
+    }
+    Ok(())
+}

@@ -42,8 +42,9 @@ use mpi::Threading;
 use group::{allgatherv_on, allreduce_in_place, reduce_scatter_on, Group};
 use hosts::Hosts;
 use rings::{
-    ring_allreduce, ring_allreduce_many, GROUPED_RING_BELOW_BYTES_PER_S, IN_PLACE_GROUP_BYTES,
-    PROBE_BYTES, RING_MIN_BYTES_HOSTS, RING_MIN_BYTES_ONE_HOST, RING_SEGMENT_BYTES,
+    ring_allreduce, ring_allreduce_many, ring_reduce_scatter, GROUPED_RING_BELOW_BYTES_PER_S,
+    IN_PLACE_GROUP_BYTES, PROBE_BYTES, RING_MIN_BYTES_HOSTS, RING_MIN_BYTES_ONE_HOST,
+    RING_REDUCE_SCATTER_MIN_BYTES, RING_SEGMENT_BYTES,
 };
 use types::{
     check, count, counts, datatype, null_request, per_rank, predefined_op, sized, to_c_int,
@@ -561,12 +562,28 @@ impl Transport for MpiTransport {
 
     fn reduce_scatter(
         &mut self,
-        send: &[u8],
+        send: &mut [u8],
         recv: &mut [u8],
         counts_: &[usize],
         dtype: DType,
         op: ReduceOp,
     ) -> Result<()> {
+        let sum = matches!(op, ReduceOp::Sum | ReduceOp::Average);
+        // On one host only: across hosts it was not measured.
+        let one_host = self.topology.local_size == self.topology.size;
+        if sum && one_host && send.len() >= RING_REDUCE_SCATTER_MIN_BYTES && self.topology.size > 1
+        {
+            let world = self.world();
+            return ring_reduce_scatter(
+                world,
+                &mut self.ring_scratch,
+                send,
+                recv,
+                counts_,
+                dtype,
+                self.ring_segment,
+            );
+        }
         let op = self.reduce_op(op, dtype);
         reduce_scatter_on(self.world(), send, recv, counts_, dtype, op)
     }
