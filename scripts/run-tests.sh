@@ -24,6 +24,8 @@ cargo test -p kolo -p kolorun --release --features nccl,fault-injection --all-ta
 # Across hosts: 2 emulated hosts × 2 ranks (network namespaces), when this machine can
 # make them; it says so when it skips.
 scripts/run-multinode-tests.sh
+# Slurm (issue 37): a one-node cluster on this machine, srun and kolorun inside salloc.
+scripts/run-slurm-tests.sh
 # Burn on GPUs (kolo-burn's features `cuda` and `cpu`, issue 32): built once, offline
 # (scripts/build-cuda.sh installs LLVM 22 when missing), linted and documented; then
 # the route's tests that need no GPU — on Burn's CubeCL CPU runtime (`cube_`), and

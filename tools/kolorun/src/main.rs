@@ -19,6 +19,7 @@ mod command;
 mod elastic;
 mod hosts;
 mod nic;
+mod slurm;
 mod supervise;
 
 use std::process::Command;
@@ -65,13 +66,14 @@ fn fail(msg: &str) -> ! {
 }
 
 fn main() {
-    let args = Args::parse_from(normalize(std::env::args()));
+    let mut args = Args::parse_from(normalize(std::env::args()));
     if args.check_build {
         check_build();
         return;
     }
+    from_slurm(&mut args);
     let Some(np) = args.np else {
-        fail("-np is required (the number of processes)");
+        fail("-np is required (the number of processes; inside a Slurm allocation it is the task count)");
     };
     if args.command.is_empty() {
         fail("no program given; usage: kolorun -np N [options] program [args...]");
@@ -199,6 +201,56 @@ fn main() {
             ended.code
         );
     }
+}
+
+/// Inside a Slurm allocation, takes what the user left out from it: -np from the task
+/// count, -H from its nodes (unless it is this machine alone), saying so on stderr.
+fn from_slurm(args: &mut Args) {
+    let hosts_given =
+        args.hosts.is_some() || args.hostfile.is_some() || args.host_discovery_script.is_some();
+    if args.np.is_some() && hosts_given {
+        return;
+    }
+    let alloc = match slurm::allocation(&|k| std::env::var(k).ok(), &slurm::scontrol_hostnames) {
+        Ok(Some(a)) => a,
+        Ok(None) => return,
+        // Inside an allocation kolorun cannot read: only -np is missing for sure.
+        Err(e) if args.np.is_none() => fail(&e),
+        Err(_) => return,
+    };
+    let mut took = Vec::new();
+    if args.np.is_none() {
+        args.np = Some(alloc.ntasks);
+        took.push(format!("-np {}", alloc.ntasks));
+    }
+    let this = this_host();
+    let short = |h: &str| h.split('.').next().unwrap_or(h).to_string();
+    let local =
+        matches!(alloc.hosts.as_slice(), [(h, _)] if short(h) == short(&this) || h == "localhost");
+    if !hosts_given && !local {
+        let flag = elastic::hosts_flag(&alloc.hosts);
+        took.push(format!("-H {flag}"));
+        args.hosts = Some(flag);
+    }
+    if !took.is_empty() {
+        eprintln!(
+            "kolorun: inside Slurm job {}: {}",
+            alloc.job,
+            took.join(" ")
+        );
+    }
+}
+
+/// This machine's host name.
+fn this_host() -> String {
+    let mut buf = [0u8; 256];
+    // SAFETY: the buffer is valid for its length; gethostname writes at most that.
+    let rc = unsafe { libc::gethostname(buf.as_mut_ptr().cast(), buf.len()) };
+    if rc != 0 {
+        return String::new();
+    }
+    let end = buf.iter().position(|&b| b == 0).unwrap_or(buf.len());
+    String::from_utf8_lossy(&buf[..end]).into_owned()
 }
 
 /// The arguments, number of ranks and hosts of the next attempt: as given, or — with a

@@ -222,9 +222,103 @@ fn restart_after_kill() -> Result<(), String> {
     Ok(())
 }
 
+/// Under the one-node Slurm cluster of `scripts/run-slurm-tests.sh`: the digits
+/// example through `srun --mpi=pmix`, and through kolorun inside `salloc -n 2` without
+/// `-np` (kolorun takes the task count from the allocation, and says so).
+fn slurm_digits(via_kolorun: bool) -> Result<(), String> {
+    let dir = Scratch::new(&format!("slurm-{via_kolorun}"))?;
+    let kolorun = built("kolorun")?.display().to_string();
+    let launcher: Vec<String> = if via_kolorun {
+        vec!["salloc".into(), "-n".into(), "2".into(), kolorun]
+    } else {
+        ["srun", "-n", "2", "--mpi=pmix"].map(String::from).to_vec()
+    };
+    let args = ["--epochs", "10", "--min-accuracy", "0.95"];
+    let (ok, text) = run_digits(
+        &launcher,
+        &args,
+        &dir.0.join("log"),
+        Duration::from_secs(180),
+        || {},
+    )?;
+    let said = !via_kolorun || text.contains("kolorun: inside Slurm job");
+    if !ok || !said || !text.contains("on 2 ranks") || !text.contains("final test accuracy") {
+        return Err(format!(
+            "{launcher:?} did not train the digits on 2 ranks (success {ok}):\n{text}"
+        ));
+    }
+    Ok(())
+}
+
+/// Inside `salloc -n 2`, `kolorun --max-restarts 2` (no `-np`): a rank SIGKILLed after
+/// the first commit is relaunched within the allocation and the job resumes from the
+/// commit.
+fn slurm_restart_after_kill() -> Result<(), String> {
+    let dir = Scratch::new("slurm-restart")?;
+    let ck = dir.0.join("ck").display().to_string();
+    let kolorun = built("kolorun")?.display().to_string();
+    let launcher: Vec<String> = ["salloc", "-n", "2", kolorun.as_str(), "--max-restarts", "2"]
+        .map(String::from)
+        .to_vec();
+    let args = [
+        "--epochs",
+        "10",
+        "--hidden",
+        "2048",
+        "--commit-every",
+        "10",
+        "--checkpoint",
+        &ck,
+        "--min-accuracy",
+        "0.95",
+    ];
+    let file = kolo_burn::checkpoint_path(Path::new(&ck));
+    let mut killed = false;
+    let (ok, text) = run_digits(
+        &launcher,
+        &args,
+        &dir.0.join("log"),
+        Duration::from_secs(300),
+        || {
+            if !killed && file.exists() {
+                if let Some(&pid) = ranks_of(&ck).last() {
+                    // SAFETY: a rank of the job this test started.
+                    unsafe { libc::kill(pid, libc::SIGKILL) };
+                    killed = true;
+                }
+            }
+        },
+    )?;
+    if !ok
+        || !killed
+        || !text.contains("kolorun: inside Slurm job")
+        || !text.contains("relaunching (KOLO_RESTART_COUNT=1)")
+        || !text.contains("resumed from the commit at step")
+        || !text.contains("final test accuracy")
+    {
+        return Err(format!(
+            "inside salloc the job did not resume from a commit after a rank was killed (killed {killed}, success {ok}):\n{text}"
+        ));
+    }
+    Ok(())
+}
+
 /// The trials of this module.
 pub(crate) fn trials() -> Vec<Trial> {
+    // Only where scripts/run-slurm-tests.sh has started Slurm (ignored otherwise, so
+    // the count shows).
+    let no_slurm = std::env::var_os("KOLO_SLURM").is_none_or(|v| v != "1");
     vec![
+        Trial::test("slurm/srun_pmix_digits/np2", || Ok(slurm_digits(false)?))
+            .with_ignored_flag(no_slurm),
+        Trial::test("slurm/salloc_kolorun_digits/np2", || {
+            Ok(slurm_digits(true)?)
+        })
+        .with_ignored_flag(no_slurm),
+        Trial::test("slurm/salloc_kolorun_restart_after_kill/np2", || {
+            Ok(slurm_restart_after_kill()?)
+        })
+        .with_ignored_flag(no_slurm),
         Trial::test("digits_resume_exact/np2", || Ok(resume_is_exact(2, &[])?)),
         Trial::test("digits_resume_exact_sharded/np2", || {
             Ok(resume_is_exact(2, &["--sharded-optimizer"])?)
