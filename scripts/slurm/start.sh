@@ -1,9 +1,14 @@
 #!/usr/bin/env bash
-# Starts a one-node Slurm cluster on this machine for kolo's tests: munge, slurmctld
-# and slurmd from Debian's packages (installed when missing), configured under
-# target/slurm (no file outside it changes). Prints the SLURM_CONF to export; the
-# client commands (srun, salloc, sbatch, scontrol) need it. scripts/slurm/stop.sh
-# stops every daemon this started.
+# Starts a Slurm cluster on this machine for kolo's tests: munge, slurmctld and slurmd
+# from Debian's packages (installed when missing), configured under target/slurm (no
+# file outside it changes). Prints the SLURM_CONF to export; the client commands
+# (srun, salloc, sbatch, scontrol) need it. scripts/slurm/stop.sh stops every daemon
+# this started.
+#
+# One node (this machine) by default. With KOLO_SLURM_HOSTS=N, one node per emulated
+# host h1..hN of scripts/multinode (set up first): slurmctld and the client commands
+# on h1 (scripts/multinode/on-h1.sh), a slurmd in each host's namespace under its
+# hostname; munge's socket is a file, which every namespace reaches.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 root=$(pwd)/target/slurm
@@ -19,23 +24,32 @@ fi
 rm -rf "$root"
 mkdir -p "$root/state" "$root/spool" "$root/log" "$root/munge"
 chown munge:munge "$root/munge"
-host=$(hostname -s)
+hosts=${KOLO_SLURM_HOSTS:-0}
 # The node as slurmd finds it (CPUs, sockets, memory), so that it registers as given.
 node=$(slurmd -C | head -1)
+if [ "$hosts" -gt 0 ]; then
+    ctld=h1
+    nodes=$(for i in $(seq "$hosts"); do echo "${node/NodeName=* CPUs/NodeName=h$i NodeAddr=10.77.0.$i CPUs}"; done)
+else
+    ctld=$(hostname -s)
+    nodes=$node
+fi
+# Runs "$@" in emulated host $1 under its hostname (as scripts/multinode/agent.sh).
+in_host() { local h=$1; shift; ip netns exec "$h" unshare --uts -- /bin/sh -c 'hostname "$0"; exec "$@"' "$h" "$@"; }
 cat >"$root/slurm.conf" <<CONF
 ClusterName=kolo
-SlurmctldHost=$host
+SlurmctldHost=$ctld
 SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
 AuthInfo=socket=$root/munge/munge.socket
 CryptoType=crypto/munge
 StateSaveLocation=$root/state
-SlurmdSpoolDir=$root/spool
+SlurmdSpoolDir=$root/spool/%n
 SlurmctldPidFile=$root/slurmctld.pid
-SlurmdPidFile=$root/slurmd.pid
+SlurmdPidFile=$root/slurmd.%n.pid
 SlurmctldLogFile=$root/log/slurmctld.log
-SlurmdLogFile=$root/log/slurmd.log
+SlurmdLogFile=$root/log/slurmd.%n.log
 SlurmctldPort=6817
 SlurmdPort=6818
 ProctrackType=proctrack/linuxproc
@@ -46,7 +60,7 @@ ReturnToService=2
 SchedulerType=sched/backfill
 SelectType=select/cons_tres
 SelectTypeParameters=CR_Core
-$node State=UNKNOWN
+$(echo "$nodes" | sed 's/$/ State=UNKNOWN/')
 PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
 CONF
 export SLURM_CONF=$root/slurm.conf
@@ -54,17 +68,30 @@ export SLURM_CONF=$root/slurm.conf
 sudo_munge() { if command -v runuser >/dev/null; then runuser -u munge -- "$@"; else su -s /bin/sh munge -c "$*"; fi; }
 sudo_munge munged --socket="$root/munge/munge.socket" --pid-file="$root/munge/munged.pid" \
     --log-file="$root/munge/munged.log" --seed-file="$root/munge/munged.seed"
-slurmctld -f "$SLURM_CONF"
-slurmd -f "$SLURM_CONF"
-# Ready when the node is idle.
+if [ "$hosts" -gt 0 ]; then
+    in_host h1 slurmctld -f "$SLURM_CONF"
+    for i in $(seq "$hosts"); do
+        mkdir -p "$root/spool/h$i"
+        in_host "h$i" "$(pwd)/scripts/slurm/slurmd-in-host.sh" -f "$SLURM_CONF" -N "h$i"
+    done
+    client() { in_host h1 "$@"; }
+    want=$hosts
+else
+    mkdir -p "$root/spool/$ctld"
+    slurmctld -f "$SLURM_CONF"
+    slurmd -f "$SLURM_CONF"
+    client() { "$@"; }
+    want=1
+fi
+# Ready when every node is idle.
 for _ in $(seq 60); do
-    if sinfo -h -o %t 2>/dev/null | grep -q idle; then
+    if [ "$(client sinfo -h -N -o %t 2>/dev/null | grep -c idle)" -ge "$want" ]; then
         echo "export SLURM_CONF=$SLURM_CONF"
         exit 0
     fi
     sleep 0.5
 done
 echo "kolo slurm: the node did not come up; logs in $root/log" >&2
-sinfo >&2 || true
-tail -20 "$root/log/slurmctld.log" "$root/log/slurmd.log" >&2 || true
+client sinfo >&2 || true
+tail -20 "$root"/log/*.log >&2 || true
 exit 1

@@ -189,7 +189,9 @@ fn check_user(user: &str) -> Result<(), String> {
 }
 
 /// How mpirun reaches other hosts: `--mca plm_rsh_agent` in `--mpi-args`, else
-/// `OMPI_MCA_plm_rsh_agent`, else ssh (without prompts).
+/// `OMPI_MCA_plm_rsh_agent`, else inside a Slurm allocation srun (Open MPI starts its
+/// daemons through srun there: one task on the host, sharing the allocation's CPUs),
+/// else ssh (without prompts).
 pub(crate) fn remote_agent(mpi_args: &[String], env: &[(String, String)]) -> Vec<String> {
     let from_args = mpi_args
         .windows(2)
@@ -200,6 +202,7 @@ pub(crate) fn remote_agent(mpi_args: &[String], env: &[(String, String)]) -> Vec
             .find(|(k, _)| k == "OMPI_MCA_plm_rsh_agent")
             .map(|(_, v)| v.clone())
     };
+    let in_slurm = env.iter().any(|(k, _)| k == "SLURM_JOB_ID");
     match from_args.or_else(from_env) {
         // OpenMPI's agent lists alternatives ("ssh : rsh"): the first is tried first.
         Some(a) => a
@@ -209,6 +212,9 @@ pub(crate) fn remote_agent(mpi_args: &[String], env: &[(String, String)]) -> Vec
             .split_whitespace()
             .map(String::from)
             .collect(),
+        None if in_slurm => ["srun", "--overlap", "-N1", "-n1", "-w"]
+            .map(String::from)
+            .to_vec(),
         None => ["ssh", "-o", "BatchMode=yes", "-o", "ConnectTimeout=10"]
             .map(String::from)
             .to_vec(),
@@ -461,6 +467,10 @@ mod tests {
         )];
         assert_eq!(remote_agent(&[], &e), ["ssh", "-p", "2222"]);
         assert_eq!(remote_agent(&[], &[])[0], "ssh");
+        // Inside a Slurm allocation Open MPI starts its daemons through srun.
+        let slurm = [("SLURM_JOB_ID".to_string(), "7".to_string())];
+        assert_eq!(remote_agent(&[], &slurm)[0], "srun");
+        assert_eq!(remote_agent(&args, &slurm), ["/x/agent.sh"]);
         // An agent that answers, one that fails, one that hangs (cut at the timeout).
         let script = |body: &str| ["sh", "-c", body, "agent"].map(String::from).to_vec();
         let t = std::time::Duration::from_millis(500);

@@ -48,14 +48,34 @@ fn run_digits(
     args: &[&str],
     log: &Path,
     limit: Duration,
+    during: impl FnMut(),
+) -> Result<(bool, String), String> {
+    run_digits_on(launcher, args, log, limit, during, true)
+}
+
+/// [`run_digits`]; `one_machine: false` leaves out the settings that keep traffic on
+/// this machine (a job across emulated hosts).
+fn run_digits_on(
+    launcher: &[String],
+    args: &[&str],
+    log: &Path,
+    limit: Duration,
     mut during: impl FnMut(),
+    one_machine: bool,
 ) -> Result<(bool, String), String> {
     let example = built("examples/train_digits")?;
     let out = std::fs::File::create(log).map_err(|e| e.to_string())?;
     let err = out.try_clone().map_err(|e| e.to_string())?;
     let mut cmd = Command::new(&launcher[0]);
     cmd.args(&launcher[1..]).arg(&example).args(args);
-    super::harness::mpi_env(&mut cmd);
+    if one_machine {
+        super::harness::mpi_env(&mut cmd);
+    } else {
+        cmd.env_remove("OMPI_MCA_btl")
+            .env_remove("OMPI_MCA_oob_tcp_if_include")
+            .env("OMPI_ALLOW_RUN_AS_ROOT", "1")
+            .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1");
+    }
     cmd.env("RAYON_NUM_THREADS", "1")
         .stdin(Stdio::null())
         .stdout(out)
@@ -303,6 +323,96 @@ fn slurm_restart_after_kill() -> Result<(), String> {
     Ok(())
 }
 
+/// The digits example's rank `rank` among the processes naming `dir`.
+fn rank_of(dir: &str, rank: usize) -> Option<i32> {
+    let want = format!("OMPI_COMM_WORLD_RANK={rank}");
+    ranks_of(dir).into_iter().find(|pid| {
+        std::fs::read(format!("/proc/{pid}/environ"))
+            .is_ok_and(|env| env.split(|&b| b == 0).any(|v| v == want.as_bytes()))
+    })
+}
+
+/// Slurm across 2 emulated hosts (`scripts/run-slurm-tests.sh`, one slurmd per host):
+/// inside `salloc -N 2 -n 4`, kolorun takes `-np 4 -H h1:2,h2:2` from the allocation;
+/// rank 3 (on h2) is SIGKILLed after the first commit; kolorun leaves h2 out and the
+/// job resumes from the commit on h1's 2 ranks (`--min-np 2`) and finishes.
+fn slurm_hosts_leave_node_out() -> Result<(), String> {
+    let dir = Scratch::new("slurm-hosts")?;
+    let ck = dir.0.join("ck").display().to_string();
+    let kolorun = built("kolorun")?.display().to_string();
+    let on_h1 = std::env::var("KOLO_SLURM_ON_H1").map_err(|_| "KOLO_SLURM_ON_H1 is not set")?;
+    let launcher: Vec<String> = [
+        on_h1.as_str(),
+        "salloc",
+        "-N",
+        "2",
+        "-n",
+        "4",
+        kolorun.as_str(),
+        "--network-interface",
+        "eth0",
+        "--max-restarts",
+        "2",
+        "--min-np",
+        "2",
+        "--mpi-args",
+        "--mca mpi_yield_when_idle 1 --mca mpi_event_tick_rate 1",
+    ]
+    .map(String::from)
+    .to_vec();
+    let args = [
+        "--epochs",
+        "12",
+        "--scale-lr",
+        "--hidden",
+        "2048",
+        "--commit-every",
+        "10",
+        "--checkpoint",
+        &ck,
+        "--min-accuracy",
+        "0.95",
+    ];
+    let file = kolo_burn::checkpoint_path(Path::new(&ck));
+    let mut killed = false;
+    let (ok, text) = run_digits_on(
+        &launcher,
+        &args,
+        &dir.0.join("log"),
+        Duration::from_secs(300),
+        || {
+            if !killed && file.exists() {
+                if let Some(pid) = rank_of(&ck, 3) {
+                    // SAFETY: a rank of the job this test started.
+                    unsafe { libc::kill(pid, libc::SIGKILL) };
+                    killed = true;
+                }
+            }
+        },
+        false,
+    )?;
+    let wants = [
+        "kolorun: inside Slurm job",
+        "-H h1:2,h2:2",
+        "leaving host h2 out",
+        "relaunching (KOLO_RESTART_COUNT=1)",
+        "resumed from the commit at step",
+        "on 2 ranks",
+        "final test accuracy",
+    ];
+    if let Some(w) = wants.iter().find(|w| !text.contains(*w)) {
+        return Err(format!(
+            "across 2 Slurm nodes the job did not go on without h2 (killed {killed}, success {ok}; no {w:?}):\n{text}"
+        ));
+    }
+    if !ok || !killed {
+        return Err(format!(
+            "across 2 Slurm nodes: killed {killed}, success {ok}:\n{text}"
+        ));
+    }
+    Ok(())
+}
+
 /// The trials of this module.
 pub(crate) fn trials() -> Vec<Trial> {
     // Only where scripts/run-slurm-tests.sh has started Slurm (ignored otherwise, so
@@ -319,6 +429,12 @@ pub(crate) fn trials() -> Vec<Trial> {
             Ok(slurm_restart_after_kill()?)
         })
         .with_ignored_flag(no_slurm),
+        // Where the emulated hosts run a slurmd each (KOLO_SLURM=hosts).
+        Trial::test(
+            "slurm_hosts/salloc_kolorun_leaves_killed_node_out/2x2",
+            || Ok(slurm_hosts_leave_node_out()?),
+        )
+        .with_ignored_flag(std::env::var_os("KOLO_SLURM").is_none_or(|v| v != "hosts")),
         Trial::test("digits_resume_exact/np2", || Ok(resume_is_exact(2, &[])?)),
         Trial::test("digits_resume_exact_sharded/np2", || {
             Ok(resume_is_exact(2, &["--sharded-optimizer"])?)
