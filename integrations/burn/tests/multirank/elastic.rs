@@ -375,22 +375,37 @@ fn slurm_hosts_leave_node_out() -> Result<(), String> {
     ];
     let file = kolo_burn::checkpoint_path(Path::new(&ck));
     let mut killed = false;
+    let (mut killed_at, mut back) = (None, None);
+    let log = dir.0.join("log");
     let (ok, text) = run_digits_on(
         &launcher,
         &args,
-        &dir.0.join("log"),
+        &log,
         Duration::from_secs(300),
         || {
+            if killed && back.is_none() {
+                let text = std::fs::read_to_string(&log).unwrap_or_default();
+                if text.contains("resumed from the commit") {
+                    back = Some(Instant::now());
+                }
+            }
             if !killed && file.exists() {
                 if let Some(pid) = rank_of(&ck, 3) {
                     // SAFETY: a rank of the job this test started.
                     unsafe { libc::kill(pid, libc::SIGKILL) };
                     killed = true;
+                    killed_at = Some(Instant::now());
                 }
             }
         },
         false,
     )?;
+    if let (Some(k), Some(b)) = (killed_at, back) {
+        eprintln!(
+            "slurm_hosts: training again on h1 {:?} after the kill on h2",
+            b.duration_since(k)
+        );
+    }
     let wants = [
         "kolorun: inside Slurm job",
         "-H h1:2,h2:2",
