@@ -12,6 +12,9 @@
 //! - [`GlobalMetric`] wraps a numeric metric so that every rank logs the average over
 //!   all ranks' samples. The metrics drive checkpoint selection and early stopping on
 //!   every rank, so they must agree: wrap every metric those read.
+//! - [`last_checkpoint`] finds the epoch of rank 0's newest complete checkpoint, for
+//!   `.checkpoint(epoch)` on every rank: a job relaunched by `kolorun --max-restarts`
+//!   goes on from there.
 //! - [`shard`] gives each rank an equal, disjoint share of a dataset, as
 //!   [`DistributedSampler`] does, so every rank runs the
 //!   same number of batches (each batch's collectives need every rank).
@@ -44,6 +47,77 @@ use burn::train::{LearnerModel, LearnerSummary, SupervisedTraining};
 use kolo::{Kolo, ReduceOp, Tensor};
 
 use crate::DistributedSampler;
+
+/// The epoch of the newest complete checkpoint that
+/// [`DistributedTraining::with_distributed_checkpointers`] wrote under `directory` —
+/// model and optimizer, and the scheduler where one was saved — as rank 0 finds it,
+/// the same on every rank (a broadcast: the others need no shared file system).
+/// `None` when there is none. Pass it to `SupervisedTraining::checkpoint` to resume:
+///
+/// ```no_run
+/// # use burn::train::{LearnerModel, SupervisedTraining};
+/// # fn demo<M: LearnerModel>(kolo: &kolo::Kolo, training: SupervisedTraining<M>) -> kolo_burn::Result<()> {
+/// use kolo_burn::train::{last_checkpoint, DistributedTraining};
+/// let dir = "runs/digits";
+/// let mut training = training.distributed(kolo).with_distributed_checkpointers(kolo, dir);
+/// if let Some(epoch) = last_checkpoint(kolo, dir)? {
+///     training = training.checkpoint(epoch); // goes on with epoch + 1
+/// }
+/// # Ok(()) }
+/// ```
+///
+/// # Errors
+/// [`Error::Checkpoint`](crate::Error::Checkpoint) on every rank when rank 0 cannot
+/// read the directory; a failed broadcast.
+pub fn last_checkpoint(kolo: &Kolo, directory: impl AsRef<Path>) -> crate::Result<Option<usize>> {
+    let dir = directory.as_ref().join("checkpoint");
+    let found: std::result::Result<Option<usize>, String> = if kolo.rank() == 0 {
+        newest_complete(&dir)
+    } else {
+        Ok(None)
+    };
+    kolo.broadcast_object("kolo_burn.last_checkpoint", found, 0)?
+        .map_err(|message| crate::Error::Checkpoint {
+            path: dir,
+            message: format!("rank 0 cannot read it: {message}"),
+        })
+}
+
+/// The newest epoch with a model and an optimizer checkpoint in `dir` (and a scheduler
+/// one, if any scheduler checkpoint is there): Burn writes each file atomically, but
+/// the three one after another.
+fn newest_complete(dir: &Path) -> std::result::Result<Option<usize>, String> {
+    let entries = match std::fs::read_dir(dir) {
+        Ok(e) => e,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+        Err(e) => return Err(e.to_string()),
+    };
+    let mut epochs: std::collections::BTreeMap<usize, [bool; 3]> = Default::default();
+    for entry in entries {
+        let name = entry.map_err(|e| e.to_string())?.file_name();
+        let Some(name) = name.to_str().and_then(|n| n.strip_suffix(".bpk")) else {
+            continue;
+        };
+        let Some((kind, epoch)) = name.rsplit_once('-') else {
+            continue;
+        };
+        let (Some(i), Ok(epoch)) = (
+            ["model", "optim", "scheduler"]
+                .iter()
+                .position(|k| *k == kind),
+            epoch.parse::<usize>(),
+        ) else {
+            continue;
+        };
+        epochs.entry(epoch).or_default()[i] = true;
+    }
+    let schedulers = epochs.values().any(|f| f[2]);
+    Ok(epochs
+        .iter()
+        .rev()
+        .find(|(_, f)| f[0] && f[1] && (f[2] || !schedulers))
+        .map(|(&e, _)| e))
+}
 
 /// Sets up a burn-train `SupervisedTraining` for one rank of a kolo job.
 pub trait DistributedTraining: Sized {

@@ -17,7 +17,7 @@ use burn::train::metric::store::{EpochSummary, MetricsUpdate, Split};
 use burn::train::metric::{AccuracyMetric, LossMetric, MetricDefinition, NumericEntry};
 use burn::train::{Learner, SupervisedTraining};
 use kolo::Kolo;
-use kolo_burn::train::{shard, DistributedTraining, GlobalMetric, SilentRenderer};
+use kolo_burn::train::{last_checkpoint, shard, DistributedTraining, GlobalMetric, SilentRenderer};
 use kolo_burn::{broadcast_parameters, GradientReducer};
 
 use super::{samples, Net, Small};
@@ -222,10 +222,21 @@ pub(crate) fn supervised(k: &Kolo) -> Result<()> {
         ensure!(files.is_empty(), "rank {} wrote {files:?}", k.rank());
     }
 
+    ensure!(
+        last_checkpoint(k, &resumed_dir)?.is_none(),
+        "a checkpoint found before any training"
+    );
     launch(k, &resumed_dir, &start, EPOCHS / 2, None)?;
+    // A relaunched job finds where to go on (every rank, from rank 0's files).
+    let found = last_checkpoint(k, &resumed_dir)?;
+    ensure!(
+        found == Some(EPOCHS / 2),
+        "last_checkpoint: {found:?}, want {}",
+        EPOCHS / 2
+    );
     // Resumed from other weights: only the checkpoint can bring back the straight run's.
     let other = broadcast_parameters(k, Small::new(&device), 0)?;
-    let (resumed, _) = launch(k, &resumed_dir, &other, EPOCHS, Some(EPOCHS / 2))?;
+    let (resumed, _) = launch(k, &resumed_dir, &other, EPOCHS, found)?;
     same_on_every_rank(k, "resumed weights", &resumed.params())?;
     super::assert_close(
         "resumed vs straight",
