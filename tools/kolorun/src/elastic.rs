@@ -25,6 +25,62 @@ pub(crate) fn failed_host(lines: &[String]) -> Option<String> {
     })
 }
 
+/// The host kolo's watchdog lines point at ("kolo: rank R: … has made no progress …",
+/// printed by the ranks that still run when a host is cut off), with ranks placed on
+/// `hosts` in order, each filling its slots (mpirun's placement for `-H host:slots`):
+/// the host of the rank they name as not answering ("rank W has not answered"), when
+/// every line that names one names the same host; else, when none names one (the cut
+/// came inside a collective's own transfer), the one host from which no rank reported
+/// while every other host's ranks all did.
+pub(crate) fn silent_host(lines: &[String], hosts: &[(String, usize)]) -> Option<String> {
+    let host_of = |rank: usize| {
+        let mut end = 0;
+        hosts.iter().position(|(_, slots)| {
+            end += slots;
+            rank < end
+        })
+    };
+    let rank_before = |l: &str, at: usize| -> Option<usize> {
+        l[..at].rsplit("rank ").next()?.trim().parse().ok()
+    };
+    let mut named: Option<usize> = None;
+    let mut reported = vec![0usize; hosts.len()];
+    for l in lines {
+        if let Some(at) = l.find(" has not answered") {
+            let host = host_of(rank_before(l, at)?)?;
+            if named.is_some_and(|n| n != host) {
+                return None;
+            }
+            named = Some(host);
+        }
+        let reporter = l
+            .find("kolo: rank ")
+            .and_then(|at| {
+                l[at + "kolo: rank ".len()..]
+                    .split(':')
+                    .next()?
+                    .trim()
+                    .parse()
+                    .ok()
+            })
+            .and_then(host_of);
+        if let Some(h) = reporter {
+            reported[h] += 1;
+        }
+    }
+    let host = named.or_else(|| {
+        let silent: Vec<usize> = (0..hosts.len()).filter(|&h| reported[h] == 0).collect();
+        let all_others = (0..hosts.len())
+            .filter(|h| !silent.contains(h))
+            .all(|h| reported[h] >= hosts[h].1);
+        match silent.as_slice() {
+            [h] if all_others && reported.iter().any(|&n| n > 0) => Some(*h),
+            _ => None,
+        }
+    })?;
+    Some(hosts[host].0.clone())
+}
+
 /// The hosts a `--host-discovery-script` printed: `host:slots` lines (Horovod's
 /// contract; a bare host has one slot), blank lines and `#` comments skipped.
 pub(crate) fn discovered(text: &str) -> Result<Vec<(String, usize)>, String> {
@@ -153,5 +209,40 @@ mod tests {
         // More slots than ranks asked for: still the ranks asked for.
         assert_eq!(next_layout(&hosts, &[], 3, 1).map(|l| l.1), Ok(3));
         assert_eq!(hosts_flag(&hosts), "h1:2,h2:2");
+    }
+
+    #[test]
+    fn the_watchdogs_silent_rank_names_its_host() {
+        let hosts = [("h1".to_string(), 2), ("h2".to_string(), 2)];
+        let line = |r: usize, w: usize| {
+            format!(
+                "[1,{r}]<stderr>:kolo: rank {r}: the engine has made no progress for 5.0 s (cycle 41; \
+                 KOLO_COLLECTIVE_TIMEOUT_SECONDS is 5.0): rank {w} has not answered (waiting for its \
+                 part of the cycle agreement): it, or a rank it waits for, is stopped"
+            )
+        };
+        let h2 = [line(0, 2), line(1, 3)];
+        assert_eq!(silent_host(&h2, &hosts).as_deref(), Some("h2"));
+        let h1 = [line(3, 0)];
+        assert_eq!(silent_host(&h1, &hosts).as_deref(), Some("h1"));
+        // Ranks of two hosts named: no verdict; no such line, or a rank past the
+        // slots: none.
+        assert_eq!(silent_host(&[line(0, 2), line(2, 1)], &hosts), None);
+        assert_eq!(silent_host(&["Error: x".to_string()], &hosts), None);
+        assert_eq!(silent_host(&[line(0, 9)], &hosts), None);
+        // No rank named: the host none of whose ranks reported, when all others did.
+        let quiet = |r: usize| {
+            format!(
+                "[1,{r}]<stderr>:kolo: rank {r}: its engine (kolo-engine) has made no progress \
+                 for 5.9 s: another rank is stopped or stuck, or its host is unreachable"
+            )
+        };
+        assert_eq!(
+            silent_host(&[quiet(0), quiet(1)], &hosts).as_deref(),
+            Some("h2")
+        );
+        // Rank 1 did not report either: h1 and h2 both have silent ranks.
+        assert_eq!(silent_host(&[quiet(0)], &hosts), None);
+        assert_eq!(silent_host(&[quiet(0), quiet(2)], &hosts), None);
     }
 }

@@ -186,7 +186,11 @@ fn main() {
             std::process::exit(ended.code);
         }
         let mut next = String::new();
-        if let Some(named) = elastic::failed_host(&ended.cause) {
+        // mpirun names the node of a rank that died; kolo's watchdog, the rank that
+        // stopped answering (a host cut off: mpirun never hears from it again).
+        let named = elastic::failed_host(&ended.cause)
+            .or_else(|| elastic::silent_host(&ended.watchdog, &hosts));
+        if let Some(named) = named {
             let host = hosts
                 .iter()
                 .map(|(h, _)| h)

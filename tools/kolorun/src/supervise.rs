@@ -106,6 +106,9 @@ pub(crate) struct Ended {
     pub(crate) code: i32,
     pub(crate) signalled: bool,
     pub(crate) cause: Vec<String>,
+    /// Every line of kolo's watchdog ("kolo: rank R: … has made no progress …"): which
+    /// ranks still reported, and whom they waited for.
+    pub(crate) watchdog: Vec<String>,
 }
 
 /// Whether a line of the job's stderr names a failing rank or why it failed: kolo's
@@ -141,11 +144,13 @@ pub(crate) fn supervise_job(
 ) -> std::io::Result<Ended> {
     let mut child = cmd.stderr(std::process::Stdio::piped()).spawn()?;
     let cause: Arc<Mutex<Vec<String>>> = Arc::default();
+    let watchdog: Arc<Mutex<Vec<String>>> = Arc::default();
     let aborted_at: Arc<Mutex<Option<Instant>>> = Arc::default();
     let (drained, copied) = std::sync::mpsc::channel::<()>();
     if let Some(stderr) = child.stderr.take() {
         let aborted_at = aborted_at.clone();
         let cause = cause.clone();
+        let watchdog = watchdog.clone();
         let mut out = out;
         std::thread::spawn(move || {
             for line in std::io::BufReader::new(stderr).split(b'\n') {
@@ -156,6 +161,12 @@ pub(crate) fn supervise_job(
                 if aborting(&text) {
                     let mut at = aborted_at.lock().unwrap_or_else(|p| p.into_inner());
                     at.get_or_insert_with(Instant::now);
+                }
+                if text.contains("has made no progress") {
+                    let mut w = watchdog.lock().unwrap_or_else(|p| p.into_inner());
+                    if w.len() < 1024 {
+                        w.push(text.trim().to_string());
+                    }
                 }
                 if names_failure(&text) {
                     let mut c = cause.lock().unwrap_or_else(|p| p.into_inner());
@@ -178,10 +189,12 @@ pub(crate) fn supervise_job(
     // `recv_timeout` reports as disconnected), or the wait runs out.
     let _ = copied.recv_timeout(STDERR_DRAIN);
     let cause = std::mem::take(&mut *cause.lock().unwrap_or_else(|p| p.into_inner()));
+    let watchdog = std::mem::take(&mut *watchdog.lock().unwrap_or_else(|p| p.into_inner()));
     Ok(Ended {
         code,
         signalled,
         cause,
+        watchdog,
     })
 }
 
@@ -225,7 +238,9 @@ fn watch(
                 grace.as_secs()
             );
             kill_job(child);
-            return Ok((1, false));
+            // The job failed as a job (a host gone), as kolo's own abort says: it may be
+            // relaunched without that host.
+            return Ok((kolo::RESTARTABLE_EXIT_CODE, false));
         }
         std::thread::sleep(Duration::from_millis(50));
     }
@@ -252,7 +267,11 @@ mod tests {
             "echo 'MPI_ABORT was invoked on rank 0' >&2; exec sleep 30",
         ]);
         let start = std::time::Instant::now();
-        assert_eq!(supervise_job(hang, short, std::io::sink()).unwrap().code, 1);
+        // Ended as a job that failed as a job (a host gone): kolo's restartable status.
+        assert_eq!(
+            supervise_job(hang, short, std::io::sink()).unwrap().code,
+            kolo::RESTARTABLE_EXIT_CODE
+        );
         assert!(start.elapsed() < std::time::Duration::from_secs(5));
         // Exit codes pass through; a job that only prints is left alone.
         let mut ok = Command::new("sh");

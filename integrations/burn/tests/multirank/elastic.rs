@@ -428,6 +428,112 @@ fn slurm_hosts_leave_node_out() -> Result<(), String> {
     Ok(())
 }
 
+/// Across 2 emulated hosts × 2 ranks, `kolorun --max-restarts 2 --min-np 1`: h2's link
+/// is cut after the first commit; the ranks on h1 stop making progress (the collective
+/// timeout, 5 s here) and abort, kolorun ends mpirun (h2's daemon never answers),
+/// leaves h2 out (the watchdog named its ranks, or only h1's ranks reported) and
+/// relaunches on h1's 2 ranks, which resume from the commit and reach 95%.
+fn link_cut_goes_on_without_the_host() -> Result<(), String> {
+    let scripts = super::harness::multinode().ok_or("the emulated hosts are not up")?;
+    let dir = Scratch::new("link-cut")?;
+    let ck = dir.0.join("ck").display().to_string();
+    let kolorun = built("kolorun")?.display().to_string();
+    let agent = scripts.join("agent.sh").display().to_string();
+    let on_h1 = scripts.join("on-h1.sh").display().to_string();
+    let mpi_args = format!(
+        "--mca plm_rsh_agent {agent} --mca mpi_yield_when_idle 1 --mca mpi_event_tick_rate 1"
+    );
+    let launcher: Vec<String> = [
+        on_h1.as_str(),
+        kolorun.as_str(),
+        "-np",
+        "4",
+        "-H",
+        "h1:2,h2:2",
+        "--network-interface",
+        "eth0",
+        "--max-restarts",
+        "2",
+        "--min-np",
+        "1",
+        "--collective-timeout-seconds",
+        "5",
+        "--mpi-args",
+        mpi_args.as_str(),
+    ]
+    .map(String::from)
+    .to_vec();
+    let args = [
+        "--epochs",
+        "12",
+        "--scale-lr",
+        "--hidden",
+        "2048",
+        "--commit-every",
+        "10",
+        "--checkpoint",
+        &ck,
+        "--min-accuracy",
+        "0.95",
+    ];
+    let link = |state: &str| {
+        Command::new("ip")
+            .args(["-n", "h2", "link", "set", "eth0", state])
+            .status()
+            .is_ok_and(|s| s.success())
+    };
+    let file = kolo_burn::checkpoint_path(Path::new(&ck));
+    let mut cut = false;
+    let (mut cut_at, mut back) = (None, None);
+    let log = dir.0.join("log");
+    let result = run_digits_on(
+        &launcher,
+        &args,
+        &log,
+        Duration::from_secs(300),
+        || {
+            if cut && back.is_none() {
+                let text = std::fs::read_to_string(&log).unwrap_or_default();
+                if text.contains("resumed from the commit") {
+                    back = Some(Instant::now());
+                }
+            }
+            if !cut && file.exists() {
+                cut = link("down");
+                cut_at = Some(Instant::now());
+            }
+        },
+        false,
+    );
+    let restored = link("up");
+    let (ok, text) = result?;
+    if let (Some(c), Some(b)) = (cut_at, back) {
+        eprintln!(
+            "link_cut: training again on h1 {:?} after h2's link was cut",
+            b.duration_since(c)
+        );
+    }
+    let wants = [
+        "has made no progress",
+        "leaving host h2 out",
+        "relaunching (KOLO_RESTART_COUNT=1)",
+        "resumed from the commit at step",
+        "on 2 ranks",
+        "final test accuracy",
+    ];
+    if let Some(w) = wants.iter().find(|w| !text.contains(*w)) {
+        return Err(format!(
+            "with h2's link cut the job did not go on without it (cut {cut}, success {ok}; no {w:?}):\n{text}"
+        ));
+    }
+    if !ok || !cut || !restored {
+        return Err(format!(
+            "link cut {cut}, restored {restored}, success {ok}:\n{text}"
+        ));
+    }
+    Ok(())
+}
+
 /// The trials of this module.
 pub(crate) fn trials() -> Vec<Trial> {
     // Only where scripts/run-slurm-tests.sh has started Slurm (ignored otherwise, so
@@ -444,6 +550,10 @@ pub(crate) fn trials() -> Vec<Trial> {
             Ok(slurm_restart_after_kill()?)
         })
         .with_ignored_flag(no_slurm),
+        Trial::test("multinode/digits_link_cut_min_np_1/2x2", || {
+            Ok(link_cut_goes_on_without_the_host()?)
+        })
+        .with_ignored_flag(super::harness::multinode().is_none()),
         // Where the emulated hosts run a slurmd each (KOLO_SLURM=hosts).
         Trial::test(
             "slurm_hosts/salloc_kolorun_leaves_killed_node_out/2x2",
