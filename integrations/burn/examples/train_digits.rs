@@ -448,7 +448,6 @@ fn run() -> anyhow::Result<()> {
     check_accuracy(&args, Some(last_acc))
 }
 
-/// FNV-1a over the bits of every parameter, in module order.
 /// The optimizer state a commit saves: the sharded optimizer's, consolidated (every
 /// rank's share gathered, so that the job can resume at another rank count), or the
 /// plain optimizer's.
@@ -463,6 +462,7 @@ fn saved_state<M: Module>(
     }
 }
 
+/// FNV-1a over the bits of every parameter, in module order.
 fn fingerprint<M: Module>(model: &M) -> anyhow::Result<u64> {
     struct Fnv(u64, Option<String>);
     impl burn::module::ModuleVisitor for Fnv {
@@ -549,15 +549,37 @@ fn train_pipeline(
     widths.extend(std::iter::repeat_n(args.hidden, layers - 1));
     widths.push(10);
     let range = stage * layers / stages..(stage + 1) * layers / stages;
+    // Each stage's first replica draws its weights from --seed (the same run twice
+    // trains the same parameters) and gives them to the stage's other replicas.
+    device.seed(args.seed);
     let part = pipe.broadcast_parameters(Stage::new(&widths, range.clone(), device))?;
     let optim = AdamConfig::new().init();
-    let (mut part, mut optim, start) = match &args.checkpoint {
-        Some(dir) if args.resume => match pipe.load_checkpoint(dir, part.clone(), optim.clone())? {
-            Some(r) => (r.model, r.optim, r.step),
-            None => (part, optim, 0),
-        },
-        _ => (part, optim, 0),
+    let restarted = kolo::restart_count() > 0;
+    let (mut part, mut optim, progress) = match &args.checkpoint {
+        Some(dir) if args.resume || restarted => {
+            match pipe.load_checkpoint(dir, part.clone(), optim.clone())? {
+                Some(r) => {
+                    // A checkpoint without progress (an older version's) counts epochs.
+                    let p = r.progress.unwrap_or(Progress {
+                        epoch: r.step,
+                        ..Progress::default()
+                    });
+                    if kolo.rank() == 0 {
+                        println!(
+                            "resumed from the commit at step {} (epoch {}, {} of its samples done)",
+                            p.step,
+                            p.epoch + 1,
+                            p.consumed
+                        );
+                    }
+                    (r.model, r.optim, p)
+                }
+                None => (part, optim, Progress::default()),
+            }
+        }
+        _ => (part, optim, Progress::default()),
     };
+    let start = progress.epoch;
     let held: usize = part.num_params();
     let all_held: Vec<usize> = kolo.allgather_object("digits.held", held)?;
     if kolo.rank() == 0 {
@@ -581,12 +603,33 @@ fn train_pipeline(
     let started = Instant::now();
     let mut samples = 0usize;
     let mut last_acc = None;
-    for epoch in start..args.epochs {
-        let shard = sampler.indices(epoch);
-        let steps = shard.len() / args.batch_size;
+    let mut step = progress.step;
+    let mut stopped = false;
+    // Where training stands after `steps_in` steps of `epoch` past `skip` samples.
+    let at = |epoch: u64, skip: usize, steps_in: usize, step: u64| Progress {
+        epoch,
+        consumed: (skip + sampler.consumed(steps_in, args.batch_size)) as u64,
+        step,
+        seed: args.seed,
+        ranks: kolo.size() as u64,
+    };
+    'epochs: for epoch in start..args.epochs {
+        // The epoch's samples, past those consumed before a commit this run resumed.
+        let skip = if epoch == start {
+            progress.consumed as usize
+        } else {
+            0
+        };
+        let shard = sampler.indices_from(epoch, skip);
+        let steps = sampler.num_samples() / args.batch_size;
+        let done = skip / (args.batch_size * replicas);
         let mut loss_sum = 0.0;
         for (i, idx) in shard.chunks_exact(args.batch_size).enumerate() {
-            let lr = learning_rate(args, replicas, epoch as f64 + i as f64 / steps as f64);
+            let lr = learning_rate(
+                args,
+                replicas,
+                epoch as f64 + (done + i) as f64 / steps as f64,
+            );
             let ids: Vec<usize> = idx.iter().map(|&i| data.train[i]).collect();
             let (x, y) = batch(data, &ids, device);
             let out = pipe.step(
@@ -598,6 +641,21 @@ fn train_pipeline(
             loss_sum += out.loss.unwrap_or(0.0) * ids.len() as f64;
             part = optim.step(lr, part, out.grads);
             samples += ids.len();
+            step += 1;
+            let stop = args.max_steps.is_some_and(|m| step >= m);
+            if let Some(dir) = &args.checkpoint {
+                if stop || args.commit_every.is_some_and(|k| k > 0 && step % k == 0) {
+                    pipe.commit(dir, &part, &optim, &at(epoch, skip, i + 1, step))
+                        .context("committing the pipeline")?;
+                }
+            }
+            if stop {
+                if kolo.rank() == 0 {
+                    println!("stopped after step {step} (--max-steps)");
+                }
+                stopped = true;
+                break 'epochs;
+            }
         }
         if args.bench {
             continue;
@@ -642,7 +700,7 @@ fn train_pipeline(
             );
         }
         if let Some(dir) = &args.checkpoint {
-            pipe.save_checkpoint(dir, &part, &optim, epoch + 1)
+            pipe.commit(dir, &part, &optim, &at(epoch + 1, 0, 0, step))
                 .context("saving the pipeline checkpoint")?;
         }
     }
@@ -656,10 +714,28 @@ fn train_pipeline(
             total as f64 / secs,
             kolo.size(),
             match last_acc {
-                Some(a) if !args.bench => format!("; final test accuracy {:.2}%", 100.0 * a),
+                Some(a) if !args.bench && !stopped => {
+                    format!("; final test accuracy {:.2}%", 100.0 * a)
+                }
                 _ => String::new(),
             }
         );
+    }
+    // Bit-for-bit the same parameters print the same line (resume tests): every
+    // stage's fingerprint, in stage order.
+    let prints: Vec<u64> = kolo.allgather_object("digits.fingerprints", fingerprint(&part)?)?;
+    if kolo.rank() == 0 {
+        let stage_prints: Vec<String> = prints[..stages]
+            .iter()
+            .map(|p| format!("{p:016x}"))
+            .collect();
+        println!(
+            "parameters fingerprint {} after step {step}",
+            stage_prints.join("-")
+        );
+    }
+    if stopped {
+        return Ok(None);
     }
     Ok(last_acc)
 }

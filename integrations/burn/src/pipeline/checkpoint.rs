@@ -12,9 +12,12 @@ use std::path::{Path, PathBuf};
 
 use burn::module::Module;
 use burn::optim::ModuleOptimizer;
+use kolo::Progress;
 
 use super::Pipeline;
-use crate::checkpoint::{load_checkpoint, save_checkpoint, write_named_atomically, Restored};
+use crate::checkpoint::{
+    commit, load_checkpoint, save_checkpoint, write_named_atomically, Restored,
+};
 use crate::error::{Error, Result};
 
 const LATEST: &str = "pipeline.latest";
@@ -40,8 +43,41 @@ impl Pipeline {
         optim: &ModuleOptimizer,
         step: u64,
     ) -> Result<()> {
+        self.write(dir, model, optim, step, None)
+    }
+
+    /// Commits this stage's `model` and `optim` with where training stands
+    /// (`progress`: epoch, samples of it consumed, step, …), as
+    /// [`save_checkpoint`](Self::save_checkpoint) saves them at `progress.step`: every
+    /// few steps, so that a relaunched job goes on from there
+    /// ([`load_checkpoint`](Self::load_checkpoint) gives it back in
+    /// [`Restored::progress`]). Every rank calls it.
+    ///
+    /// # Errors
+    /// As [`save_checkpoint`](Self::save_checkpoint).
+    pub fn commit<M: Module>(
+        &self,
+        dir: &Path,
+        model: &M,
+        optim: &ModuleOptimizer,
+        progress: &Progress,
+    ) -> Result<()> {
+        self.write(dir, model, optim, progress.step, Some(progress))
+    }
+
+    fn write<M: Module>(
+        &self,
+        dir: &Path,
+        model: &M,
+        optim: &ModuleOptimizer,
+        step: u64,
+        progress: Option<&Progress>,
+    ) -> Result<()> {
         let stage_dir = self.checkpoint_dir(dir, step);
-        save_checkpoint(self.stage_kolo()?, &stage_dir, model, optim, step)?;
+        match progress {
+            Some(p) => commit(self.stage_kolo()?, &stage_dir, model, optim, p)?,
+            None => save_checkpoint(self.stage_kolo()?, &stage_dir, model, optim, step)?,
+        }
         if self.replica == 0 {
             // The new directories' entries are durable before the record names them
             // (save_checkpoint makes the file and its own directory durable).

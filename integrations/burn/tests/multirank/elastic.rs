@@ -122,7 +122,7 @@ fn mpirun(np: usize) -> Vec<String> {
 /// arguments for both, e.g. the sharded optimizer, whose commits hold its
 /// consolidated state).
 fn resume_is_exact(np: usize, extra: &[&str]) -> Result<(), String> {
-    let dir = Scratch::new(&format!("resume-exact{}", extra.len()))?;
+    let dir = Scratch::new(&format!("resume-exact{}", extra.concat().replace('-', "")))?;
     let ck = |n: &str| dir.0.join(n).display().to_string();
     let (a, b) = (ck("a"), ck("b"));
     let common: Vec<&str> = ["--epochs", "2", "--commit-every", "7", "--seed", "5"]
@@ -563,6 +563,9 @@ pub(crate) fn trials() -> Vec<Trial> {
         Trial::test("digits_resume_exact/np2", || Ok(resume_is_exact(2, &[])?)),
         Trial::test("digits_resume_exact_sharded/np2", || {
             Ok(resume_is_exact(2, &["--sharded-optimizer"])?)
+        }),
+        Trial::test("digits_resume_exact_pipeline/np2", || {
+            Ok(resume_is_exact(2, &["--pipeline-stages", "2"])?)
         }),
         Trial::test(
             "digits_restart_after_kill/np2",
