@@ -7,20 +7,11 @@
 # CAP_SYS_ADMIN) it says so and skips; KOLO_MULTINODE=0 skips on purpose.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-if [ "${KOLO_MULTINODE:-}" = 0 ]; then
-    echo "multinode: SKIPPED (KOLO_MULTINODE=0)"
-    exit 0
-fi
-scripts/multinode/teardown.sh >/dev/null 2>&1 || true
-set +e
-why=$(scripts/multinode/setup.sh 2>&1)
-rc=$?
-set -e
+rc=0
+scripts/multinode/up.sh multinode || rc=$?
 if [ $rc -eq 3 ]; then
-    echo "multinode: SKIPPED, this machine cannot emulate hosts: $why"
     exit 0
 elif [ $rc -ne 0 ]; then
-    echo "multinode: setting up the emulated hosts failed: $why" >&2
     exit 1
 fi
 trap 'scripts/multinode/teardown.sh' EXIT

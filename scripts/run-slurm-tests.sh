@@ -28,20 +28,11 @@ eval "$(scripts/slurm/start.sh)"
 export SLURM_CONF
 KOLO_SLURM=1 cargo test -p kolo-burn --release --test burn_multirank -- slurm/
 scripts/slurm/stop.sh
-if [ "${KOLO_MULTINODE:-}" = 0 ]; then
-    echo "slurm across hosts: SKIPPED (KOLO_MULTINODE=0)"
-    exit 0
-fi
-scripts/multinode/teardown.sh >/dev/null 2>&1 || true
-set +e
-why=$(KOLO_MN_HOSTS=2 KOLO_MN_SLOTS=2 scripts/multinode/setup.sh 2>&1)
-rc=$?
-set -e
+rc=0
+KOLO_MN_HOSTS=2 KOLO_MN_SLOTS=2 scripts/multinode/up.sh "slurm across hosts" || rc=$?
 if [ $rc -eq 3 ]; then
-    echo "slurm across hosts: SKIPPED, this machine cannot emulate hosts: $why"
     exit 0
 elif [ $rc -ne 0 ]; then
-    echo "slurm across hosts: setting up the emulated hosts failed: $why" >&2
     exit 1
 fi
 hosts_up=1

@@ -327,13 +327,8 @@ fn run() -> anyhow::Result<()> {
     let mut last_acc = 0.0;
     let mut step = progress.step;
     let mut stopped = false;
-    // Where training stands after `steps_in` steps of `epoch` past `skip` samples.
-    let at = |epoch: u64, skip: usize, steps_in: usize, step: u64| Progress {
-        epoch,
-        consumed: (skip + sampler.consumed(steps_in, args.batch_size)) as u64,
-        step,
-        seed: args.seed,
-        ranks: size as u64,
+    let at = |epoch, skip, steps_in, step| {
+        progress_at(&args, &sampler, size, epoch, skip, steps_in, step)
     };
     'epochs: for epoch in start..args.epochs {
         // The epoch's samples, past those consumed before a commit this run resumed.
@@ -446,6 +441,27 @@ fn run() -> anyhow::Result<()> {
         return Ok(());
     }
     check_accuracy(&args, Some(last_acc))
+}
+
+/// Where training stands on a job of `ranks` after `steps_in` steps of `epoch` past
+/// `skip` samples of it (the samples `sampler` deals out in those steps, over all its
+/// ranks).
+fn progress_at(
+    args: &Args,
+    sampler: &DistributedSampler,
+    ranks: usize,
+    epoch: u64,
+    skip: usize,
+    steps_in: usize,
+    step: u64,
+) -> Progress {
+    Progress {
+        epoch,
+        consumed: (skip + sampler.consumed(steps_in, args.batch_size)) as u64,
+        step,
+        seed: args.seed,
+        ranks: ranks as u64,
+    }
 }
 
 /// The optimizer state a commit saves: the sharded optimizer's, consolidated (every
@@ -605,13 +621,8 @@ fn train_pipeline(
     let mut last_acc = None;
     let mut step = progress.step;
     let mut stopped = false;
-    // Where training stands after `steps_in` steps of `epoch` past `skip` samples.
-    let at = |epoch: u64, skip: usize, steps_in: usize, step: u64| Progress {
-        epoch,
-        consumed: (skip + sampler.consumed(steps_in, args.batch_size)) as u64,
-        step,
-        seed: args.seed,
-        ranks: kolo.size() as u64,
+    let at = |epoch, skip, steps_in, step| {
+        progress_at(args, &sampler, kolo.size(), epoch, skip, steps_in, step)
     };
     'epochs: for epoch in start..args.epochs {
         // The epoch's samples, past those consumed before a commit this run resumed.

@@ -174,19 +174,24 @@ fn ranks_of(dir: &str) -> Vec<i32> {
         .collect()
 }
 
-/// Under `kolorun --max-restarts 2 -np 2`, one rank is SIGKILLed as soon as the first
-/// commit is on disk: kolorun relaunches, the job resumes from a commit (not from the
-/// start) and finishes with at least 95% test accuracy.
-fn restart_after_kill() -> Result<(), String> {
-    let dir = Scratch::new("restart-after-kill")?;
+/// A fault test of the digits example: `launcher` runs it with `--hidden 2048
+/// --commit-every 10 --checkpoint <scratch>` and `extra` (`--epochs`, …) until it
+/// reaches 95%; once the first commit is on disk `fault(checkpoint dir)` is called
+/// (every 10 ms until it returns true: kill a rank, cut a link). The job must fail,
+/// be relaunched, resume from a commit (not from the start) and finish, and its output
+/// hold every line of `wants`. Returns the output and the time from the fault to
+/// training again (the relaunched job restored its commit: what a user waits).
+fn fault_after_first_commit(
+    name: &str,
+    launcher: &[String],
+    extra: &[&str],
+    one_machine: bool,
+    mut fault: impl FnMut(&str) -> bool,
+    wants: &[&str],
+) -> Result<(String, Option<Duration>), String> {
+    let dir = Scratch::new(name)?;
     let ck = dir.0.join("ck").display().to_string();
-    let kolorun = built("kolorun")?.display().to_string();
-    let launcher: Vec<String> = [kolorun.as_str(), "-np", "2", "--max-restarts", "2"]
-        .map(String::from)
-        .to_vec();
-    let args = [
-        "--epochs",
-        "10",
+    let mut args = vec![
         "--hidden",
         "2048",
         "--commit-every",
@@ -196,49 +201,69 @@ fn restart_after_kill() -> Result<(), String> {
         "--min-accuracy",
         "0.95",
     ];
+    args.extend(extra);
     let file = kolo_burn::checkpoint_path(Path::new(&ck));
-    let mut killed: Option<Duration> = None;
-    let mut back: Option<Duration> = None;
-    let start = Instant::now();
     let log = dir.0.join("log");
-    let (ok, text) = run_digits(&launcher, &args, &log, Duration::from_secs(300), || {
-        if killed.is_some() && back.is_none() {
-            // When the relaunched job has restored its commit (the time a user waits).
-            let text = std::fs::read_to_string(&log).unwrap_or_default();
-            if text.contains("resumed from the commit") {
-                back = Some(start.elapsed());
+    let (mut faulted, mut back) = (None::<Instant>, None);
+    let (ok, text) = run_digits_on(
+        launcher,
+        &args,
+        &log,
+        Duration::from_secs(300),
+        || {
+            if let (Some(at), None) = (faulted, back) {
+                let text = std::fs::read_to_string(&log).unwrap_or_default();
+                if text.contains("resumed from the commit") {
+                    back = Some(at.elapsed());
+                }
             }
-        }
-        if killed.is_none() && file.exists() {
-            if let Some(&pid) = ranks_of(&ck).last() {
-                // SAFETY: a rank of the job this test started.
-                unsafe { libc::kill(pid, libc::SIGKILL) };
-                killed = Some(start.elapsed());
+            if faulted.is_none() && file.exists() && fault(&ck) {
+                faulted = Some(Instant::now());
             }
-        }
-    })?;
-    let Some(at) = killed else {
-        return Err(format!("no rank was killed (no commit seen):\n{text}"));
-    };
+        },
+        one_machine,
+    )?;
     let resumed = text
         .lines()
         .find_map(|l| l.split("resumed from the commit at step ").nth(1))
         .and_then(|r| r.split_whitespace().next())
         .and_then(|s| s.parse::<u64>().ok());
-    if !ok
-        || !text.contains("relaunching (KOLO_RESTART_COUNT=1)")
-        || resumed.is_none_or(|s| s < 10)
-        || !text.contains("final test accuracy")
-    {
+    let always = ["relaunching (KOLO_RESTART_COUNT=1)", "final test accuracy"];
+    let missing = always.iter().chain(wants).find(|w| !text.contains(**w));
+    if !ok || faulted.is_none() || resumed.is_none_or(|s| s < 10) || missing.is_some() {
         return Err(format!(
-            "killed a rank after {at:?}; the job did not resume from a commit and finish (resumed at {resumed:?}, success {ok}):\n{text}"
+            "{name}: the job did not resume from a commit and finish (fault made {}, resumed at step {resumed:?}, success {ok}, missing {missing:?}):\n{text}",
+            faulted.is_some()
         ));
     }
-    eprintln!(
-        "restart_after_kill: killed at {at:?}, training again from step {resumed:?} {:?} later, done after {:?}",
-        back.map(|b| b.saturating_sub(at)),
-        start.elapsed()
-    );
+    Ok((text, back))
+}
+
+/// SIGKILL of the last rank `ranks_of` finds naming the checkpoint directory.
+fn kill_a_rank(ck: &str) -> bool {
+    let Some(&pid) = ranks_of(ck).last() else {
+        return false;
+    };
+    // SAFETY: a rank of the job this test started.
+    unsafe { libc::kill(pid, libc::SIGKILL) };
+    true
+}
+
+/// Under `kolorun --max-restarts 2 -np 2`, one rank is SIGKILLed as soon as the first
+/// commit is on disk: kolorun relaunches, the job resumes from a commit (not from the
+/// start) and finishes with at least 95% test accuracy.
+fn restart_after_kill() -> Result<(), String> {
+    let kolorun = built("kolorun")?.display().to_string();
+    let launcher = [kolorun.as_str(), "-np", "2", "--max-restarts", "2"].map(String::from);
+    let (_, back) = fault_after_first_commit(
+        "restart-after-kill",
+        &launcher,
+        &["--epochs", "10"],
+        true,
+        kill_a_rank,
+        &[],
+    )?;
+    eprintln!("restart_after_kill: training again {back:?} after the kill");
     Ok(())
 }
 
@@ -274,52 +299,16 @@ fn slurm_digits(via_kolorun: bool) -> Result<(), String> {
 /// the first commit is relaunched within the allocation and the job resumes from the
 /// commit.
 fn slurm_restart_after_kill() -> Result<(), String> {
-    let dir = Scratch::new("slurm-restart")?;
-    let ck = dir.0.join("ck").display().to_string();
     let kolorun = built("kolorun")?.display().to_string();
-    let launcher: Vec<String> = ["salloc", "-n", "2", kolorun.as_str(), "--max-restarts", "2"]
-        .map(String::from)
-        .to_vec();
-    let args = [
-        "--epochs",
-        "10",
-        "--hidden",
-        "2048",
-        "--commit-every",
-        "10",
-        "--checkpoint",
-        &ck,
-        "--min-accuracy",
-        "0.95",
-    ];
-    let file = kolo_burn::checkpoint_path(Path::new(&ck));
-    let mut killed = false;
-    let (ok, text) = run_digits(
+    let launcher = ["salloc", "-n", "2", kolorun.as_str(), "--max-restarts", "2"].map(String::from);
+    fault_after_first_commit(
+        "slurm-restart",
         &launcher,
-        &args,
-        &dir.0.join("log"),
-        Duration::from_secs(300),
-        || {
-            if !killed && file.exists() {
-                if let Some(&pid) = ranks_of(&ck).last() {
-                    // SAFETY: a rank of the job this test started.
-                    unsafe { libc::kill(pid, libc::SIGKILL) };
-                    killed = true;
-                }
-            }
-        },
+        &["--epochs", "10"],
+        true,
+        kill_a_rank,
+        &["kolorun: inside Slurm job"],
     )?;
-    if !ok
-        || !killed
-        || !text.contains("kolorun: inside Slurm job")
-        || !text.contains("relaunching (KOLO_RESTART_COUNT=1)")
-        || !text.contains("resumed from the commit at step")
-        || !text.contains("final test accuracy")
-    {
-        return Err(format!(
-            "inside salloc the job did not resume from a commit after a rank was killed (killed {killed}, success {ok}):\n{text}"
-        ));
-    }
     Ok(())
 }
 
@@ -337,11 +326,9 @@ fn rank_of(dir: &str, rank: usize) -> Option<i32> {
 /// rank 3 (on h2) is SIGKILLed after the first commit; kolorun leaves h2 out and the
 /// job resumes from the commit on h1's 2 ranks (`--min-np 2`) and finishes.
 fn slurm_hosts_leave_node_out() -> Result<(), String> {
-    let dir = Scratch::new("slurm-hosts")?;
-    let ck = dir.0.join("ck").display().to_string();
     let kolorun = built("kolorun")?.display().to_string();
     let on_h1 = std::env::var("KOLO_SLURM_ON_H1").map_err(|_| "KOLO_SLURM_ON_H1 is not set")?;
-    let launcher: Vec<String> = [
+    let launcher = [
         on_h1.as_str(),
         "salloc",
         "-N",
@@ -358,73 +345,29 @@ fn slurm_hosts_leave_node_out() -> Result<(), String> {
         "--mpi-args",
         "--mca mpi_yield_when_idle 1 --mca mpi_event_tick_rate 1",
     ]
-    .map(String::from)
-    .to_vec();
-    let args = [
-        "--epochs",
-        "12",
-        "--scale-lr",
-        "--hidden",
-        "2048",
-        "--commit-every",
-        "10",
-        "--checkpoint",
-        &ck,
-        "--min-accuracy",
-        "0.95",
-    ];
-    let file = kolo_burn::checkpoint_path(Path::new(&ck));
-    let mut killed = false;
-    let (mut killed_at, mut back) = (None, None);
-    let log = dir.0.join("log");
-    let (ok, text) = run_digits_on(
+    .map(String::from);
+    let kill_rank_3 = |ck: &str| {
+        let Some(pid) = rank_of(ck, 3) else {
+            return false;
+        };
+        // SAFETY: a rank of the job this test started.
+        unsafe { libc::kill(pid, libc::SIGKILL) };
+        true
+    };
+    let (_, back) = fault_after_first_commit(
+        "slurm-hosts",
         &launcher,
-        &args,
-        &log,
-        Duration::from_secs(300),
-        || {
-            if killed && back.is_none() {
-                let text = std::fs::read_to_string(&log).unwrap_or_default();
-                if text.contains("resumed from the commit") {
-                    back = Some(Instant::now());
-                }
-            }
-            if !killed && file.exists() {
-                if let Some(pid) = rank_of(&ck, 3) {
-                    // SAFETY: a rank of the job this test started.
-                    unsafe { libc::kill(pid, libc::SIGKILL) };
-                    killed = true;
-                    killed_at = Some(Instant::now());
-                }
-            }
-        },
+        &["--epochs", "12", "--scale-lr"],
         false,
+        kill_rank_3,
+        &[
+            "kolorun: inside Slurm job",
+            "-H h1:2,h2:2",
+            "leaving host h2 out",
+            "on 2 ranks",
+        ],
     )?;
-    if let (Some(k), Some(b)) = (killed_at, back) {
-        eprintln!(
-            "slurm_hosts: training again on h1 {:?} after the kill on h2",
-            b.duration_since(k)
-        );
-    }
-    let wants = [
-        "kolorun: inside Slurm job",
-        "-H h1:2,h2:2",
-        "leaving host h2 out",
-        "relaunching (KOLO_RESTART_COUNT=1)",
-        "resumed from the commit at step",
-        "on 2 ranks",
-        "final test accuracy",
-    ];
-    if let Some(w) = wants.iter().find(|w| !text.contains(*w)) {
-        return Err(format!(
-            "across 2 Slurm nodes the job did not go on without h2 (killed {killed}, success {ok}; no {w:?}):\n{text}"
-        ));
-    }
-    if !ok || !killed {
-        return Err(format!(
-            "across 2 Slurm nodes: killed {killed}, success {ok}:\n{text}"
-        ));
-    }
+    eprintln!("slurm_hosts: training again on h1 {back:?} after the kill on h2");
     Ok(())
 }
 
@@ -435,15 +378,13 @@ fn slurm_hosts_leave_node_out() -> Result<(), String> {
 /// relaunches on h1's 2 ranks, which resume from the commit and reach 95%.
 fn link_cut_goes_on_without_the_host() -> Result<(), String> {
     let scripts = super::harness::multinode().ok_or("the emulated hosts are not up")?;
-    let dir = Scratch::new("link-cut")?;
-    let ck = dir.0.join("ck").display().to_string();
     let kolorun = built("kolorun")?.display().to_string();
     let agent = scripts.join("agent.sh").display().to_string();
     let on_h1 = scripts.join("on-h1.sh").display().to_string();
     let mpi_args = format!(
         "--mca plm_rsh_agent {agent} --mca mpi_yield_when_idle 1 --mca mpi_event_tick_rate 1"
     );
-    let launcher: Vec<String> = [
+    let launcher = [
         on_h1.as_str(),
         kolorun.as_str(),
         "-np",
@@ -461,76 +402,27 @@ fn link_cut_goes_on_without_the_host() -> Result<(), String> {
         "--mpi-args",
         mpi_args.as_str(),
     ]
-    .map(String::from)
-    .to_vec();
-    let args = [
-        "--epochs",
-        "12",
-        "--scale-lr",
-        "--hidden",
-        "2048",
-        "--commit-every",
-        "10",
-        "--checkpoint",
-        &ck,
-        "--min-accuracy",
-        "0.95",
-    ];
+    .map(String::from);
     let link = |state: &str| {
         Command::new("ip")
             .args(["-n", "h2", "link", "set", "eth0", state])
             .status()
             .is_ok_and(|s| s.success())
     };
-    let file = kolo_burn::checkpoint_path(Path::new(&ck));
-    let mut cut = false;
-    let (mut cut_at, mut back) = (None, None);
-    let log = dir.0.join("log");
-    let result = run_digits_on(
+    let result = fault_after_first_commit(
+        "link-cut",
         &launcher,
-        &args,
-        &log,
-        Duration::from_secs(300),
-        || {
-            if cut && back.is_none() {
-                let text = std::fs::read_to_string(&log).unwrap_or_default();
-                if text.contains("resumed from the commit") {
-                    back = Some(Instant::now());
-                }
-            }
-            if !cut && file.exists() {
-                cut = link("down");
-                cut_at = Some(Instant::now());
-            }
-        },
+        &["--epochs", "12", "--scale-lr"],
         false,
+        |_| link("down"),
+        &["has made no progress", "leaving host h2 out", "on 2 ranks"],
     );
     let restored = link("up");
-    let (ok, text) = result?;
-    if let (Some(c), Some(b)) = (cut_at, back) {
-        eprintln!(
-            "link_cut: training again on h1 {:?} after h2's link was cut",
-            b.duration_since(c)
-        );
+    let (_, back) = result?;
+    if !restored {
+        return Err("h2's link could not be brought up again".into());
     }
-    let wants = [
-        "has made no progress",
-        "leaving host h2 out",
-        "relaunching (KOLO_RESTART_COUNT=1)",
-        "resumed from the commit at step",
-        "on 2 ranks",
-        "final test accuracy",
-    ];
-    if let Some(w) = wants.iter().find(|w| !text.contains(*w)) {
-        return Err(format!(
-            "with h2's link cut the job did not go on without it (cut {cut}, success {ok}; no {w:?}):\n{text}"
-        ));
-    }
-    if !ok || !cut || !restored {
-        return Err(format!(
-            "link cut {cut}, restored {restored}, success {ok}:\n{text}"
-        ));
-    }
+    eprintln!("link_cut: training again on h1 {back:?} after h2's link was cut");
     Ok(())
 }
 
