@@ -87,6 +87,10 @@ pub struct ShardedOptimizer {
     /// The id of this rank's range as the wrapped optimizer sees it (its state is kept
     /// under it), the same every step.
     shard_id: ParamId,
+    /// The last step's gathered parameters, whose memory the next step's flat
+    /// gradients reuse: a buffer above 32 MiB comes fresh from `mmap` otherwise, and
+    /// its page faults cost tens of milliseconds per step.
+    spare: Vec<f32>,
 }
 
 impl std::fmt::Debug for ShardedOptimizer {
@@ -124,6 +128,7 @@ impl ShardedOptimizer {
             prefix: "kolo_burn.zero".into(),
             plan: None,
             shard_id: ParamId::new(),
+            spare: Vec::new(),
         }
     }
 
@@ -166,7 +171,7 @@ impl ShardedOptimizer {
     ) -> Result<M> {
         let plan = self.plan_for(&model)?;
         let plan = &*plan;
-        let flat = flat_gradients(&model, &mut grads, plan);
+        let flat = flat_gradients(&model, &mut grads, plan, std::mem::take(&mut self.spare));
         let device = first_device(&model)?;
         let flat = kolo::Tensor::from_vec(flat, &[plan.total])?;
         let mine = self
@@ -212,7 +217,9 @@ impl ShardedOptimizer {
             offsets: &plan.offsets,
             next: 0,
         };
-        Ok(model.map(&mut write))
+        let model = model.map(&mut write);
+        self.spare = all;
+        Ok(model)
     }
 
     /// The partition of `module`, learned and agreed by all ranks on the first step,
@@ -283,7 +290,12 @@ fn range_of(total: usize, size: usize, rank: usize) -> Range<usize> {
 
 /// Every parameter's gradient from `grads`, flattened in module order (zeros for a
 /// parameter without one).
-fn flat_gradients<M: Module>(module: &M, grads: &mut GradientsParams, plan: &Plan) -> Vec<f32> {
+fn flat_gradients<M: Module>(
+    module: &M,
+    grads: &mut GradientsParams,
+    plan: &Plan,
+    mut out: Vec<f32>,
+) -> Vec<f32> {
     struct Flatten<'a> {
         grads: &'a mut GradientsParams,
         out: Vec<f32>,
@@ -301,10 +313,9 @@ fn flat_gradients<M: Module>(module: &M, grads: &mut GradientsParams, plan: &Pla
             }
         }
     }
-    let mut f = Flatten {
-        grads,
-        out: Vec::with_capacity(plan.total),
-    };
+    out.clear();
+    out.reserve(plan.total);
+    let mut f = Flatten { grads, out };
     module.visit(&mut f);
     f.out
 }
