@@ -368,7 +368,8 @@ impl Engine {
         self.exec.run(
             &mut *self.transport,
             &mut self.inbox.pending,
-            (responses, ready_at),
+            responses,
+            ready_at,
             self.control.agreed.fusion_threshold,
             self.control.agreed.fusion_max_tensor,
         );

@@ -60,7 +60,8 @@ impl Executor {
         &mut self,
         t: &mut dyn Transport,
         pending: &mut Pending,
-        (responses, ready_at): (Vec<Response>, Instant),
+        responses: Vec<Response>,
+        ready_at: Instant,
         fusion_threshold: usize,
         max_tensor: usize,
     ) {
@@ -165,9 +166,10 @@ impl Executor {
         self.timeline.enabled().then(Instant::now)
     }
 
-    /// Records an op's span, from `started` to now, on the timeline.
+    /// Records an op's span, from `started` ([`op_start`](Self::op_start): None when
+    /// the timeline is off) to now, on the timeline.
     fn trace_op(&mut self, meta: &RequestMeta, started: Option<Instant>) {
-        if let Some(started) = started.filter(|_| self.timeline.enabled()) {
+        if let Some(started) = started {
             let (args, end) = (trace_args(meta), Instant::now());
             let phase = meta.kind.name().to_ascii_uppercase();
             for t in &meta.tensors {

@@ -70,7 +70,7 @@ fn fused_and_single_responses_give_the_same_sums_and_complete_every_handle() {
             let hb = submit(&mut pending, &b, &[10.0 * x, 5.0]);
             let hc = submit(&mut pending, &c, &[x, x]);
             let responses = vec![ready(&a, 2, &[]), ready(&c, 2, &[]), ready(&b, 2, &[])];
-            exec.run(t, &mut pending, (responses, Instant::now()), threshold, MAX);
+            exec.run(t, &mut pending, responses, Instant::now(), threshold, MAX);
             assert!(pending.is_empty(), "every response takes its request");
             let buffered = exec.fusion_buffer.capacity();
             (values(ha), values(hb), values(hc), buffered)
@@ -105,7 +105,8 @@ fn large_sums_go_to_the_transport_as_one_group_in_their_own_buffers() {
             exec.run(
                 &mut t,
                 &mut pending,
-                (responses, Instant::now()),
+                responses,
+                Instant::now(),
                 1 << 20,
                 MAX,
             );
@@ -176,7 +177,8 @@ fn a_groups_large_members_go_to_the_transport_together() {
             exec.run(
                 &mut t,
                 &mut pending,
-                (vec![ready(&meta, 2, &[])], Instant::now()),
+                vec![ready(&meta, 2, &[])],
+                Instant::now(),
                 1 << 20,
                 MAX,
             );
@@ -217,7 +219,7 @@ fn a_joined_rank_contributes_zeros_to_a_fused_batch() {
         // Rank 1 has joined for b: it has no request, the response says so.
         let hb = (rank == 0).then(|| submit(&mut pending, &b, &[7.0]));
         let responses = vec![ready(&a, 2, &[]), ready(&b, 2, &[1])];
-        exec.run(t, &mut pending, (responses, Instant::now()), 1 << 20, MAX);
+        exec.run(t, &mut pending, responses, Instant::now(), 1 << 20, MAX);
         (values(ha), hb.map(values))
     });
     assert_eq!(out[0], (vec![2.0, 4.0], Some(vec![7.0])));
@@ -240,7 +242,8 @@ fn a_failed_fused_batch_gives_every_member_the_error_with_its_kind() {
     exec.run(
         t,
         &mut pending,
-        (vec![ready(&a, 2, &[]), ready(&b, 2, &[])], Instant::now()),
+        vec![ready(&a, 2, &[]), ready(&b, 2, &[])],
+        Instant::now(),
         1 << 20,
         MAX,
     );
@@ -271,7 +274,8 @@ fn the_timeline_shows_negotiation_and_the_fused_phases_of_each_member() {
     exec.run(
         t,
         &mut pending,
-        (vec![ready(&a, 1, &[]), ready(&b, 1, &[])], Instant::now()),
+        vec![ready(&a, 1, &[]), ready(&b, 1, &[])],
+        Instant::now(),
         1 << 20,
         MAX,
     );

@@ -151,23 +151,8 @@ pub(super) fn ring_allreduce_with(
     let links = Links::new(g, order, pos, dtype, RING_SEND, RING_RECV)?;
     let (n, es) = (links.n, links.es);
     let len = buf.len() / es;
-    // Checked once here, so that no count fails once messages are in flight: the
-    // first chunk is the largest.
-    let (c0, c1) = chunk(len, n, 0);
-    count(RING_SEND, c1 - c0)?;
-    let (seg, window) = match segment {
-        Some(bytes) => ((bytes / es).max(1), RING_WINDOW),
-        None => ((c1 - c0).max(1), 1),
-    };
-    scratch.resize(window * seg * es, 0);
-    let ring = Ring {
-        starts: (0..n).map(|c| chunk(len, n, c).0).chain([len]).collect(),
-        links,
-        base: buf.as_mut_ptr(),
-        slots: scratch.as_mut_ptr(),
-        seg,
-        window,
-    };
+    let starts = (0..n).map(|c| chunk(len, n, c).0).chain([len]).collect();
+    let ring = Ring::new(links, starts, buf, scratch, segment)?;
     (|| {
         let mut sends = Requests(Vec::new());
         let mut recvs = Requests(Vec::new());
@@ -213,29 +198,13 @@ pub(super) fn ring_reduce_scatter(
     let order: Vec<usize> = (0..g.size).collect();
     let links = Links::new(g, &order, g.rank, dtype, RING_SEND, RING_RECV)?;
     let (n, es) = (links.n, links.es);
-    let largest = counts_.iter().copied().max().unwrap_or(0);
-    // Checked once here, so that no count fails once messages are in flight.
-    count(RING_SEND, largest)?;
-    let (seg, window) = match segment {
-        Some(bytes) => ((bytes / es).max(1), RING_WINDOW),
-        None => (largest.max(1), 1),
-    };
-    scratch.resize(window * seg * es, 0);
-    let mut starts = Vec::with_capacity(n + 1);
-    let mut at = 0;
-    for &c in counts_ {
-        starts.push(at);
-        at += c;
-    }
-    starts.push(at);
-    let ring = Ring {
-        starts,
-        links,
-        base: buf.as_mut_ptr(),
-        slots: scratch.as_mut_ptr(),
-        seg,
-        window,
-    };
+    let starts = std::iter::once(0)
+        .chain(counts_.iter().scan(0, |at, &c| {
+            *at += c;
+            Some(*at)
+        }))
+        .collect();
+    let ring = Ring::new(links, starts, buf, scratch, segment)?;
     {
         let mut sends = Requests(Vec::new());
         let mut recvs = Requests(Vec::new());
@@ -308,6 +277,35 @@ struct Ring {
 }
 
 impl Ring {
+    /// The ring over `buf`, cut into chunks at `starts` (and its length last), with
+    /// `segment`-byte segments in flight (None: each step's chunk as one message) in
+    /// `scratch`, resized to what they need. The largest chunk's count is checked here,
+    /// so that none fails once messages are in flight.
+    fn new(
+        links: Links,
+        starts: Vec<usize>,
+        buf: &mut [u8],
+        scratch: &mut Vec<u8>,
+        segment: Option<usize>,
+    ) -> Result<Ring> {
+        let es = links.es;
+        let largest = starts.windows(2).map(|w| w[1] - w[0]).max().unwrap_or(0);
+        count(RING_SEND, largest)?;
+        let (seg, window) = match segment {
+            Some(bytes) => ((bytes / es).max(1), RING_WINDOW),
+            None => (largest.max(1), 1),
+        };
+        scratch.resize(window * seg * es, 0);
+        Ok(Ring {
+            starts,
+            links,
+            base: buf.as_mut_ptr(),
+            slots: scratch.as_mut_ptr(),
+            seg,
+            window,
+        })
+    }
+
     /// The element range of the chunk this rank sends at `step`.
     fn chunk(&self, step: usize) -> (usize, usize) {
         let c = send_chunk(self.links.r, step, self.links.n);
