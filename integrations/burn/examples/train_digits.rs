@@ -259,32 +259,11 @@ fn run() -> anyhow::Result<()> {
     device.seed(args.seed);
     let model = broadcast_parameters(&kolo, Mlp::new(args.hidden, &device), 0)?;
     let optim = AdamConfig::new().init();
-    let restarted = kolo::restart_count() > 0;
-    let (mut model, optim, progress) = match &args.checkpoint {
-        Some(dir) if args.resume || restarted => {
-            match load_checkpoint(&kolo, dir, model.clone(), optim.clone())? {
-                Some(r) => {
-                    // A checkpoint without progress (save_checkpoint) counts epochs.
-                    let p = r.progress.unwrap_or(Progress {
-                        epoch: r.step,
-                        ..Progress::default()
-                    });
-                    if rank == 0 {
-                        println!(
-                            "resumed from the commit at step {} (epoch {}, {} of its samples done, committed on {} ranks)",
-                            p.step,
-                            p.epoch + 1,
-                            p.consumed,
-                            p.ranks
-                        );
-                    }
-                    (r.model, r.optim, p)
-                }
-                None => (model, optim, Progress::default()),
-            }
-        }
-        _ => (model, optim, Progress::default()),
+    let restored = match resume_from(&args) {
+        Some(dir) => load_checkpoint(&kolo, dir, model.clone(), optim.clone())?,
+        None => None,
     };
+    let (mut model, optim, progress) = start_from(&kolo, restored, model, optim);
     let start = progress.epoch;
     let mut optim = broadcast_optimizer_state(&kolo, optim, 0)?;
     if rank == 0 {
@@ -443,6 +422,43 @@ fn run() -> anyhow::Result<()> {
     check_accuracy(&args, Some(last_acc))
 }
 
+/// The checkpoint directory to resume from: with `--resume`, or when kolorun relaunched
+/// the job (`KOLO_RESTART_COUNT` above 0).
+fn resume_from(args: &Args) -> Option<&PathBuf> {
+    let restarted = kolo::restart_count() > 0;
+    args.checkpoint
+        .as_ref()
+        .filter(|_| args.resume || restarted)
+}
+
+/// What training starts from: `restored`'s model, optimizer and progress (a checkpoint
+/// without progress, from `save_checkpoint`, counts epochs), saying so on rank 0; else
+/// `model` and `optim` from the start.
+fn start_from<M>(
+    kolo: &kolo::Kolo,
+    restored: Option<kolo_burn::Restored<M>>,
+    model: M,
+    optim: ModuleOptimizer,
+) -> (M, ModuleOptimizer, Progress) {
+    let Some(r) = restored else {
+        return (model, optim, Progress::default());
+    };
+    let p = r.progress.unwrap_or(Progress {
+        epoch: r.step,
+        ..Progress::default()
+    });
+    if kolo.rank() == 0 {
+        println!(
+            "resumed from the commit at step {} (epoch {}, {} of its samples done, committed on {} ranks)",
+            p.step,
+            p.epoch + 1,
+            p.consumed,
+            p.ranks
+        );
+    }
+    (r.model, r.optim, p)
+}
+
 /// Where training stands on a job of `ranks` after `steps_in` steps of `epoch` past
 /// `skip` samples of it (the samples `sampler` deals out in those steps, over all its
 /// ranks).
@@ -570,31 +586,11 @@ fn train_pipeline(
     device.seed(args.seed);
     let part = pipe.broadcast_parameters(Stage::new(&widths, range.clone(), device))?;
     let optim = AdamConfig::new().init();
-    let restarted = kolo::restart_count() > 0;
-    let (mut part, mut optim, progress) = match &args.checkpoint {
-        Some(dir) if args.resume || restarted => {
-            match pipe.load_checkpoint(dir, part.clone(), optim.clone())? {
-                Some(r) => {
-                    // A checkpoint without progress (an older version's) counts epochs.
-                    let p = r.progress.unwrap_or(Progress {
-                        epoch: r.step,
-                        ..Progress::default()
-                    });
-                    if kolo.rank() == 0 {
-                        println!(
-                            "resumed from the commit at step {} (epoch {}, {} of its samples done)",
-                            p.step,
-                            p.epoch + 1,
-                            p.consumed
-                        );
-                    }
-                    (r.model, r.optim, p)
-                }
-                None => (part, optim, Progress::default()),
-            }
-        }
-        _ => (part, optim, Progress::default()),
+    let restored = match resume_from(args) {
+        Some(dir) => pipe.load_checkpoint(dir, part.clone(), optim.clone())?,
+        None => None,
     };
+    let (mut part, mut optim, progress) = start_from(kolo, restored, part, optim);
     let start = progress.epoch;
     let held: usize = part.num_params();
     let all_held: Vec<usize> = kolo.allgather_object("digits.held", held)?;

@@ -108,7 +108,8 @@ pub fn commit<M: Module>(
     write_checkpoint(kolo, dir, model, optim, progress.step, Some(*progress))
 }
 
-fn write_checkpoint<M: Module>(
+/// [`save_checkpoint`] (`progress` None) and [`commit`] (Some).
+pub(crate) fn write_checkpoint<M: Module>(
     kolo: &Kolo,
     dir: &Path,
     model: &M,

@@ -15,9 +15,7 @@ use burn::optim::ModuleOptimizer;
 use kolo::Progress;
 
 use super::Pipeline;
-use crate::checkpoint::{
-    commit, load_checkpoint, save_checkpoint, write_named_atomically, Restored,
-};
+use crate::checkpoint::{load_checkpoint, write_checkpoint, write_named_atomically, Restored};
 use crate::error::{Error, Result};
 
 const LATEST: &str = "pipeline.latest";
@@ -74,10 +72,14 @@ impl Pipeline {
         progress: Option<&Progress>,
     ) -> Result<()> {
         let stage_dir = self.checkpoint_dir(dir, step);
-        match progress {
-            Some(p) => commit(self.stage_kolo()?, &stage_dir, model, optim, p)?,
-            None => save_checkpoint(self.stage_kolo()?, &stage_dir, model, optim, step)?,
-        }
+        write_checkpoint(
+            self.stage_kolo()?,
+            &stage_dir,
+            model,
+            optim,
+            step,
+            progress.copied(),
+        )?;
         if self.replica == 0 {
             // The new directories' entries are durable before the record names them
             // (save_checkpoint makes the file and its own directory durable).

@@ -129,7 +129,7 @@ impl ShardedOptimizer {
     pub fn consolidate<M: Module>(&mut self, model: &M) -> Result<ModuleOptimizer> {
         let plan = self.plan_for(model)?;
         let sid = self.shard_id.val();
-        let mine = parts(&self.inner, "ShardedOptimizer::consolidate")?;
+        let mut mine = parts(&self.inner, "ShardedOptimizer::consolidate")?;
         // What this rank holds: (field, dtype, shape) in name order.
         let fields: Vec<(String, String, Vec<usize>)> = mine
             .tensors
@@ -145,8 +145,8 @@ impl ShardedOptimizer {
         for (field, _, _) in &fields {
             let values = mine
                 .tensors
-                .get(&(sid, field.clone()))
-                .map(|(_, _, v)| v.clone())
+                .remove(&(sid, field.clone()))
+                .map(|(_, _, v)| v)
                 .unwrap_or_default();
             let len = values.len();
             let whole = self
@@ -163,22 +163,16 @@ impl ShardedOptimizer {
                 tensors.push((slot.id.val(), field.clone(), slot.dims.clone(), part));
             }
         }
+        // Every parameter gets the shard's scalars (none before the first step).
         let mut scalars = BTreeMap::new();
-        if !fields.is_empty()
-            || mine
-                .scalars
-                .keys()
-                .any(|k| k.starts_with(&format!("{sid}.")))
-        {
-            for slot in &plan.layout.slots {
-                rename_scalars(
-                    &mine.scalars,
-                    sid,
-                    slot.id.val(),
-                    slot.dims.len(),
-                    &mut scalars,
-                );
-            }
+        for slot in &plan.layout.slots {
+            rename_scalars(
+                &mine.scalars,
+                sid,
+                slot.id.val(),
+                slot.dims.len(),
+                &mut scalars,
+            );
         }
         assemble(
             &self.inner,
