@@ -188,6 +188,13 @@ fn check_user(user: &str) -> Result<(), String> {
     }
 }
 
+/// This machine's host name (empty when the kernel does not say).
+pub(crate) fn this_host() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .map(|h| h.trim().to_string())
+        .unwrap_or_default()
+}
+
 /// How mpirun reaches other hosts: `--mca plm_rsh_agent` in `--mpi-args`, else
 /// `OMPI_MCA_plm_rsh_agent`, else inside a Slurm allocation srun (Open MPI starts its
 /// daemons through srun there: one task on the host, sharing the allocation's CPUs),
@@ -232,8 +239,8 @@ pub(crate) fn check_hosts(
     timeout: std::time::Duration,
 ) -> Vec<String> {
     use std::time::Instant;
-    let this = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default();
-    let local = |h: &str| h == "localhost" || h == "127.0.0.1" || h == this.trim();
+    let this = this_host();
+    let local = |h: &str| h == "localhost" || h == "127.0.0.1" || h == this;
     let Some((program, first)) = agent.split_first() else {
         return vec!["no remote agent to reach the hosts with".into()];
     };

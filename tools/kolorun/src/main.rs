@@ -227,10 +227,9 @@ fn from_slurm(args: &mut Args) {
         args.np = Some(alloc.ntasks);
         took.push(format!("-np {}", alloc.ntasks));
     }
-    let this = this_host();
-    let short = |h: &str| h.split('.').next().unwrap_or(h).to_string();
-    let local =
-        matches!(alloc.hosts.as_slice(), [(h, _)] if short(h) == short(&this) || h == "localhost");
+    let this = hosts::this_host();
+    let local = matches!(alloc.hosts.as_slice(),
+        [(h, _)] if elastic::same_host(h, &this) || h == "localhost");
     if !hosts_given && !local {
         let flag = elastic::hosts_flag(&alloc.hosts);
         took.push(format!("-H {flag}"));
@@ -243,18 +242,6 @@ fn from_slurm(args: &mut Args) {
             took.join(" ")
         );
     }
-}
-
-/// This machine's host name.
-fn this_host() -> String {
-    let mut buf = [0u8; 256];
-    // SAFETY: the buffer is valid for its length; gethostname writes at most that.
-    let rc = unsafe { libc::gethostname(buf.as_mut_ptr().cast(), buf.len()) };
-    if rc != 0 {
-        return String::new();
-    }
-    let end = buf.iter().position(|&b| b == 0).unwrap_or(buf.len());
-    String::from_utf8_lossy(&buf[..end]).into_owned()
 }
 
 /// The arguments, number of ranks and hosts of the next attempt: as given, or — with a
