@@ -44,7 +44,8 @@ pub(crate) fn silent_host(lines: &[String], hosts: &[(String, usize)]) -> Option
         l[..at].rsplit("rank ").next()?.trim().parse().ok()
     };
     let mut named: Option<usize> = None;
-    let mut reported = vec![0usize; hosts.len()];
+    // Ranks, not lines: a rank with several engines (process sets) reports once each.
+    let mut reporters = std::collections::BTreeSet::new();
     for l in lines {
         if let Some(at) = l.find(" has not answered") {
             let host = host_of(rank_before(l, at)?)?;
@@ -53,20 +54,19 @@ pub(crate) fn silent_host(lines: &[String], hosts: &[(String, usize)]) -> Option
             }
             named = Some(host);
         }
-        let reporter = l
-            .find("kolo: rank ")
-            .and_then(|at| {
-                l[at + "kolo: rank ".len()..]
-                    .split(':')
-                    .next()?
-                    .trim()
-                    .parse()
-                    .ok()
-            })
-            .and_then(host_of);
-        if let Some(h) = reporter {
-            reported[h] += 1;
-        }
+        let reporter = l.find("kolo: rank ").and_then(|at| {
+            l[at + "kolo: rank ".len()..]
+                .split(':')
+                .next()?
+                .trim()
+                .parse::<usize>()
+                .ok()
+        });
+        reporters.extend(reporter);
+    }
+    let mut reported = vec![0usize; hosts.len()];
+    for h in reporters.into_iter().filter_map(host_of) {
+        reported[h] += 1;
     }
     let host = named.or_else(|| {
         let silent: Vec<usize> = (0..hosts.len()).filter(|&h| reported[h] == 0).collect();
@@ -241,8 +241,10 @@ mod tests {
             silent_host(&[quiet(0), quiet(1)], &hosts).as_deref(),
             Some("h2")
         );
-        // Rank 1 did not report either: h1 and h2 both have silent ranks.
+        // Rank 1 did not report either: h1 and h2 both have silent ranks (also when
+        // rank 0 reported twice, from two engines).
         assert_eq!(silent_host(&[quiet(0)], &hosts), None);
+        assert_eq!(silent_host(&[quiet(0), quiet(0)], &hosts), None);
         assert_eq!(silent_host(&[quiet(0), quiet(2)], &hosts), None);
     }
 }
