@@ -164,16 +164,47 @@ impl Storage {
 
     fn zeros(dtype: DType, len: usize) -> Storage {
         match dtype {
-            DType::U8 => Storage::U8(vec![0; len]),
-            DType::I8 => Storage::I8(vec![0; len]),
-            DType::I32 => Storage::I32(vec![0; len]),
-            DType::I64 => Storage::I64(vec![0; len]),
-            DType::F16 => Storage::F16(vec![f16::ZERO; len]),
-            DType::BF16 => Storage::BF16(vec![bf16::ZERO; len]),
-            DType::F32 => Storage::F32(vec![0.0; len]),
-            DType::F64 => Storage::F64(vec![0.0; len]),
+            DType::U8 => Storage::U8(zeroed(len)),
+            DType::I8 => Storage::I8(zeroed(len)),
+            DType::I32 => Storage::I32(zeroed(len)),
+            DType::I64 => Storage::I64(zeroed(len)),
+            DType::F16 => Storage::F16(zeroed(len)),
+            DType::BF16 => Storage::BF16(zeroed(len)),
+            DType::F32 => Storage::F32(zeroed(len)),
+            DType::F64 => Storage::F64(zeroed(len)),
         }
     }
+}
+
+/// Buffers from this size up ask the kernel for transparent huge pages.
+const HUGE_PAGES_FROM: usize = 4 << 20;
+
+/// `len` zeroed elements. A large buffer comes fresh from `mmap` (glibc's threshold:
+/// 32 MiB once kolo has tuned it), and writing it faults every 4 KiB page in: here
+/// ~2.5 µs a page, so a 40 MiB collective output cost ~25 ms of faults, more than
+/// its messages. From [`HUGE_PAGES_FROM`] on the buffer is marked `MADV_HUGEPAGE`
+/// before anything touches it (the allocation is zeroed by the kernel, not written),
+/// so that where transparent huge pages are enabled for `madvise` (Debian's and
+/// Ubuntu's default) it faults in 2 MiB at a time.
+fn zeroed<T: bytemuck::Zeroable + Clone>(len: usize) -> Vec<T> {
+    // `alloc_zeroed`: calloc, which leaves fresh mmap memory untouched.
+    let v: Vec<T> = bytemuck::zeroed_vec(len);
+    let bytes = std::mem::size_of_val(v.as_slice());
+    #[cfg(target_os = "linux")]
+    if bytes >= HUGE_PAGES_FROM {
+        const PAGE: usize = 4096;
+        let start = (v.as_ptr() as usize).next_multiple_of(PAGE);
+        let end = (v.as_ptr() as usize + bytes) / PAGE * PAGE;
+        if end > start {
+            // SAFETY: [start, end) lies inside the vector's allocation, page-aligned;
+            // MADV_HUGEPAGE changes how the kernel backs the range, never its contents.
+            // A kernel without THP refuses it (EINVAL), which changes nothing.
+            unsafe {
+                libc::madvise(start as *mut libc::c_void, end - start, libc::MADV_HUGEPAGE);
+            }
+        }
+    }
+    v
 }
 
 /// An owned, typed buffer with a shape (row-major).
