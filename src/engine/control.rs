@@ -86,6 +86,9 @@ const SPEC_VALUES: usize = 128;
 /// Speculation is tried only when at most this many cached ops are ready.
 const SPEC_SCAN: usize = 16;
 
+/// Cache slots agreed in a cycle: inline for a few, as a latency-bound cycle has.
+type Slots = SmallVec<[usize; 8]>;
+
 /// Where a speculated op sits in the agreement's sum.
 #[derive(Debug, Clone, Copy)]
 struct Spec {
@@ -147,7 +150,9 @@ impl Negotiate<'_> {
             Vec::new()
         };
         let now = Instant::now();
-        responses.extend(self.cached_responses(cached_ready)?);
+        for slot in cached_ready {
+            responses.push(Response::Run(self.cached_ready(slot)?));
+        }
         let mut stale = Vec::new();
         if !msgs.is_empty() {
             // A full request under a cached name means its request changed (or it was
@@ -210,9 +215,9 @@ impl Negotiate<'_> {
     /// across ranks, which also sums the small ops this rank speculates on. Returns
     /// the cache slots ready on every rank, whether any rank has something the cache
     /// cannot say (then the full exchange follows), and the ops already reduced.
-    fn exchange_bits(&mut self, use_cache: bool) -> Result<(Vec<usize>, bool, Vec<Response>)> {
+    fn exchange_bits(&mut self, use_cache: bool) -> Result<(Slots, bool, Vec<Response>)> {
         if !use_cache {
-            return Ok((Vec::new(), true, Vec::new()));
+            return Ok((Slots::new(), true, Vec::new()));
         }
         let has_full = !self.inbox.outgoing.is_empty()
             || self.inbox.shutting_down
@@ -236,7 +241,7 @@ impl Negotiate<'_> {
             claims[SPEC_SLOTS + i] = !v;
         }
         self.while_waiting(|t, idle| t.agree_bits(&mut words, &mut sum, idle))?;
-        let mut ready: Vec<usize> = cache::bits(&words[1..=cache_words]).collect();
+        let mut ready: Slots = cache::bits(&words[1..=cache_words]).collect();
         let claims = &words[1 + cache_words..];
         // Every rank claimed the same slots (at each position, the AND of the values
         // and the AND of their complements cover every bit only if all were equal), so
@@ -249,7 +254,7 @@ impl Negotiate<'_> {
             for s in &spec {
                 reduced.push(Response::Reduced {
                     ready: self.cached_ready(s.slot)?,
-                    sum: sum[s.at..s.at + s.len].to_vec(),
+                    sum: SmallVec::from_slice(&sum[s.at..s.at + s.len]),
                 });
             }
         }
@@ -317,13 +322,6 @@ impl Negotiate<'_> {
     }
 
     /// The responses of cache slots every rank agreed on.
-    fn cached_responses(&mut self, slots: Vec<usize>) -> Result<Vec<Response>> {
-        slots
-            .into_iter()
-            .map(|slot| self.cached_ready(slot).map(Response::Run))
-            .collect()
-    }
-
     /// The response of cache slot `slot`, which every rank agreed on.
     fn cached_ready(&mut self, slot: usize) -> Result<negotiate::Ready> {
         let Some((metas, key, kind)) = self.control.cache.metas(slot).and_then(|metas| {
@@ -343,20 +341,27 @@ impl Negotiate<'_> {
     /// bit-announced requests that have waited long enough to be worth a full
     /// announcement (so that the stall inspector sees, and can name, missing ranks).
     fn announce_cached(&mut self) {
-        let outgoing = std::mem::take(&mut self.inbox.outgoing);
-        for key in outgoing {
-            let slot = self.inbox.pending.get(&key).and_then(|r| {
+        // In place: the list keeps its memory from cycle to cycle.
+        let mut outgoing = std::mem::take(&mut self.inbox.outgoing);
+        let mut kept = 0;
+        for i in 0..outgoing.len() {
+            let slot = self.inbox.pending.get(&outgoing[i]).and_then(|r| {
                 ResponseCache::cacheable(r.meta.kind)
                     .then(|| self.control.cache.lookup(&r.meta, self.inbox.rank))
                     .flatten()
             });
             match slot {
                 Some(slot) => {
-                    self.inbox.announced.insert(slot, key);
+                    self.inbox.announced.insert(slot, outgoing[i].clone());
                 }
-                None => self.inbox.outgoing.push(key),
+                None => {
+                    outgoing.swap(kept, i);
+                    kept += 1;
+                }
             }
         }
+        outgoing.truncate(kept);
+        self.inbox.outgoing = outgoing;
         // Looking at every bit-announced request's age is not free with thousands of
         // them: do it a few times per stall interval, not every cycle.
         let now = self.started;

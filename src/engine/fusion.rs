@@ -10,6 +10,9 @@ use crate::config::MAX_FUSED_TENSOR_BYTES;
 use crate::tensor::DType;
 use crate::vocab::ReduceOp;
 
+/// A cycle's plan: its steps in order (one inline, a lone op's).
+pub(crate) type Steps = smallvec::SmallVec<[Step; 1]>;
+
 /// One unit of execution, in order.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) enum Step {
@@ -96,10 +99,11 @@ pub(crate) fn plan(
     threshold: usize,
     max_tensor: usize,
     in_place_group: usize,
-) -> Vec<Step> {
+) -> Steps {
     if let [_] = responses {
-        // The common case of a latency-bound op: nothing to fuse with.
-        return vec![Step::Single(0)];
+        // The common case of a latency-bound op: nothing to fuse with (and nothing
+        // allocated).
+        return smallvec::smallvec![Step::Single(0)];
     }
     let fused: Vec<Option<(FuseKey, usize)>> =
         responses.iter().map(|r| fuse_key(r, max_tensor)).collect();
@@ -112,7 +116,7 @@ pub(crate) fn plan(
                 .collect()
         });
     let mut taken = vec![false; responses.len()];
-    let mut steps = Vec::new();
+    let mut steps = Steps::new();
     for i in 0..responses.len() {
         if taken[i] {
             continue;
@@ -228,6 +232,11 @@ impl FusionBuffer {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The plan as a `Vec`, to compare with `vec![…]`.
+    fn plan(rs: &[Response], threshold: usize, max: usize, group: usize) -> Vec<Step> {
+        super::plan(rs, threshold, max, group).into_vec()
+    }
     use crate::engine::negotiate::Ready;
     use crate::engine::request::RequestMeta;
     use crate::error::Error;

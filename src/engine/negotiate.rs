@@ -50,7 +50,8 @@ pub(crate) enum Response {
     /// postscale is left to apply.
     Reduced {
         ready: Ready,
-        sum: Vec<f32>,
+        /// Inline up to four values: a latency-bound op's sum allocates nothing.
+        sum: smallvec::SmallVec<[f32; 4]>,
     },
     Fail {
         key: Key,

@@ -211,7 +211,7 @@ fn small_cached_sums_are_reduced_in_the_agreement_only_when_every_rank_packed_th
     let sums = |rs: &[Response]| -> Vec<(String, Vec<f32>)> {
         rs.iter()
             .map(|r| match r {
-                Response::Reduced { ready, sum } => (ready.key.to_string(), sum.clone()),
+                Response::Reduced { ready, sum } => (ready.key.to_string(), sum.to_vec()),
                 other => panic!("expected a speculated sum, got {other:?}"),
             })
             .collect()
