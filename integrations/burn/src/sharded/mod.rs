@@ -174,14 +174,15 @@ impl ShardedOptimizer {
         let flat = flat_gradients(&model, &mut grads, plan, std::mem::take(&mut self.spare));
         let device = first_device(&model)?;
         let flat = kolo::Tensor::from_vec(flat, &[plan.total])?;
-        let mine = self
+        // This rank's parameter values are read while the engine thread reduces.
+        let pending = self
             .kolo
             .reducescatter(format!("{}.grads", self.prefix), flat)
             .op(self.op)
-            .wait()?
-            .into_vec::<f32>()?;
+            .submit()?;
         let len = plan.range.len();
         let values = read_range(&model, plan);
+        let mine = pending.wait()?.into_vec::<f32>()?;
         let shard = Shard {
             flat: Param::initialized(
                 self.shard_id,
@@ -303,12 +304,11 @@ fn flat_gradients<M: Module>(
     impl ModuleVisitor for Flatten<'_> {
         fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
             let n = param.val().shape().num_elements();
-            let values = self
-                .grads
-                .remove::<D>(param.id)
-                .and_then(|g| g.into_data().try_into_vec::<f32>().ok());
-            match values {
-                Some(v) if v.len() == n => self.out.extend_from_slice(&v),
+            let data = self.grads.remove::<D>(param.id).map(Tensor::into_data);
+            // Borrowed, not `try_into_vec`: Burn's buffers are 16-byte aligned, so
+            // taking them as a `Vec<f32>` copies them first.
+            match data.as_ref().and_then(|d| d.as_slice::<f32>().ok()) {
+                Some(v) if v.len() == n => self.out.extend_from_slice(v),
                 _ => self.out.resize(self.out.len() + n, 0.0),
             }
         }
@@ -350,8 +350,8 @@ fn read_range<M: Module>(module: &M, plan: &Plan) -> Vec<f32> {
                 .val()
                 .reshape([end - start])
                 .slice(lo - start..hi - start);
-            if let Ok(v) = part.into_data().try_into_vec::<f32>() {
-                self.out.extend_from_slice(&v);
+            if let Ok(v) = part.into_data().as_slice::<f32>() {
+                self.out.extend_from_slice(v);
             }
         }
     }
