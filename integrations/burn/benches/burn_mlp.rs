@@ -277,6 +277,8 @@ fn main() -> Result<()> {
         };
         let counts = [warmup.to_string(), steps.to_string()];
         let mut plain_sps = Vec::new();
+        // The pipeline model only: one rank running the same micro-batches.
+        let mut plain_micro_sps = Vec::new();
         let mut kolo: Vec<[Vec<(f64, f64)>; 2]> = vec![Default::default(); PATHS.len()];
         let started = Instant::now();
         for rep in 0..reps {
@@ -286,6 +288,13 @@ fn main() -> Result<()> {
             cmd.env("GLIBC_TUNABLES", PLAIN_MALLOC);
             cmd.arg(model).args(&counts).arg(&device_arg);
             plain_sps.push(result_of(cmd, "plain Burn")?.0);
+            if model == "pipe" {
+                let mut cmd = Command::new(&plain);
+                cmd.env("GLIBC_TUNABLES", PLAIN_MALLOC);
+                cmd.env("KOLO_BENCH_PLAIN_MICRO", mlp::MICRO_BATCHES.to_string());
+                cmd.arg(model).args(&counts).arg(&device_arg);
+                plain_micro_sps.push(result_of(cmd, "plain Burn, micro-batches")?.0);
+            }
             for (p, path) in PATHS.iter().enumerate() {
                 for (n, &np) in nps.iter().enumerate() {
                     let mut cmd = Command::new("mpirun");
@@ -343,6 +352,21 @@ fn main() -> Result<()> {
                         show(&eff),
                         m / (m + 1.0),
                         show(&eff.iter().map(|e| e / (m / (m + 1.0))).collect::<Vec<_>>())
+                    );
+                    // The same against one rank running the batch as the same M
+                    // micro-batches: the schedule's own cost, without Burn's lower
+                    // throughput on smaller matrices.
+                    let sched: Vec<f64> = sps
+                        .iter()
+                        .zip(&plain_micro_sps)
+                        .map(|(k, b)| k / (2.0 * b))
+                        .collect();
+                    println!(
+                        "  pipeline   np2  schedule efficiency {} (against plain Burn on {} micro-batches, {} steps/s; share of ideal {})",
+                        show(&sched),
+                        mlp::MICRO_BATCHES,
+                        show(&plain_micro_sps),
+                        show(&sched.iter().map(|e| e / (m / (m + 1.0))).collect::<Vec<_>>())
                     );
                 }
             }

@@ -8,13 +8,18 @@
 //! RAYON_NUM_THREADS=1 target/release/kolo-burn-plain-mlp big 3 20 [flex|cpu|cuda]
 //! ```
 //! `cpu` and `cuda` need the features of those names (`scripts/build-cuda.sh`).
+//!
+//! With `KOLO_BENCH_PLAIN_MICRO=M` each step runs the batch as `M` micro-batches one
+//! after another, accumulating their gradients, and steps once: what one rank running
+//! the whole model does with the pipeline's micro-batches (the baseline of the
+//! pipeline's schedule efficiency).
 
 #[path = "../common/mlp.rs"]
 mod mlp;
 
 use std::time::Duration;
 
-use burn::optim::SgdConfig;
+use burn::optim::{GradientsAccumulator, SgdConfig};
 use burn::tensor::Device;
 
 fn main() -> Result<(), String> {
@@ -34,9 +39,23 @@ fn main() -> Result<(), String> {
     }
     .autodiff();
     let (x, y) = mlp::batch(0, dims, mlp::batch_size(model), &device);
+    let micro = std::env::var("KOLO_BENCH_PLAIN_MICRO")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(1usize)
+        .max(1);
+    let (xs, ys) = (x.clone().chunk(micro, 0), y.clone().chunk(micro, 0));
     let mut optim = SgdConfig::new().init();
     let t = mlp::time_steps(mlp::Mlp::new(dims, &device), warmup, steps, |m| {
-        let g = mlp::grads(&m, x.clone(), y.clone());
+        let g = if micro == 1 {
+            mlp::grads(&m, x.clone(), y.clone())
+        } else {
+            let mut acc = GradientsAccumulator::new();
+            for (x, y) in xs.iter().zip(&ys) {
+                acc.accumulate(&m, mlp::grads(&m, x.clone(), y.clone()));
+            }
+            acc.grads()
+        };
         (optim.step(mlp::LR, m, g), Duration::ZERO)
     });
     // The line the benchmark reads (kolo's workers print the same).
