@@ -247,6 +247,7 @@ pub(crate) fn start(config: Config) -> Result<Kolo> {
     if config.malloc_tuning {
         tune_malloc();
     }
+    crate::tensor::set_huge_pages(config.huge_pages);
     if STARTED.swap(true, Ordering::SeqCst) {
         return Err(Error::Init(
             "kolo was already initialised in this process; MPI can start only once per process \

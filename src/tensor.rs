@@ -179,19 +179,27 @@ impl Storage {
 /// Buffers from this size up ask the kernel for transparent huge pages.
 const HUGE_PAGES_FROM: usize = 4 << 20;
 
+/// `Config::huge_pages` (`KOLO_HUGE_PAGES`), set by `init`; on until then.
+static HUGE_PAGES: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(true);
+
+/// Turns the huge-page advice of large buffers on or off (`init`, from the config).
+pub(crate) fn set_huge_pages(on: bool) {
+    HUGE_PAGES.store(on, std::sync::atomic::Ordering::Relaxed);
+}
+
 /// `len` zeroed elements. A large buffer comes fresh from `mmap` (glibc's threshold:
 /// 32 MiB once kolo has tuned it), and writing it faults every 4 KiB page in: here
 /// ~2.5 µs a page, so a 40 MiB collective output cost ~25 ms of faults, more than
 /// its messages. From [`HUGE_PAGES_FROM`] on the buffer is marked `MADV_HUGEPAGE`
 /// before anything touches it (the allocation is zeroed by the kernel, not written),
 /// so that where transparent huge pages are enabled for `madvise` (Debian's and
-/// Ubuntu's default) it faults in 2 MiB at a time.
+/// Ubuntu's default) it faults in 2 MiB at a time (`KOLO_HUGE_PAGES=0`: not).
 fn zeroed<T: bytemuck::Zeroable + Clone>(len: usize) -> Vec<T> {
     // `alloc_zeroed`: calloc, which leaves fresh mmap memory untouched.
     let v: Vec<T> = bytemuck::zeroed_vec(len);
     let bytes = std::mem::size_of_val(v.as_slice());
     #[cfg(target_os = "linux")]
-    if bytes >= HUGE_PAGES_FROM {
+    if bytes >= HUGE_PAGES_FROM && HUGE_PAGES.load(std::sync::atomic::Ordering::Relaxed) {
         const PAGE: usize = 4096;
         let start = (v.as_ptr() as usize).next_multiple_of(PAGE);
         let end = (v.as_ptr() as usize + bytes) / PAGE * PAGE;

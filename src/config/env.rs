@@ -5,7 +5,7 @@
 use super::*;
 
 /// Every setting kolo reads, as `KOLO_<key>` or `HOROVOD_<key>`.
-pub(crate) const KEYS: [&str; 23] = [
+pub(crate) const KEYS: [&str; 24] = [
     "FUSION_THRESHOLD",
     "FUSION_MAX_TENSOR_BYTES",
     "CYCLE_TIME",
@@ -16,6 +16,7 @@ pub(crate) const KEYS: [&str; 23] = [
     "STALL_SHUTDOWN_TIME_SECONDS",
     "STALL_CHECK_DISABLE",
     "MALLOC_TUNING",
+    "HUGE_PAGES",
     "COLLECTIVE_TIMEOUT_SECONDS",
     "START_TIMEOUT",
     "HIERARCHICAL_ALLREDUCE",
@@ -128,6 +129,9 @@ impl Config {
         }
         if let Some((var, v)) = env.get("MALLOC_TUNING") {
             self.malloc_tuning = parse_bool(&var, &v)?;
+        }
+        if let Some((var, v)) = env.get("HUGE_PAGES") {
+            self.huge_pages = parse_bool(&var, &v)?;
         }
         Ok(())
     }

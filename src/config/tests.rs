@@ -41,9 +41,11 @@ fn every_variable_is_read() {
         ("KOLO_SIMULATED_COLLECTIVE_COST_US", "30"),
         ("KOLO_LOG_LEVEL", "DEBUG"),
         ("KOLO_MALLOC_TUNING", "0"),
+        ("KOLO_HUGE_PAGES", "0"),
     ])
     .unwrap();
     assert!(!c.malloc_tuning);
+    assert!(!c.huge_pages);
     assert_eq!(c.autotune_warmup_samples, 7);
     assert_eq!(c.autotune_steps_per_sample, 4);
     assert_eq!(c.autotune_max_samples, 9);
