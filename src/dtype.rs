@@ -28,6 +28,18 @@ pub enum DType {
 }
 
 impl DType {
+    /// Every element type, in declaration order.
+    pub const ALL: [DType; 8] = [
+        DType::U8,
+        DType::I8,
+        DType::I32,
+        DType::I64,
+        DType::F16,
+        DType::BF16,
+        DType::F32,
+        DType::F64,
+    ];
+
     /// Bytes per element.
     pub fn size_of(self) -> usize {
         match self {

@@ -4,16 +4,7 @@ use anyhow::{ensure, Result};
 use kolo::half::{bf16, f16};
 use kolo::{DType, Tensor};
 
-pub(crate) const DTYPES: [DType; 8] = [
-    DType::U8,
-    DType::I8,
-    DType::I32,
-    DType::I64,
-    DType::F16,
-    DType::BF16,
-    DType::F32,
-    DType::F64,
-];
+pub(crate) const DTYPES: [DType; 8] = DType::ALL;
 
 /// A small seeded generator (splitmix64) so every rank can build the same values.
 pub(crate) struct Rng(u64);
