@@ -321,7 +321,6 @@ impl Negotiate<'_> {
         self.full_exchange(&msg)
     }
 
-    /// The responses of cache slots every rank agreed on.
     /// The response of cache slot `slot`, which every rank agreed on.
     fn cached_ready(&mut self, slot: usize) -> Result<negotiate::Ready> {
         let Some((metas, key, kind)) = self.control.cache.metas(slot).and_then(|metas| {
