@@ -354,20 +354,22 @@ fn main() -> Result<()> {
                         show(&eff.iter().map(|e| e / (m / (m + 1.0))).collect::<Vec<_>>())
                     );
                     // The same against one rank running the batch as the same M
-                    // micro-batches: the schedule's own cost, without Burn's lower
-                    // throughput on smaller matrices.
-                    let sched: Vec<f64> = sps
-                        .iter()
-                        .zip(&plain_micro_sps)
-                        .map(|(k, b)| k / (2.0 * b))
-                        .collect();
-                    println!(
-                        "  pipeline   np2  schedule efficiency {} (against plain Burn on {} micro-batches, {} steps/s; share of ideal {})",
-                        show(&sched),
-                        mlp::MICRO_BATCHES,
-                        show(&plain_micro_sps),
-                        show(&sched.iter().map(|e| e / (m / (m + 1.0))).collect::<Vec<_>>())
-                    );
+                    // micro-batches (the pipe model only): the schedule's own cost,
+                    // without Burn's lower throughput on smaller matrices.
+                    if !plain_micro_sps.is_empty() {
+                        let sched: Vec<f64> = sps
+                            .iter()
+                            .zip(&plain_micro_sps)
+                            .map(|(k, b)| k / (2.0 * b))
+                            .collect();
+                        println!(
+                            "  pipeline   np2  schedule efficiency {} (against plain Burn on {} micro-batches, {} steps/s; share of ideal {})",
+                            show(&sched),
+                            mlp::MICRO_BATCHES,
+                            show(&plain_micro_sps),
+                            show(&sched.iter().map(|e| e / (m / (m + 1.0))).collect::<Vec<_>>())
+                        );
+                    }
                 }
             }
         }
