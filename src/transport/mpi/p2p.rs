@@ -31,6 +31,16 @@ struct Header {
     inline: bool,
 }
 
+/// [`Header`] as the sender writes it, borrowing its name and shape (the same bytes:
+/// postcard writes `&str` as `String` and `&[usize]` as `Vec<usize>`).
+#[derive(Serialize)]
+struct HeaderOut<'a> {
+    name: &'a str,
+    dtype: DType,
+    shape: &'a [usize],
+    inline: bool,
+}
+
 /// Tensors up to this size travel inside their header's message.
 const INLINE_BYTES: usize = 16 << 10;
 
@@ -175,12 +185,18 @@ impl P2p {
     pub(super) fn post_send(&mut self, dest: usize, name: &str, tensor: Tensor) -> Result<u64> {
         let call = "MPI_Isend (send)";
         let inline = tensor.num_bytes() <= INLINE_BYTES;
-        let mut header = postcard::to_stdvec(&Header {
-            name: name.to_string(),
-            dtype: tensor.dtype(),
-            shape: tensor.shape().to_vec(),
-            inline,
-        })
+        // Sized for the header and, inline, the bytes that follow it: one allocation.
+        let room = name.len() + 10 * (tensor.shape().len() + 2) + 2;
+        let room = room + if inline { tensor.num_bytes() } else { 0 };
+        let mut header = postcard::to_extend(
+            &HeaderOut {
+                name,
+                dtype: tensor.dtype(),
+                shape: tensor.shape(),
+                inline,
+            },
+            Vec::with_capacity(room),
+        )
         .map_err(|e| Error::Internal(format!("send header: {e}")))?;
         let peer = count(call, dest)?;
         let comm = self.raw();
@@ -376,5 +392,38 @@ impl P2p {
             // headers: the caller fails the whole lane (see `P2pLane::poll`).
             posted?;
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{DType, Header, HeaderOut};
+
+    #[test]
+    fn a_borrowed_header_writes_the_bytes_of_an_owned_one() {
+        let shape = [3usize, 0, 70_000];
+        let out = postcard::to_extend(
+            &HeaderOut {
+                name: "grad.7",
+                dtype: DType::BF16,
+                shape: &shape,
+                inline: true,
+            },
+            Vec::new(),
+        )
+        .unwrap();
+        let owned = postcard::to_stdvec(&Header {
+            name: "grad.7".into(),
+            dtype: DType::BF16,
+            shape: shape.to_vec(),
+            inline: true,
+        })
+        .unwrap();
+        assert_eq!(out, owned);
+        let back: Header = postcard::from_bytes(&out).unwrap();
+        assert_eq!(
+            (back.name.as_str(), back.shape.as_slice()),
+            ("grad.7", &shape[..])
+        );
     }
 }
