@@ -234,6 +234,19 @@ fn worker(
     Ok(())
 }
 
+/// A 2-stage pipeline's steps/s over 2 × `plain`'s, launch by launch, and each as a
+/// share of GPipe's ideal M/(M+S−1) for the benchmark's M.
+fn efficiency(pipeline: &[f64], plain: &[f64]) -> (Vec<f64>, Vec<f64>) {
+    let m = mlp::MICRO_BATCHES as f64;
+    let eff: Vec<f64> = pipeline
+        .iter()
+        .zip(plain)
+        .map(|(k, b)| k / (2.0 * b))
+        .collect();
+    let share = eff.iter().map(|e| e / (m / (m + 1.0))).collect();
+    (eff, share)
+}
+
 /// Runs `cmd` and reads its result line: (steps/s, communication share).
 fn result_of(cmd: Command, what: &str) -> Result<(f64, f64)> {
     let v = bench::result_of(cmd, what, &["steps_per_s", "comm_share"])?;
@@ -281,18 +294,20 @@ fn main() -> Result<()> {
         let mut plain_micro_sps = Vec::new();
         let mut kolo: Vec<[Vec<(f64, f64)>; 2]> = vec![Default::default(); PATHS.len()];
         let started = Instant::now();
-        for rep in 0..reps {
+        // The plain program on `model`, the batch as `micro` micro-batches.
+        let plain_cmd = |micro: usize| {
             let mut cmd = Command::new(&plain);
             // The same malloc settings kolo's `init` makes (KOLO_MALLOC_TUNING, on by
             // default; see `PLAIN_MALLOC`).
             cmd.env("GLIBC_TUNABLES", PLAIN_MALLOC);
+            cmd.env("KOLO_BENCH_PLAIN_MICRO", micro.to_string());
             cmd.arg(model).args(&counts).arg(&device_arg);
-            plain_sps.push(result_of(cmd, "plain Burn")?.0);
+            cmd
+        };
+        for rep in 0..reps {
+            plain_sps.push(result_of(plain_cmd(1), "plain Burn")?.0);
             if model == "pipe" {
-                let mut cmd = Command::new(&plain);
-                cmd.env("GLIBC_TUNABLES", PLAIN_MALLOC);
-                cmd.env("KOLO_BENCH_PLAIN_MICRO", mlp::MICRO_BATCHES.to_string());
-                cmd.arg(model).args(&counts).arg(&device_arg);
+                let cmd = plain_cmd(mlp::MICRO_BATCHES);
                 plain_micro_sps.push(result_of(cmd, "plain Burn, micro-batches")?.0);
             }
             for (p, path) in PATHS.iter().enumerate() {
@@ -341,33 +356,25 @@ fn main() -> Result<()> {
                 if *path == "pipeline" && n == 1 {
                     // Pipeline efficiency: steps/s of S = 2 stages over 2 × plain Burn's
                     // (one rank running the whole model), against GPipe's ideal M/(M+S−1).
-                    let eff: Vec<f64> = sps
-                        .iter()
-                        .zip(&plain_sps)
-                        .map(|(k, b)| k / (2.0 * b))
-                        .collect();
+                    let (eff, share) = efficiency(&sps, &plain_sps);
                     let m = mlp::MICRO_BATCHES as f64;
                     println!(
                         "  pipeline   np2  efficiency {} (ideal M/(M+S-1) = {:.3}; share of ideal {})",
                         show(&eff),
                         m / (m + 1.0),
-                        show(&eff.iter().map(|e| e / (m / (m + 1.0))).collect::<Vec<_>>())
+                        show(&share)
                     );
                     // The same against one rank running the batch as the same M
                     // micro-batches (the pipe model only): the schedule's own cost,
                     // without Burn's lower throughput on smaller matrices.
                     if !plain_micro_sps.is_empty() {
-                        let sched: Vec<f64> = sps
-                            .iter()
-                            .zip(&plain_micro_sps)
-                            .map(|(k, b)| k / (2.0 * b))
-                            .collect();
+                        let (sched, share) = efficiency(&sps, &plain_micro_sps);
                         println!(
                             "  pipeline   np2  schedule efficiency {} (against plain Burn on {} micro-batches, {} steps/s; share of ideal {})",
                             show(&sched),
                             mlp::MICRO_BATCHES,
                             show(&plain_micro_sps),
-                            show(&sched.iter().map(|e| e / (m / (m + 1.0))).collect::<Vec<_>>())
+                            show(&share)
                         );
                     }
                 }
