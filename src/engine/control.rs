@@ -341,26 +341,19 @@ impl Negotiate<'_> {
     /// announcement (so that the stall inspector sees, and can name, missing ranks).
     fn announce_cached(&mut self) {
         // In place: the list keeps its memory from cycle to cycle.
-        let mut outgoing = std::mem::take(&mut self.inbox.outgoing);
-        let mut kept = 0;
-        for i in 0..outgoing.len() {
-            let slot = self.inbox.pending.get(&outgoing[i]).and_then(|r| {
+        let inbox = &mut *self.inbox;
+        let cache = &self.control.cache;
+        inbox.outgoing.retain(|key| {
+            let slot = inbox.pending.get(key).and_then(|r| {
                 ResponseCache::cacheable(r.meta.kind)
-                    .then(|| self.control.cache.lookup(&r.meta, self.inbox.rank))
+                    .then(|| cache.lookup(&r.meta, inbox.rank))
                     .flatten()
             });
-            match slot {
-                Some(slot) => {
-                    self.inbox.announced.insert(slot, outgoing[i].clone());
-                }
-                None => {
-                    outgoing.swap(kept, i);
-                    kept += 1;
-                }
+            if let Some(slot) = slot {
+                inbox.announced.insert(slot, key.clone());
             }
-        }
-        outgoing.truncate(kept);
-        self.inbox.outgoing = outgoing;
+            slot.is_none()
+        });
         // Looking at every bit-announced request's age is not free with thousands of
         // them: do it a few times per stall interval, not every cycle.
         let now = self.started;
