@@ -232,14 +232,14 @@ impl FusionBuffer {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::engine::negotiate::Ready;
+    use crate::engine::request::RequestMeta;
+    use crate::error::Error;
 
     /// The plan as a `Vec`, to compare with `vec![…]`.
     fn plan(rs: &[Response], threshold: usize, max: usize, group: usize) -> Vec<Step> {
         super::plan(rs, threshold, max, group).into_vec()
     }
-    use crate::engine::negotiate::Ready;
-    use crate::engine::request::RequestMeta;
-    use crate::error::Error;
 
     fn allreduce(key: &str, len: usize, dtype: DType, op: ReduceOp) -> Response {
         let meta = RequestMeta::for_test(key, OpKind::Allreduce, dtype, &[len], op);
