@@ -76,7 +76,10 @@ fn cube_equivalence(
     ensure!(got != before, "training changed nothing");
     if size == 1 {
         let plain = params(&on_plain);
-        let differ = got.iter().zip(&plain).filter(|(a, b)| a.to_bits() != b.to_bits());
+        let differ = got
+            .iter()
+            .zip(&plain)
+            .filter(|(a, b)| a.to_bits() != b.to_bits());
         ensure!(
             differ.count() == 0,
             "{backend:?} {dtype:?} np1: the reduced weights are not plain Burn's on the same device"
