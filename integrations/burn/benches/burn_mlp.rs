@@ -17,6 +17,13 @@
 //! only — NCCL refuses two ranks on one GPU; `KOLO_BENCH_NP2=1` adds np 2 on a machine
 //! with two GPUs — and prints kolo's per-step overhead over plain Burn in µs.
 //! `--device cpu` is Burn's CubeCL CPU runtime (the same route, MPI in place of NCCL).
+//! Every launch waits for the device before its clock starts and before it stops (a
+//! CUDA loop that never waits is otherwise timed by how fast it queues kernels); on
+//! CUDA the big model runs ten times the steps. Two knobs split the cost on a GPU:
+//! `KOLO_BENCH_PRESYNC=1` makes the reducer path wait for the backward pass before
+//! its communication clock starts (the share is then kolo's reduction alone), and
+//! `KOLO_BENCH_PLAIN_SYNC=1` makes the plain program wait once a step after backward,
+//! as a loop that reads its loss each step does.
 //! Without `--bench` (as `cargo test --all-targets` runs it) it makes one short smoke
 //! run of the small model.
 
@@ -89,8 +96,14 @@ fn worker(
             let reducer = GradientReducer::new(&kolo);
             let mut optim = SgdConfig::new().init();
             let mut failed = None;
-            let t = mlp::time_steps(start, warmup, steps, |m| {
+            // KOLO_BENCH_PRESYNC=1: wait for the backward pass before the clock
+            // starts, so that the communication share is kolo's reduction alone.
+            let presync = std::env::var_os("KOLO_BENCH_PRESYNC").is_some_and(|v| v == "1");
+            let t = mlp::time_steps(start, &device, warmup, steps, |m| {
                 let g = mlp::grads(&m, x.clone(), y.clone());
+                if presync {
+                    mlp::wait_for(&device);
+                }
                 let at = Instant::now();
                 let g = reducer.reduce(&m, g).unwrap_or_else(|e| {
                     failed.get_or_insert(e.to_string());
@@ -114,7 +127,7 @@ fn worker(
             let mut optim = SgdConfig::new().init();
             let mut failed = None;
             // The share is the wait in `finish` after backward: what overlap left exposed.
-            let t = mlp::time_steps(start, warmup, steps, |m| {
+            let t = mlp::time_steps(start, &device, warmup, steps, |m| {
                 let step = || -> kolo_burn::Result<(GradientsParams, Duration)> {
                     let sync = reducer.overlap(&m)?;
                     let last = m.layers.len() - 1;
@@ -149,7 +162,7 @@ fn worker(
                 DistributedOptimizer::new(&kolo, SgdConfig::new().build()).into();
             // The reduction happens inside the optimizer's step: its share includes
             // SGD's update.
-            mlp::time_steps(start, warmup, steps, |m| {
+            mlp::time_steps(start, &device, warmup, steps, |m| {
                 let g = mlp::grads(&m, x.clone(), y.clone());
                 let at = Instant::now();
                 let m = optim.step(mlp::LR, m, g);
@@ -161,7 +174,7 @@ fn worker(
             let mut failed = None;
             // Reduce-scatter, the shard's step and the all-gather: the share includes
             // SGD's update, as for the optimizer path.
-            let t = mlp::time_steps(start, warmup, steps, |m| {
+            let t = mlp::time_steps(start, &device, warmup, steps, |m| {
                 let g = mlp::grads(&m, x.clone(), y.clone());
                 let at = Instant::now();
                 let fallback = m.clone();
@@ -194,7 +207,7 @@ fn worker(
             let loss = CrossEntropyLossConfig::new().init(&device);
             let mut optim = SgdConfig::new().init();
             let mut failed = None;
-            let t = mlp::time_steps(part, warmup, steps, |m| {
+            let t = mlp::time_steps(part, &device, warmup, steps, |m| {
                 let out = pipe.step(
                     &m,
                     first.clone(),
@@ -287,6 +300,12 @@ fn main() -> Result<()> {
             (false, "big") => (3, 20),
             (false, "pipe") => (2, 8),
             (false, _) => (50, 1000),
+        };
+        // A GPU runs a big step in about a millisecond: ten times the steps there
+        // (the small model's thousand are enough).
+        let (warmup, steps) = match backend {
+            kolo_burn::Backend::Cuda if !smoke && steps < 100 => (warmup * 10, steps * 10),
+            _ => (warmup, steps),
         };
         let counts = [warmup.to_string(), steps.to_string()];
         let mut plain_sps = Vec::new();

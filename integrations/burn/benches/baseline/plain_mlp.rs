@@ -45,8 +45,11 @@ fn main() -> Result<(), String> {
         .unwrap_or(1usize)
         .max(1);
     let (xs, ys) = (x.clone().chunk(micro, 0), y.clone().chunk(micro, 0));
+    // KOLO_BENCH_PLAIN_SYNC=1: wait for the device after each backward pass, as a
+    // loop that reads its loss every step does (kolo-burn's reducer waits there).
+    let sync = std::env::var_os("KOLO_BENCH_PLAIN_SYNC").is_some_and(|v| v == "1");
     let mut optim = SgdConfig::new().init();
-    let t = mlp::time_steps(mlp::Mlp::new(dims, &device), warmup, steps, |m| {
+    let t = mlp::time_steps(mlp::Mlp::new(dims, &device), &device, warmup, steps, |m| {
         let g = if micro == 1 {
             mlp::grads(&m, x.clone(), y.clone())
         } else {
@@ -56,6 +59,9 @@ fn main() -> Result<(), String> {
             }
             acc.grads()
         };
+        if sync {
+            mlp::wait_for(&device);
+        }
         (optim.step(mlp::LR, m, g), Duration::ZERO)
     });
     // The line the benchmark reads (kolo's workers print the same).

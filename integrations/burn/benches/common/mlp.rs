@@ -118,9 +118,13 @@ pub(crate) struct Timing {
 }
 
 /// Runs `warmup + steps` steps of `step`, which returns the model and the time it
-/// spent communicating.
+/// spent communicating. The device is waited for after the warm-up and before the
+/// clock stops: on an asynchronous device (CUDA) the steps' kernels may still be
+/// queued when `step` returns, and a plain loop that never waits would otherwise be
+/// timed by how fast it queues work, not how fast the device runs it.
 pub(crate) fn time_steps(
     mut model: Mlp,
+    device: &Device,
     warmup: usize,
     steps: usize,
     mut step: impl FnMut(Mlp) -> (Mlp, Duration),
@@ -128,6 +132,7 @@ pub(crate) fn time_steps(
     for _ in 0..warmup {
         model = step(model).0;
     }
+    wait_for(device);
     let start = Instant::now();
     let mut comm = Duration::ZERO;
     for _ in 0..steps {
@@ -135,10 +140,19 @@ pub(crate) fn time_steps(
         model = m;
         comm += c;
     }
+    wait_for(device);
     let total = start.elapsed();
     Timing {
         steps_per_s: steps as f64 / total.as_secs_f64(),
         comm,
         total,
+    }
+}
+
+/// Waits until `device` has run everything queued on it (a no-op on the CPU
+/// backends); a device that cannot be waited for ends the benchmark.
+pub(crate) fn wait_for(device: &Device) {
+    if let Err(e) = device.sync() {
+        panic!("waiting for the device failed: {e:?}");
     }
 }
