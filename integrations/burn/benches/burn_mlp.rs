@@ -291,8 +291,15 @@ fn main() -> Result<()> {
             &["1", "2"]
         };
     let exe = std::env::current_exe()?;
-    // Cargo builds the package's binaries before its benchmarks and gives their paths.
-    let plain = std::path::PathBuf::from(env!("CARGO_BIN_EXE_kolo-burn-plain-mlp"));
+    // Cargo builds the package's binaries before its benchmarks and gives their paths;
+    // a copy of the release directory carried to another machine (scripts/gpu-pack.sh)
+    // has the plain program beside `deps/`, where this benchmark is.
+    let mut plain = std::path::PathBuf::from(env!("CARGO_BIN_EXE_kolo-burn-plain-mlp"));
+    if !plain.exists() {
+        if let Some(release) = exe.parent().and_then(|deps| deps.parent()) {
+            plain = release.join("kolo-burn-plain-mlp");
+        }
+    }
     for model in &models {
         // A few seconds per launch (0.1 s per big step, 5 ms per small one here).
         let (warmup, steps) = match (smoke, model.as_str()) {
