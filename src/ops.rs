@@ -346,8 +346,18 @@ fn group_key(tensors: &[(String, Tensor)]) -> String {
         if i > 0 {
             key.push_str(", ");
         }
-        // Writing into a String cannot fail.
-        let _ = write!(key, "{n:?}");
+        // A printable ASCII name without quotes or backslashes (nearly every one) is
+        // quoted by hand: byte for byte what `{:?}` writes, without formatting.
+        if n.bytes()
+            .all(|b| (b' '..=b'~').contains(&b) && b != b'"' && b != b'\\')
+        {
+            key.push('"');
+            key.push_str(n);
+            key.push('"');
+        } else {
+            // Writing into a String cannot fail.
+            let _ = write!(key, "{n:?}");
+        }
     }
     key.push(']');
     key

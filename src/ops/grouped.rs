@@ -139,3 +139,34 @@ impl<'k> GroupedReducescatterBuilder<'k> {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::group_key;
+    use crate::Tensor;
+
+    /// The hand-quoted names and the escaped ones make the key `{:?}` would make.
+    #[test]
+    fn group_key_quotes_each_name_as_debug_does() {
+        let names = [
+            "w.0",
+            "a, b",
+            "say \"hi\"",
+            "back\\slash",
+            "tab\there",
+            "é",
+            "~ok ",
+        ];
+        let members: Vec<(String, Tensor)> = names
+            .iter()
+            .map(|n| (n.to_string(), Tensor::from_vec(vec![0f32], &[1]).unwrap()))
+            .collect();
+        let quoted: Vec<String> = names.iter().map(|n| format!("{n:?}")).collect();
+        let want = format!(
+            "{}group[{}]",
+            crate::engine::request::RESERVED_PREFIX,
+            quoted.join(", ")
+        );
+        assert_eq!(group_key(&members), want);
+    }
+}
