@@ -42,6 +42,7 @@ mod config;
 mod dtype;
 mod engine;
 mod error;
+mod group_plans;
 mod handle;
 mod logging;
 #[cfg(test)]

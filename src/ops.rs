@@ -6,7 +6,7 @@
 //! (unlike Horovod, kolo never invents names: per-process counters diverge between
 //! ranks and cause stalls).
 
-use crate::engine::request::{self, Key, Named, OpKind, Submission};
+use crate::engine::request::{self, Named, OpKind, Submission};
 use crate::error::Result;
 use crate::handle::{self, Handle};
 use crate::process_set::ProcessSet;
@@ -281,14 +281,11 @@ impl<'k> GroupedAllreduceBuilder<'k> {
     }
 
     fn prepare(self) -> Prepared<'k, Vec<Tensor>> {
-        let (members, order) = sorted_members(self.tensors);
-        let key = group_key(&members);
-        let tensors = members
-            .into_iter()
-            .map(|(n, t)| (Key::from(n), t))
-            .collect();
-        let mut s = Submission::new(OpKind::GroupedAllreduce, Key::from(key), tensors);
-        s.order = order;
+        let mut s = crate::group_plans::group(
+            self.kolo.group_plans(),
+            OpKind::GroupedAllreduce,
+            self.tensors,
+        );
         self.reduce.apply(&mut s);
         Prepared {
             kolo: self.kolo,
@@ -305,62 +302,6 @@ impl<'k> GroupedAllreduceBuilder<'k> {
     pub fn wait(self) -> Result<Vec<Tensor>> {
         self.prepare().wait()
     }
-}
-
-/// A group's members: (name, tensor) pairs.
-type Members = Vec<(String, Tensor)>;
-
-/// A group's members sorted by name, and the caller's order where it differs
-/// (`order[i]`: where the caller's member `i` went). Every rank then negotiates,
-/// checks and fuses the members in one order, whatever order each rank listed them in
-/// (a list built from a `HashMap` differs from process to process); the handle gives
-/// the results back in the caller's order.
-fn sorted_members(mut tensors: Members) -> (Members, Option<Box<[u32]>>) {
-    if tensors.windows(2).all(|w| w[0].0 <= w[1].0) {
-        return (tensors, None);
-    }
-    let mut idx: Vec<usize> = (0..tensors.len()).collect();
-    idx.sort_by(|&a, &b| tensors[a].0.cmp(&tensors[b].0));
-    let mut order = vec![0u32; tensors.len()];
-    for (sorted_pos, &caller) in idx.iter().enumerate() {
-        // A group has far fewer than 2^32 members (each is a submitted tensor).
-        order[caller] = u32::try_from(sorted_pos).unwrap_or(u32::MAX);
-    }
-    let mut slots: Vec<Option<(String, Tensor)>> = tensors.drain(..).map(Some).collect();
-    let sorted = idx.iter().filter_map(|&i| slots[i].take()).collect();
-    (sorted, Some(order.into_boxed_slice()))
-}
-
-/// The negotiation key of a group: its member names (sorted, see [`sorted_members`]),
-/// so that two different groups never collide and the same group matches on every rank.
-fn group_key(tensors: &[(String, Tensor)]) -> String {
-    use std::fmt::Write;
-    // Quoted (Rust string syntax), so that names holding ", " or quotes cannot make two
-    // different groups share a key; in kolo's reserved key space. Written into one
-    // string (a group of a thousand members is built on every step).
-    let names: usize = tensors.iter().map(|(n, _)| n.len() + 4).sum();
-    let mut key = String::with_capacity(names + 16);
-    key.push(crate::engine::request::RESERVED_PREFIX);
-    key.push_str("group[");
-    for (i, (n, _)) in tensors.iter().enumerate() {
-        if i > 0 {
-            key.push_str(", ");
-        }
-        // A printable ASCII name without quotes or backslashes (nearly every one) is
-        // quoted by hand: byte for byte what `{:?}` writes, without formatting.
-        if n.bytes()
-            .all(|b| (b' '..=b'~').contains(&b) && b != b'"' && b != b'\\')
-        {
-            key.push('"');
-            key.push_str(n);
-            key.push('"');
-        } else {
-            // Writing into a String cannot fail.
-            let _ = write!(key, "{n:?}");
-        }
-    }
-    key.push(']');
-    key
 }
 
 /// Builder for [`Kolo::allgather`].

@@ -222,6 +222,8 @@ pub(crate) struct Inner {
     _parent: Option<Arc<Inner>>,
     /// The last process set id given out (0 is the set of all ranks).
     last_set: AtomicUsize,
+    /// The plans of the groups submitted last (sorted members and keys).
+    group_plans: crate::group_plans::Plans,
 }
 
 mod shutdown;
@@ -364,11 +366,17 @@ pub(crate) fn spawn_engine(
             stopped: Arc::new(Stopped::default()),
             _parent: parent,
             last_set: AtomicUsize::new(0),
+            group_plans: crate::group_plans::Plans::default(),
         }),
     })
 }
 
 impl Kolo {
+    /// The plans of the groups submitted last through this handle's engine.
+    pub(crate) fn group_plans(&self) -> &crate::group_plans::Plans {
+        &self.inner.group_plans
+    }
+
     /// This process's rank in the job, `0..size()`.
     pub fn rank(&self) -> usize {
         self.inner.topology.rank

@@ -2,8 +2,8 @@
 //! `grouped_reducescatter`): several named tensors negotiated and run as one unit,
 //! like [`Kolo::grouped_allreduce`].
 
-use super::{group_key, sorted_members, Prepared, ReduceOptions};
-use crate::engine::request::{Key, OpKind, Submission};
+use super::{Prepared, ReduceOptions};
+use crate::engine::request::OpKind;
 use crate::error::Result;
 use crate::handle::{self, Handle};
 use crate::process_set::ProcessSet;
@@ -42,20 +42,6 @@ impl Kolo {
     }
 }
 
-/// A group's submission of `kind`: members sorted by name (every rank the same
-/// order), keyed by their names.
-fn group(kind: OpKind, tensors: Vec<(String, Tensor)>) -> Submission {
-    let (members, order) = sorted_members(tensors);
-    let key = group_key(&members);
-    let tensors = members
-        .into_iter()
-        .map(|(n, t)| (Key::from(n), t))
-        .collect();
-    let mut s = Submission::new(kind, Key::from(key), tensors);
-    s.order = order;
-    s
-}
-
 /// Builder for [`Kolo::grouped_allgather`].
 #[derive(Debug)]
 #[must_use = "a collective does nothing until .submit() or .wait()"]
@@ -90,7 +76,11 @@ impl<'k> GroupedAllgatherBuilder<'k> {
         Prepared {
             kolo: self.kolo,
             refused: self.refused,
-            s: group(OpKind::GroupedAllgather, self.tensors),
+            s: crate::group_plans::group(
+                self.kolo.group_plans(),
+                OpKind::GroupedAllgather,
+                self.tensors,
+            ),
             convert: handle::to_tensors,
         }
     }
@@ -129,7 +119,11 @@ impl<'k> GroupedReducescatterBuilder<'k> {
     }
 
     fn prepare(self) -> Prepared<'k, Vec<Tensor>> {
-        let mut s = group(OpKind::GroupedReducescatter, self.tensors);
+        let mut s = crate::group_plans::group(
+            self.kolo.group_plans(),
+            OpKind::GroupedReducescatter,
+            self.tensors,
+        );
         self.reduce.apply(&mut s);
         Prepared {
             kolo: self.kolo,
@@ -137,36 +131,5 @@ impl<'k> GroupedReducescatterBuilder<'k> {
             s,
             convert: handle::to_tensors,
         }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::group_key;
-    use crate::Tensor;
-
-    /// The hand-quoted names and the escaped ones make the key `{:?}` would make.
-    #[test]
-    fn group_key_quotes_each_name_as_debug_does() {
-        let names = [
-            "w.0",
-            "a, b",
-            "say \"hi\"",
-            "back\\slash",
-            "tab\there",
-            "é",
-            "~ok ",
-        ];
-        let members: Vec<(String, Tensor)> = names
-            .iter()
-            .map(|n| (n.to_string(), Tensor::from_vec(vec![0f32], &[1]).unwrap()))
-            .collect();
-        let quoted: Vec<String> = names.iter().map(|n| format!("{n:?}")).collect();
-        let want = format!(
-            "{}group[{}]",
-            crate::engine::request::RESERVED_PREFIX,
-            quoted.join(", ")
-        );
-        assert_eq!(group_key(&members), want);
     }
 }
