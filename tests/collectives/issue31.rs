@@ -13,44 +13,52 @@ use kolo::{DType, DistributedOptimizer, Error, GradientStep, Gradients, Kolo, Re
 pub(crate) fn grouped_member_order(k: &Kolo) -> Result<()> {
     let names = ["alpha", "beta", "gamma", "delta"];
     let (rank, size) = (k.rank(), k.size());
-    // Rank r starts the list at member r: a different order on every rank.
-    let order: Vec<usize> = (0..names.len()).map(|i| (i + rank) % names.len()).collect();
-    let members = order
-        .iter()
-        .map(|&m| {
-            let t = Tensor::from_vec(vec![(m * 10 + rank) as f32; m + 1], &[m + 1])?;
-            Ok((names[m].to_string(), t))
-        })
-        .collect::<Result<Vec<_>>>()?;
-    let h = k.grouped_allreduce(members).op(ReduceOp::Sum).submit()?;
-    let wait = std::thread::spawn(move || h.wait());
-    let deadline = std::time::Instant::now() + Duration::from_secs(30);
-    while !wait.is_finished() {
-        ensure!(
-            std::time::Instant::now() < deadline,
-            "grouped allreduce with members in another order did not return in 30 s"
-        );
-        std::thread::sleep(Duration::from_millis(10));
-    }
-    let outs = match wait.join() {
-        Ok(r) => r?,
-        Err(_) => bail!("the waiting thread panicked"),
-    };
-    let ranks: usize = (0..size).sum();
-    for (&m, out) in order.iter().zip(outs) {
-        ensure!(
-            out.shape() == [m + 1],
-            "member {} has shape {:?}",
-            names[m],
-            out.shape()
-        );
-        let want = (m * 10 * size + ranks) as f32;
-        let got = out.into_vec::<f32>()?;
-        ensure!(
-            got.iter().all(|&v| v == want),
-            "member {} (listed at another place on rank {rank}): {got:?}, expected {want}",
-            names[m]
-        );
+    // Rank r starts the list at member r: a different order on every rank. Rank 0 also
+    // changes its order from one call to the next, and comes back to the first one:
+    // each list's plan is kept, and must be that very order's (a plan reused for
+    // another order would send rank 0's tensors under other names than the others').
+    for round in [0, 1, 0, 3] {
+        let shift = if rank == 0 { round } else { 0 };
+        let order: Vec<usize> = (0..names.len())
+            .map(|i| (i + rank + shift) % names.len())
+            .collect();
+        let members = order
+            .iter()
+            .map(|&m| {
+                let t = Tensor::from_vec(vec![(m * 10 + rank) as f32; m + 1], &[m + 1])?;
+                Ok((names[m].to_string(), t))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let h = k.grouped_allreduce(members).op(ReduceOp::Sum).submit()?;
+        let wait = std::thread::spawn(move || h.wait());
+        let deadline = std::time::Instant::now() + Duration::from_secs(30);
+        while !wait.is_finished() {
+            ensure!(
+                std::time::Instant::now() < deadline,
+                "grouped allreduce with members in another order did not return in 30 s"
+            );
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        let outs = match wait.join() {
+            Ok(r) => r?,
+            Err(_) => bail!("the waiting thread panicked"),
+        };
+        let ranks: usize = (0..size).sum();
+        for (&m, out) in order.iter().zip(outs) {
+            ensure!(
+                out.shape() == [m + 1],
+                "member {} has shape {:?} (shift {shift})",
+                names[m],
+                out.shape()
+            );
+            let want = (m * 10 * size + ranks) as f32;
+            let got = out.into_vec::<f32>()?;
+            ensure!(
+                got.iter().all(|&v| v == want),
+                "member {} (listed at another place on rank {rank}, shift {shift}): {got:?}, expected {want}",
+                names[m]
+            );
+        }
     }
     Ok(())
 }
