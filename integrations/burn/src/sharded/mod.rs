@@ -4,6 +4,7 @@
 use std::ops::Range;
 use std::sync::Arc;
 
+use burn::grad_clipping::GradientClipping;
 use burn::module::{Module, ModuleMapper, ModuleVisitor, Param, ParamId};
 use burn::optim::{GradientsParams, LearningRate, ModuleOptimizer};
 use burn::tensor::{DType, Device, Tensor, TensorData};
@@ -48,12 +49,23 @@ mod consolidate;
 /// RMSprop, AdaGrad, Lion, weight decay): each element's update reads only its own
 /// gradient and state.
 ///
+/// **Clipping.** The wrapped optimizer's own gradient clipping gives the same result as
+/// unsharded: clipping by value is element-wise, and clipping by norm per parameter
+/// (Burn's `GradientClippingConfig::Norm`) uses each parameter's whole norm, summed
+/// across the shards with one small allreduce of the squared norms per parameter (the
+/// wrapped optimizer is then told to clip by an infinite value, which changes nothing,
+/// so that it does not clip the shard as if it were one parameter).
+/// [`clip_global_norm`](Self::clip_global_norm) clips by the norm of all gradients
+/// together, as PyTorch's `clip_grad_norm_`, with the same allreduce.
+///
+/// **Accumulation and process sets.** Hand `step` the sum of several backward passes
+/// and set [`backward_passes_per_step`](Self::backward_passes_per_step), as for
+/// [`GradientReducer`](crate::GradientReducer); [`process_set`](Self::process_set)
+/// shards among a set's ranks only.
+///
 /// **Not (yet) supported**, refused with an error at the first step: optimizers whose
-/// update reads a whole tensor (LAMB, Muon, Adafactor; norm-based clipping per
-/// parameter, i.e. a `ModuleOptimizer` with gradient clipping — a range mixes
-/// parameters), which would need sharding by whole tensors; parameters other than f32;
-/// gradient accumulation (accumulate with Burn's `GradientsAccumulator` before
-/// `step`); process sets.
+/// update reads a whole tensor (LAMB, Muon, Adafactor), which would need sharding by
+/// whole tensors; parameters other than f32.
 ///
 /// **Checkpoints.** [`consolidate`](Self::consolidate) gives the whole state as the
 /// plain optimizer holds it (every rank's share gathered), which
@@ -91,6 +103,15 @@ pub struct ShardedOptimizer {
     /// gradients reuse: a buffer above 32 MiB comes fresh from `mmap` otherwise, and
     /// its page faults cost tens of milliseconds per step.
     spare: Vec<f32>,
+    /// Backward passes summed into each step's gradients (they are divided by it).
+    passes: usize,
+    /// Clip all gradients together to this norm.
+    global_norm: Option<f32>,
+    /// Clip each parameter's gradient to this norm (the wrapped optimizer's clipping,
+    /// taken over on the first step).
+    param_norm: Option<f32>,
+    /// Why the process set given refuses this rank.
+    refused: Option<String>,
 }
 
 impl std::fmt::Debug for ShardedOptimizer {
@@ -129,7 +150,40 @@ impl ShardedOptimizer {
             plan: None,
             shard_id: ParamId::new(),
             spare: Vec::new(),
+            passes: 1,
+            global_norm: None,
+            param_norm: None,
+            refused: None,
         }
+    }
+
+    /// Shards among the ranks of `set` only (Horovod's `process_set=`): each of its
+    /// ranks holds 1/(set size) of the state, and Average divides by the set's size.
+    /// On a rank outside the set, `step` fails naming the rank and the set.
+    pub fn process_set(mut self, set: &kolo::ProcessSet) -> Self {
+        match crate::grads::in_set(&self.kolo, set, "step in it") {
+            Ok(k) => self.kolo = k,
+            Err(why) => self.refused = Some(why),
+        }
+        self
+    }
+
+    /// The gradients handed to [`step`](Self::step) are the sum of `passes` backward
+    /// passes (accumulated locally, e.g. with Burn's `GradientsAccumulator`): they are
+    /// divided by `passes`, as [`GradientReducer::backward_passes_per_step`]
+    /// (crate::GradientReducer::backward_passes_per_step) does.
+    pub fn backward_passes_per_step(mut self, passes: usize) -> Self {
+        self.passes = passes.max(1);
+        self
+    }
+
+    /// Scales all gradients (after the reduction, before the wrapped optimizer) by
+    /// `max_norm / (norm + 1e-6)` when their norm — all parameters' gradients as one
+    /// vector, across every shard — exceeds `max_norm`, as PyTorch's
+    /// `clip_grad_norm_`. Costs one allreduce of one value per parameter per step.
+    pub fn clip_global_norm(mut self, max_norm: f32) -> Self {
+        self.global_norm = Some(max_norm);
+        self
     }
 
     /// [`ReduceOp::Average`] (default) or [`ReduceOp::Sum`] of the gradients.
@@ -179,10 +233,12 @@ impl ShardedOptimizer {
             .kolo
             .reducescatter(format!("{}.grads", self.prefix), flat)
             .op(self.op)
+            .prescale(1.0 / self.passes as f64)
             .submit()?;
         let len = plan.range.len();
         let values = read_range(&model, plan);
-        let mine = pending.wait()?.into_vec::<f32>()?;
+        let mut mine = pending.wait()?.into_vec::<f32>()?;
+        self.clip(plan, &mut mine)?;
         let shard = Shard {
             flat: Param::initialized(
                 self.shard_id,
@@ -221,9 +277,16 @@ impl ShardedOptimizer {
     /// The partition of `module`, learned and agreed by all ranks on the first step,
     /// checked (cheaply) on later ones.
     fn plan_for<M: Module>(&mut self, module: &M) -> Result<Arc<Plan>> {
+        if let Some(message) = &self.refused {
+            return Err(Error::InvalidArgument {
+                what: "ShardedOptimizer::process_set",
+                message: message.clone(),
+            });
+        }
         match &self.plan {
             Some(p) if p.layout.fits(module, usize::MAX) => Ok(p.clone()),
             _ => {
+                self.take_over_norm_clipping();
                 let plan = Arc::new(self.learn(module)?);
                 self.plan = Some(plan.clone());
                 Ok(plan)
@@ -231,15 +294,68 @@ impl ShardedOptimizer {
         }
     }
 
-    fn learn<M: Module>(&self, module: &M) -> Result<Plan> {
-        if self.inner.has_gradient_clipping() {
-            return Err(Error::InvalidArgument {
-                what: "ShardedOptimizer::new",
-                message: "the wrapped optimizer clips gradients per parameter, but a shard \
-                          mixes parameters: make the optimizer without gradient clipping"
-                    .into(),
-            });
+    /// A wrapped optimizer that clips each parameter's gradient by its norm would clip
+    /// the shard as one parameter: the norms are taken here instead, across the shards
+    /// (see [`clip`](Self::clip)), and the wrapped optimizer clips by an infinite value,
+    /// which leaves every gradient as it is.
+    fn take_over_norm_clipping(&mut self) {
+        if let Some(GradientClipping::Norm(max)) = self.inner.grad_clipping() {
+            self.param_norm = Some(*max);
+            self.inner = self
+                .inner
+                .clone()
+                .with_grad_clipping(GradientClipping::Value(f32::INFINITY));
         }
+    }
+
+    /// Clips this rank's reduced gradients `mine`: all together to the global norm, then
+    /// each parameter's to its norm, each norm summed across the shards (one allreduce
+    /// of the squared norm of every parameter's part in each shard).
+    fn clip(&self, plan: &Plan, mine: &mut [f32]) -> Result<()> {
+        if self.global_norm.is_none() && self.param_norm.is_none() {
+            return Ok(());
+        }
+        // The parameters' parts in this shard, as ranges of `mine`.
+        let parts = plan.parts();
+        let mut squares = vec![0.0f64; plan.offsets.len()];
+        for (p, r) in &parts {
+            squares[*p] = mine[r.clone()]
+                .iter()
+                .map(|&g| f64::from(g) * f64::from(g))
+                .sum();
+        }
+        let squares = self
+            .kolo
+            .allreduce(
+                format!("{}.norms", self.prefix),
+                kolo::Tensor::from_vec(squares, &[plan.offsets.len()])?,
+            )
+            .op(ReduceOp::Sum)
+            .wait()?
+            .into_vec::<f64>()?;
+        let global = match self.global_norm {
+            Some(max) => {
+                let norm = squares.iter().sum::<f64>().sqrt();
+                (f64::from(max) / (norm + 1e-6)).min(1.0)
+            }
+            None => 1.0,
+        };
+        for (p, r) in parts {
+            let mut coef = global;
+            if let Some(max) = self.param_norm {
+                // Burn's clip_by_norm: max / (norm + the smallest positive f32), at most 1.
+                let norm = global * squares[p].sqrt();
+                coef *= (f64::from(max) / (norm + f64::from(f32::MIN_POSITIVE))).min(1.0);
+            }
+            if coef < 1.0 {
+                let c = coef as f32;
+                mine[r].iter_mut().for_each(|g| *g *= c);
+            }
+        }
+        Ok(())
+    }
+
+    fn learn<M: Module>(&self, module: &M) -> Result<Plan> {
         let layout = Layout::learn(module, &self.kolo, &self.prefix, usize::MAX)?;
         if let Some(s) = layout.slots.iter().find(|s| s.dtype != DType::F32) {
             return Err(Error::InvalidArgument {
@@ -273,6 +389,22 @@ impl ShardedOptimizer {
             total,
             range: range_of(total, size, rank),
         })
+    }
+}
+
+impl Plan {
+    /// Each parameter that overlaps this rank's range, by its index in module order,
+    /// with where its elements lie in the range (relative to the range's start).
+    fn parts(&self) -> Vec<(usize, Range<usize>)> {
+        let mut out = Vec::new();
+        for (i, (&start, slot)) in self.offsets.iter().zip(&self.layout.slots).enumerate() {
+            let end = start + slot.dims.iter().product::<usize>();
+            let (lo, hi) = (start.max(self.range.start), end.min(self.range.end));
+            if lo < hi {
+                out.push((i, lo - self.range.start..hi - self.range.start));
+            }
+        }
+        out
     }
 }
 

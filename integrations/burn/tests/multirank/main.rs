@@ -922,6 +922,9 @@ const CASES: &[(&str, Case, &[usize])] = &[
     ("sharded_equivalence", sharded::equivalence, &[2, 4]),
     ("sharded_memory", sharded::memory, &[1, 2, 4]),
     ("sharded_bad_model", sharded::bad_model, &[2]),
+    ("sharded_clipping", sharded::clipping, &[2, 4]),
+    ("sharded_accumulation", sharded::accumulation, &[2]),
+    ("sharded_process_set", sharded::process_set, &[3]),
     // Launched in turn by `sharded_checkpoint_reshard` (no trials of their own).
     ("sharded_reshard_save", sharded::reshard_save, &[]),
     ("sharded_reshard_load", sharded::reshard_load, &[]),

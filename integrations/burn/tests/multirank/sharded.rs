@@ -250,3 +250,261 @@ pub(crate) fn reshard_trial() -> Result<(), String> {
     let _ = std::fs::remove_dir_all(&dir);
     result
 }
+
+/// 20 steps of `sharded` and of `reference` (given this step's gradients, returns the
+/// model after it) from `start`, on this rank's share of the same global batches.
+fn run_both(
+    k: &Kolo,
+    start: &Small,
+    sharded: &mut ShardedOptimizer,
+    mut reference: impl FnMut(Small, GradientsParams) -> Result<Small>,
+    device: &Device,
+) -> Result<(Small, Small)> {
+    let (rank, size) = (k.rank(), k.size());
+    let b = 6;
+    let (mut a, mut r) = (start.clone(), start.clone());
+    for step in 0..20 {
+        let base = step * b * size;
+        let ids = base + rank * b..base + (rank + 1) * b;
+        let grads = grads_for(&a, ids.clone(), device);
+        a = sharded.step(0.05, a, grads)?;
+        let grads = grads_for(&r, ids, device);
+        r = reference(r, grads)?;
+    }
+    Ok((a, r))
+}
+
+/// The largest difference between two parameter lists.
+fn worst(a: &[f32], b: &[f32]) -> f32 {
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0, f32::max)
+}
+
+/// Clipping: the wrapped optimizer's clipping by norm per parameter and by value, and
+/// the sharded optimizer's global norm, give what `GradientReducer` + the plain
+/// optimizer (clipping the same way) gives; and each of them changed the result.
+pub(crate) fn clipping(k: &Kolo) -> Result<()> {
+    use burn::grad_clipping::GradientClippingConfig as Clip;
+    let device = Device::flex().autodiff();
+    device.seed(37);
+    let start = broadcast_parameters(k, Small::new(&device), 0)?;
+    // Unclipped, for "clipping changed something".
+    let reducer = GradientReducer::new(k);
+    let mut plain: ModuleOptimizer = AdamConfig::new().init();
+    let mut unclipped = ShardedOptimizer::new(k, AdamConfig::new().init());
+    let (free, _) = run_both(
+        k,
+        &start,
+        &mut unclipped,
+        |m, g| Ok(plain.step(0.05, m.clone(), reducer.reduce(&m, g)?)),
+        &device,
+    )?;
+    for (what, clip) in [
+        ("norm per parameter", Clip::Norm(0.05)),
+        ("value", Clip::Value(0.01)),
+    ] {
+        let make = || {
+            AdamConfig::new()
+                .with_grad_clipping(Some(clip.clone()))
+                .init()
+        };
+        let mut sharded = ShardedOptimizer::new(k, make());
+        let mut plain = make();
+        let (a, r) = run_both(
+            k,
+            &start,
+            &mut sharded,
+            |m, g| Ok(plain.step(0.05, m.clone(), reducer.reduce(&m, g)?)),
+            &device,
+        )?;
+        assert_close(
+            &format!("clipped by {what}"),
+            &params(&a),
+            &params(&r),
+            1e-5,
+        )?;
+        let moved = worst(&params(&a), &params(&free));
+        ensure!(
+            moved > 1e-3,
+            "clipping by {what} changed the parameters by only {moved}"
+        );
+    }
+    // Global norm, with SGD + momentum: the reference clips the reduced gradients by
+    // the norm of all of them together before the plain optimizer.
+    let max = 0.1f32;
+    let make = || -> ModuleOptimizer {
+        SgdConfig::new()
+            .with_momentum(Some(MomentumConfig::new()))
+            .init()
+    };
+    let mut sharded = ShardedOptimizer::new(k, make()).clip_global_norm(max);
+    let mut plain = make();
+    let mut clipped_steps = 0;
+    let (a, r) = run_both(
+        k,
+        &start,
+        &mut sharded,
+        |m, g| {
+            let g = reducer.reduce(&m, g)?;
+            let squares: f64 = g_values(&m, &g)
+                .iter()
+                .map(|&x| f64::from(x) * f64::from(x))
+                .sum();
+            let coef = (f64::from(max) / (squares.sqrt() + 1e-6)).min(1.0);
+            if coef < 1.0 {
+                clipped_steps += 1;
+            }
+            let g = scaled(&m, g, coef as f32);
+            Ok(plain.step(0.05, m, g))
+        },
+        &device,
+    )?;
+    ensure!(
+        clipped_steps > 0,
+        "the global norm never exceeded {max}: the test clips nothing"
+    );
+    assert_close("clipped by the global norm", &params(&a), &params(&r), 1e-5)?;
+    Ok(())
+}
+
+/// Every gradient of `m` in `g`, flattened in module order.
+fn g_values(m: &Small, g: &GradientsParams) -> Vec<f32> {
+    struct Read<'a>(&'a GradientsParams, Vec<f32>);
+    impl burn::module::ModuleVisitor for Read<'_> {
+        fn visit_float<const D: usize>(&mut self, p: &burn::module::Param<Tensor<D>>) {
+            if let Some(t) = self.0.get::<D>(p.id) {
+                self.1.extend(t.into_data().iter::<f32>());
+            }
+        }
+    }
+    let mut r = Read(g, Vec::new());
+    m.visit(&mut r);
+    r.1
+}
+
+/// `g` with every gradient of `m` multiplied by `c`.
+fn scaled(m: &Small, mut g: GradientsParams, c: f32) -> GradientsParams {
+    struct Scale<'a>(&'a mut GradientsParams, f32);
+    impl burn::module::ModuleVisitor for Scale<'_> {
+        fn visit_float<const D: usize>(&mut self, p: &burn::module::Param<Tensor<D>>) {
+            if let Some(t) = self.0.remove::<D>(p.id) {
+                self.0.register(p.id, t.mul_scalar(self.1));
+            }
+        }
+    }
+    m.visit(&mut Scale(&mut g, c));
+    g
+}
+
+/// Accumulation: two passes summed with Burn's `GradientsAccumulator` and
+/// `backward_passes_per_step(2)` equal `GradientReducer` with the same setting + the
+/// plain optimizer, and one pass over both batches at once.
+pub(crate) fn accumulation(k: &Kolo) -> Result<()> {
+    use burn::optim::GradientsAccumulator;
+    let (rank, size) = (k.rank(), k.size());
+    let device = Device::flex().autodiff();
+    device.seed(41);
+    let start = broadcast_parameters(k, Small::new(&device), 0)?;
+    let b = 4;
+    let mut sharded =
+        ShardedOptimizer::new(k, AdamConfig::new().init()).backward_passes_per_step(2);
+    let reducer = GradientReducer::new(k).backward_passes_per_step(2);
+    let whole = GradientReducer::new(k).prefix("whole");
+    let mut plain: ModuleOptimizer = AdamConfig::new().init();
+    let mut once: ModuleOptimizer = AdamConfig::new().init();
+    let (mut a, mut r, mut w) = (start.clone(), start.clone(), start);
+    for step in 0..10 {
+        let at = |pass: usize| (step * 2 * size + pass * size + rank) * b;
+        let sum = |m: &Small| {
+            let mut acc = GradientsAccumulator::new();
+            for pass in 0..2 {
+                acc.accumulate(m, grads_for(m, at(pass)..at(pass) + b, &device));
+            }
+            acc.grads()
+        };
+        a = sharded.step(0.05, a.clone(), sum(&a))?;
+        let g = reducer.reduce(&r, sum(&r))?;
+        r = plain.step(0.05, r, g);
+        // Both of this rank's batches in one pass (rows in another order: the mean is
+        // the same).
+        let (x0, x1) = (at(0), at(1));
+        let mut ids: Vec<usize> = (x0..x0 + b).chain(x1..x1 + b).collect();
+        ids.sort_unstable();
+        let g = grads_for_ids(&w, &ids, &device);
+        let g = whole.reduce(&w, g)?;
+        w = once.step(0.05, w, g);
+    }
+    assert_close(
+        "2 accumulated passes, sharded vs reducer",
+        &params(&a),
+        &params(&r),
+        1e-5,
+    )?;
+    assert_close(
+        "2 accumulated passes vs one pass over both",
+        &params(&a),
+        &params(&w),
+        1e-5,
+    )?;
+    Ok(())
+}
+
+/// The gradients of the mean loss over the given samples (not a range).
+fn grads_for_ids(m: &Small, ids: &[usize], device: &Device) -> GradientsParams {
+    // Contiguous runs, concatenated.
+    let mut xs = Vec::new();
+    let mut ys = Vec::new();
+    for &i in ids {
+        let (x, y) = super::samples(i..i + 1, device);
+        xs.push(x);
+        ys.push(y);
+    }
+    let (x, y) = (Tensor::cat(xs, 0), Tensor::cat(ys, 0));
+    let loss = burn::nn::loss::CrossEntropyLossConfig::new()
+        .init(device)
+        .forward(m.forward(x), y);
+    GradientsParams::from_grads(loss.backward(), m)
+}
+
+/// A process set ({0, 2} at np 3): its ranks shard among themselves and equal
+/// `GradientReducer` in the same set + the plain optimizer, holding half the state
+/// each; rank 1 is refused by name.
+pub(crate) fn process_set(k: &Kolo) -> Result<()> {
+    let device = Device::flex().autodiff();
+    device.seed(43);
+    let set = k.add_process_set(&[0, 2])?;
+    let start = broadcast_parameters(k, Small::new(&device), 0)?;
+    let mut sharded = ShardedOptimizer::new(k, AdamConfig::new().init()).process_set(&set);
+    let Some(me) = set.rank() else {
+        let g = grads_for(&start, 0..4, &device);
+        let err = match sharded.step(0.05, start, g) {
+            Ok(_) => anyhow::bail!("a rank outside the set stepped in it"),
+            Err(e) => e.to_string(),
+        };
+        ensure!(err.contains("rank 1 is not in process set 1"), "{err}");
+        k.remove_process_set(set)?;
+        return Ok(());
+    };
+    let (b, n) = (4, set.size());
+    let reducer = GradientReducer::new(k).process_set(&set).prefix("in_set");
+    let mut plain: ModuleOptimizer = AdamConfig::new().init();
+    let (mut a, mut r) = (start.clone(), start);
+    for step in 0..10 {
+        let base = step * b * n;
+        let ids = base + me * b..base + (me + 1) * b;
+        a = sharded.step(0.05, a.clone(), grads_for(&a, ids.clone(), &device))?;
+        let g = reducer.reduce(&r, grads_for(&r, ids, &device))?;
+        r = plain.step(0.05, r, g);
+    }
+    assert_close("sharded in a set of 2", &params(&a), &params(&r), 1e-5)?;
+    let total = params(&a).len();
+    let shard = sharded.shard().unwrap_or(0..0);
+    ensure!(
+        shard.len() == total / 2 || shard.len() == total / 2 + 1,
+        "rank {me} of the set holds {shard:?} of {total} elements"
+    );
+    k.remove_process_set(set)?;
+    Ok(())
+}
