@@ -14,6 +14,7 @@ use crate::error::{Error, Result};
 use crate::layout::Layout;
 
 mod consolidate;
+mod tensors;
 
 /// A drop-in for Burn's `ModuleOptimizer` in a training loop that keeps only this
 /// rank's share of the optimizer state (DeepSpeed's ZeRO stage 1, and stage 2 for the
@@ -63,9 +64,14 @@ mod consolidate;
 /// [`GradientReducer`](crate::GradientReducer); [`process_set`](Self::process_set)
 /// shards among a set's ranks only.
 ///
-/// **Not (yet) supported**, refused with an error at the first step: optimizers whose
-/// update reads a whole tensor (LAMB, Muon, Adafactor), which would need sharding by
-/// whole tensors; parameters other than f32.
+/// **Optimizers that read a whole tensor** (LAMB's trust ratio, Muon's
+/// orthogonalization, Adafactor's factored moments) would see a shard — pieces of
+/// several parameters — as one tensor and step it differently; nothing in a
+/// `ModuleOptimizer` tells them apart from element-wise ones, so wrap them with
+/// [`by_tensors`](Self::by_tensors), which gives each parameter whole to one rank.
+/// L-BFGS is not a `ModuleOptimizer` (it re-evaluates the loss) and cannot be wrapped.
+///
+/// **Not (yet) supported:** parameters other than f32 (refused at the first step).
 ///
 /// **Checkpoints.** [`consolidate`](Self::consolidate) gives the whole state as the
 /// plain optimizer holds it (every rank's share gathered), which
@@ -112,6 +118,10 @@ pub struct ShardedOptimizer {
     param_norm: Option<f32>,
     /// Why the process set given refuses this rank.
     refused: Option<String>,
+    /// Each parameter whole on one rank ([`by_tensors`](Self::by_tensors)).
+    by_tensors: bool,
+    /// Averages the gradients when sharding by whole tensors.
+    reducer: Option<crate::GradientReducer>,
 }
 
 impl std::fmt::Debug for ShardedOptimizer {
@@ -130,6 +140,8 @@ struct Plan {
     offsets: Vec<usize>,
     total: usize,
     range: Range<usize>,
+    /// Sharded by whole tensors: who owns each parameter.
+    owners: Option<tensors::Owners>,
 }
 
 /// The wrapped optimizer's view of this rank's range: one 1-D parameter.
@@ -154,7 +166,26 @@ impl ShardedOptimizer {
             global_norm: None,
             param_norm: None,
             refused: None,
+            by_tensors: false,
+            reducer: None,
         }
+    }
+
+    /// Wraps `inner`, sharding by whole parameters instead of element ranges: each
+    /// parameter's state lives on one rank (the largest parameters first, each to the
+    /// rank holding the fewest elements so far), which steps it as itself — for
+    /// optimizers and clipping that read a whole tensor (LAMB, Muon, Adafactor, norm
+    /// clipping). Each step averages every gradient as
+    /// [`GradientReducer`](crate::GradientReducer) does (an allreduce: twice the wire
+    /// volume of the element ranges' reduce-scatter), steps this rank's parameters and
+    /// all-gathers them. The balance is only as even as the parameters allow: a layer
+    /// that holds most of the model puts most of the state on one rank.
+    /// [`consolidate`](Self::consolidate) and
+    /// [`load_consolidated`](Self::load_consolidated) are not supported in this mode yet.
+    pub fn by_tensors(kolo: &Kolo, inner: ModuleOptimizer) -> Self {
+        let mut s = Self::new(kolo, inner);
+        s.by_tensors = true;
+        s
     }
 
     /// Shards among the ranks of `set` only (Horovod's `process_set=`): each of its
@@ -170,8 +201,9 @@ impl ShardedOptimizer {
 
     /// The gradients handed to [`step`](Self::step) are the sum of `passes` backward
     /// passes (accumulated locally, e.g. with Burn's `GradientsAccumulator`): they are
-    /// divided by `passes`, as [`GradientReducer::backward_passes_per_step`]
-    /// (crate::GradientReducer::backward_passes_per_step) does.
+    /// divided by `passes`, as
+    /// [`GradientReducer::backward_passes_per_step`](crate::GradientReducer::backward_passes_per_step)
+    /// does.
     pub fn backward_passes_per_step(mut self, passes: usize) -> Self {
         self.passes = passes.max(1);
         self
@@ -194,8 +226,27 @@ impl ShardedOptimizer {
 
     /// The elements of the flat parameter sequence (all float parameters in module
     /// order) whose optimizer state this rank holds; `None` before the first step.
+    /// With [`by_tensors`](Self::by_tensors): `None`, see
+    /// [`owned_parameters`](Self::owned_parameters).
     pub fn shard(&self) -> Option<Range<usize>> {
-        self.plan.as_ref().map(|p| p.range.clone())
+        self.plan
+            .as_ref()
+            .filter(|p| p.owners.is_none())
+            .map(|p| p.range.clone())
+    }
+
+    /// With [`by_tensors`](Self::by_tensors): the indices (in module order) of the
+    /// float parameters this rank steps; `None` before the first step or when sharding
+    /// by element ranges.
+    pub fn owned_parameters(&self) -> Option<Vec<usize>> {
+        let plan = self.plan.as_ref()?;
+        let owners = plan.owners.as_ref()?;
+        let rank = self.kolo.rank();
+        Some(
+            (0..owners.owner.len())
+                .filter(|&i| owners.owner[i] == rank)
+                .collect(),
+        )
     }
 
     /// The bytes of optimizer state this rank holds: the size of the wrapped
@@ -225,6 +276,9 @@ impl ShardedOptimizer {
     ) -> Result<M> {
         let plan = self.plan_for(&model)?;
         let plan = &*plan;
+        if let Some(owners) = &plan.owners {
+            return self.step_by_tensors(lr, model, grads, plan, owners);
+        }
         let flat = flat_gradients(&model, &mut grads, plan, std::mem::take(&mut self.spare));
         let device = first_device(&model)?;
         let flat = kolo::Tensor::from_vec(flat, &[plan.total])?;
@@ -286,7 +340,9 @@ impl ShardedOptimizer {
         match &self.plan {
             Some(p) if p.layout.fits(module, usize::MAX) => Ok(p.clone()),
             _ => {
-                self.take_over_norm_clipping();
+                if !self.by_tensors {
+                    self.take_over_norm_clipping();
+                }
                 let plan = Arc::new(self.learn(module)?);
                 self.plan = Some(plan.clone());
                 Ok(plan)
@@ -383,11 +439,24 @@ impl ShardedOptimizer {
                 ),
             });
         }
+        let owners = self.by_tensors.then(|| {
+            let sizes: Vec<usize> = layout
+                .slots
+                .iter()
+                .map(|s| s.dims.iter().product())
+                .collect();
+            tensors::Owners::assign(&sizes, size)
+        });
         Ok(Plan {
             layout,
             offsets,
             total,
-            range: range_of(total, size, rank),
+            range: if owners.is_some() {
+                0..0
+            } else {
+                range_of(total, size, rank)
+            },
+            owners,
         })
     }
 }

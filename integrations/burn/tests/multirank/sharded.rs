@@ -508,3 +508,96 @@ pub(crate) fn process_set(k: &Kolo) -> Result<()> {
     k.remove_process_set(set)?;
     Ok(())
 }
+
+/// Whole-tensor sharding: LAMB (whose trust ratio reads a whole parameter) and Adam
+/// with per-parameter norm clipping and a global norm give what `GradientReducer` +
+/// the plain optimizer gives; LAMB sharded by element ranges does not (why the mode
+/// exists); each rank steps whole parameters and holds less state than one process;
+/// checkpoints are refused by name.
+pub(crate) fn by_tensors(k: &Kolo) -> Result<()> {
+    use burn::grad_clipping::GradientClippingConfig as Clip;
+    use burn::optim::LambConfig;
+    let size = k.size();
+    let device = Device::flex().autodiff();
+    device.seed(53);
+    let start = broadcast_parameters(k, Small::new(&device), 0)?;
+    let reducer = GradientReducer::new(k);
+    let lamb = || LambConfig::new().init();
+    let mut plain = lamb();
+    let mut sharded = ShardedOptimizer::by_tensors(k, lamb());
+    let (a, r) = run_both(
+        k,
+        &start,
+        &mut sharded,
+        |m, g| Ok(plain.step(0.05, m.clone(), reducer.reduce(&m, g)?)),
+        &device,
+    )?;
+    assert_close("LAMB by whole tensors", &params(&a), &params(&r), 1e-5)?;
+    let mut ranges = ShardedOptimizer::new(k, lamb());
+    let mut plain2 = lamb();
+    let (e, _) = run_both(
+        k,
+        &start,
+        &mut ranges,
+        |m, g| Ok(plain2.step(0.05, m.clone(), reducer.reduce(&m, g)?)),
+        &device,
+    )?;
+    let off = worst(&params(&e), &params(&r));
+    ensure!(
+        off > 1e-4,
+        "LAMB by element ranges matched the plain optimizer ({off})"
+    );
+    // Every parameter is stepped by exactly one rank.
+    let owned = sharded.owned_parameters().unwrap_or_default();
+    let all: Vec<Vec<usize>> = k.allgather_object("by_tensors.owned", owned)?;
+    let mut every: Vec<usize> = all.concat();
+    every.sort_unstable();
+    ensure!(
+        every == (0..4).collect::<Vec<_>>(),
+        "owned parameters {all:?}"
+    );
+    ensure!(
+        sharded.shard().is_none(),
+        "a whole-tensor sharding reports an element range"
+    );
+    let unsharded = plain.to_record().into_bytes().map(|b| b.len()).unwrap_or(0);
+    let mine = sharded.local_state_bytes();
+    ensure!(
+        mine < unsharded,
+        "np {size}: {mine} bytes of state on this rank, {unsharded} unsharded"
+    );
+    // Norm clipping per parameter inside the wrapped optimizer, and a global norm.
+    let make = || {
+        AdamConfig::new()
+            .with_grad_clipping(Some(Clip::Norm(0.05)))
+            .init()
+    };
+    let mut plain = make();
+    let mut sharded = ShardedOptimizer::by_tensors(k, make()).clip_global_norm(0.1);
+    let (a, r) = run_both(
+        k,
+        &start,
+        &mut sharded,
+        |m, g| {
+            let g = reducer.reduce(&m, g)?;
+            let squares: f64 = g_values(&m, &g)
+                .iter()
+                .map(|&x| f64::from(x) * f64::from(x))
+                .sum();
+            let g = scaled(&m, g, (0.1 / (squares.sqrt() + 1e-6)).min(1.0) as f32);
+            Ok(plain.step(0.05, m, g))
+        },
+        &device,
+    )?;
+    assert_close(
+        "Adam clipped, by whole tensors",
+        &params(&a),
+        &params(&r),
+        1e-5,
+    )?;
+    match sharded.consolidate(&a) {
+        Ok(_) => anyhow::bail!("a whole-tensor sharding was consolidated"),
+        Err(e) => ensure!(e.to_string().contains("by_tensors"), "{e}"),
+    }
+    Ok(())
+}
