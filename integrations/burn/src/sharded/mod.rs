@@ -5,7 +5,7 @@ use std::ops::Range;
 use std::sync::Arc;
 
 use burn::grad_clipping::GradientClipping;
-use burn::module::{Module, ModuleMapper, ModuleVisitor, Param, ParamId};
+use burn::module::{Module, ModuleVisitor, Param, ParamId};
 use burn::optim::{GradientsParams, LearningRate, ModuleOptimizer};
 use burn::tensor::{DType, Device, Tensor, TensorData};
 use kolo::{Kolo, ReduceOp};
@@ -14,7 +14,10 @@ use crate::error::{Error, Result};
 use crate::layout::Layout;
 
 mod consolidate;
+mod flat;
 mod tensors;
+
+use flat::{flat_gradients, read_range, Flat, WriteBack};
 
 /// A drop-in for Burn's `ModuleOptimizer` in a training loop that keeps only this
 /// rank's share of the optimizer state (DeepSpeed's ZeRO stage 1, and stage 2 for the
@@ -71,7 +74,10 @@ mod tensors;
 /// [`by_tensors`](Self::by_tensors), which gives each parameter whole to one rank.
 /// L-BFGS is not a `ModuleOptimizer` (it re-evaluates the loss) and cannot be wrapped.
 ///
-/// **Not (yet) supported:** parameters other than f32 (refused at the first step).
+/// **Precision.** Parameters of one float type — f32, f16 or bf16 — are sharded in it:
+/// the shard, its gradients and the wrapped optimizer's state stay in the parameters'
+/// precision, as the plain optimizer keeps them. Mixed float types are refused at the
+/// first step; [`consolidate`](Self::consolidate) takes f32 state only.
 ///
 /// **Checkpoints.** [`consolidate`](Self::consolidate) gives the whole state as the
 /// plain optimizer holds it (every rank's share gathered), which
@@ -142,6 +148,8 @@ struct Plan {
     range: Range<usize>,
     /// Sharded by whole tensors: who owns each parameter.
     owners: Option<tensors::Owners>,
+    /// The parameters' float type (by element ranges, all parameters share it).
+    dtype: DType,
 }
 
 /// The wrapped optimizer's view of this rank's range: one 1-D parameter.
@@ -272,14 +280,41 @@ impl ShardedOptimizer {
         &mut self,
         lr: LearningRate,
         model: M,
-        mut grads: GradientsParams,
+        grads: GradientsParams,
     ) -> Result<M> {
         let plan = self.plan_for(&model)?;
         let plan = &*plan;
         if let Some(owners) = &plan.owners {
             return self.step_by_tensors(lr, model, grads, plan, owners);
         }
-        let flat = flat_gradients(&model, &mut grads, plan, std::mem::take(&mut self.spare));
+        match plan.dtype {
+            DType::F16 => Ok(self
+                .step_elements::<half::f16, M>(lr, model, grads, plan, Vec::new())?
+                .0),
+            DType::BF16 => Ok(self
+                .step_elements::<half::bf16, M>(lr, model, grads, plan, Vec::new())?
+                .0),
+            _ => {
+                let spare = std::mem::take(&mut self.spare);
+                let (model, spare) = self.step_elements::<f32, M>(lr, model, grads, plan, spare)?;
+                self.spare = spare;
+                Ok(model)
+            }
+        }
+    }
+
+    /// [`step`](Self::step) by element ranges, the flat sequence in `T` (the
+    /// parameters' type); `spare` is memory for the flat gradients, and the gathered
+    /// parameters come back for the next step's.
+    fn step_elements<T: Flat, M: Module>(
+        &mut self,
+        lr: LearningRate,
+        model: M,
+        mut grads: GradientsParams,
+        plan: &Plan,
+        spare: Vec<T>,
+    ) -> Result<(M, Vec<T>)> {
+        let flat = flat_gradients(&model, &mut grads, plan, spare);
         let device = first_device(&model)?;
         let flat = kolo::Tensor::from_vec(flat, &[plan.total])?;
         // This rank's parameter values are read while the engine thread reduces.
@@ -290,19 +325,19 @@ impl ShardedOptimizer {
             .prescale(1.0 / self.passes as f64)
             .submit()?;
         let len = plan.range.len();
-        let values = read_range(&model, plan);
-        let mut mine = pending.wait()?.into_vec::<f32>()?;
+        let values = read_range::<T, M>(&model, plan);
+        let mut mine = pending.wait()?.into_vec::<T>()?;
         self.clip(plan, &mut mine)?;
         let shard = Shard {
             flat: Param::initialized(
                 self.shard_id,
-                Tensor::from_data(TensorData::new(values, [len]), &device),
+                Tensor::from_data(TensorData::new(values, [len]), (&device, plan.dtype)),
             ),
         };
         let mut shard_grads = GradientsParams::new();
         shard_grads.register(
             self.shard_id,
-            Tensor::<1>::from_data(TensorData::new(mine, [len]), &device),
+            Tensor::<1>::from_data(TensorData::new(mine, [len]), (&device, plan.dtype)),
         );
         let shard = self.inner.step(lr, shard, shard_grads);
         // By value: the step's result is this tensor's only owner, so its buffer is lent
@@ -317,15 +352,15 @@ impl ShardedOptimizer {
             .kolo
             .allgather(format!("{}.params", self.prefix), updated)
             .wait()?
-            .into_vec::<f32>()?;
+            .into_vec::<T>()?;
         let mut write = WriteBack {
             all: &all,
             offsets: &plan.offsets,
             next: 0,
+            dtype: plan.dtype,
         };
         let model = model.map(&mut write);
-        self.spare = all;
-        Ok(model)
+        Ok((model, all))
     }
 
     /// The partition of `module`, learned and agreed by all ranks on the first step,
@@ -367,7 +402,7 @@ impl ShardedOptimizer {
     /// Clips this rank's reduced gradients `mine`: all together to the global norm, then
     /// each parameter's to its norm, each norm summed across the shards (one allreduce
     /// of the squared norm of every parameter's part in each shard).
-    fn clip(&self, plan: &Plan, mine: &mut [f32]) -> Result<()> {
+    fn clip<T: Flat>(&self, plan: &Plan, mine: &mut [T]) -> Result<()> {
         if self.global_norm.is_none() && self.param_norm.is_none() {
             return Ok(());
         }
@@ -377,7 +412,7 @@ impl ShardedOptimizer {
         for (p, r) in &parts {
             squares[*p] = mine[r.clone()]
                 .iter()
-                .map(|&g| f64::from(g) * f64::from(g))
+                .map(|&g| g.to_f64() * g.to_f64())
                 .sum();
         }
         let squares = self
@@ -405,7 +440,7 @@ impl ShardedOptimizer {
             }
             if coef < 1.0 {
                 let c = coef as f32;
-                mine[r].iter_mut().for_each(|g| *g *= c);
+                mine[r].iter_mut().for_each(|g| *g = g.times(c));
             }
         }
         Ok(())
@@ -413,13 +448,23 @@ impl ShardedOptimizer {
 
     fn learn<M: Module>(&self, module: &M) -> Result<Plan> {
         let layout = Layout::learn(module, &self.kolo, &self.prefix, usize::MAX)?;
-        if let Some(s) = layout.slots.iter().find(|s| s.dtype != DType::F32) {
+        // One float type for the flat sequence: the first parameter's.
+        let dtype = layout.slots.first().map_or(DType::F32, |s| s.dtype);
+        let supported = matches!(dtype, DType::F32 | DType::F16 | DType::BF16);
+        if let Some(s) = layout.slots.iter().find(|s| !supported || s.dtype != dtype) {
             return Err(Error::InvalidArgument {
                 what: "ShardedOptimizer::step",
                 message: format!(
-                    "parameter {:?} is {:?}; the sharded optimizer takes f32 parameters only \
-                     (use GradientReducer with the plain optimizer for other dtypes)",
-                    s.path, s.dtype
+                    "parameter {:?} is {:?} where {:?} is {dtype:?}; the sharded optimizer \
+                     takes parameters of one float type, f32, f16 or bf16 (use \
+                     GradientReducer with the plain optimizer for others)",
+                    s.path,
+                    s.dtype,
+                    layout
+                        .slots
+                        .first()
+                        .map(|f| f.path.as_str())
+                        .unwrap_or_default(),
                 ),
             });
         }
@@ -457,6 +502,7 @@ impl ShardedOptimizer {
                 range_of(total, size, rank)
             },
             owners,
+            dtype,
         })
     }
 }
@@ -485,81 +531,6 @@ fn range_of(total: usize, size: usize, rank: usize) -> Range<usize> {
     start..start + base + usize::from(rank < extra)
 }
 
-/// Every parameter's gradient from `grads`, flattened in module order (zeros for a
-/// parameter without one).
-fn flat_gradients<M: Module>(
-    module: &M,
-    grads: &mut GradientsParams,
-    plan: &Plan,
-    mut out: Vec<f32>,
-) -> Vec<f32> {
-    struct Flatten<'a> {
-        grads: &'a mut GradientsParams,
-        out: Vec<f32>,
-    }
-    impl ModuleVisitor for Flatten<'_> {
-        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
-            let n = param.val().shape().num_elements();
-            let data = self.grads.remove::<D>(param.id).map(Tensor::into_data);
-            // Borrowed, not `try_into_vec`: Burn's buffers are 16-byte aligned, so
-            // taking them as a `Vec<f32>` copies them first.
-            match data.as_ref().and_then(|d| d.as_slice::<f32>().ok()) {
-                Some(v) if v.len() == n => self.out.extend_from_slice(v),
-                _ => self.out.resize(self.out.len() + n, 0.0),
-            }
-        }
-    }
-    out.clear();
-    out.reserve(plan.total);
-    let mut f = Flatten { grads, out };
-    module.visit(&mut f);
-    f.out
-}
-
-/// The values of this rank's range of the flat parameter sequence (only the
-/// parameters that overlap it are read).
-fn read_range<M: Module>(module: &M, plan: &Plan) -> Vec<f32> {
-    struct Read<'a> {
-        plan: &'a Plan,
-        next: usize,
-        out: Vec<f32>,
-    }
-    impl ModuleVisitor for Read<'_> {
-        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
-            let i = self.next;
-            self.next += 1;
-            let (Some(&start), Some(slot)) =
-                (self.plan.offsets.get(i), self.plan.layout.slots.get(i))
-            else {
-                return;
-            };
-            let end = start + slot.dims.iter().product::<usize>();
-            let (lo, hi) = (
-                start.max(self.plan.range.start),
-                end.min(self.plan.range.end),
-            );
-            if lo >= hi {
-                return;
-            }
-            // Only the overlapping elements are copied out of the parameter.
-            let part = param
-                .val()
-                .reshape([end - start])
-                .slice(lo - start..hi - start);
-            if let Ok(v) = part.into_data().as_slice::<f32>() {
-                self.out.extend_from_slice(v);
-            }
-        }
-    }
-    let mut r = Read {
-        plan,
-        next: 0,
-        out: Vec::with_capacity(plan.range.len()),
-    };
-    module.visit(&mut r);
-    r.out
-}
-
 /// The device of the module's first float parameter.
 fn first_device<M: Module>(module: &M) -> Result<Device> {
     struct First(Option<Device>);
@@ -576,37 +547,6 @@ fn first_device<M: Module>(module: &M) -> Result<Device> {
         what: "ShardedOptimizer::step",
         message: "the module has no float parameters".into(),
     })
-}
-
-/// Puts the gathered flat parameters back into the model, parameter by parameter in
-/// module order, keeping each one's id, device and `require_grad`.
-struct WriteBack<'a> {
-    all: &'a [f32],
-    offsets: &'a [usize],
-    next: usize,
-}
-
-impl ModuleMapper for WriteBack<'_> {
-    fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
-        let i = self.next;
-        self.next += 1;
-        let (id, tensor, mapper) = param.consume();
-        let shape = tensor.shape();
-        let n = shape.num_elements();
-        let Some(values) = self
-            .offsets
-            .get(i)
-            .and_then(|&start| self.all.get(start..start + n))
-        else {
-            return Param::from_mapped_value(id, tensor, mapper);
-        };
-        let mut updated =
-            Tensor::<D>::from_data(TensorData::new(values.to_vec(), shape), &tensor.device());
-        if tensor.is_require_grad() {
-            updated = updated.require_grad();
-        }
-        Param::from_mapped_value(id, updated, mapper)
-    }
 }
 
 #[cfg(test)]

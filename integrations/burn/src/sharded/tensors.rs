@@ -3,9 +3,9 @@
 
 use burn::module::{Module, ModuleVisitor, Param};
 use burn::optim::{GradientsParams, LearningRate};
-use burn::tensor::Tensor;
+use burn::tensor::{DType, Tensor};
 
-use super::{Plan, ShardedOptimizer, WriteBack};
+use super::{Flat, Plan, ShardedOptimizer, WriteBack};
 use crate::error::Result;
 use crate::GradientReducer;
 
@@ -83,7 +83,16 @@ impl ShardedOptimizer {
             }
         }
         let model = self.inner.step(lr, model, mine);
-        let values = read_owned(&model, &owners.owner, rank);
+        match plan.dtype {
+            DType::F16 => self.gather::<half::f16, M>(model, plan, owners),
+            DType::BF16 => self.gather::<half::bf16, M>(model, plan, owners),
+            _ => self.gather::<f32, M>(model, plan, owners),
+        }
+    }
+
+    /// Every rank's stepped parameters, all-gathered (as `T`) into `model`.
+    fn gather<T: Flat, M: Module>(&self, model: M, plan: &Plan, owners: &Owners) -> Result<M> {
+        let values = read_owned::<T, M>(&model, &owners.owner, self.kolo.rank());
         let n = values.len();
         let all = self
             .kolo
@@ -92,7 +101,7 @@ impl ShardedOptimizer {
                 kolo::Tensor::from_vec(values, &[n])?,
             )
             .wait()?
-            .into_vec::<f32>()?;
+            .into_vec::<T>()?;
         if all.len() != plan.total {
             return Err(crate::error::Error::Kolo(kolo::Error::Internal(format!(
                 "the gathered parameters hold {} elements, the model {}",
@@ -104,6 +113,7 @@ impl ShardedOptimizer {
             all: &all,
             offsets: &owners.gathered_at,
             next: 0,
+            dtype: plan.dtype,
         }))
     }
 }
@@ -149,19 +159,19 @@ fn scale<M: Module>(module: &M, mut grads: GradientsParams, c: f32) -> Gradients
 }
 
 /// The values of the parameters `rank` owns, flattened in module order.
-fn read_owned<M: Module>(module: &M, owner: &[usize], rank: usize) -> Vec<f32> {
-    struct Read<'a> {
+fn read_owned<T: Flat, M: Module>(module: &M, owner: &[usize], rank: usize) -> Vec<T> {
+    struct Read<'a, T> {
         owner: &'a [usize],
         rank: usize,
         next: usize,
-        out: Vec<f32>,
+        out: Vec<T>,
     }
-    impl ModuleVisitor for Read<'_> {
+    impl<T: Flat> ModuleVisitor for Read<'_, T> {
         fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
             let i = self.next;
             self.next += 1;
             if self.owner.get(i) == Some(&self.rank) {
-                if let Ok(v) = param.val().into_data().as_slice::<f32>() {
+                if let Ok(v) = param.val().into_data().as_slice::<T>() {
                     self.out.extend_from_slice(v);
                 }
             }
