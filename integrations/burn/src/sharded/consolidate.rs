@@ -112,20 +112,6 @@ fn rename_scalars(
 }
 
 impl ShardedOptimizer {
-    /// Checkpoints of a whole-tensor sharding are not written yet: refused by name.
-    fn not_by_tensors(&self, what: &'static str) -> Result<()> {
-        if self.by_tensors {
-            return Err(Error::InvalidArgument {
-                what,
-                message: "not supported yet for ShardedOptimizer::by_tensors (each rank holds \
-                          whole parameters' state); checkpoint with ShardedOptimizer::new, or \
-                          save each rank's `inner()` record"
-                    .into(),
-            });
-        }
-        Ok(())
-    }
-
     /// The whole optimizer state, as the plain (unsharded) optimizer stepping `model`
     /// would hold it: every rank's share all-gathered and cut back into the model's
     /// parameters. Save it with [`save_checkpoint`](crate::save_checkpoint) or
@@ -141,8 +127,10 @@ impl ShardedOptimizer {
     /// [`Error::Record`] when Burn cannot read or write the record; a failed
     /// collective.
     pub fn consolidate<M: Module>(&mut self, model: &M) -> Result<ModuleOptimizer> {
-        self.not_by_tensors("ShardedOptimizer::consolidate")?;
         let plan = self.plan_for(model)?;
+        if plan.owners.is_some() {
+            return self.consolidate_by_tensors();
+        }
         let sid = self.shard_id.val();
         let mut mine = parts(&self.inner, "ShardedOptimizer::consolidate")?;
         // What this rank holds: (field, dtype, shape) in name order.
@@ -215,8 +203,10 @@ impl ShardedOptimizer {
         full: &ModuleOptimizer,
     ) -> Result<()> {
         const WHAT: &str = "ShardedOptimizer::load_consolidated";
-        self.not_by_tensors(WHAT)?;
         let plan = self.plan_for(model)?;
+        if let Some(owners) = &plan.owners {
+            return self.load_by_tensors(&plan, owners, full);
+        }
         let full = parts(full, WHAT)?;
         let slots = &plan.layout.slots;
         let fields_of = |id: u64| -> Vec<&String> {

@@ -188,8 +188,9 @@ impl ShardedOptimizer {
     /// volume of the element ranges' reduce-scatter), steps this rank's parameters and
     /// all-gathers them. The balance is only as even as the parameters allow: a layer
     /// that holds most of the model puts most of the state on one rank.
-    /// [`consolidate`](Self::consolidate) and
-    /// [`load_consolidated`](Self::load_consolidated) are not supported in this mode yet.
+    /// [`consolidate`](Self::consolidate) joins every rank's state (any dtype), and
+    /// [`load_consolidated`](Self::load_consolidated) keeps the state of the parameters
+    /// this rank owns at this job's rank count.
     pub fn by_tensors(kolo: &Kolo, inner: ModuleOptimizer) -> Self {
         let mut s = Self::new(kolo, inner);
         s.by_tensors = true;

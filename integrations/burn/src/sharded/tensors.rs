@@ -2,11 +2,13 @@
 //! optimizer state lives on one rank, for optimizers whose update reads a whole tensor.
 
 use burn::module::{Module, ModuleVisitor, Param};
-use burn::optim::{GradientsParams, LearningRate};
+use std::collections::{BTreeMap, BTreeSet};
+
+use burn::optim::{GradientsParams, LearningRate, ModuleOptimizer};
 use burn::tensor::{DType, Tensor};
 
 use super::{Flat, Plan, ShardedOptimizer, WriteBack};
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::GradientReducer;
 
 /// Which rank steps each parameter, and where its values land in the all-gathered
@@ -185,6 +187,124 @@ fn read_owned<T: Flat, M: Module>(module: &M, owner: &[usize], rank: usize) -> V
     };
     module.visit(&mut r);
     r.out
+}
+
+/// A whole-tensor sharding's record, read apart: each rank's wrapped optimizer holds
+/// the plain optimizer's state of the parameters it owns, under their own ids.
+struct Record {
+    tensors: Vec<burn_pack::Tensor>,
+    scalars: BTreeMap<String, burn_pack::Scalar>,
+}
+
+fn record_error(what: &'static str) -> impl Fn(String) -> Error {
+    move |message| Error::Record { what, message }
+}
+
+/// The burnpack bytes of a record, read apart.
+fn read(bytes: Vec<u8>, what: &'static str) -> Result<Record> {
+    let err = record_error(what);
+    let reader = burn_pack::Reader::from_bytes(burn_pack::Bytes::from_bytes_vec(bytes))
+        .map_err(|e| err(e.to_string()))?;
+    let scalars = reader.scalars().clone();
+    let tensors = reader.into_tensors().map_err(|e| err(e.to_string()))?;
+    Ok(Record { tensors, scalars })
+}
+
+/// A `ModuleOptimizer` like `like` holding `record`.
+fn write(like: &ModuleOptimizer, record: Record, what: &'static str) -> Result<ModuleOptimizer> {
+    let err = record_error(what);
+    let mut writer = burn_pack::Writer::new(record.tensors);
+    for (k, v) in &record.scalars {
+        writer = writer.with_scalar(k, *v);
+    }
+    let bytes = writer.into_bytes().map_err(|e| err(e.to_string()))?;
+    like.clone()
+        .from_bytes(bytes)
+        .map_err(|e| err(e.to_string()))
+}
+
+/// The parameter id a scalar `"{id}.{key}"` belongs to.
+fn scalar_id(key: &str) -> Option<u64> {
+    key.split_once('.').and_then(|(id, _)| id.parse().ok())
+}
+
+impl ShardedOptimizer {
+    /// [`consolidate`](Self::consolidate) by whole tensors: every rank's record
+    /// all-gathered and joined (each holds its own parameters' state, under their ids).
+    pub(super) fn consolidate_by_tensors(&self) -> Result<ModuleOptimizer> {
+        const WHAT: &str = "ShardedOptimizer::consolidate";
+        let mine = self
+            .inner
+            .into_bytes()
+            .map_err(|e| record_error(WHAT)(e.to_string()))?
+            .to_vec();
+        let all: Vec<Vec<u8>> = self
+            .kolo
+            .allgather_object(format!("{}.state.records", self.prefix), mine)?;
+        let mut joined = Record {
+            tensors: Vec::new(),
+            scalars: BTreeMap::new(),
+        };
+        for bytes in all {
+            let r = read(bytes, WHAT)?;
+            joined.tensors.extend(r.tensors);
+            joined.scalars.extend(r.scalars);
+        }
+        write(&self.inner, joined, WHAT)
+    }
+
+    /// [`load_consolidated`](Self::load_consolidated) by whole tensors: the state of
+    /// the parameters this rank owns (at this job's rank count), under their ids.
+    pub(super) fn load_by_tensors(
+        &mut self,
+        plan: &Plan,
+        owners: &Owners,
+        full: &ModuleOptimizer,
+    ) -> Result<()> {
+        const WHAT: &str = "ShardedOptimizer::load_consolidated";
+        let bytes = full
+            .into_bytes()
+            .map_err(|e| record_error(WHAT)(e.to_string()))?
+            .to_vec();
+        let full = read(bytes, WHAT)?;
+        let ids: Vec<u64> = plan.layout.slots.iter().map(|s| s.id.val()).collect();
+        let held: BTreeSet<u64> = full.tensors.iter().filter_map(|t| t.param_id).collect();
+        // A state for some parameters must be one for every parameter of the model
+        // (checked on every rank alike, over all parameters).
+        if !held.is_empty() {
+            if let Some(i) = ids.iter().position(|id| !held.contains(id)) {
+                return Err(Error::InvalidArgument {
+                    what: WHAT,
+                    message: format!(
+                        "the optimizer state holds nothing for parameter {:?} (id {}): is it \
+                         the state of this model (loaded with its ids, e.g. by load_checkpoint)?",
+                        plan.layout.slots[i].path, ids[i]
+                    ),
+                });
+            }
+        }
+        let rank = self.kolo.rank();
+        let owned: BTreeSet<u64> = ids
+            .iter()
+            .zip(&owners.owner)
+            .filter(|(_, &o)| o == rank)
+            .map(|(&id, _)| id)
+            .collect();
+        let record = Record {
+            tensors: full
+                .tensors
+                .into_iter()
+                .filter(|t| t.param_id.is_some_and(|id| owned.contains(&id)))
+                .collect(),
+            scalars: full
+                .scalars
+                .into_iter()
+                .filter(|(k, _)| scalar_id(k).is_some_and(|id| owned.contains(&id)))
+                .collect(),
+        };
+        self.inner = write(&self.inner, record, WHAT)?;
+        Ok(())
+    }
 }
 
 #[cfg(test)]
