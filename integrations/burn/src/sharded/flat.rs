@@ -4,7 +4,7 @@
 
 use burn::module::{Module, ModuleMapper, ModuleVisitor, Param};
 use burn::optim::GradientsParams;
-use burn::tensor::{DType, Tensor, TensorData};
+use burn::tensor::Tensor;
 use half::{bf16, f16};
 
 use super::Plan;
@@ -46,46 +46,56 @@ impl Flat for bf16 {
     }
 }
 
-/// Every parameter's gradient from `grads`, flattened in module order (zeros for a
-/// parameter without one).
-pub(super) fn flat_gradients<T: Flat, M: Module>(
+/// Every parameter's gradient from `grads` copied into `out` — the flat sequence,
+/// zeros already — at the parameter's offset; a parameter without a gradient (or of
+/// another type) stays zeros.
+pub(super) fn fill_gradients<T: Flat, M: Module>(
     module: &M,
     grads: &mut GradientsParams,
     plan: &Plan,
-    mut out: Vec<T>,
-) -> Vec<T> {
-    struct Flatten<'a, T> {
+    out: &mut [T],
+) {
+    struct Fill<'a, T> {
         grads: &'a mut GradientsParams,
-        out: Vec<T>,
+        offsets: &'a [usize],
+        next: usize,
+        out: &'a mut [T],
     }
-    impl<T: Flat> ModuleVisitor for Flatten<'_, T> {
+    impl<T: Flat> ModuleVisitor for Fill<'_, T> {
         fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
-            let n = param.val().shape().num_elements();
+            let i = self.next;
+            self.next += 1;
+            let Some(&start) = self.offsets.get(i) else {
+                return;
+            };
             let data = self.grads.remove::<D>(param.id).map(Tensor::into_data);
             // Borrowed, not `try_into_vec`: Burn's buffers are 16-byte aligned, so
             // taking them as a `Vec` copies them first.
-            match data.as_ref().and_then(|d| d.as_slice::<T>().ok()) {
-                Some(v) if v.len() == n => self.out.extend_from_slice(v),
-                _ => self.out.resize(self.out.len() + n, T::default()),
+            if let Some(v) = data.as_ref().and_then(|d| d.as_slice::<T>().ok()) {
+                if let Some(dst) = self.out.get_mut(start..start + v.len()) {
+                    dst.copy_from_slice(v);
+                }
             }
         }
     }
-    out.clear();
-    out.reserve(plan.total);
-    let mut f = Flatten { grads, out };
-    module.visit(&mut f);
-    f.out
+    module.visit(&mut Fill {
+        grads,
+        offsets: &plan.offsets,
+        next: 0,
+        out,
+    });
 }
 
-/// The values of this rank's range of the flat parameter sequence (only the
-/// parameters that overlap it are read).
-pub(super) fn read_range<T: Flat, M: Module>(module: &M, plan: &Plan) -> Vec<T> {
-    struct Read<'a, T> {
+/// This rank's range of the flat parameter sequence as one tensor on the parameters'
+/// device: the overlapping parts of the parameters concatenated there (one copy, no
+/// trip through host memory); `None` for an empty range.
+pub(super) fn range_tensor<M: Module>(module: &M, plan: &Plan) -> Option<Tensor<1>> {
+    struct Read<'a> {
         plan: &'a Plan,
         next: usize,
-        out: Vec<T>,
+        parts: Vec<Tensor<1>>,
     }
-    impl<T: Flat> ModuleVisitor for Read<'_, T> {
+    impl ModuleVisitor for Read<'_> {
         fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
             let i = self.next;
             self.next += 1;
@@ -99,56 +109,48 @@ pub(super) fn read_range<T: Flat, M: Module>(module: &M, plan: &Plan) -> Vec<T> 
                 start.max(self.plan.range.start),
                 end.min(self.plan.range.end),
             );
-            if lo >= hi {
-                return;
-            }
-            // Only the overlapping elements are copied out of the parameter.
-            let part = param
-                .val()
-                .reshape([end - start])
-                .slice(lo - start..hi - start);
-            if let Ok(v) = part.into_data().as_slice::<T>() {
-                self.out.extend_from_slice(v);
+            if lo < hi {
+                self.parts.push(
+                    param
+                        .val()
+                        .reshape([end - start])
+                        .slice(lo - start..hi - start),
+                );
             }
         }
     }
     let mut r = Read {
         plan,
         next: 0,
-        out: Vec::with_capacity(plan.range.len()),
+        parts: Vec::new(),
     };
     module.visit(&mut r);
-    r.out
+    match r.parts.len() {
+        0 => None,
+        1 => r.parts.pop(),
+        _ => Some(Tensor::cat(r.parts, 0)),
+    }
 }
 
-/// Puts the gathered flat parameters back into the model, parameter by parameter in
-/// module order, keeping each one's id, device and `require_grad`.
-pub(super) struct WriteBack<'a, T> {
-    pub(super) all: &'a [T],
+/// Puts the gathered flat sequence back into the model without copying it: each
+/// parameter becomes a slice of `all`, reshaped, keeping its id and `require_grad`.
+pub(super) struct WriteViews<'a> {
+    pub(super) all: Tensor<1>,
     pub(super) offsets: &'a [usize],
     pub(super) next: usize,
-    /// The parameters' float type.
-    pub(super) dtype: DType,
 }
 
-impl<T: Flat> ModuleMapper for WriteBack<'_, T> {
+impl ModuleMapper for WriteViews<'_> {
     fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
         let i = self.next;
         self.next += 1;
         let (id, tensor, mapper) = param.consume();
         let shape = tensor.shape();
         let n = shape.num_elements();
-        let Some(values) = self
-            .offsets
-            .get(i)
-            .and_then(|&start| self.all.get(start..start + n))
-        else {
+        let Some(&start) = self.offsets.get(i) else {
             return Param::from_mapped_value(id, tensor, mapper);
         };
-        let mut updated = Tensor::<D>::from_data(
-            TensorData::new(values.to_vec(), shape),
-            (&tensor.device(), self.dtype),
-        );
+        let mut updated: Tensor<D> = self.all.clone().slice(start..start + n).reshape(shape);
         if tensor.is_require_grad() {
             updated = updated.require_grad();
         }

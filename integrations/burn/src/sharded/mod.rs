@@ -7,7 +7,7 @@ use std::sync::Arc;
 use burn::grad_clipping::GradientClipping;
 use burn::module::{Module, ModuleVisitor, Param, ParamId};
 use burn::optim::{GradientsParams, LearningRate, ModuleOptimizer};
-use burn::tensor::{DType, Device, Tensor, TensorData};
+use burn::tensor::{DType, Device, Tensor};
 use kolo::{Kolo, ReduceOp};
 
 use crate::error::{Error, Result};
@@ -17,7 +17,7 @@ mod consolidate;
 mod flat;
 mod tensors;
 
-use flat::{flat_gradients, read_range, Flat, WriteBack};
+use flat::{fill_gradients, range_tensor, Flat, WriteViews};
 
 /// A drop-in for Burn's `ModuleOptimizer` in a training loop that keeps only this
 /// rank's share of the optimizer state (DeepSpeed's ZeRO stage 1, and stage 2 for the
@@ -111,10 +111,6 @@ pub struct ShardedOptimizer {
     /// The id of this rank's range as the wrapped optimizer sees it (its state is kept
     /// under it), the same every step.
     shard_id: ParamId,
-    /// The last step's gathered parameters, whose memory the next step's flat
-    /// gradients reuse: a buffer above 32 MiB comes fresh from `mmap` otherwise, and
-    /// its page faults cost tens of milliseconds per step.
-    spare: Vec<f32>,
     /// Backward passes summed into each step's gradients (they are divided by it).
     passes: usize,
     /// Clip all gradients together to this norm.
@@ -169,7 +165,6 @@ impl ShardedOptimizer {
             prefix: "kolo_burn.zero".into(),
             plan: None,
             shard_id: ParamId::new(),
-            spare: Vec::new(),
             passes: 1,
             global_norm: None,
             param_norm: None,
@@ -289,35 +284,26 @@ impl ShardedOptimizer {
             return self.step_by_tensors(lr, model, grads, plan, owners);
         }
         match plan.dtype {
-            DType::F16 => Ok(self
-                .step_elements::<half::f16, M>(lr, model, grads, plan, Vec::new())?
-                .0),
-            DType::BF16 => Ok(self
-                .step_elements::<half::bf16, M>(lr, model, grads, plan, Vec::new())?
-                .0),
-            _ => {
-                let spare = std::mem::take(&mut self.spare);
-                let (model, spare) = self.step_elements::<f32, M>(lr, model, grads, plan, spare)?;
-                self.spare = spare;
-                Ok(model)
-            }
+            DType::F16 => self.step_elements::<half::f16, M>(lr, model, grads, plan),
+            DType::BF16 => self.step_elements::<half::bf16, M>(lr, model, grads, plan),
+            _ => self.step_elements::<f32, M>(lr, model, grads, plan),
         }
     }
 
     /// [`step`](Self::step) by element ranges, the flat sequence in `T` (the
-    /// parameters' type); `spare` is memory for the flat gradients, and the gathered
-    /// parameters come back for the next step's.
+    /// parameters' type).
     fn step_elements<T: Flat, M: Module>(
         &mut self,
         lr: LearningRate,
         model: M,
         mut grads: GradientsParams,
         plan: &Plan,
-        spare: Vec<T>,
-    ) -> Result<(M, Vec<T>)> {
-        let flat = flat_gradients(&model, &mut grads, plan, spare);
+    ) -> Result<M> {
         let device = first_device(&model)?;
-        let flat = kolo::Tensor::from_vec(flat, &[plan.total])?;
+        // kolo's zeros: a large buffer faults in 2 MiB pages (see `Tensor::zeros`).
+        let dtype = crate::convert::kolo_dtype("the flat gradients", plan.dtype)?;
+        let mut flat = kolo::Tensor::zeros(dtype, &[plan.total]);
+        fill_gradients(&model, &mut grads, plan, flat.as_mut_slice::<T>()?);
         // This rank's parameter values are read while the engine thread reduces.
         let pending = self
             .kolo
@@ -325,20 +311,20 @@ impl ShardedOptimizer {
             .op(self.op)
             .prescale(1.0 / self.passes as f64)
             .submit()?;
-        let len = plan.range.len();
-        let values = read_range::<T, M>(&model, plan);
-        let mut mine = pending.wait()?.into_vec::<T>()?;
-        self.clip(plan, &mut mine)?;
+        let values = range_tensor(&model, plan);
+        let mut mine = pending.wait()?;
+        self.clip(plan, mine.as_mut_slice::<T>()?)?;
+        let values = values.ok_or_else(|| Error::InvalidArgument {
+            what: "ShardedOptimizer::step",
+            message: format!("rank {} holds no elements of the model", self.kolo.rank()),
+        })?;
         let shard = Shard {
-            flat: Param::initialized(
-                self.shard_id,
-                Tensor::from_data(TensorData::new(values, [len]), (&device, plan.dtype)),
-            ),
+            flat: Param::initialized(self.shard_id, values),
         };
         let mut shard_grads = GradientsParams::new();
         shard_grads.register(
             self.shard_id,
-            Tensor::<1>::from_data(TensorData::new(mine, [len]), (&device, plan.dtype)),
+            crate::convert::to_burn::<1>("the shard's gradients", mine, plan.dtype, &device)?,
         );
         let shard = self.inner.step(lr, shard, shard_grads);
         // By value: the step's result is this tensor's only owner, so its buffer is lent
@@ -352,16 +338,15 @@ impl ShardedOptimizer {
         let all = self
             .kolo
             .allgather(format!("{}.params", self.prefix), updated)
-            .wait()?
-            .into_vec::<T>()?;
-        let mut write = WriteBack {
-            all: &all,
+            .wait()?;
+        // The parameters become slices of the gathered tensor: nothing is copied.
+        let all =
+            crate::convert::to_burn::<1>("the gathered parameters", all, plan.dtype, &device)?;
+        Ok(model.map(&mut WriteViews {
+            all,
             offsets: &plan.offsets,
             next: 0,
-            dtype: plan.dtype,
-        };
-        let model = model.map(&mut write);
-        Ok((model, all))
+        }))
     }
 
     /// The partition of `module`, learned and agreed by all ranks on the first step,

@@ -7,7 +7,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use burn::optim::{GradientsParams, LearningRate, ModuleOptimizer};
 use burn::tensor::{DType, Tensor};
 
-use super::{Flat, Plan, ShardedOptimizer, WriteBack};
+use super::{Flat, Plan, ShardedOptimizer, WriteViews};
 use crate::error::{Error, Result};
 use crate::GradientReducer;
 
@@ -102,8 +102,7 @@ impl ShardedOptimizer {
                 format!("{}.params", self.prefix),
                 kolo::Tensor::from_vec(values, &[n])?,
             )
-            .wait()?
-            .into_vec::<T>()?;
+            .wait()?;
         if all.len() != plan.total {
             return Err(crate::error::Error::Kolo(kolo::Error::Internal(format!(
                 "the gathered parameters hold {} elements, the model {}",
@@ -111,11 +110,14 @@ impl ShardedOptimizer {
                 plan.total
             ))));
         }
-        Ok(model.map(&mut WriteBack {
-            all: &all,
+        // The parameters become slices of the gathered tensor: nothing is copied.
+        let device = super::first_device(&model)?;
+        let all =
+            crate::convert::to_burn::<1>("the gathered parameters", all, plan.dtype, &device)?;
+        Ok(model.map(&mut WriteViews {
+            all,
             offsets: &owners.gathered_at,
             next: 0,
-            dtype: plan.dtype,
         }))
     }
 }
