@@ -46,9 +46,9 @@ impl Flat for bf16 {
     }
 }
 
-/// Every parameter's gradient from `grads` copied into `out` — the flat sequence,
-/// zeros already — at the parameter's offset; a parameter without a gradient (or of
-/// another type) stays zeros.
+/// Every parameter's gradient from `grads` copied into `out` — the flat sequence — at
+/// the parameter's offset; zeros for a parameter without a gradient (or of another
+/// type).
 pub(super) fn fill_gradients<T: Flat, M: Module>(
     module: &M,
     grads: &mut GradientsParams,
@@ -68,13 +68,16 @@ pub(super) fn fill_gradients<T: Flat, M: Module>(
             let Some(&start) = self.offsets.get(i) else {
                 return;
             };
+            let n = param.val().shape().num_elements();
+            let Some(dst) = self.out.get_mut(start..start + n) else {
+                return;
+            };
             let data = self.grads.remove::<D>(param.id).map(Tensor::into_data);
             // Borrowed, not `try_into_vec`: Burn's buffers are 16-byte aligned, so
             // taking them as a `Vec` copies them first.
-            if let Some(v) = data.as_ref().and_then(|d| d.as_slice::<T>().ok()) {
-                if let Some(dst) = self.out.get_mut(start..start + v.len()) {
-                    dst.copy_from_slice(v);
-                }
+            match data.as_ref().and_then(|d| d.as_slice::<T>().ok()) {
+                Some(v) if v.len() == n => dst.copy_from_slice(v),
+                _ => dst.fill(T::default()),
             }
         }
     }
@@ -155,5 +158,66 @@ impl ModuleMapper for WriteViews<'_> {
             updated = updated.require_grad();
         }
         Param::from_mapped_value(id, updated, mapper)
+    }
+}
+
+/// The flat gradients' memory, lent to the reduce-scatter: when kolo is done with it
+/// (it drops the input), the memory goes back to `home` for the next step's gradients
+/// — a fresh buffer of this size comes from `mmap` and faults page by page otherwise.
+/// Words of 4 bytes keep it aligned for f32, f16 and bf16.
+pub(super) struct Recycled {
+    words: Vec<u32>,
+    bytes: usize,
+    home: Home,
+}
+
+/// Where a [`Recycled`] buffer goes back to.
+pub(super) type Home = std::sync::Arc<std::sync::Mutex<Option<Vec<u32>>>>;
+
+impl Recycled {
+    /// A buffer of `bytes` bytes (contents left from its last use), from `home` when it
+    /// holds one large enough.
+    pub(super) fn take(home: &Home, bytes: usize) -> Recycled {
+        let back = home
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .take();
+        let words_needed = bytes.div_ceil(4);
+        let words = match back {
+            Some(w) if w.len() >= words_needed => w,
+            _ => vec![0u32; words_needed],
+        };
+        Recycled {
+            words,
+            bytes,
+            home: home.clone(),
+        }
+    }
+
+    /// The buffer as elements of `T`.
+    pub(super) fn as_mut_slice<T: Flat>(&mut self) -> &mut [T] {
+        bytemuck::cast_slice_mut(
+            &mut bytemuck::cast_slice_mut::<u32, u8>(&mut self.words)[..self.bytes],
+        )
+    }
+}
+
+impl kolo::HostBuffer for Recycled {
+    fn bytes(&self) -> &[u8] {
+        &bytemuck::cast_slice::<u32, u8>(&self.words)[..self.bytes]
+    }
+
+    fn bytes_mut(&mut self) -> &mut [u8] {
+        &mut bytemuck::cast_slice_mut::<u32, u8>(&mut self.words)[..self.bytes]
+    }
+}
+
+impl Drop for Recycled {
+    fn drop(&mut self) {
+        let words = std::mem::take(&mut self.words);
+        *self
+            .home
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner) = Some(words);
     }
 }

@@ -17,7 +17,7 @@ mod consolidate;
 mod flat;
 mod tensors;
 
-use flat::{fill_gradients, range_tensor, Flat, WriteViews};
+use flat::{fill_gradients, range_tensor, Flat, Recycled, WriteViews};
 
 /// A drop-in for Burn's `ModuleOptimizer` in a training loop that keeps only this
 /// rank's share of the optimizer state (DeepSpeed's ZeRO stage 1, and stage 2 for the
@@ -120,6 +120,8 @@ pub struct ShardedOptimizer {
     param_norm: Option<f32>,
     /// Why the process set given refuses this rank.
     refused: Option<String>,
+    /// The last step's flat gradient memory, back from kolo for the next step.
+    spare: flat::Home,
     /// Each parameter whole on one rank ([`by_tensors`](Self::by_tensors)).
     by_tensors: bool,
     /// Averages the gradients when sharding by whole tensors.
@@ -169,6 +171,7 @@ impl ShardedOptimizer {
             global_norm: None,
             param_norm: None,
             refused: None,
+            spare: flat::Home::default(),
             by_tensors: false,
             reducer: None,
         }
@@ -300,10 +303,11 @@ impl ShardedOptimizer {
         plan: &Plan,
     ) -> Result<M> {
         let device = first_device(&model)?;
-        // kolo's zeros: a large buffer faults in 2 MiB pages (see `Tensor::zeros`).
         let dtype = crate::convert::kolo_dtype("the flat gradients", plan.dtype)?;
-        let mut flat = kolo::Tensor::zeros(dtype, &[plan.total]);
-        fill_gradients(&model, &mut grads, plan, flat.as_mut_slice::<T>()?);
+        let mut buffer = Recycled::take(&self.spare, plan.total * std::mem::size_of::<T>());
+        fill_gradients(&model, &mut grads, plan, buffer.as_mut_slice::<T>());
+        let flat = kolo::Tensor::from_host_buffer(buffer, dtype, &[plan.total])
+            .map_err(kolo::Error::from)?;
         // This rank's parameter values are read while the engine thread reduces.
         let pending = self
             .kolo
