@@ -28,10 +28,12 @@ pub(crate) fn failed_host(lines: &[String]) -> Option<String> {
 /// The host kolo's watchdog lines point at ("kolo: rank R: … has made no progress …",
 /// printed by the ranks that still run when a host is cut off), with ranks placed on
 /// `hosts` in order, each filling its slots (mpirun's placement for `-H host:slots`):
-/// the host of the rank they name as not answering ("rank W has not answered"), when
-/// every line that names one names the same host; else, when none names one (the cut
-/// came inside a collective's own transfer), the one host from which no rank reported
-/// while every other host's ranks all did.
+/// the host of the ranks they name as not answering ("rank W has not answered") that
+/// did not report themselves, when those are all on one host — a named rank that
+/// reported is alive, only waiting in turn (the cycle agreement is a chain: rank 0 may
+/// wait for rank 1 on its own host while rank 1 waits for the host cut off); else,
+/// when no silent rank is named (the cut came inside a collective's own transfer), the
+/// one host from which no rank reported while every other host's ranks all did.
 pub(crate) fn silent_host(lines: &[String], hosts: &[(String, usize)]) -> Option<String> {
     let host_of = |rank: usize| {
         let mut end = 0;
@@ -43,16 +45,12 @@ pub(crate) fn silent_host(lines: &[String], hosts: &[(String, usize)]) -> Option
     let rank_before = |l: &str, at: usize| -> Option<usize> {
         l[..at].rsplit("rank ").next()?.trim().parse().ok()
     };
-    let mut named: Option<usize> = None;
+    let mut named_ranks = std::collections::BTreeSet::new();
     // Ranks, not lines: a rank with several engines (process sets) reports once each.
     let mut reporters = std::collections::BTreeSet::new();
     for l in lines {
         if let Some(at) = l.find(" has not answered") {
-            let host = host_of(rank_before(l, at)?)?;
-            if named.is_some_and(|n| n != host) {
-                return None;
-            }
-            named = Some(host);
+            named_ranks.insert(rank_before(l, at)?);
         }
         let reporter = l.find("kolo: rank ").and_then(|at| {
             l[at + "kolo: rank ".len()..]
@@ -63,6 +61,14 @@ pub(crate) fn silent_host(lines: &[String], hosts: &[(String, usize)]) -> Option
                 .ok()
         });
         reporters.extend(reporter);
+    }
+    let mut named: Option<usize> = None;
+    for &rank in named_ranks.difference(&reporters) {
+        let host = host_of(rank)?;
+        if named.is_some_and(|n| n != host) {
+            return None;
+        }
+        named = Some(host);
     }
     let mut reported = vec![0usize; hosts.len()];
     for h in reporters.into_iter().filter_map(host_of) {
@@ -225,9 +231,20 @@ mod tests {
         assert_eq!(silent_host(&h2, &hosts).as_deref(), Some("h2"));
         let h1 = [line(3, 0)];
         assert_eq!(silent_host(&h1, &hosts).as_deref(), Some("h1"));
-        // Ranks of two hosts named: no verdict; no such line, or a rank past the
-        // slots: none.
-        assert_eq!(silent_host(&[line(0, 2), line(2, 1)], &hosts), None);
+        // The chain of the cycle agreement: rank 0 waits for rank 1 (its own host),
+        // which reported and waits for rank 3: h2 (seen in CI, where the old rule —
+        // two hosts named, no verdict — left the cut host in the next attempt).
+        assert_eq!(
+            silent_host(&[line(0, 1), line(1, 3)], &hosts).as_deref(),
+            Some("h2")
+        );
+        assert_eq!(
+            silent_host(&[line(0, 2), line(2, 1)], &hosts).as_deref(),
+            Some("h1")
+        );
+        // Silent ranks of two hosts named: no verdict; no such line, or a rank past
+        // the slots: none.
+        assert_eq!(silent_host(&[line(0, 1), line(2, 3)], &hosts), None);
         assert_eq!(silent_host(&["Error: x".to_string()], &hosts), None);
         assert_eq!(silent_host(&[line(0, 9)], &hosts), None);
         // No rank named: the host none of whose ranks reported, when all others did.
