@@ -928,6 +928,11 @@ const CASES: &[(&str, Case, &[usize])] = &[
     ("sharded_by_tensors", sharded::by_tensors, &[2, 4]),
     ("sharded_half_f16", sharded::half_f16, &[2, 4]),
     ("sharded_half_bf16", sharded::half_bf16, &[2]),
+    (
+        "sharded_missing_gradients",
+        sharded::missing_gradients,
+        &[2],
+    ),
     // Launched in turn by `sharded_checkpoint_reshard` (no trials of their own).
     ("sharded_reshard_save", sharded::reshard_save, &[]),
     ("sharded_reshard_load", sharded::reshard_load, &[]),

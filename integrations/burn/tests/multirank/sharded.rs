@@ -701,3 +701,61 @@ pub(crate) fn half_f16(k: &Kolo) -> Result<()> {
 pub(crate) fn half_bf16(k: &Kolo) -> Result<()> {
     half(k, burn::tensor::FloatDType::BF16, 7)
 }
+
+/// A model with a layer that only every other step uses.
+#[derive(Module, Debug)]
+struct Branchy {
+    a: Linear,
+    act: Relu,
+    b: Linear,
+    extra: Linear,
+}
+
+impl Branchy {
+    fn grads(&self, ids: std::ops::Range<usize>, extra: bool, device: &Device) -> GradientsParams {
+        let (x, y) = super::samples(ids, device);
+        let mut out = self.b.forward(self.act.forward(self.a.forward(x)));
+        if extra {
+            out = self.extra.forward(out);
+        }
+        let loss = burn::nn::loss::CrossEntropyLossConfig::new()
+            .init(device)
+            .forward(out, y);
+        GradientsParams::from_grads(loss.backward(), self)
+    }
+}
+
+/// A parameter with a gradient on one step and none on the next counts as zeros then
+/// (the flat gradients' memory is reused from step to step: nothing of the last step
+/// may stay): 20 Adam steps equal `GradientReducer` + the plain optimizer.
+pub(crate) fn missing_gradients(k: &Kolo) -> Result<()> {
+    let (rank, size) = (k.rank(), k.size());
+    let device = Device::flex().autodiff();
+    device.seed(61);
+    let start = Branchy {
+        a: LinearConfig::new(8, 16).init(&device),
+        act: Relu::new(),
+        b: LinearConfig::new(16, 4).init(&device),
+        extra: LinearConfig::new(4, 4).init(&device),
+    };
+    let start = broadcast_parameters(k, start, 0)?;
+    let reducer = GradientReducer::new(k);
+    let mut plain: ModuleOptimizer = AdamConfig::new().init();
+    let mut sharded = ShardedOptimizer::new(k, AdamConfig::new().init());
+    let (mut a, mut r) = (start.clone(), start);
+    let b = 6;
+    for step in 0..20 {
+        let base = step * b * size;
+        let ids = base + rank * b..base + (rank + 1) * b;
+        let extra = step % 2 == 0;
+        a = sharded.step(0.05, a.clone(), a.grads(ids.clone(), extra, &device))?;
+        let g = reducer.reduce(&r, r.grads(ids, extra, &device))?;
+        r = plain.step(0.05, r, g);
+    }
+    assert_close(
+        "a layer with gradients every other step",
+        &params(&a),
+        &params(&r),
+        1e-5,
+    )
+}
