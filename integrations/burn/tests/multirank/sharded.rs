@@ -215,15 +215,26 @@ pub(crate) fn reshard_load(k: &Kolo) -> Result<()> {
         1e-5,
     )?;
     // A state that is not this model's is refused on every rank, naming the parameter.
-    let other = ShardedOptimizer::new(k, AdamConfig::new().init()).load_consolidated(
-        &Wide {
-            fc1: LinearConfig::new(8, 16).init(&device),
-            act: Relu::new(),
-            fc2: LinearConfig::new(16, 4).init(&device),
-        },
+    refuses_another_model(
+        ShardedOptimizer::new(k, AdamConfig::new().init()),
         &plain,
-    );
-    match other {
+        &device,
+    )
+}
+
+/// `fresh` refuses `state` for a model it is not the state of (on every rank), naming
+/// the first parameter.
+fn refuses_another_model(
+    mut fresh: ShardedOptimizer,
+    state: &ModuleOptimizer,
+    device: &Device,
+) -> Result<()> {
+    let other = Wide {
+        fc1: LinearConfig::new(8, 16).init(device),
+        act: Relu::new(),
+        fc2: LinearConfig::new(16, 4).init(device),
+    };
+    match fresh.load_consolidated(&other, state) {
         Ok(()) => anyhow::bail!("another model's optimizer state was taken"),
         Err(e) => ensure!(e.to_string().contains("fc1.weight"), "{e}"),
     }
@@ -298,7 +309,7 @@ pub(crate) fn clipping(k: &Kolo) -> Result<()> {
         k,
         &start,
         &mut unclipped,
-        |m, g| Ok(plain.step(0.05, m.clone(), reducer.reduce(&m, g)?)),
+        reduced(&reducer, &mut plain),
         &device,
     )?;
     for (what, clip) in [
@@ -316,7 +327,7 @@ pub(crate) fn clipping(k: &Kolo) -> Result<()> {
             k,
             &start,
             &mut sharded,
-            |m, g| Ok(plain.step(0.05, m.clone(), reducer.reduce(&m, g)?)),
+            reduced(&reducer, &mut plain),
             &device,
         )?;
         assert_close(
@@ -347,16 +358,8 @@ pub(crate) fn clipping(k: &Kolo) -> Result<()> {
         &start,
         &mut sharded,
         |m, g| {
-            let g = reducer.reduce(&m, g)?;
-            let squares: f64 = g_values(&m, &g)
-                .iter()
-                .map(|&x| f64::from(x) * f64::from(x))
-                .sum();
-            let coef = (f64::from(max) / (squares.sqrt() + 1e-6)).min(1.0);
-            if coef < 1.0 {
-                clipped_steps += 1;
-            }
-            let g = scaled(&m, g, coef as f32);
+            let (g, clipped) = clip_global(&m, reducer.reduce(&m, g)?, max);
+            clipped_steps += usize::from(clipped);
             Ok(plain.step(0.05, m, g))
         },
         &device,
@@ -367,6 +370,28 @@ pub(crate) fn clipping(k: &Kolo) -> Result<()> {
     );
     assert_close("clipped by the global norm", &params(&a), &params(&r), 1e-5)?;
     Ok(())
+}
+
+/// The reference step: `reducer`'s gradients, then `plain`'s step.
+fn reduced<'a>(
+    reducer: &'a GradientReducer,
+    plain: &'a mut ModuleOptimizer,
+) -> impl FnMut(Small, GradientsParams) -> Result<Small> + 'a {
+    move |m, g| {
+        let g = reducer.reduce(&m, g)?;
+        Ok(plain.step(0.05, m, g))
+    }
+}
+
+/// `g` clipped to the global norm `max` as PyTorch's `clip_grad_norm_` does, and
+/// whether it was clipped.
+fn clip_global(m: &Small, g: GradientsParams, max: f32) -> (GradientsParams, bool) {
+    let squares: f64 = g_values(m, &g)
+        .iter()
+        .map(|&x| f64::from(x) * f64::from(x))
+        .sum();
+    let coef = (f64::from(max) / (squares.sqrt() + 1e-6)).min(1.0);
+    (scaled(m, g, coef as f32), coef < 1.0)
 }
 
 /// Every gradient of `m` in `g`, flattened in module order.
@@ -529,7 +554,7 @@ pub(crate) fn by_tensors(k: &Kolo) -> Result<()> {
         k,
         &start,
         &mut sharded,
-        |m, g| Ok(plain.step(0.05, m.clone(), reducer.reduce(&m, g)?)),
+        reduced(&reducer, &mut plain),
         &device,
     )?;
     assert_close("LAMB by whole tensors", &params(&a), &params(&r), 1e-5)?;
@@ -557,25 +582,14 @@ pub(crate) fn by_tensors(k: &Kolo) -> Result<()> {
         &params(&next),
         1e-5,
     )?;
-    let other = ShardedOptimizer::by_tensors(k, lamb()).load_consolidated(
-        &Wide {
-            fc1: LinearConfig::new(8, 16).init(&device),
-            act: Relu::new(),
-            fc2: LinearConfig::new(16, 4).init(&device),
-        },
-        &unsharded,
-    );
-    match other {
-        Ok(()) => anyhow::bail!("another model's optimizer state was taken"),
-        Err(e) => ensure!(e.to_string().contains("fc1.weight"), "{e}"),
-    }
+    refuses_another_model(ShardedOptimizer::by_tensors(k, lamb()), &unsharded, &device)?;
     let mut ranges = ShardedOptimizer::new(k, lamb());
     let mut plain2 = lamb();
     let (e, _) = run_both(
         k,
         &start,
         &mut ranges,
-        |m, g| Ok(plain2.step(0.05, m.clone(), reducer.reduce(&m, g)?)),
+        reduced(&reducer, &mut plain2),
         &device,
     )?;
     let off = worst(&params(&e), &params(&r));
@@ -615,12 +629,7 @@ pub(crate) fn by_tensors(k: &Kolo) -> Result<()> {
         &start,
         &mut sharded,
         |m, g| {
-            let g = reducer.reduce(&m, g)?;
-            let squares: f64 = g_values(&m, &g)
-                .iter()
-                .map(|&x| f64::from(x) * f64::from(x))
-                .sum();
-            let g = scaled(&m, g, (0.1 / (squares.sqrt() + 1e-6)).min(1.0) as f32);
+            let (g, _) = clip_global(&m, reducer.reduce(&m, g)?, 0.1);
             Ok(plain.step(0.05, m, g))
         },
         &device,
@@ -669,7 +678,7 @@ fn half(k: &Kolo, dtype: burn::tensor::FloatDType, mantissa_bits: i32) -> Result
             k,
             &start,
             &mut sharded,
-            |m, g| Ok(plain.step(0.05, m.clone(), reducer.reduce(&m, g)?)),
+            reduced(&reducer, &mut plain),
             &device,
         )?;
         let what = format!(
