@@ -190,11 +190,19 @@ impl Engine {
     /// awaited, one per cycle time unless new work arrives.
     fn drive(&mut self, done: &dyn Fn() -> bool) -> Option<End> {
         let start = std::time::Instant::now();
+        // Turns in a row spent only polling sends and receives: after the first, the
+        // queue's lock is taken only when something was flagged there, and stalls are
+        // looked for every `STALL_POLLS` turns (each costs a clock read).
+        let mut polls = 0u32;
         loop {
             if done() {
                 return None;
             }
-            self.take_in();
+            if polls == 0 || self.inbox.queue.flagged() {
+                self.take_in();
+            } else {
+                self.poll_p2p(polls.is_multiple_of(STALL_POLLS));
+            }
             if self.inbox.saw_device {
                 // A device op: CUDA and NCCL calls (opening the communicator first of
                 // all) stay on the engine thread, which the caller kicks on leaving.
@@ -210,8 +218,10 @@ impl Engine {
                     // A send or receive waits for its peer: poll it here, spinning
                     // briefly (latency), then yielding, then napping on the queue
                     // (new work ends a nap); heartbeats go on meanwhile.
-                    if self.last_cycle.elapsed() < super::HEARTBEAT {
-                        let waited = start.elapsed();
+                    // One clock read a turn.
+                    let now = std::time::Instant::now();
+                    if now.duration_since(self.last_cycle) < super::HEARTBEAT {
+                        let waited = now.duration_since(start);
                         if waited < std::time::Duration::from_micros(50) {
                             std::hint::spin_loop();
                         } else if waited < std::time::Duration::from_millis(1) {
@@ -219,6 +229,7 @@ impl Engine {
                         } else {
                             self.inbox.queue.wait_for_command(self.p2p.poll_interval());
                         }
+                        polls = polls.wrapping_add(1).max(1);
                         continue;
                     }
                 }
@@ -227,9 +238,14 @@ impl Engine {
                     self.take_in();
                 }
             }
+            polls = 0;
             if let Some(end) = self.step() {
                 return Some(end);
             }
         }
     }
 }
+
+/// How many polling turns of a driving caller go between two looks for stalled sends
+/// and receives (a look reads the clock; stalls are reported after seconds).
+const STALL_POLLS: u32 = 256;

@@ -263,9 +263,14 @@ impl Engine {
     /// Posts the sends and receives taken in, polls those waiting, and warns about
     /// those waiting too long.
     fn progress_p2p(&mut self) {
+        self.poll_p2p(true);
+    }
+
+    /// [`progress_p2p`](Self::progress_p2p), looking for stalls only if `stalls`.
+    fn poll_p2p(&mut self, stalls: bool) {
         self.p2p
             .progress(&mut self.inbox.p2p, &mut self.exec.timeline);
-        if self.p2p.busy() && !self.config.stall_check_disable {
+        if stalls && self.p2p.busy() && !self.config.stall_check_disable {
             self.p2p.warn_stalled(
                 self.inbox.rank,
                 self.config.stall_check_time,

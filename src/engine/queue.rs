@@ -195,6 +195,13 @@ impl Queue {
         self.queued.store(false, Ordering::Relaxed);
         std::mem::swap(&mut state.commands, into);
     }
+    /// Whether a command was flagged as queued (or a kick came) since the engine last
+    /// took them, without the lock. A submit that did not wake the engine is not
+    /// flagged until its caller kicks, which it does when it cannot drive the engine
+    /// itself (`Driver::help`); a driving caller therefore takes the lock once first.
+    pub(crate) fn flagged(&self) -> bool {
+        self.queued.load(Ordering::Acquire)
+    }
 
     /// Looks for a queued command for up to `spin`, yielding the core between looks;
     /// true as soon as one is queued. Cheaper than sleeping on the condvar when work is
