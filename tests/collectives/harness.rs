@@ -171,10 +171,27 @@ pub(crate) fn mpirun(
     timeout: Duration,
     extra_env: &[(&str, &str)],
 ) -> Result<Run, String> {
-    let mut cmd = Command::new("mpirun");
-    cmd.args(["-np", &np.to_string(), "--bind-to", "none", "--tag-output"]);
-    mpi_env(&mut cmd);
-    launch(cmd, case, timeout, extra_env, false)
+    let mut tries = 0;
+    loop {
+        let mut cmd = Command::new("mpirun");
+        cmd.args(["-np", &np.to_string(), "--bind-to", "none", "--tag-output"]);
+        mpi_env(&mut cmd);
+        let run = launch(cmd, case, timeout, extra_env, false)?;
+        // Open MPI's own start-up failing before any rank ran (seen under load with
+        // several mpiruns starting at once: "orte_session_dir failed" inside
+        // orte_init) says nothing about kolo: launched again, at most twice, saying so.
+        tries += 1;
+        if run.success || tries > 2 || !never_started(&run.output) {
+            return Ok(run);
+        }
+        eprintln!("case {case}: Open MPI failed to start (orte_init); launching it again");
+    }
+}
+
+/// Whether mpirun's output shows Open MPI failing to start the job itself (a process
+/// whose `orte_init` failed never reached the program).
+fn never_started(output: &str) -> bool {
+    output.contains("orte_init failed")
 }
 
 /// The emulated hosts' scripts (`scripts/multinode`), when the multi-host stage of

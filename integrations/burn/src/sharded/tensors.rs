@@ -1,9 +1,9 @@
 //! Sharding by whole tensors ([`ShardedOptimizer::by_tensors`]): each parameter's
 //! optimizer state lives on one rank, for optimizers whose update reads a whole tensor.
 
-use burn::module::{Module, ModuleVisitor, Param};
 use std::collections::{BTreeMap, BTreeSet};
 
+use burn::module::{Module, ModuleVisitor, Param};
 use burn::optim::{GradientsParams, LearningRate, ModuleOptimizer};
 use burn::tensor::{DType, Tensor};
 
@@ -73,13 +73,14 @@ impl ShardedOptimizer {
             owner: &owners.owner,
             rank,
             next: 0,
-            squares: 0.0,
+            squares: self.global_norm.map(|_| 0.0),
         };
         model.visit(&mut keep);
         let mut mine = keep.mine;
         if let Some(max) = self.global_norm {
             // Every rank holds every reduced gradient here: the norm needs no message.
-            let coef = (f64::from(max) / (keep.squares.sqrt() + 1e-6)).min(1.0);
+            let squares = keep.squares.unwrap_or_default();
+            let coef = (f64::from(max) / (squares.sqrt() + 1e-6)).min(1.0);
             if coef < 1.0 {
                 mine = scale(&model, mine, coef as f32);
             }
@@ -123,14 +124,15 @@ impl ShardedOptimizer {
 }
 
 /// Moves the reduced gradients of this rank's parameters into `mine`, summing the
-/// squares of all of them (for the global norm).
+/// squares of all of them when asked to (for the global norm; each reads a value back
+/// from the device).
 struct Keep<'a> {
     grads: GradientsParams,
     mine: GradientsParams,
     owner: &'a [usize],
     rank: usize,
     next: usize,
-    squares: f64,
+    squares: Option<f64>,
 }
 
 impl ModuleVisitor for Keep<'_> {
@@ -140,8 +142,9 @@ impl ModuleVisitor for Keep<'_> {
         let Some(g) = self.grads.remove::<D>(param.id) else {
             return;
         };
-        let sq = g.clone().square().sum().into_scalar::<f32>();
-        self.squares += f64::from(sq);
+        if let Some(squares) = &mut self.squares {
+            *squares += f64::from(g.clone().square().sum().into_scalar::<f32>());
+        }
         if self.owner.get(i) == Some(&self.rank) {
             self.mine.register(param.id, g);
         }
