@@ -658,11 +658,10 @@ fn half(k: &Kolo, dtype: burn::tensor::FloatDType, mantissa_bits: i32) -> Result
     let want = DType::from(dtype);
     let start = broadcast_parameters(k, Small::new(&device), 0)?;
     let reducer = GradientReducer::new(k);
-    // SGD with momentum. Open (see the README): with Adam, f16 by element ranges at
-    // np 4 ends 11 % (relative) from the plain path, while by whole tensors and at np 2
-    // it is exact; the reduce-scatter's sums differ from the allreduce's by at most one
-    // unit there, and plain Adam with every other f16 gradient one unit off moved only
-    // 1.2e-3 in 20 steps, so rounding alone does not explain it.
+    // SGD with momentum: Burn's Adam on f16 parameters blows up on its first step
+    // (weights of at most 0.34 become ~15, plain or sharded; likely ε = 1e-8 rounding
+    // to 0 in f16, so that it divides by √v ≈ 0), and two such runs differ wherever a
+    // sum rounds differently (11 % by element ranges at np 4).
     let make = || -> ModuleOptimizer {
         SgdConfig::new()
             .with_momentum(Some(MomentumConfig::new()))
