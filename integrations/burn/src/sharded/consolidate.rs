@@ -35,18 +35,63 @@ struct Parts {
     scalars: BTreeMap<String, Scalar>,
 }
 
-fn record_error(what: &'static str) -> impl Fn(String) -> Error {
+pub(super) fn record_error(what: &'static str) -> impl Fn(String) -> Error {
     move |message| Error::Record { what, message }
+}
+
+/// An optimizer record as burnpack holds it: its tensors and its scalars.
+pub(super) struct Record {
+    pub(super) tensors: Vec<burn_pack::Tensor>,
+    pub(super) scalars: BTreeMap<String, Scalar>,
+}
+
+/// `optim`'s record, read through its burnpack bytes.
+pub(super) fn read(optim: &ModuleOptimizer, what: &'static str) -> Result<Record> {
+    read_bytes(record_bytes(optim, what)?, what)
+}
+
+/// `optim`'s record as burnpack bytes.
+pub(super) fn record_bytes(optim: &ModuleOptimizer, what: &'static str) -> Result<Bytes> {
+    optim
+        .into_bytes()
+        .map_err(|e| record_error(what)(e.to_string()))
+}
+
+/// A record from its burnpack bytes.
+pub(super) fn read_bytes(bytes: Bytes, what: &'static str) -> Result<Record> {
+    let err = record_error(what);
+    let reader = Reader::from_bytes(bytes).map_err(|e| err(e.to_string()))?;
+    let scalars = reader.scalars().clone();
+    let tensors = reader.into_tensors().map_err(|e| err(e.to_string()))?;
+    Ok(Record { tensors, scalars })
+}
+
+/// A `ModuleOptimizer` like `like` (same optimizer and settings) holding `record`.
+pub(super) fn write(
+    like: &ModuleOptimizer,
+    record: Record,
+    what: &'static str,
+) -> Result<ModuleOptimizer> {
+    let err = record_error(what);
+    let mut writer = Writer::new(record.tensors);
+    for (k, v) in &record.scalars {
+        writer = writer.with_scalar(k, *v);
+    }
+    let bytes = writer.into_bytes().map_err(|e| err(e.to_string()))?;
+    like.clone()
+        .from_bytes(bytes)
+        .map_err(|e| err(e.to_string()))
 }
 
 /// `optim`'s state, read apart (through its burnpack bytes).
 fn parts(optim: &ModuleOptimizer, what: &'static str) -> Result<Parts> {
     let err = record_error(what);
-    let bytes = optim.into_bytes().map_err(|e| err(e.to_string()))?;
-    let reader = Reader::from_bytes(bytes).map_err(|e| err(e.to_string()))?;
-    let scalars = reader.scalars().clone();
+    let Record {
+        tensors: read_tensors,
+        scalars,
+    } = read(optim, what)?;
     let mut tensors = BTreeMap::new();
-    for t in reader.into_tensors().map_err(|e| err(e.to_string()))? {
+    for t in read_tensors {
         let (name, dtype, shape, id, bytes) = t.into_parts().map_err(|e| err(e.to_string()))?;
         let Some(id) = id else { continue };
         let field = name
@@ -71,7 +116,6 @@ fn assemble(
     scalars: BTreeMap<String, Scalar>,
     what: &'static str,
 ) -> Result<ModuleOptimizer> {
-    let err = record_error(what);
     let tensors = tensors
         .into_iter()
         .map(|(id, field, dims, values)| {
@@ -79,14 +123,7 @@ fn assemble(
             burn_pack::Tensor::new(format!("{id}.{field}"), DType::F32, dims, Some(id), bytes)
         })
         .collect();
-    let mut writer = Writer::new(tensors);
-    for (k, v) in &scalars {
-        writer = writer.with_scalar(k, *v);
-    }
-    let bytes = writer.into_bytes().map_err(|e| err(e.to_string()))?;
-    like.clone()
-        .from_bytes(bytes)
-        .map_err(|e| err(e.to_string()))
+    write(like, Record { tensors, scalars }, what)
 }
 
 /// The scalars stored under `from.` renamed to `to.`, the parameter's rank set to
@@ -257,18 +294,14 @@ impl ShardedOptimizer {
             }
         }
         let sid = self.shard_id.val();
-        let range = plan.range.clone();
+        let parts = plan.parts();
         let mut tensors = Vec::new();
         for f in &fields {
-            let mut values = Vec::with_capacity(range.len());
-            for (slot, &start) in slots.iter().zip(&plan.offsets) {
-                let n: usize = slot.dims.iter().product();
-                let (lo, hi) = (start.max(range.start), (start + n).min(range.end));
-                if lo >= hi {
-                    continue;
-                }
-                if let Some((_, _, v)) = full.tensors.get(&(slot.id.val(), f.clone())) {
-                    values.extend_from_slice(v.get(lo - start..hi - start).unwrap_or_default());
+            let mut values = Vec::with_capacity(plan.range.len());
+            for part in &parts {
+                let id = slots[part.param].id.val();
+                if let Some((_, _, v)) = full.tensors.get(&(id, f.clone())) {
+                    values.extend_from_slice(v.get(part.in_param.clone()).unwrap_or_default());
                 }
             }
             tensors.push((sid, f.clone(), vec![values.len()], values));

@@ -93,45 +93,31 @@ pub(super) fn fill_gradients<T: Flat, M: Module>(
 /// device: the overlapping parts of the parameters concatenated there (one copy, no
 /// trip through host memory); `None` for an empty range.
 pub(super) fn range_tensor<M: Module>(module: &M, plan: &Plan) -> Option<Tensor<1>> {
-    struct Read<'a> {
-        plan: &'a Plan,
+    struct Read {
+        parts: std::iter::Peekable<std::vec::IntoIter<super::Part>>,
         next: usize,
-        parts: Vec<Tensor<1>>,
+        out: Vec<Tensor<1>>,
     }
-    impl ModuleVisitor for Read<'_> {
+    impl ModuleVisitor for Read {
         fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
             let i = self.next;
             self.next += 1;
-            let (Some(&start), Some(slot)) =
-                (self.plan.offsets.get(i), self.plan.layout.slots.get(i))
-            else {
-                return;
-            };
-            let end = start + slot.dims.iter().product::<usize>();
-            let (lo, hi) = (
-                start.max(self.plan.range.start),
-                end.min(self.plan.range.end),
-            );
-            if lo < hi {
-                self.parts.push(
-                    param
-                        .val()
-                        .reshape([end - start])
-                        .slice(lo - start..hi - start),
-                );
+            if let Some(part) = self.parts.next_if(|p| p.param == i) {
+                let n = param.val().shape().num_elements();
+                self.out.push(param.val().reshape([n]).slice(part.in_param));
             }
         }
     }
     let mut r = Read {
-        plan,
+        parts: plan.parts().into_iter().peekable(),
         next: 0,
-        parts: Vec::new(),
+        out: Vec::new(),
     };
     module.visit(&mut r);
-    match r.parts.len() {
+    match r.out.len() {
         0 => None,
-        1 => r.parts.pop(),
-        _ => Some(Tensor::cat(r.parts, 0)),
+        1 => r.out.pop(),
+        _ => Some(Tensor::cat(r.out, 0)),
     }
 }
 

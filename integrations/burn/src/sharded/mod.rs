@@ -399,8 +399,8 @@ impl ShardedOptimizer {
         // The parameters' parts in this shard, as ranges of `mine`.
         let parts = plan.parts();
         let mut squares = vec![0.0f64; plan.offsets.len()];
-        for (p, r) in &parts {
-            squares[*p] = mine[r.clone()]
+        for part in &parts {
+            squares[part.param] = mine[part.in_shard.clone()]
                 .iter()
                 .map(|&g| g.to_f64() * g.to_f64())
                 .sum();
@@ -414,23 +414,19 @@ impl ShardedOptimizer {
             .op(ReduceOp::Sum)
             .wait()?
             .into_vec::<f64>()?;
-        let global = match self.global_norm {
-            Some(max) => {
-                let norm = squares.iter().sum::<f64>().sqrt();
-                (f64::from(max) / (norm + 1e-6)).min(1.0)
-            }
-            None => 1.0,
-        };
-        for (p, r) in parts {
+        let global = self
+            .global_norm
+            .map_or(1.0, |max| global_clip(max, squares.iter().sum()));
+        for part in parts {
             let mut coef = global;
             if let Some(max) = self.param_norm {
                 // Burn's clip_by_norm: max / (norm + the smallest positive f32), at most 1.
-                let norm = global * squares[p].sqrt();
+                let norm = global * squares[part.param].sqrt();
                 coef *= (f64::from(max) / (norm + f64::from(f32::MIN_POSITIVE))).min(1.0);
             }
             if coef < 1.0 {
                 let c = coef as f32;
-                mine[r].iter_mut().for_each(|g| *g = g.times(c));
+                mine[part.in_shard].iter_mut().for_each(|g| *g = g.times(c));
             }
         }
         Ok(())
@@ -497,20 +493,39 @@ impl ShardedOptimizer {
     }
 }
 
+/// A parameter's part of this rank's range.
+struct Part {
+    /// The parameter's index in module order.
+    param: usize,
+    /// Its elements in the range, counted from the parameter's first.
+    in_param: Range<usize>,
+    /// The same elements, counted from the range's first.
+    in_shard: Range<usize>,
+}
+
 impl Plan {
-    /// Each parameter that overlaps this rank's range, by its index in module order,
-    /// with where its elements lie in the range (relative to the range's start).
-    fn parts(&self) -> Vec<(usize, Range<usize>)> {
+    /// Each parameter that overlaps this rank's range, in module order.
+    fn parts(&self) -> Vec<Part> {
         let mut out = Vec::new();
         for (i, (&start, slot)) in self.offsets.iter().zip(&self.layout.slots).enumerate() {
             let end = start + slot.dims.iter().product::<usize>();
             let (lo, hi) = (start.max(self.range.start), end.min(self.range.end));
             if lo < hi {
-                out.push((i, lo - self.range.start..hi - self.range.start));
+                out.push(Part {
+                    param: i,
+                    in_param: lo - start..hi - start,
+                    in_shard: lo - self.range.start..hi - self.range.start,
+                });
             }
         }
         out
     }
+}
+
+/// The factor that clips gradients of squared norm `squares` to the norm `max`, as
+/// PyTorch's `clip_grad_norm_`: `max / (norm + 1e-6)`, at most 1.
+fn global_clip(max: f32, squares: f64) -> f64 {
+    (f64::from(max) / (squares.sqrt() + 1e-6)).min(1.0)
 }
 
 /// The elements rank `rank` of `size` holds among `total`: contiguous, the first

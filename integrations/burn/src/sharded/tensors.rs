@@ -7,6 +7,7 @@ use burn::module::{Module, ModuleVisitor, Param};
 use burn::optim::{GradientsParams, LearningRate, ModuleOptimizer};
 use burn::tensor::{DType, Tensor};
 
+use super::consolidate::{read, read_bytes, record_bytes, write, Record};
 use super::{Flat, Plan, ShardedOptimizer, WriteViews};
 use crate::error::{Error, Result};
 use crate::GradientReducer;
@@ -79,8 +80,7 @@ impl ShardedOptimizer {
         let mut mine = keep.mine;
         if let Some(max) = self.global_norm {
             // Every rank holds every reduced gradient here: the norm needs no message.
-            let squares = keep.squares.unwrap_or_default();
-            let coef = (f64::from(max) / (squares.sqrt() + 1e-6)).min(1.0);
+            let coef = super::global_clip(max, keep.squares.unwrap_or_default());
             if coef < 1.0 {
                 mine = scale(&model, mine, coef as f32);
             }
@@ -194,40 +194,6 @@ fn read_owned<T: Flat, M: Module>(module: &M, owner: &[usize], rank: usize) -> V
     r.out
 }
 
-/// A whole-tensor sharding's record, read apart: each rank's wrapped optimizer holds
-/// the plain optimizer's state of the parameters it owns, under their own ids.
-struct Record {
-    tensors: Vec<burn_pack::Tensor>,
-    scalars: BTreeMap<String, burn_pack::Scalar>,
-}
-
-fn record_error(what: &'static str) -> impl Fn(String) -> Error {
-    move |message| Error::Record { what, message }
-}
-
-/// The burnpack bytes of a record, read apart.
-fn read(bytes: Vec<u8>, what: &'static str) -> Result<Record> {
-    let err = record_error(what);
-    let reader = burn_pack::Reader::from_bytes(burn_pack::Bytes::from_bytes_vec(bytes))
-        .map_err(|e| err(e.to_string()))?;
-    let scalars = reader.scalars().clone();
-    let tensors = reader.into_tensors().map_err(|e| err(e.to_string()))?;
-    Ok(Record { tensors, scalars })
-}
-
-/// A `ModuleOptimizer` like `like` holding `record`.
-fn write(like: &ModuleOptimizer, record: Record, what: &'static str) -> Result<ModuleOptimizer> {
-    let err = record_error(what);
-    let mut writer = burn_pack::Writer::new(record.tensors);
-    for (k, v) in &record.scalars {
-        writer = writer.with_scalar(k, *v);
-    }
-    let bytes = writer.into_bytes().map_err(|e| err(e.to_string()))?;
-    like.clone()
-        .from_bytes(bytes)
-        .map_err(|e| err(e.to_string()))
-}
-
 /// The parameter id a scalar `"{id}.{key}"` belongs to.
 fn scalar_id(key: &str) -> Option<u64> {
     key.split_once('.').and_then(|(id, _)| id.parse().ok())
@@ -238,11 +204,7 @@ impl ShardedOptimizer {
     /// all-gathered and joined (each holds its own parameters' state, under their ids).
     pub(super) fn consolidate_by_tensors(&self) -> Result<ModuleOptimizer> {
         const WHAT: &str = "ShardedOptimizer::consolidate";
-        let mine = self
-            .inner
-            .into_bytes()
-            .map_err(|e| record_error(WHAT)(e.to_string()))?
-            .to_vec();
+        let mine = record_bytes(&self.inner, WHAT)?.to_vec();
         let all: Vec<Vec<u8>> = self
             .kolo
             .allgather_object(format!("{}.state.records", self.prefix), mine)?;
@@ -251,7 +213,7 @@ impl ShardedOptimizer {
             scalars: BTreeMap::new(),
         };
         for bytes in all {
-            let r = read(bytes, WHAT)?;
+            let r = read_bytes(burn_pack::Bytes::from_bytes_vec(bytes), WHAT)?;
             joined.tensors.extend(r.tensors);
             joined.scalars.extend(r.scalars);
         }
@@ -267,11 +229,7 @@ impl ShardedOptimizer {
         full: &ModuleOptimizer,
     ) -> Result<()> {
         const WHAT: &str = "ShardedOptimizer::load_consolidated";
-        let bytes = full
-            .into_bytes()
-            .map_err(|e| record_error(WHAT)(e.to_string()))?
-            .to_vec();
-        let full = read(bytes, WHAT)?;
+        let full = read(full, WHAT)?;
         let ids: Vec<u64> = plan.layout.slots.iter().map(|s| s.id.val()).collect();
         let held: BTreeSet<u64> = full.tensors.iter().filter_map(|t| t.param_id).collect();
         // A state for some parameters must be one for every parameter of the model
