@@ -195,6 +195,7 @@ impl Queue {
         self.queued.store(false, Ordering::Relaxed);
         std::mem::swap(&mut state.commands, into);
     }
+
     /// Whether a command was flagged as queued (or a kick came) since the engine last
     /// took them, without the lock. A submit that did not wake the engine is not
     /// flagged until its caller kicks, which it does when it cannot drive the engine
