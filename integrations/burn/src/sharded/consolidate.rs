@@ -5,14 +5,13 @@
 //! an element-wise optimizer, tensors `"{id}.{field}"` of the parameter's shape
 //! (Adam's moments, momentum, …) and scalars `"{id}.{key}"` (a step count, the
 //! parameter's rank). The sharded optimizer's wrapped optimizer holds the same fields
-//! for one 1-D parameter: this rank's range of the flat sequence. Both are read and
-//! written through Burn's record format (burnpack), so no optimizer internals are
-//! touched:
-//! - [`ShardedOptimizer::consolidate`] all-gathers each field over the ranks (the
-//!   ranges tile the flat sequence in rank order) and cuts the result back into the
-//!   parameters;
-//! - [`ShardedOptimizer::load_consolidated`] flattens each field of the parameters in
-//!   module order and keeps this rank's range.
+//! for 1-D parameters: this rank's block of each parameter. Both are read and written
+//! through Burn's record format (burnpack), so no optimizer internals are touched:
+//! - [`ShardedOptimizer::consolidate`] all-gathers each field of every parameter over
+//!   the ranks (the blocks tile the flattened parameter in rank order) and reshapes it
+//!   to the parameter;
+//! - [`ShardedOptimizer::load_consolidated`] keeps this rank's block of each field of
+//!   each parameter.
 
 use std::collections::BTreeMap;
 
@@ -25,6 +24,9 @@ use crate::error::{Error, Result};
 
 /// The scalar every parameter's state carries: its tensor rank (Burn's `__rank`).
 const RANK_KEY: &str = "__rank";
+
+/// What a rank holds of one field for one block: (parameter index, field, dtype, shape).
+type HeldField = (usize, String, String, Vec<usize>);
 
 /// A state tensor: its dtype, shape and values (f32 only; empty for other dtypes).
 type StateTensor = (DType, Vec<usize>, Vec<f32>);
@@ -168,51 +170,76 @@ impl ShardedOptimizer {
         if plan.owners.is_some() {
             return self.consolidate_by_tensors();
         }
-        let sid = self.shard_id.val();
         let mut mine = parts(&self.inner, "ShardedOptimizer::consolidate")?;
-        // What this rank holds: (field, dtype, shape) in name order.
-        let fields: Vec<(String, String, Vec<usize>)> = mine
-            .tensors
-            .iter()
-            .filter(|((id, _), _)| *id == sid)
-            .map(|((_, f), (dtype, dims, _))| (f.clone(), format!("{dtype:?}"), dims.clone()))
-            .collect();
-        let all: Vec<Vec<(String, String, Vec<usize>)>> = self
-            .kolo
-            .allgather_object(format!("{}.state.fields", self.prefix), fields.clone())?;
-        check_fields(&all, &plan, self.kolo.size())?;
-        let mut tensors = Vec::new();
-        for (field, _, _) in &fields {
-            let values = mine
-                .tensors
-                .remove(&(sid, field.clone()))
-                .map(|(_, _, v)| v)
-                .unwrap_or_default();
-            let len = values.len();
-            let whole = self
-                .kolo
-                .allgather(
-                    format!("{}.state.{field}", self.prefix),
-                    kolo::Tensor::from_vec(values, &[len])?,
-                )
-                .wait()?
-                .into_vec::<f32>()?;
-            for (slot, &start) in plan.layout.slots.iter().zip(&plan.offsets) {
-                let n: usize = slot.dims.iter().product();
-                let part = whole.get(start..start + n).unwrap_or_default().to_vec();
-                tensors.push((slot.id.val(), field.clone(), slot.dims.clone(), part));
+        // What this rank holds for each non-empty block: (parameter, field, dtype, shape).
+        let mut fields: Vec<HeldField> = Vec::new();
+        for (i, (id, block)) in plan.piece_ids.iter().zip(&plan.blocks).enumerate() {
+            if block.is_empty() {
+                continue;
+            }
+            let id = id.val();
+            for ((_, f), (dtype, dims, _)) in mine.tensors.iter().filter(|((p, _), _)| *p == id) {
+                fields.push((i, f.clone(), format!("{dtype:?}"), dims.clone()));
             }
         }
-        // Every parameter gets the shard's scalars (none before the first step).
+        let all: Vec<Vec<HeldField>> = self
+            .kolo
+            .allgather_object(format!("{}.state.fields", self.prefix), fields)?;
+        let names = check_fields(&all, &plan, self.kolo.size())?;
+        let slots = &plan.layout.slots;
+        let mut tensors = Vec::new();
+        for field in &names {
+            let mut group = Vec::with_capacity(slots.len());
+            for (i, id) in plan.piece_ids.iter().enumerate() {
+                let values = mine
+                    .tensors
+                    .remove(&(id.val(), field.clone()))
+                    .map(|(_, _, v)| v)
+                    .unwrap_or_default();
+                let len = values.len();
+                group.push((
+                    format!("{}.state.{field}.{i}", self.prefix),
+                    kolo::Tensor::from_vec(values, &[len])?,
+                ));
+            }
+            let wholes = self.kolo.grouped_allgather(group).wait()?;
+            for ((slot, whole), &n) in slots.iter().zip(wholes).zip(&plan.sizes) {
+                let whole = whole.into_vec::<f32>()?;
+                if whole.len() != n {
+                    return Err(Error::Kolo(kolo::Error::Internal(format!(
+                        "state {field:?} of parameter {:?} gathered {} values for {n} elements",
+                        slot.path,
+                        whole.len()
+                    ))));
+                }
+                tensors.push((slot.id.val(), field.clone(), slot.dims.clone(), whole));
+            }
+        }
+        // Each parameter gets its block's scalars (none before the first step); a
+        // parameter without a block here, those of this rank's first block (every block
+        // is stepped together).
+        let first = plan
+            .piece_ids
+            .iter()
+            .zip(&plan.blocks)
+            .find(|(_, b)| !b.is_empty())
+            .map(|(id, _)| id.val());
         let mut scalars = BTreeMap::new();
-        for slot in &plan.layout.slots {
-            rename_scalars(
-                &mine.scalars,
-                sid,
-                slot.id.val(),
-                slot.dims.len(),
-                &mut scalars,
-            );
+        for ((slot, id), block) in slots.iter().zip(&plan.piece_ids).zip(&plan.blocks) {
+            let from = if block.is_empty() {
+                first
+            } else {
+                Some(id.val())
+            };
+            if let Some(from) = from {
+                rename_scalars(
+                    &mine.scalars,
+                    from,
+                    slot.id.val(),
+                    slot.dims.len(),
+                    &mut scalars,
+                );
+            }
         }
         assemble(
             &self.inner,
@@ -253,7 +280,6 @@ impl ShardedOptimizer {
                 .map(|(_, f)| f)
                 .collect()
         };
-        let first = slots.first().map(|s| s.id.val());
         // The fields the state holds for any parameter: each of the model's must hold
         // them all (none at all: no state yet).
         let fields: Vec<String> = full
@@ -293,55 +319,80 @@ impl ShardedOptimizer {
                 }
             }
         }
-        let sid = self.shard_id.val();
-        let parts = plan.parts();
         let mut tensors = Vec::new();
-        for f in &fields {
-            let mut values = Vec::with_capacity(plan.range.len());
-            for part in &parts {
-                let id = slots[part.param].id.val();
+        let mut scalars = BTreeMap::new();
+        for ((slot, block), piece) in slots.iter().zip(&plan.blocks).zip(&plan.piece_ids) {
+            if block.is_empty() {
+                continue;
+            }
+            let (id, piece) = (slot.id.val(), piece.val());
+            for f in &fields {
                 if let Some((_, _, v)) = full.tensors.get(&(id, f.clone())) {
-                    values.extend_from_slice(v.get(part.in_param.clone()).unwrap_or_default());
+                    let values = v.get(block.clone()).unwrap_or_default().to_vec();
+                    tensors.push((piece, f.clone(), vec![block.len()], values));
                 }
             }
-            tensors.push((sid, f.clone(), vec![values.len()], values));
-        }
-        let mut scalars = BTreeMap::new();
-        if let Some(first) = first {
-            rename_scalars(&full.scalars, first, sid, 1, &mut scalars);
+            rename_scalars(&full.scalars, id, piece, 1, &mut scalars);
         }
         self.inner = assemble(&self.inner, tensors, scalars, WHAT)?;
         Ok(())
     }
 }
 
-/// Every rank holds the same fields, each f32 and one value per element of its range.
-fn check_fields(all: &[Vec<(String, String, Vec<usize>)>], plan: &Plan, size: usize) -> Result<()> {
-    let names = |r: usize| all[r].iter().map(|(f, _, _)| f.clone()).collect::<Vec<_>>();
+/// Every rank holds the same fields for each of its non-empty blocks, each f32 and one
+/// value per element of the block; the fields' names, in order.
+fn check_fields(all: &[Vec<HeldField>], plan: &Plan, size: usize) -> Result<Vec<String>> {
+    const WHAT: &str = "ShardedOptimizer::consolidate";
+    let names = |r: usize| {
+        all[r]
+            .iter()
+            .map(|(_, f, _, _)| f.clone())
+            .collect::<std::collections::BTreeSet<_>>()
+            .into_iter()
+            .collect::<Vec<_>>()
+    };
+    let first = names(0);
     for (rank, fields) in all.iter().enumerate() {
-        if names(rank) != names(0) {
+        if names(rank) != first {
             return Err(Error::InvalidArgument {
-                what: "ShardedOptimizer::consolidate",
+                what: WHAT,
                 message: format!(
-                    "rank 0 holds optimizer state {:?}, rank {rank} {:?}: were the ranks stepped the same?",
-                    names(0),
+                    "rank 0 holds optimizer state {first:?}, rank {rank} {:?}: were the ranks stepped the same?",
                     names(rank)
                 ),
             });
         }
-        let len = super::range_of(plan.total, size, rank).len();
-        if let Some((f, dtype, dims)) = fields
+        let block = |i: usize| {
+            plan.sizes
+                .get(i)
+                .map_or(0, |&n| super::range_of(n, size, rank).len())
+        };
+        if let Some((i, f, dtype, dims)) = fields
             .iter()
-            .find(|(_, dtype, dims)| dtype != "F32" || *dims != [len])
+            .find(|(i, _, dtype, dims)| dtype != "F32" || *dims != [block(*i)])
         {
             return Err(Error::InvalidArgument {
-                what: "ShardedOptimizer::consolidate",
+                what: WHAT,
                 message: format!(
-                    "rank {rank} holds state {f:?} as {dtype} {dims:?}, not one f32 per element of its \
-                     range of {len}: the wrapped optimizer's state is not element-wise"
+                    "rank {rank} holds state {f:?} of parameter {:?} as {dtype} {dims:?}, not one f32 per \
+                     element of its block of {}: the wrapped optimizer's state is not element-wise",
+                    plan.layout.slots.get(*i).map(|s| s.path.as_str()).unwrap_or_default(),
+                    block(*i)
+                ),
+            });
+        }
+        let blocks = (0..plan.sizes.len()).filter(|&i| block(i) > 0).count();
+        if fields.len() != blocks * first.len() {
+            return Err(Error::InvalidArgument {
+                what: WHAT,
+                message: format!(
+                    "rank {rank} holds {} state tensors for {blocks} blocks of {} fields: \
+                     were all its blocks stepped?",
+                    fields.len(),
+                    first.len()
                 ),
             });
         }
     }
-    Ok(())
+    Ok(first)
 }

@@ -1,15 +1,18 @@
-//! The flat parameter sequence of the element-range sharding: gradients flattened into
-//! it, this rank's range read out of the model, the gathered sequence written back —
-//! in the parameters' own float type (f32, f16 or bf16).
+//! The element-range sharding's moves between the model and kolo: each parameter's
+//! gradient lent flat to the reduce-scatter, this rank's block of each parameter read
+//! as a view, the gathered parameters put back — in the parameters' own float type
+//! (f32, f16 or bf16), nothing copied on the way.
 
 use burn::module::{Module, ModuleMapper, ModuleVisitor, Param};
 use burn::optim::GradientsParams;
-use burn::tensor::Tensor;
+use burn::tensor::{Device, Tensor};
 use half::{bf16, f16};
 
 use super::Plan;
+use crate::convert::{self, Copied};
+use crate::error::{Error, Result};
 
-/// A float type the flat sequence may hold: the parameters' own, which the wrapped
+/// A float type the shard may hold: the parameters' own, which the wrapped
 /// optimizer's state keeps.
 pub(super) trait Flat: burn::tensor::Element + kolo::Element + Default {
     /// The value as f64 (for norms).
@@ -46,86 +49,126 @@ impl Flat for bf16 {
     }
 }
 
-/// Every parameter's gradient from `grads` copied into `out` — the flat sequence — at
-/// the parameter's offset; zeros for a parameter without a gradient (or of another
-/// type).
-pub(super) fn fill_gradients<T: Flat, M: Module>(
+/// Every parameter's gradient from `grads`, flattened and named for the
+/// reduce-scatter, in module order: the gradient's own buffer where kolo can borrow it
+/// (Burn's host tensors, a CubeCL tensor's device memory), zeros of the parameter's
+/// size for a parameter without a gradient (or one of another type or size).
+pub(super) fn lend_gradients<M: Module>(
     module: &M,
     grads: &mut GradientsParams,
     plan: &Plan,
-    out: &mut [T],
-) {
-    struct Fill<'a, T> {
+) -> Result<Vec<(String, kolo::Tensor)>> {
+    struct Lend<'a> {
         grads: &'a mut GradientsParams,
-        offsets: &'a [usize],
-        next: usize,
-        out: &'a mut [T],
+        plan: &'a Plan,
+        wire: kolo::DType,
+        copied: Copied,
+        out: Vec<(String, kolo::Tensor)>,
+        failed: Option<Error>,
     }
-    impl<T: Flat> ModuleVisitor for Fill<'_, T> {
+    impl ModuleVisitor for Lend<'_> {
         fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
-            let i = self.next;
-            self.next += 1;
-            let Some(&start) = self.offsets.get(i) else {
+            let i = self.out.len();
+            let (Some(name), Some(&n)) = (self.plan.grad_names.get(i), self.plan.sizes.get(i))
+            else {
                 return;
             };
-            let n = param.val().shape().num_elements();
-            let Some(dst) = self.out.get_mut(start..start + n) else {
-                return;
+            let lent = match self.grads.remove::<D>(param.id) {
+                Some(g) if g.dtype() == self.plan.dtype && g.shape().num_elements() == n => {
+                    convert::to_kolo(name, g.reshape([n]), &self.copied)
+                }
+                _ => Ok(kolo::Tensor::zeros(self.wire, &[n])),
             };
-            let data = self.grads.remove::<D>(param.id).map(Tensor::into_data);
-            // Borrowed, not `try_into_vec`: Burn's buffers are 16-byte aligned, so
-            // taking them as a `Vec` copies them first.
-            match data.as_ref().and_then(|d| d.as_slice::<T>().ok()) {
-                Some(v) if v.len() == n => dst.copy_from_slice(v),
-                _ => dst.fill(T::default()),
+            match lent {
+                Ok(t) => self.out.push((name.clone(), t)),
+                Err(e) => {
+                    self.failed.get_or_insert(e);
+                    self.out
+                        .push((name.clone(), kolo::Tensor::zeros(self.wire, &[n])));
+                }
             }
         }
     }
-    module.visit(&mut Fill {
+    let mut lend = Lend {
         grads,
-        offsets: &plan.offsets,
-        next: 0,
-        out,
-    });
+        plan,
+        wire: convert::kolo_dtype("the gradients", plan.dtype)?,
+        copied: Copied::default(),
+        out: Vec::with_capacity(plan.sizes.len()),
+        failed: None,
+    };
+    module.visit(&mut lend);
+    match lend.failed {
+        Some(e) => Err(e),
+        None => Ok(lend.out),
+    }
 }
 
-/// This rank's range of the flat parameter sequence as one tensor on the parameters'
-/// device: the overlapping parts of the parameters concatenated there (one copy, no
-/// trip through host memory); `None` for an empty range.
-pub(super) fn range_tensor<M: Module>(module: &M, plan: &Plan) -> Option<Tensor<1>> {
-    struct Read {
-        parts: std::iter::Peekable<std::vec::IntoIter<super::Part>>,
-        next: usize,
-        out: Vec<Tensor<1>>,
+/// This rank's block of each parameter, flattened — a view of the parameter, not a
+/// copy — in module order; `None` for an empty block.
+pub(super) fn blocks<M: Module>(module: &M, plan: &Plan) -> Vec<Option<Tensor<1>>> {
+    struct Read<'a> {
+        plan: &'a Plan,
+        out: Vec<Option<Tensor<1>>>,
     }
-    impl ModuleVisitor for Read {
+    impl ModuleVisitor for Read<'_> {
         fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
-            let i = self.next;
-            self.next += 1;
-            if let Some(part) = self.parts.next_if(|p| p.param == i) {
+            let i = self.out.len();
+            let block = self.plan.blocks.get(i).filter(|b| !b.is_empty());
+            self.out.push(block.map(|b| {
                 let n = param.val().shape().num_elements();
-                self.out.push(param.val().reshape([n]).slice(part.in_param));
-            }
+                param.val().reshape([n]).slice(b.clone())
+            }));
         }
     }
     let mut r = Read {
-        parts: plan.parts().into_iter().peekable(),
-        next: 0,
-        out: Vec::new(),
+        plan,
+        out: Vec::with_capacity(plan.sizes.len()),
     };
     module.visit(&mut r);
-    match r.out.len() {
-        0 => None,
-        1 => r.out.pop(),
-        _ => Some(Tensor::cat(r.out, 0)),
-    }
+    r.out
 }
 
-/// Puts the gathered flat sequence back into the model without copying it: each
-/// parameter becomes a slice of `all`, reshaped, keeping its id and `require_grad`.
+/// The all-gathered parameters (one flat tensor each, in module order) as Burn
+/// tensors on `device`: kolo's buffers taken over, not copied.
+pub(super) fn gathered(
+    all: Vec<kolo::Tensor>,
+    plan: &Plan,
+    device: &Device,
+) -> Result<Vec<Option<Tensor<1>>>> {
+    all.into_iter()
+        .zip(&plan.sizes)
+        .map(|(t, &n)| {
+            if t.len() != n {
+                return Err(Error::Kolo(kolo::Error::Internal(format!(
+                    "a gathered parameter holds {} elements where the model's has {n}",
+                    t.len()
+                ))));
+            }
+            convert::to_burn::<1>("the gathered parameters", t, plan.dtype, device).map(Some)
+        })
+        .collect()
+}
+
+/// Where the gathered parameters are: one flat tensor per parameter (element ranges),
+/// or one sequence with each parameter at an offset (whole tensors).
+pub(super) enum Gathered<'a> {
+    /// Parameter `i`'s values, in module order (taken as they are used).
+    Each(Vec<Option<Tensor<1>>>),
+    /// Every parameter in one tensor, parameter `i` from `offsets[i]`.
+    One {
+        /// The gathered sequence.
+        all: Box<Tensor<1>>,
+        /// Where each parameter starts in it.
+        offsets: &'a [usize],
+    },
+}
+
+/// Puts gathered parameters back into the model without copying them: each parameter
+/// becomes its gathered values (or a slice of the one sequence) reshaped, keeping its
+/// id and `require_grad`.
 pub(super) struct WriteViews<'a> {
-    pub(super) all: Tensor<1>,
-    pub(super) offsets: &'a [usize],
+    pub(super) all: Gathered<'a>,
     pub(super) next: usize,
 }
 
@@ -136,74 +179,19 @@ impl ModuleMapper for WriteViews<'_> {
         let (id, tensor, mapper) = param.consume();
         let shape = tensor.shape();
         let n = shape.num_elements();
-        let Some(&start) = self.offsets.get(i) else {
+        let flat = match &mut self.all {
+            Gathered::One { all, offsets } => offsets
+                .get(i)
+                .map(|&start| (**all).clone().slice(start..start + n)),
+            Gathered::Each(each) => each.get_mut(i).and_then(Option::take),
+        };
+        let Some(flat) = flat else {
             return Param::from_mapped_value(id, tensor, mapper);
         };
-        let mut updated: Tensor<D> = self.all.clone().slice(start..start + n).reshape(shape);
+        let mut updated: Tensor<D> = flat.reshape(shape);
         if tensor.is_require_grad() {
             updated = updated.require_grad();
         }
         Param::from_mapped_value(id, updated, mapper)
-    }
-}
-
-/// The flat gradients' memory, lent to the reduce-scatter: when kolo is done with it
-/// (it drops the input), the memory goes back to `home` for the next step's gradients
-/// — a fresh buffer of this size comes from `mmap` and faults page by page otherwise.
-/// Words of 4 bytes keep it aligned for f32, f16 and bf16.
-pub(super) struct Recycled {
-    words: Vec<u32>,
-    bytes: usize,
-    home: Home,
-}
-
-/// Where a [`Recycled`] buffer goes back to.
-pub(super) type Home = std::sync::Arc<std::sync::Mutex<Option<Vec<u32>>>>;
-
-impl Recycled {
-    /// A buffer of `bytes` bytes (contents left from its last use), from `home` when it
-    /// holds one large enough.
-    pub(super) fn take(home: &Home, bytes: usize) -> Recycled {
-        let back = home
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .take();
-        let words_needed = bytes.div_ceil(4);
-        let words = match back {
-            Some(w) if w.len() >= words_needed => w,
-            _ => vec![0u32; words_needed],
-        };
-        Recycled {
-            words,
-            bytes,
-            home: home.clone(),
-        }
-    }
-
-    /// The buffer as elements of `T`.
-    pub(super) fn as_mut_slice<T: Flat>(&mut self) -> &mut [T] {
-        bytemuck::cast_slice_mut(
-            &mut bytemuck::cast_slice_mut::<u32, u8>(&mut self.words)[..self.bytes],
-        )
-    }
-}
-
-impl kolo::HostBuffer for Recycled {
-    fn bytes(&self) -> &[u8] {
-        &bytemuck::cast_slice::<u32, u8>(&self.words)[..self.bytes]
-    }
-
-    fn bytes_mut(&mut self) -> &mut [u8] {
-        &mut bytemuck::cast_slice_mut::<u32, u8>(&mut self.words)[..self.bytes]
-    }
-}
-
-impl Drop for Recycled {
-    fn drop(&mut self) {
-        let words = std::mem::take(&mut self.words);
-        *self
-            .home
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner) = Some(words);
     }
 }

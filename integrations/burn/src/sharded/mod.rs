@@ -17,7 +17,7 @@ mod consolidate;
 mod flat;
 mod tensors;
 
-use flat::{fill_gradients, range_tensor, Flat, Recycled, WriteViews};
+use flat::{blocks, gathered, lend_gradients, Flat, Gathered, WriteViews};
 
 /// A drop-in for Burn's `ModuleOptimizer` in a training loop that keeps only this
 /// rank's share of the optimizer state (DeepSpeed's ZeRO stage 1, and stage 2 for the
@@ -37,15 +37,19 @@ use flat::{fill_gradients, range_tensor, Flat, Recycled, WriteViews};
 /// # Ok(()) }
 /// ```
 ///
-/// **How.** All float parameters, in module order, form one flat sequence of `T`
-/// elements, cut into `N` contiguous ranges balanced by elements (the first `T % N`
-/// ranks hold one more), the same on every rank and every step; [`shard`](Self::shard)
-/// is this rank's. Each step:
-/// 1. the gradients are reduce-scattered (kolo's `reducescatter`, Average by default):
-///    this rank receives the reduced gradient of its range only;
-/// 2. the wrapped optimizer steps this rank's range as one 1-D parameter, so its
-///    state (Adam's two moments, momentum, …) exists for that range only;
-/// 3. the updated ranges are all-gathered back into every rank's model.
+/// **How.** Every float parameter, flattened, is cut into `N` contiguous blocks
+/// balanced by elements (the first `n % N` ranks hold one more), the same on every
+/// rank and every step; rank `r` holds block `r` of every parameter
+/// ([`shard`](Self::shard)), so the state is split evenly however unevenly the
+/// parameters are sized. Each step:
+/// 1. the gradients are reduce-scattered as one group (kolo's
+///    `grouped_reducescatter`, Average by default; each gradient lent as it is, small
+///    ones fused): this rank receives the reduced gradient of its blocks only;
+/// 2. the wrapped optimizer steps this rank's blocks, each a 1-D parameter viewing
+///    the model's, so its state (Adam's two moments, momentum, …) exists for those
+///    blocks only;
+/// 3. the updated blocks are all-gathered as one group, and the gathered tensors
+///    become every rank's parameters.
 ///
 /// The wire volume per step equals one allreduce of the gradients. The result is the
 /// same as [`GradientReducer`](crate::GradientReducer) followed by the same optimizer
@@ -108,9 +112,6 @@ pub struct ShardedOptimizer {
     prefix: String,
     /// The partition, learned and agreed on the first step.
     plan: Option<Arc<Plan>>,
-    /// The id of this rank's range as the wrapped optimizer sees it (its state is kept
-    /// under it), the same every step.
-    shard_id: ParamId,
     /// Backward passes summed into each step's gradients (they are divided by it).
     passes: usize,
     /// Clip all gradients together to this norm.
@@ -120,8 +121,6 @@ pub struct ShardedOptimizer {
     param_norm: Option<f32>,
     /// Why the process set given refuses this rank.
     refused: Option<String>,
-    /// The last step's flat gradient memory, back from kolo for the next step.
-    spare: flat::Home,
     /// Each parameter whole on one rank ([`by_tensors`](Self::by_tensors)).
     by_tensors: bool,
     /// Averages the gradients when sharding by whole tensors.
@@ -132,28 +131,35 @@ impl std::fmt::Debug for ShardedOptimizer {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("ShardedOptimizer")
             .field("op", &self.op)
-            .field("shard", &self.plan.as_ref().map(|p| p.range.clone()))
+            .field("shard", &self.plan.as_ref().map(|p| p.blocks.clone()))
             .finish_non_exhaustive()
     }
 }
 
-/// The model's float parameters as one flat sequence, and this rank's range of it.
+/// The model's float parameters and this rank's block of each.
 struct Plan {
     layout: Layout,
-    /// Where each parameter (in module order) starts in the flat sequence.
-    offsets: Vec<usize>,
+    /// Each parameter's elements, in module order.
+    sizes: Vec<usize>,
     total: usize,
-    range: Range<usize>,
+    /// This rank's block of each parameter (empty by whole tensors).
+    blocks: Vec<Range<usize>>,
+    /// The id under which the wrapped optimizer keeps each block's state.
+    piece_ids: Vec<ParamId>,
+    /// The collective names of each parameter's gradient and values.
+    grad_names: Vec<String>,
+    param_names: Vec<String>,
     /// Sharded by whole tensors: who owns each parameter.
     owners: Option<tensors::Owners>,
     /// The parameters' float type (by element ranges, all parameters share it).
     dtype: DType,
 }
 
-/// The wrapped optimizer's view of this rank's range: one 1-D parameter.
+/// The wrapped optimizer's view of this rank's blocks: one 1-D parameter each
+/// (non-empty blocks only).
 #[derive(Module, Debug)]
 struct Shard {
-    flat: Param<Tensor<1>>,
+    pieces: Vec<Param<Tensor<1>>>,
 }
 
 impl ShardedOptimizer {
@@ -166,12 +172,10 @@ impl ShardedOptimizer {
             op: ReduceOp::Average,
             prefix: "kolo_burn.zero".into(),
             plan: None,
-            shard_id: ParamId::new(),
             passes: 1,
             global_norm: None,
             param_norm: None,
             refused: None,
-            spare: flat::Home::default(),
             by_tensors: false,
             reducer: None,
         }
@@ -231,15 +235,15 @@ impl ShardedOptimizer {
         self
     }
 
-    /// The elements of the flat parameter sequence (all float parameters in module
-    /// order) whose optimizer state this rank holds; `None` before the first step.
-    /// With [`by_tensors`](Self::by_tensors): `None`, see
+    /// The elements of each float parameter (flattened, in module order) whose
+    /// optimizer state this rank holds; `None` before the first step. With
+    /// [`by_tensors`](Self::by_tensors): `None`, see
     /// [`owned_parameters`](Self::owned_parameters).
-    pub fn shard(&self) -> Option<Range<usize>> {
+    pub fn shard(&self) -> Option<Vec<Range<usize>>> {
         self.plan
             .as_ref()
             .filter(|p| p.owners.is_none())
-            .map(|p| p.range.clone())
+            .map(|p| p.blocks.clone())
     }
 
     /// With [`by_tensors`](Self::by_tensors): the indices (in module order) of the
@@ -293,8 +297,8 @@ impl ShardedOptimizer {
         }
     }
 
-    /// [`step`](Self::step) by element ranges, the flat sequence in `T` (the
-    /// parameters' type).
+    /// [`step`](Self::step) by element ranges, the blocks in `T` (the parameters'
+    /// type).
     fn step_elements<T: Flat, M: Module>(
         &mut self,
         lr: LearningRate,
@@ -303,52 +307,59 @@ impl ShardedOptimizer {
         plan: &Plan,
     ) -> Result<M> {
         let device = first_device(&model)?;
-        let dtype = crate::convert::kolo_dtype("the flat gradients", plan.dtype)?;
-        let mut buffer = Recycled::take(&self.spare, plan.total * std::mem::size_of::<T>());
-        fill_gradients(&model, &mut grads, plan, buffer.as_mut_slice::<T>());
-        let flat = kolo::Tensor::from_host_buffer(buffer, dtype, &[plan.total])
-            .map_err(kolo::Error::from)?;
-        // This rank's parameter values are read while the engine thread reduces.
+        let lent = lend_gradients(&model, &mut grads, plan)?;
         let pending = self
             .kolo
-            .reducescatter(format!("{}.grads", self.prefix), flat)
+            .grouped_reducescatter(lent)
             .op(self.op)
             .prescale(1.0 / self.passes as f64)
             .submit()?;
-        let values = range_tensor(&model, plan);
+        // This rank's parameter blocks are viewed while the engine reduces.
+        let values = blocks(&model, plan);
         let mut mine = pending.wait()?;
-        self.clip(plan, mine.as_mut_slice::<T>()?)?;
-        let values = values.ok_or_else(|| Error::InvalidArgument {
-            what: "ShardedOptimizer::step",
-            message: format!("rank {} holds no elements of the model", self.kolo.rank()),
-        })?;
-        let shard = Shard {
-            flat: Param::initialized(self.shard_id, values),
-        };
+        self.clip::<T>(&mut mine)?;
+        let mut pieces = Vec::new();
         let mut shard_grads = GradientsParams::new();
-        shard_grads.register(
-            self.shard_id,
-            crate::convert::to_burn::<1>("the shard's gradients", mine, plan.dtype, &device)?,
-        );
-        let shard = self.inner.step(lr, shard, shard_grads);
-        // By value: the step's result is this tensor's only owner, so its buffer is lent
-        // to the all-gather as it is (`val()` shares it, and reading it out copied 40 MB
-        // in 52 ms on the 10 M-parameter MLP; taking it as a `Vec` copies it too).
-        let updated = crate::convert::to_kolo(
-            "the updated shard",
-            shard.flat.into_value(),
-            &crate::convert::Copied::default(),
-        )?;
-        let all = self
-            .kolo
-            .allgather(format!("{}.params", self.prefix), updated)
-            .wait()?;
-        // The parameters become slices of the gathered tensor: nothing is copied.
-        let all =
-            crate::convert::to_burn::<1>("the gathered parameters", all, plan.dtype, &device)?;
+        for ((value, grad), &id) in values.into_iter().zip(mine).zip(&plan.piece_ids) {
+            if let Some(value) = value {
+                pieces.push(Param::initialized(id, value));
+                shard_grads.register(
+                    id,
+                    crate::convert::to_burn::<1>(
+                        "the shard's gradients",
+                        grad,
+                        plan.dtype,
+                        &device,
+                    )?,
+                );
+            }
+        }
+        let mut stepped = self
+            .inner
+            .step(lr, Shard { pieces }, shard_grads)
+            .pieces
+            .into_iter();
+        // By value: each stepped block is its tensor's only owner, so its buffer is
+        // lent to the all-gather as it is.
+        let copied = crate::convert::Copied::default();
+        let wire = crate::convert::kolo_dtype("the updated shard", plan.dtype)?;
+        let mut updated = Vec::with_capacity(plan.sizes.len());
+        for (block, name) in plan.blocks.iter().zip(&plan.param_names) {
+            let t = if block.is_empty() {
+                kolo::Tensor::zeros(wire, &[0])
+            } else {
+                let p = stepped.next().ok_or_else(|| Error::InvalidArgument {
+                    what: "ShardedOptimizer::step",
+                    message: "the wrapped optimizer returned fewer blocks than it was given".into(),
+                })?;
+                crate::convert::to_kolo("the updated shard", p.into_value(), &copied)?
+            };
+            updated.push((name.clone(), t));
+        }
+        let all = self.kolo.grouped_allgather(updated).wait()?;
+        // The parameters become the gathered tensors: nothing is copied.
         Ok(model.map(&mut WriteViews {
-            all,
-            offsets: &plan.offsets,
+            all: Gathered::Each(gathered(all, plan, &device)?),
             next: 0,
         }))
     }
@@ -389,27 +400,29 @@ impl ShardedOptimizer {
         }
     }
 
-    /// Clips this rank's reduced gradients `mine`: all together to the global norm, then
-    /// each parameter's to its norm, each norm summed across the shards (one allreduce
-    /// of the squared norm of every parameter's part in each shard).
-    fn clip<T: Flat>(&self, plan: &Plan, mine: &mut [T]) -> Result<()> {
+    /// Clips this rank's reduced gradient blocks `mine` (one per parameter): all
+    /// together to the global norm, then each parameter's to its norm, each norm summed
+    /// across the blocks (one allreduce of the squared norm of every parameter's block).
+    fn clip<T: Flat>(&self, mine: &mut [kolo::Tensor]) -> Result<()> {
         if self.global_norm.is_none() && self.param_norm.is_none() {
             return Ok(());
         }
-        // The parameters' parts in this shard, as ranges of `mine`.
-        let parts = plan.parts();
-        let mut squares = vec![0.0f64; plan.offsets.len()];
-        for part in &parts {
-            squares[part.param] = mine[part.in_shard.clone()]
-                .iter()
-                .map(|&g| g.to_f64() * g.to_f64())
-                .sum();
+        let mut squares = Vec::with_capacity(mine.len());
+        for block in mine.iter() {
+            squares.push(
+                block
+                    .as_slice::<T>()?
+                    .iter()
+                    .map(|&g| g.to_f64() * g.to_f64())
+                    .sum::<f64>(),
+            );
         }
+        let n = squares.len();
         let squares = self
             .kolo
             .allreduce(
                 format!("{}.norms", self.prefix),
-                kolo::Tensor::from_vec(squares, &[plan.offsets.len()])?,
+                kolo::Tensor::from_vec(squares, &[n])?,
             )
             .op(ReduceOp::Sum)
             .wait()?
@@ -417,16 +430,19 @@ impl ShardedOptimizer {
         let global = self
             .global_norm
             .map_or(1.0, |max| global_clip(max, squares.iter().sum()));
-        for part in parts {
+        for (block, &square) in mine.iter_mut().zip(&squares) {
             let mut coef = global;
             if let Some(max) = self.param_norm {
                 // Burn's clip_by_norm: max / (norm + the smallest positive f32), at most 1.
-                let norm = global * squares[part.param].sqrt();
+                let norm = global * square.sqrt();
                 coef *= (f64::from(max) / (norm + f64::from(f32::MIN_POSITIVE))).min(1.0);
             }
             if coef < 1.0 {
                 let c = coef as f32;
-                mine[part.in_shard].iter_mut().for_each(|g| *g = g.times(c));
+                block
+                    .as_mut_slice::<T>()?
+                    .iter_mut()
+                    .for_each(|g| *g = g.times(c));
             }
         }
         Ok(())
@@ -454,14 +470,25 @@ impl ShardedOptimizer {
                 ),
             });
         }
-        let mut offsets = Vec::with_capacity(layout.slots.len());
-        let mut total = 0usize;
-        for s in &layout.slots {
-            offsets.push(total);
-            total += s.dims.iter().product::<usize>();
-        }
+        let sizes: Vec<usize> = layout
+            .slots
+            .iter()
+            .map(|s| s.dims.iter().product())
+            .collect();
+        let total = sizes.iter().sum();
         let (rank, size) = (self.kolo.rank(), self.kolo.size());
-        if total < size {
+        let largest = sizes.iter().copied().max().unwrap_or(0);
+        if !self.by_tensors && largest < size {
+            return Err(Error::InvalidArgument {
+                what: "ShardedOptimizer::step",
+                message: format!(
+                    "the model's largest parameter has {largest} elements, fewer than the {size} \
+                     ranks to share each parameter's elements: some rank would hold nothing \
+                     (use ShardedOptimizer::by_tensors, or fewer ranks)"
+                ),
+            });
+        }
+        if self.by_tensors && total < size {
             return Err(Error::InvalidArgument {
                 what: "ShardedOptimizer::step",
                 message: format!(
@@ -470,55 +497,25 @@ impl ShardedOptimizer {
                 ),
             });
         }
-        let owners = self.by_tensors.then(|| {
-            let sizes: Vec<usize> = layout
-                .slots
-                .iter()
-                .map(|s| s.dims.iter().product())
-                .collect();
-            tensors::Owners::assign(&sizes, size)
-        });
+        let owners = self
+            .by_tensors
+            .then(|| tensors::Owners::assign(&sizes, size));
+        let blocks = if owners.is_some() {
+            vec![0..0; sizes.len()]
+        } else {
+            sizes.iter().map(|&n| range_of(n, size, rank)).collect()
+        };
         Ok(Plan {
+            piece_ids: sizes.iter().map(|_| ParamId::new()).collect(),
+            grad_names: layout.names.iter().map(|n| format!("{n}.grad")).collect(),
+            param_names: layout.names.iter().map(|n| format!("{n}.value")).collect(),
             layout,
-            offsets,
+            sizes,
             total,
-            range: if owners.is_some() {
-                0..0
-            } else {
-                range_of(total, size, rank)
-            },
+            blocks,
             owners,
             dtype,
         })
-    }
-}
-
-/// A parameter's part of this rank's range.
-struct Part {
-    /// The parameter's index in module order.
-    param: usize,
-    /// Its elements in the range, counted from the parameter's first.
-    in_param: Range<usize>,
-    /// The same elements, counted from the range's first.
-    in_shard: Range<usize>,
-}
-
-impl Plan {
-    /// Each parameter that overlaps this rank's range, in module order.
-    fn parts(&self) -> Vec<Part> {
-        let mut out = Vec::new();
-        for (i, (&start, slot)) in self.offsets.iter().zip(&self.layout.slots).enumerate() {
-            let end = start + slot.dims.iter().product::<usize>();
-            let (lo, hi) = (start.max(self.range.start), end.min(self.range.end));
-            if lo < hi {
-                out.push(Part {
-                    param: i,
-                    in_param: lo - start..hi - start,
-                    in_shard: lo - self.range.start..hi - self.range.start,
-                });
-            }
-        }
-        out
     }
 }
 
@@ -528,8 +525,9 @@ fn global_clip(max: f32, squares: f64) -> f64 {
     (f64::from(max) / (squares.sqrt() + 1e-6)).min(1.0)
 }
 
-/// The elements rank `rank` of `size` holds among `total`: contiguous, the first
-/// `total % size` ranks one more (kolo's reducescatter splits dim 0 the same way).
+/// The elements rank `rank` of `size` holds of a parameter of `total`: contiguous, the
+/// first `total % size` ranks one more (kolo's reducescatter splits dim 0 the same
+/// way).
 fn range_of(total: usize, size: usize, rank: usize) -> Range<usize> {
     let (base, extra) = (total / size, total % size);
     let start = rank * base + rank.min(extra);

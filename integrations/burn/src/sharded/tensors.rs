@@ -8,7 +8,7 @@ use burn::optim::{GradientsParams, LearningRate, ModuleOptimizer};
 use burn::tensor::{DType, Tensor};
 
 use super::consolidate::{read, read_bytes, record_bytes, write, Record};
-use super::{Flat, Plan, ShardedOptimizer, WriteViews};
+use super::{Flat, Gathered, Plan, ShardedOptimizer, WriteViews};
 use crate::error::{Error, Result};
 use crate::GradientReducer;
 
@@ -116,8 +116,10 @@ impl ShardedOptimizer {
         let all =
             crate::convert::to_burn::<1>("the gathered parameters", all, plan.dtype, &device)?;
         Ok(model.map(&mut WriteViews {
-            all,
-            offsets: &owners.gathered_at,
+            all: Gathered::One {
+                all: Box::new(all),
+                offsets: &owners.gathered_at,
+            },
             next: 0,
         }))
     }
