@@ -208,13 +208,17 @@ pub(super) fn ring_reduce_scatter(
     {
         let mut sends = Requests(Vec::new());
         let mut recvs = Requests(Vec::new());
-        // Steps 1..n instead of 0..n-1: rank r's last sum is block r, not r + 1.
+        // Steps 1..n instead of 0..n-1: rank r's last sum is block r, not r + 1; that
+        // sum is written straight into `recv` (no copy of the block afterwards).
         for step in 1..n {
-            ring.reduce_step(step, &mut sends, &mut recvs)?;
+            let into = (step == n - 1).then_some(&mut *recv);
+            ring.reduce_step_into(step, &mut sends, &mut recvs, into)?;
         }
     }
-    let (a, b) = (ring.starts[g.rank], ring.starts[g.rank + 1]);
-    recv.copy_from_slice(&buf[a * es..b * es]);
+    if n == 1 {
+        let (a, b) = (ring.starts[g.rank], ring.starts[g.rank + 1]);
+        recv.copy_from_slice(&buf[a * es..b * es]);
+    }
     Ok(())
 }
 
@@ -362,7 +366,20 @@ impl Ring {
     /// One reduce-scatter step: this rank's outgoing chunk goes right while the left
     /// neighbour's arrives, segment by segment, and is added into the buffer.
     fn reduce_step(&self, step: usize, sends: &mut Requests, recvs: &mut Requests) -> Result<()> {
+        self.reduce_step_into(step, sends, recvs, None)
+    }
+
+    /// [`reduce_step`](Self::reduce_step), the sums of the incoming chunk written into
+    /// `into` (the chunk's length) instead of over the buffer when given.
+    fn reduce_step_into(
+        &self,
+        step: usize,
+        sends: &mut Requests,
+        recvs: &mut Requests,
+        mut into: Option<&mut [u8]>,
+    ) -> Result<()> {
         let out = self.segments(self.chunk(step));
+        let (first, _) = self.chunk(step + 1);
         let inc = self.segments(self.chunk(step + 1));
         let window = self.window;
         for k in 0..window {
@@ -386,7 +403,15 @@ impl Ring {
                         std::slice::from_raw_parts(self.slot(k), bytes),
                     )
                 };
-                add_into(acc, got, self.links.dtype);
+                match into.as_deref_mut() {
+                    Some(dst) => {
+                        let at = (a - first) * self.links.es;
+                        let dst = &mut dst[at..at + bytes];
+                        dst.copy_from_slice(acc);
+                        add_into(dst, got, self.links.dtype);
+                    }
+                    None => add_into(acc, got, self.links.dtype),
+                }
                 if let Some(&(na, nb)) = inc.get(k + window) {
                     self.irecv(recvs, self.slot(k + window), nb - na)?;
                 }
