@@ -501,6 +501,26 @@ impl Tensor {
         &self.shape
     }
 
+    /// Gives the same elements the shape `shape` (row-major order kept; nothing is
+    /// copied, on the host or a device): e.g. a weight flattened to 1-D so that a
+    /// reduce-scatter splits its elements rather than its rows.
+    ///
+    /// # Errors
+    /// [`Error::ShapeMismatch`] when `shape` holds a different number of elements (the
+    /// tensor is left as it was).
+    pub fn reshape(&mut self, shape: &[usize]) -> Result<()> {
+        let expected = checked_len(shape, self.dtype())?;
+        if expected != self.len() {
+            return Err(Error::ShapeMismatch {
+                shape: shape.to_vec(),
+                expected,
+                actual: self.len(),
+            });
+        }
+        self.shape = shape.to_vec();
+        Ok(())
+    }
+
     /// The element type.
     pub fn dtype(&self) -> DType {
         self.data.dtype()

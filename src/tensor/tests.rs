@@ -23,6 +23,28 @@ fn wrong_dtype_and_shape_are_errors() {
     );
 }
 
+#[test]
+fn reshape_keeps_the_elements_and_refuses_another_count() {
+    let v = vec![1.0f32, 2.0, 3.0, 4.0, 5.0, 6.0];
+    let ptr = v.as_ptr();
+    let mut t = Tensor::from_vec(v, &[2, 3]).unwrap();
+    t.reshape(&[6]).unwrap();
+    assert_eq!(t.shape(), &[6]);
+    t.reshape(&[3, 2]).unwrap();
+    assert_eq!(
+        t.as_slice::<f32>().unwrap(),
+        &[1.0, 2.0, 3.0, 4.0, 5.0, 6.0]
+    );
+    let err = t.reshape(&[4]).unwrap_err();
+    assert_eq!(
+        err.to_string(),
+        "shape [4] needs 4 elements but 6 were given"
+    );
+    assert_eq!(t.shape(), &[3, 2]);
+    let back: Vec<f32> = t.into_vec().unwrap();
+    assert_eq!(back.as_ptr(), ptr);
+}
+
 /// A buffer owned elsewhere, as another framework's tensor memory would be.
 struct Foreign(Vec<u64>);
 

@@ -48,7 +48,14 @@ use bench::{show, PLAIN_MALLOC};
 #[allow(dead_code)]
 mod harness;
 
-const PATHS: [&str; 5] = ["reducer", "overlapped", "optimizer", "sharded", "pipeline"];
+const PATHS: [&str; 6] = [
+    "reducer",
+    "overlapped",
+    "optimizer",
+    "sharded",
+    "sharded-ov",
+    "pipeline",
+];
 
 /// The layers of stage `stage` of `stages` of an MLP of widths `dims`: consecutive,
 /// cut where the stages' parameter counts are most even.
@@ -186,6 +193,41 @@ fn worker(
             });
             if let Some(e) = failed {
                 bail!("sharded step failed: {e}");
+            }
+            t
+        }
+        "sharded-ov" => {
+            let mut optim = ShardedOptimizer::new(&kolo, SgdConfig::new().init());
+            let mut failed = None;
+            // Reduce-scatters from backward's hooks; the share is from the end of
+            // backward to the gathered parameters (SGD's update included).
+            let t = mlp::time_steps(start, &device, warmup, steps, |m| {
+                let fallback = m.clone();
+                let mut step = || -> kolo_burn::Result<(mlp::Mlp, Duration)> {
+                    let sync = optim.overlap(&m)?;
+                    let last = m.layers.len() - 1;
+                    let mut h = x.clone();
+                    for (i, layer) in m.layers.iter().enumerate() {
+                        h = sync.layer(layer, &h).forward(h);
+                        if i < last {
+                            h = m.act.forward(h);
+                        }
+                    }
+                    let loss = CrossEntropyLossConfig::new()
+                        .init(&device)
+                        .forward(h, y.clone());
+                    let g = GradientsParams::from_grads(loss.backward(), &m);
+                    let at = Instant::now();
+                    let m = optim.step_overlapped(mlp::LR, m.clone(), sync, g)?;
+                    Ok((m, at.elapsed()))
+                };
+                step().unwrap_or_else(|e| {
+                    failed.get_or_insert(e.to_string());
+                    (fallback, Duration::ZERO)
+                })
+            });
+            if let Some(e) = failed {
+                bail!("overlapped sharded step failed: {e}");
             }
             t
         }

@@ -52,6 +52,9 @@ pub struct GradientReducer {
     shared: Arc<Shared>,
     /// Why the process set given refuses this rank.
     refused: Option<String>,
+    /// Reduce-scatters each gradient, flattened, instead of all-reducing it: this rank
+    /// gets its block of every gradient (the sharded optimizer's overlap).
+    scatter: bool,
 }
 
 #[derive(Debug, Default)]
@@ -74,7 +77,16 @@ impl GradientReducer {
             passes: 1,
             shared: Arc::default(),
             refused: None,
+            scatter: false,
         }
+    }
+
+    /// A reducer that leaves each rank its block of every gradient, flattened (the
+    /// first `n % N` ranks one element more), instead of the whole average: what
+    /// [`ShardedOptimizer`](crate::ShardedOptimizer) steps.
+    pub(crate) fn scattering(mut self) -> Self {
+        self.scatter = true;
+        self
     }
 
     /// Reduces among the ranks of `set` only (Horovod's `process_set=`): Average
@@ -209,15 +221,27 @@ impl GradientReducer {
         b: usize,
         tensors: &mut [Option<kolo::Tensor>],
     ) -> Result<kolo::Handle<Vec<kolo::Tensor>>> {
-        let members = layout.buckets[b]
+        let mut members: Vec<(String, kolo::Tensor)> = layout.buckets[b]
             .iter()
             .filter_map(|&i| Some((layout.names[i].clone(), tensors[i].take()?)))
             .collect();
+        let prescale = 1.0 / self.passes as f64;
+        if !self.scatter {
+            return Ok(self
+                .kolo
+                .grouped_allreduce(members)
+                .op(self.op)
+                .prescale(prescale)
+                .submit()?);
+        }
+        for (_, t) in &mut members {
+            t.reshape(&[t.len()])?;
+        }
         Ok(self
             .kolo
-            .grouped_allreduce(members)
+            .grouped_reducescatter(members)
             .op(self.op)
-            .prescale(1.0 / self.passes as f64)
+            .prescale(prescale)
             .submit()?)
     }
 

@@ -172,11 +172,20 @@ impl Overlap {
     /// failure on one rank fails the step on every rank: the failing rank still submits
     /// every bucket, and the others return [`Error::OtherRank`] naming it and the cause
     /// (as [`GradientReducer::reduce`]).
-    pub fn finish<M: Module>(
+    pub fn finish<M: Module>(self, model: &M, grads: GradientsParams) -> Result<GradientsParams> {
+        let reducer = self.step.reducer.clone();
+        let layout = Arc::clone(&self.step.layout);
+        let (reduced, devices) = self.settle(model, grads)?;
+        reducer.give(&layout, model, reduced, &devices)
+    }
+
+    /// [`finish`](Self::finish) up to the reduced gradients, by slot, as kolo tensors
+    /// (each rank's blocks when the reducer scatters), and the device of each.
+    pub(crate) fn settle<M: Module>(
         self,
         model: &M,
         mut grads: GradientsParams,
-    ) -> Result<GradientsParams> {
+    ) -> Result<(Vec<Option<kolo::Tensor>>, Vec<Device>)> {
         let step = &self.step;
         let (reducer, layout) = (&step.reducer, &step.layout);
         let mut state = step.lock();
@@ -228,8 +237,7 @@ impl Overlap {
             .map(|d| d.clone().unwrap_or_default())
             .collect();
         drop(state);
-        let reduced = reducer.settle(layout, handles, local)?;
-        reducer.give(layout, model, reduced, &devices)
+        Ok((reducer.settle(layout, handles, local)?, devices))
     }
 }
 

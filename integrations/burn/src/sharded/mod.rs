@@ -123,7 +123,8 @@ pub struct ShardedOptimizer {
     refused: Option<String>,
     /// Each parameter whole on one rank ([`by_tensors`](Self::by_tensors)).
     by_tensors: bool,
-    /// Averages the gradients when sharding by whole tensors.
+    /// Averages the gradients when sharding by whole tensors; reduce-scatters them
+    /// during backward by element ranges ([`overlap`](Self::overlap)).
     reducer: Option<crate::GradientReducer>,
 }
 
@@ -134,6 +135,12 @@ impl std::fmt::Debug for ShardedOptimizer {
             .field("shard", &self.plan.as_ref().map(|p| p.blocks.clone()))
             .finish_non_exhaustive()
     }
+}
+
+/// A step's gradients: straight from backward, or being reduced by an overlap.
+enum Gradients {
+    Local(GradientsParams),
+    Overlapped(crate::Overlap, GradientsParams),
 }
 
 /// The model's float parameters and this rank's block of each.
@@ -286,9 +293,86 @@ impl ShardedOptimizer {
         grads: GradientsParams,
     ) -> Result<M> {
         let plan = self.plan_for(&model)?;
-        let plan = &*plan;
+        self.step_with(lr, model, Gradients::Local(grads), &plan)
+    }
+
+    /// Starts a step whose gradients are reduce-scattered while backward is still
+    /// running, bucket by bucket, as [`GradientReducer::overlap`](crate::GradientReducer::overlap)
+    /// all-reduces them: pass each layer through the returned
+    /// [`Overlap::layer`](crate::Overlap::layer) in the forward pass, then hand it to
+    /// [`step_overlapped`](Self::step_overlapped) with the gradients of backward. The
+    /// result equals [`step`](Self::step)'s. (By whole tensors the gradients are
+    /// all-reduced during backward.)
+    ///
+    /// ```no_run
+    /// # use burn::module::Module;
+    /// # use burn::nn::{Linear, Relu};
+    /// # use burn::tensor::Tensor;
+    /// # use burn::optim::GradientsParams;
+    /// # #[derive(Module, Debug)] struct Mlp { fc1: Linear, act: Relu, fc2: Linear }
+    /// # fn demo(model: Mlp, x: Tensor<2>, optim: &mut kolo_burn::ShardedOptimizer) -> kolo_burn::Result<Mlp> {
+    /// let sync = optim.overlap(&model)?;
+    /// let h = sync.layer(&model.fc1, &x).forward(x);
+    /// let h = model.act.forward(h);
+    /// let out = sync.layer(&model.fc2, &h).forward(h);
+    /// let grads = GradientsParams::from_grads(out.sum().backward(), &model);
+    /// optim.step_overlapped(1e-3, model, sync, grads)
+    /// # }
+    /// ```
+    ///
+    /// # Errors
+    /// As [`step`](Self::step) (the partition is agreed here on the first step).
+    pub fn overlap<M: Module>(&mut self, model: &M) -> Result<crate::Overlap> {
+        let plan = self.plan_for(model)?;
+        self.reducer_for(&plan).overlap(model)
+    }
+
+    /// Ends a step started by [`overlap`](Self::overlap): the gradients the hooks have
+    /// not taken are reduced now, then the step goes on as [`step`](Self::step).
+    ///
+    /// # Errors
+    /// As [`step`](Self::step) and [`Overlap::finish`](crate::Overlap::finish).
+    pub fn step_overlapped<M: Module>(
+        &mut self,
+        lr: LearningRate,
+        model: M,
+        sync: crate::Overlap,
+        grads: GradientsParams,
+    ) -> Result<M> {
+        let plan = self.plan_for(&model)?;
+        self.step_with(lr, model, Gradients::Overlapped(sync, grads), &plan)
+    }
+
+    /// The reducer of the whole-tensor step, or of the overlapped element-range one.
+    fn reducer_for(&mut self, plan: &Plan) -> &crate::GradientReducer {
+        let by_tensors = plan.owners.is_some();
+        self.reducer.get_or_insert_with(|| {
+            let reducer = crate::GradientReducer::new(&self.kolo)
+                .op(self.op)
+                .backward_passes_per_step(self.passes);
+            if by_tensors {
+                reducer.prefix(format!("{}.grads", self.prefix))
+            } else {
+                reducer
+                    .prefix(format!("{}.overlap", self.prefix))
+                    .scattering()
+            }
+        })
+    }
+
+    fn step_with<M: Module>(
+        &mut self,
+        lr: LearningRate,
+        model: M,
+        grads: Gradients,
+        plan: &Plan,
+    ) -> Result<M> {
         if let Some(owners) = &plan.owners {
-            return self.step_by_tensors(lr, model, grads, plan, owners);
+            let reduced = match grads {
+                Gradients::Local(g) => self.reducer_for(plan).reduce(&model, g)?,
+                Gradients::Overlapped(sync, g) => sync.finish(&model, g)?,
+            };
+            return self.step_by_tensors(lr, model, reduced, plan, owners);
         }
         match plan.dtype {
             DType::F16 => self.step_elements::<half::f16, M>(lr, model, grads, plan),
@@ -303,20 +387,42 @@ impl ShardedOptimizer {
         &mut self,
         lr: LearningRate,
         model: M,
-        mut grads: GradientsParams,
+        grads: Gradients,
         plan: &Plan,
     ) -> Result<M> {
         let device = first_device(&model)?;
-        let lent = lend_gradients(&model, &mut grads, plan)?;
-        let pending = self
-            .kolo
-            .grouped_reducescatter(lent)
-            .op(self.op)
-            .prescale(1.0 / self.passes as f64)
-            .submit()?;
-        // This rank's parameter blocks are viewed while the engine reduces.
-        let values = blocks(&model, plan);
-        let mut mine = pending.wait()?;
+        let (values, mut mine) = match grads {
+            Gradients::Local(mut grads) => {
+                let lent = lend_gradients(&model, &mut grads, plan)?;
+                let pending = self
+                    .kolo
+                    .grouped_reducescatter(lent)
+                    .op(self.op)
+                    .prescale(1.0 / self.passes as f64)
+                    .submit()?;
+                // This rank's parameter blocks are viewed while the engine reduces.
+                (blocks(&model, plan), pending.wait()?)
+            }
+            Gradients::Overlapped(sync, grads) => {
+                let (reduced, _) = sync.settle(&model, grads)?;
+                let mine = reduced
+                    .into_iter()
+                    .collect::<Option<Vec<_>>>()
+                    .ok_or_else(|| {
+                        Error::Kolo(kolo::Error::Internal(
+                            "a reduced gradient block is missing".into(),
+                        ))
+                    })?;
+                (blocks(&model, plan), mine)
+            }
+        };
+        if mine.len() != plan.sizes.len() {
+            return Err(Error::Kolo(kolo::Error::Internal(format!(
+                "{} reduced gradient blocks for {} parameters",
+                mine.len(),
+                plan.sizes.len()
+            ))));
+        }
         self.clip::<T>(&mut mine)?;
         let mut pieces = Vec::new();
         let mut shard_grads = GradientsParams::new();

@@ -10,7 +10,6 @@ use burn::tensor::{DType, Tensor};
 use super::consolidate::{read, read_bytes, record_bytes, write, Record};
 use super::{Flat, Gathered, Plan, ShardedOptimizer, WriteViews};
 use crate::error::{Error, Result};
-use crate::GradientReducer;
 
 /// Which rank steps each parameter, and where its values land in the all-gathered
 /// sequence (every rank's parameters, in module order, rank after rank).
@@ -50,24 +49,18 @@ impl Owners {
 }
 
 impl ShardedOptimizer {
-    /// The whole-tensor step: gradients averaged as [`GradientReducer`] does, this
-    /// rank's parameters stepped as themselves, everyone's gathered back.
+    /// The whole-tensor step, from the gradients averaged as
+    /// [`GradientReducer`](crate::GradientReducer) does:
+    /// this rank's parameters stepped as themselves, everyone's gathered back.
     pub(super) fn step_by_tensors<M: Module>(
         &mut self,
         lr: LearningRate,
         model: M,
-        grads: GradientsParams,
+        reduced: GradientsParams,
         plan: &Plan,
         owners: &Owners,
     ) -> Result<M> {
         let rank = self.kolo.rank();
-        let reducer = self.reducer.get_or_insert_with(|| {
-            GradientReducer::new(&self.kolo)
-                .op(self.op)
-                .backward_passes_per_step(self.passes)
-                .prefix(format!("{}.grads", self.prefix))
-        });
-        let reduced = reducer.reduce(&model, grads)?;
         let mut keep = Keep {
             grads: reduced,
             mine: GradientsParams::new(),

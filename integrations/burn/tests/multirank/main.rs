@@ -933,6 +933,7 @@ const CASES: &[(&str, Case, &[usize])] = &[
         sharded::missing_gradients,
         &[2],
     ),
+    ("sharded_overlap", sharded::overlap, &[2, 4]),
     // Launched in turn by `sharded_checkpoint_reshard` (no trials of their own).
     ("sharded_reshard_save", sharded::reshard_save, &[]),
     ("sharded_reshard_load", sharded::reshard_load, &[]),

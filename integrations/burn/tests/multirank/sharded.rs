@@ -787,3 +787,69 @@ pub(crate) fn missing_gradients(k: &Kolo) -> Result<()> {
         1e-5,
     )
 }
+
+/// The overlapped step (gradients reduce-scattered from backward's hooks) equals the
+/// plain sharded step and `GradientReducer` + the plain optimizer: Adam by element
+/// ranges, LAMB by whole tensors (its gradients all-reduced from the hooks).
+pub(crate) fn overlap(k: &Kolo) -> Result<()> {
+    use burn::nn::loss::CrossEntropyLossConfig;
+    use burn::optim::LambConfig;
+    let (rank, size) = (k.rank(), k.size());
+    let device = Device::flex().autodiff();
+    device.seed(47);
+    let start = broadcast_parameters(k, Small::new(&device), 0)?;
+    let b = 6;
+    for whole in [false, true] {
+        let make = || -> ModuleOptimizer {
+            if whole {
+                LambConfig::new().init()
+            } else {
+                AdamConfig::new().init()
+            }
+        };
+        let shard = |inner| {
+            if whole {
+                ShardedOptimizer::by_tensors(k, inner)
+            } else {
+                ShardedOptimizer::new(k, inner)
+            }
+        };
+        let (mut over, mut direct) = (shard(make()), shard(make()));
+        let mut plain = make();
+        let reducer = GradientReducer::new(k).prefix(format!("overlap_ref.{whole}"));
+        let (mut a, mut d, mut r) = (start.clone(), start.clone(), start.clone());
+        for step in 0..10 {
+            let base = step * b * size;
+            let ids = base + rank * b..base + (rank + 1) * b;
+            let (x, y) = super::samples(ids.clone(), &device);
+            let sync = over.overlap(&a)?;
+            let h = a.act.forward(sync.layer(&a.fc1, &x).forward(x));
+            let out = sync.layer(&a.fc2, &h).forward(h);
+            let loss = CrossEntropyLossConfig::new().init(&device).forward(out, y);
+            let grads = GradientsParams::from_grads(loss.backward(), &a);
+            ensure!(
+                sync.early_buckets() == 1,
+                "by tensors {whole}: {} buckets submitted during backward",
+                sync.early_buckets()
+            );
+            a = over.step_overlapped(0.05, a, sync, grads)?;
+            d = direct.step(0.05, d.clone(), grads_for(&d, ids.clone(), &device))?;
+            let g = reducer.reduce(&r, grads_for(&r, ids, &device))?;
+            r = plain.step(0.05, r, g);
+        }
+        let what = if whole {
+            "overlapped LAMB by tensors"
+        } else {
+            "overlapped Adam"
+        };
+        assert_close(what, &params(&a), &params(&d), 1e-6)?;
+        assert_close(what, &params(&a), &params(&r), 1e-5)?;
+        let moved = params(&a)
+            .iter()
+            .zip(params(&start))
+            .map(|(x, y)| (x - y).abs())
+            .fold(0.0f32, f32::max);
+        ensure!(moved > 1e-3, "{what}: the parameters moved {moved} at most");
+    }
+    Ok(())
+}
