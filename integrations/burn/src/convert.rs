@@ -91,6 +91,14 @@ pub(crate) fn to_kolo<const D: usize>(
     from_bytes(name, bytes, dtype, &dims, copied)
 }
 
+/// `t` in host memory, where kolo's grouped allgather and reducescatter run (they
+/// take no CUDA members yet): a CUDA tensor is copied there, a host one kept as it is.
+pub(crate) fn on_host(t: kolo::Tensor) -> Result<kolo::Tensor> {
+    #[cfg(feature = "cuda")]
+    let t = t.to_cpu().map_err(kolo::Error::from)?;
+    Ok(t)
+}
+
 /// `t` as a kolo tensor in host memory, whatever its device: what send/recv carry
 /// (kolo's point to point takes host tensors; a CUDA tensor is copied to the host).
 pub(crate) fn to_kolo_host<const D: usize>(

@@ -221,7 +221,7 @@ impl GradientReducer {
         b: usize,
         tensors: &mut [Option<kolo::Tensor>],
     ) -> Result<kolo::Handle<Vec<kolo::Tensor>>> {
-        let mut members: Vec<(String, kolo::Tensor)> = layout.buckets[b]
+        let members: Vec<(String, kolo::Tensor)> = layout.buckets[b]
             .iter()
             .filter_map(|&i| Some((layout.names[i].clone(), tensors[i].take()?)))
             .collect();
@@ -234,9 +234,16 @@ impl GradientReducer {
                 .prescale(prescale)
                 .submit()?);
         }
-        for (_, t) in &mut members {
-            t.reshape(&[t.len()])?;
-        }
+        // Flattened, so that each rank gets a block of elements, not of rows; on the
+        // host, where grouped reduce-scatters run.
+        let members = members
+            .into_iter()
+            .map(|(name, t)| {
+                let mut t = crate::convert::on_host(t)?;
+                t.reshape(&[t.len()])?;
+                Ok((name, t))
+            })
+            .collect::<Result<Vec<_>>>()?;
         Ok(self
             .kolo
             .grouped_reducescatter(members)

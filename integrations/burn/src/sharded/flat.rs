@@ -75,7 +75,7 @@ pub(super) fn lend_gradients<M: Module>(
             };
             let lent = match self.grads.remove::<D>(param.id) {
                 Some(g) if g.dtype() == self.plan.dtype && g.shape().num_elements() == n => {
-                    convert::to_kolo(name, g.reshape([n]), &self.copied)
+                    convert::to_kolo(name, g.reshape([n]), &self.copied).and_then(convert::on_host)
                 }
                 _ => Ok(kolo::Tensor::zeros(self.wire, &[n])),
             };

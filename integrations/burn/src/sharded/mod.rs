@@ -57,6 +57,10 @@ use flat::{blocks, gathered, lend_gradients, Flat, Gathered, WriteViews};
 /// RMSprop, AdaGrad, Lion, weight decay): each element's update reads only its own
 /// gradient and state.
 ///
+/// **Devices.** The grouped reduce-scatter and all-gather run on the host: on a CUDA
+/// device each step copies the gradients to the host and the gathered parameters back
+/// (kolo's grouped collectives take no CUDA tensors yet).
+///
 /// **Clipping.** The wrapped optimizer's own gradient clipping gives the same result as
 /// unsharded: clipping by value is element-wise, and clipping by norm per parameter
 /// (Burn's `GradientClippingConfig::Norm`) uses each parameter's whole norm, summed
@@ -458,7 +462,11 @@ impl ShardedOptimizer {
                     what: "ShardedOptimizer::step",
                     message: "the wrapped optimizer returned fewer blocks than it was given".into(),
                 })?;
-                crate::convert::to_kolo("the updated shard", p.into_value(), &copied)?
+                crate::convert::on_host(crate::convert::to_kolo(
+                    "the updated shard",
+                    p.into_value(),
+                    &copied,
+                )?)?
             };
             updated.push((name.clone(), t));
         }

@@ -136,6 +136,68 @@ pub(crate) fn gpu_cuda_f16(k: &Kolo) -> Result<()> {
     cube_equivalence(k, Backend::Cuda, FloatDType::F16, 10, 4.0)
 }
 
+/// The sharded optimizer on the Cube device (gradients lent, through the host for the
+/// grouped collectives) against the same on Flex: 20 SGD+momentum steps, within
+/// `units` × 2⁻¹⁷ relative; every rank ends with the same weights.
+fn cube_sharded(k: &Kolo, backend: Backend, units: f32) -> Result<()> {
+    use burn::optim::momentum::MomentumConfig;
+    use kolo_burn::ShardedOptimizer;
+    let (rank, size) = (k.rank(), k.size());
+    let flex = Device::flex().autodiff();
+    flex.seed(31);
+    let cube = backend.device(k)?.autodiff();
+    let start = broadcast_parameters(k, Small::new(&flex), 0)?;
+    let (mut on_flex, mut on_cube) = (start.clone(), start.clone().fork(&cube));
+    let sgd = || {
+        SgdConfig::new()
+            .with_momentum(Some(MomentumConfig::new()))
+            .init()
+    };
+    let mut sharded_flex = ShardedOptimizer::new(k, sgd());
+    let mut sharded_cube = ShardedOptimizer::new(k, sgd());
+    let b = 6;
+    for step in 0..20 {
+        let ids = step * b * size + rank * b..step * b * size + (rank + 1) * b;
+        let g = grads_for(&on_flex, ids.clone(), &flex);
+        on_flex = sharded_flex.step(0.05, on_flex, g)?;
+        let g = grads_for(&on_cube, ids, &cube);
+        on_cube = sharded_cube.step(0.05, on_cube, g)?;
+    }
+    let (got, want, before) = (params(&on_cube), params(&on_flex), params(&start));
+    ensure!(
+        got != before,
+        "sharded training on {backend:?} changed nothing"
+    );
+    let all: Vec<Vec<u32>> = k.allgather_object(
+        "cube.sharded",
+        got.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+    )?;
+    ensure!(
+        all.iter().all(|w| *w == all[0]),
+        "the ranks' weights differ after 20 sharded steps on {backend:?}"
+    );
+    let norm = |v: &[f32]| v.iter().map(|x| x * x).sum::<f32>().sqrt();
+    let diff: Vec<f32> = got.iter().zip(&want).map(|(a, b)| a - b).collect();
+    let relative = norm(&diff) / norm(&want);
+    let bound = units * 2f32.powi(-17);
+    ensure!(
+        relative < bound,
+        "sharded on {backend:?}: {relative:e} relative difference from Flex (bound {bound:e})"
+    );
+    Ok(())
+}
+
+/// The sharded optimizer on the CPU runtime: within 1e-5 relative of Flex.
+pub(crate) fn cpu_sharded(k: &Kolo) -> Result<()> {
+    cube_sharded(k, Backend::Cpu, 1.0)
+}
+
+/// The sharded optimizer on CUDA (the grouped collectives through the host): within
+/// 8 × 2⁻¹⁷ relative of Flex, as `gpu_cuda_f32`.
+pub(crate) fn gpu_cuda_sharded(k: &Kolo) -> Result<()> {
+    cube_sharded(k, Backend::Cuda, 8.0)
+}
+
 /// `kolorun -np 1 train_digits --device cuda` on a machine without the CUDA driver:
 /// a non-zero exit and one line naming the rank and the missing driver, no panic and
 /// no backtrace.

@@ -1002,6 +1002,7 @@ const EXAMPLES: &[(&str, &[&str], &[usize])] = &[
 const CUBE_CASES: &[(&str, Case, &[usize])] = &[
     ("cube_cpu_equivalence_f32", cube::cpu_f32, &[1, 2]),
     ("cube_cpu_equivalence_f16", cube::cpu_f16, &[1, 2]),
+    ("cube_cpu_sharded", cube::cpu_sharded, &[1, 2]),
 ];
 #[cfg(not(feature = "cpu"))]
 const CUBE_CASES: &[(&str, Case, &[usize])] = &[];
@@ -1014,6 +1015,7 @@ const GPU_CASES: &[(&str, Case, &[usize])] = &[
     ("gpu_cuda_equivalence_f32", cube::gpu_cuda_f32, &[1, 2]),
     ("gpu_cuda_equivalence_bf16", cube::gpu_cuda_bf16, &[1, 2]),
     ("gpu_cuda_equivalence_f16", cube::gpu_cuda_f16, &[1]),
+    ("gpu_cuda_sharded", cube::gpu_cuda_sharded, &[1, 2]),
 ];
 #[cfg(not(feature = "cuda"))]
 const GPU_CASES: &[(&str, Case, &[usize])] = &[];
