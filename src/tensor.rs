@@ -197,12 +197,18 @@ pub(crate) fn set_huge_pages(on: bool) {
 fn zeroed<T: bytemuck::Zeroable + Clone>(len: usize) -> Vec<T> {
     // `alloc_zeroed`: calloc, which leaves fresh mmap memory untouched.
     let v: Vec<T> = bytemuck::zeroed_vec(len);
-    let bytes = std::mem::size_of_val(v.as_slice());
+    advise_huge_pages(v.as_ptr().cast(), std::mem::size_of_val(v.as_slice()));
+    v
+}
+
+/// Asks for transparent huge pages over an allocation of `bytes` at `ptr` from
+/// [`HUGE_PAGES_FROM`] on, before anything touches it (see [`zeroed`]).
+fn advise_huge_pages(ptr: *const u8, bytes: usize) {
     #[cfg(target_os = "linux")]
     if bytes >= HUGE_PAGES_FROM && HUGE_PAGES.load(std::sync::atomic::Ordering::Relaxed) {
         const PAGE: usize = 4096;
-        let start = (v.as_ptr() as usize).next_multiple_of(PAGE);
-        let end = (v.as_ptr() as usize + bytes) / PAGE * PAGE;
+        let start = (ptr as usize).next_multiple_of(PAGE);
+        let end = (ptr as usize + bytes) / PAGE * PAGE;
         if end > start {
             // SAFETY: [start, end) lies inside the vector's allocation, page-aligned;
             // MADV_HUGEPAGE changes how the kernel backs the range, never its contents.
@@ -212,7 +218,37 @@ fn zeroed<T: bytemuck::Zeroable + Clone>(len: usize) -> Vec<T> {
             }
         }
     }
-    v
+    #[cfg(not(target_os = "linux"))]
+    let _ = (ptr, bytes);
+}
+
+/// `len` elements of `T` whose bytes `fill` writes, in memory that is not zeroed
+/// first: a collective's large output, which the transport writes in full.
+///
+/// # Safety
+/// `fill` must have written every byte it is given whenever it returns `Ok`.
+unsafe fn written<T: bytemuck::Pod>(
+    len: usize,
+    fill: impl FnOnce(&mut [std::mem::MaybeUninit<u8>]) -> Result<()>,
+) -> Result<Vec<T>> {
+    let mut v: Vec<T> = Vec::with_capacity(len);
+    let bytes = len * std::mem::size_of::<T>();
+    advise_huge_pages(v.as_ptr().cast(), bytes);
+    // SAFETY: the spare capacity holds at least `len` elements, `bytes` bytes, and
+    // MaybeUninit<u8> has no alignment or validity requirement.
+    let spare = unsafe {
+        std::slice::from_raw_parts_mut(
+            v.spare_capacity_mut()
+                .as_mut_ptr()
+                .cast::<std::mem::MaybeUninit<u8>>(),
+            bytes,
+        )
+    };
+    fill(spare)?;
+    // SAFETY: `fill` wrote every byte (the caller's promise), and any bytes are a
+    // valid `T` (Pod).
+    unsafe { v.set_len(len) };
+    Ok(v)
 }
 
 /// An owned, typed buffer with a shape (row-major).
@@ -620,6 +656,33 @@ impl Tensor {
             self.shape = shape.to_vec();
         }
         fits
+    }
+
+    /// A host tensor of `dtype` and `shape` whose bytes `fill` writes, in memory not
+    /// zeroed first (see `Transport::allgatherv_fresh`).
+    ///
+    /// # Safety
+    /// `fill` must have written every byte it is given whenever it returns `Ok`.
+    pub(crate) unsafe fn written_by(
+        dtype: DType,
+        shape: &[usize],
+        fill: impl FnOnce(&mut [std::mem::MaybeUninit<u8>]) -> Result<()>,
+    ) -> Result<Tensor> {
+        let n = checked_len(shape, dtype)?;
+        // SAFETY: `fill` is the caller's, with the same promise.
+        let data = unsafe {
+            match dtype {
+                DType::U8 => Storage::U8(written(n, fill)?),
+                DType::I8 => Storage::I8(written(n, fill)?),
+                DType::I32 => Storage::I32(written(n, fill)?),
+                DType::I64 => Storage::I64(written(n, fill)?),
+                DType::F16 => Storage::F16(written(n, fill)?),
+                DType::BF16 => Storage::BF16(written(n, fill)?),
+                DType::F32 => Storage::F32(written(n, fill)?),
+                DType::F64 => Storage::F64(written(n, fill)?),
+            }
+        };
+        Ok(Tensor::from_parts(data, shape.to_vec()))
     }
 
     pub(crate) fn from_parts(data: Storage, shape: Vec<usize>) -> Tensor {

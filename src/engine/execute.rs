@@ -268,16 +268,15 @@ fn unpack<'a>(buf: &[u8], tensors: impl IntoIterator<Item = &'a mut Tensor>) {
 
 fn allgather(t: &mut dyn Transport, tensor: &Tensor, ready: &Ready) -> Result<Tensor> {
     let (counts, shape) = allgather_layout(ready, tensor.shape())?;
-    let mut out = Tensor::zeros(tensor.dtype(), &shape);
-    if !out.is_empty() {
-        t.allgatherv(
-            tensor.host_bytes(),
-            out.host_bytes_mut(),
-            &counts,
-            tensor.dtype(),
-        )?;
+    let dtype = tensor.dtype();
+    // SAFETY: `allgatherv_fresh` writes all of the output when it returns Ok (the
+    // transport's contract); an empty one needs nothing.
+    unsafe {
+        Tensor::written_by(dtype, &shape, |recv| match recv.is_empty() {
+            true => Ok(()),
+            false => t.allgatherv_fresh(tensor.host_bytes(), recv, &counts, dtype),
+        })
     }
-    Ok(out)
 }
 
 fn alltoall(t: &mut dyn Transport, tensor: &Tensor, ready: &Ready) -> Result<AlltoallOutput> {
@@ -449,16 +448,15 @@ fn reducescatter(
     size: usize,
 ) -> Result<Tensor> {
     let (counts, shape) = reducescatter_layout(tensor.shape(), size, t.topology().rank);
-    let mut out = Tensor::zeros(tensor.dtype(), &shape);
     let dtype = tensor.dtype();
     scale_bytes(tensor.host_bytes_mut(), dtype, meta.prescale);
-    t.reduce_scatter(
-        tensor.host_bytes_mut(),
-        out.host_bytes_mut(),
-        &counts,
-        dtype,
-        meta.op,
-    )?;
+    // SAFETY: `reduce_scatter_fresh` writes all of the output when it returns Ok (the
+    // transport's contract).
+    let mut out = unsafe {
+        Tensor::written_by(dtype, &shape, |recv| {
+            t.reduce_scatter_fresh(tensor.host_bytes_mut(), recv, &counts, dtype, meta.op)
+        })
+    }?;
     scale_bytes(out.host_bytes_mut(), dtype, post_factor(meta, size));
     Ok(out)
 }

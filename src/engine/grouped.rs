@@ -51,26 +51,29 @@ pub(super) fn allgather(
     for (i, x) in tensors.iter().enumerate() {
         layouts.push(member_allgather_layout(ready, i, x.shape())?);
     }
-    let mut outputs: Vec<Tensor> = tensors
-        .iter()
-        .zip(&layouts)
-        .map(|(x, (_, shape))| Tensor::zeros(x.dtype(), shape))
-        .collect();
+    let mut outputs: Vec<Option<Tensor>> = (0..tensors.len()).map(|_| None).collect();
     for (dtype, members) in by_dtype(&tensors) {
         let w = dtype.size_of();
-        let (small, large) = split(members, |i| outputs[i].num_bytes(), buffer.max_tensor);
+        let bytes = |i: usize| layouts[i].1.iter().product::<usize>() * w;
+        let (small, large) = split(members, bytes, buffer.max_tensor);
         for i in large {
-            if !outputs[i].is_empty() {
-                t.allgatherv(
-                    tensors[i].host_bytes(),
-                    outputs[i].host_bytes_mut(),
-                    &layouts[i].0,
-                    dtype,
-                )?;
-            }
+            let (counts, shape) = &layouts[i];
+            let send = tensors[i].host_bytes();
+            // SAFETY: `allgatherv_fresh` writes all of the output when it returns Ok
+            // (the transport's contract); an empty one needs nothing.
+            let out = unsafe {
+                Tensor::written_by(dtype, shape, |recv| match recv.is_empty() {
+                    true => Ok(()),
+                    false => t.allgatherv_fresh(send, recv, counts, dtype),
+                })
+            }?;
+            outputs[i] = Some(out);
         }
         if small.is_empty() {
             continue;
+        }
+        for &i in &small {
+            outputs[i] = Some(Tensor::zeros(dtype, &layouts[i].1));
         }
         let per_rank: Vec<usize> = (0..size)
             .map(|r| small.iter().map(|&i| layouts[i].0[r]).sum())
@@ -95,14 +98,26 @@ pub(super) fn allgather(
         for r in 0..size {
             for &i in &small {
                 let n = layouts[i].0[r] * w;
-                outputs[i].host_bytes_mut()[filled[i]..filled[i] + n]
-                    .copy_from_slice(&recv[at..at + n]);
+                if let Some(o) = outputs[i].as_mut() {
+                    o.host_bytes_mut()[filled[i]..filled[i] + n].copy_from_slice(&recv[at..at + n]);
+                }
                 filled[i] += n;
                 at += n;
             }
         }
     }
-    Ok(outputs)
+    every_member(outputs, ready)
+}
+
+/// The outputs, one per member: each dtype's pass made every one of its members'.
+fn every_member(outputs: Vec<Option<Tensor>>, ready: &Ready) -> Result<Vec<Tensor>> {
+    outputs
+        .into_iter()
+        .enumerate()
+        .map(|(i, o)| {
+            o.ok_or_else(|| Error::Internal(format!("member {i} of {:?} has no output", ready.key)))
+        })
+        .collect()
 }
 
 /// Every member reduced over the ranks, this rank keeping its block of dim 0, in
@@ -123,28 +138,30 @@ pub(super) fn reducescatter(
             s => Ok(reducescatter_layout(s, size, me)),
         })
         .collect::<Result<_>>()?;
-    let mut outputs: Vec<Tensor> = tensors
-        .iter()
-        .zip(&layouts)
-        .map(|(x, (_, shape))| Tensor::zeros(x.dtype(), shape))
-        .collect();
+    let mut outputs: Vec<Option<Tensor>> = (0..tensors.len()).map(|_| None).collect();
     let post = post_factor(meta, size);
     for (dtype, members) in by_dtype(&tensors) {
         let w = dtype.size_of();
         let (small, large) = split(members, |i| tensors[i].num_bytes(), buffer.max_tensor);
         for i in large {
-            scale_bytes(tensors[i].host_bytes_mut(), dtype, meta.prescale);
-            t.reduce_scatter(
-                tensors[i].host_bytes_mut(),
-                outputs[i].host_bytes_mut(),
-                &layouts[i].0,
-                dtype,
-                meta.op,
-            )?;
-            scale_bytes(outputs[i].host_bytes_mut(), dtype, post);
+            let (counts, shape) = &layouts[i];
+            let send = tensors[i].host_bytes_mut();
+            scale_bytes(send, dtype, meta.prescale);
+            // SAFETY: `reduce_scatter_fresh` writes all of the output when it returns
+            // Ok (the transport's contract).
+            let mut out = unsafe {
+                Tensor::written_by(dtype, shape, |recv| {
+                    t.reduce_scatter_fresh(send, recv, counts, dtype, meta.op)
+                })
+            }?;
+            scale_bytes(out.host_bytes_mut(), dtype, post);
+            outputs[i] = Some(out);
         }
         if small.is_empty() {
             continue;
+        }
+        for &i in &small {
+            outputs[i] = Some(Tensor::zeros(dtype, &layouts[i].1));
         }
         // Rank r's block of the buffer: each small member's rows for r, in member
         // order; one reduce-scatter leaves this rank its block of every member.
@@ -173,12 +190,12 @@ pub(super) fn reducescatter(
         scale_bytes(recv, dtype, post);
         let mut at = 0;
         for &i in &small {
-            let n = outputs[i].num_bytes();
-            outputs[i]
-                .host_bytes_mut()
-                .copy_from_slice(&recv[at..at + n]);
-            at += n;
+            if let Some(o) = outputs[i].as_mut() {
+                let n = o.num_bytes();
+                o.host_bytes_mut().copy_from_slice(&recv[at..at + n]);
+                at += n;
+            }
         }
     }
-    Ok(outputs)
+    every_member(outputs, ready)
 }

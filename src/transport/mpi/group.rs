@@ -2,6 +2,8 @@
 //! data-plane collectives on one: flat on kolo's communicator, or on the hierarchical
 //! allreduce's levels.
 
+use std::mem::MaybeUninit;
+
 use mpi::ffi;
 
 use super::kolo_mpi_in_place;
@@ -53,6 +55,25 @@ pub(super) fn allgatherv_on(
     counts_: &[usize],
     dtype: DType,
 ) -> Result<()> {
+    allgatherv_fresh_on(g, send, as_uninit(recv), counts_, dtype)
+}
+
+/// The bytes of `buf` as memory MPI may write (it only ever writes real data there).
+pub(super) fn as_uninit(buf: &mut [u8]) -> &mut [MaybeUninit<u8>] {
+    // SAFETY: same length and layout; what is written through the view is initialised
+    // data (MPI receives, kolo's sums), so `buf` stays initialised.
+    unsafe { &mut *(std::ptr::from_mut::<[u8]>(buf) as *mut [MaybeUninit<u8>]) }
+}
+
+/// [`allgatherv_on`] into fresh memory: on `Ok`, MPI has written all of `recv` (its
+/// length is checked to be the sum of the counts).
+pub(super) fn allgatherv_fresh_on(
+    g: Group,
+    send: &[u8],
+    recv: &mut [MaybeUninit<u8>],
+    counts_: &[usize],
+    dtype: DType,
+) -> Result<()> {
     const CALL: &str = "MPI_Allgatherv";
     per_rank(CALL, counts_, g.size)?;
     sized(CALL, "send", send.len(), counts_[g.rank], dtype)?;
@@ -79,6 +100,19 @@ pub(super) fn reduce_scatter_on(
     g: Group,
     send: &[u8],
     recv: &mut [u8],
+    counts_: &[usize],
+    dtype: DType,
+    op: ffi::MPI_Op,
+) -> Result<()> {
+    reduce_scatter_fresh_on(g, send, as_uninit(recv), counts_, dtype, op)
+}
+
+/// [`reduce_scatter_on`] into fresh memory: on `Ok`, MPI has written all of `recv`
+/// (its length is checked to be this rank's count).
+pub(super) fn reduce_scatter_fresh_on(
+    g: Group,
+    send: &[u8],
+    recv: &mut [MaybeUninit<u8>],
     counts_: &[usize],
     dtype: DType,
     op: ffi::MPI_Op,

@@ -31,6 +31,7 @@ mod types;
 
 use smallvec::SmallVec;
 use std::ffi::{c_int, c_void};
+use std::mem::MaybeUninit;
 use std::time::{Duration, Instant};
 
 use mpi::collective::{CommunicatorCollectives, Root};
@@ -39,7 +40,9 @@ use mpi::raw::AsRaw;
 use mpi::topology::{Color, Communicator, SimpleCommunicator};
 use mpi::Threading;
 
-use group::{allgatherv_on, allreduce_in_place, reduce_scatter_on, Group};
+use group::{
+    allgatherv_fresh_on, allgatherv_on, allreduce_in_place, reduce_scatter_fresh_on, Group,
+};
 use hosts::Hosts;
 use rings::{
     ring_allreduce, ring_allreduce_many, ring_reduce_scatter, GROUPED_RING_BELOW_BYTES_PER_S,
@@ -568,6 +571,30 @@ impl Transport for MpiTransport {
         dtype: DType,
         op: ReduceOp,
     ) -> Result<()> {
+        self.reduce_scatter_fresh(send, group::as_uninit(recv), counts_, dtype, op)
+    }
+
+    fn allgatherv_fresh(
+        &mut self,
+        send: &[u8],
+        recv: &mut [MaybeUninit<u8>],
+        counts_: &[usize],
+        dtype: DType,
+    ) -> Result<()> {
+        if self.hierarchical_allgather {
+            return self.allgatherv(send, crate::transport::zero_fill(recv), counts_, dtype);
+        }
+        allgatherv_fresh_on(self.world(), send, recv, counts_, dtype)
+    }
+
+    fn reduce_scatter_fresh(
+        &mut self,
+        send: &mut [u8],
+        recv: &mut [MaybeUninit<u8>],
+        counts_: &[usize],
+        dtype: DType,
+        op: ReduceOp,
+    ) -> Result<()> {
         let sum = matches!(op, ReduceOp::Sum | ReduceOp::Average);
         // On one host only: across hosts it was not measured.
         let one_host = self.topology.local_size == self.topology.size;
@@ -585,6 +612,6 @@ impl Transport for MpiTransport {
             );
         }
         let op = self.reduce_op(op, dtype);
-        reduce_scatter_on(self.world(), send, recv, counts_, dtype, op)
+        reduce_scatter_fresh_on(self.world(), send, recv, counts_, dtype, op)
     }
 }

@@ -4,6 +4,7 @@
 //! `transport/ring.rs`; the thresholds that choose a ring are measured below.
 
 use std::ffi::c_int;
+use std::mem::MaybeUninit;
 
 use mpi::ffi;
 
@@ -186,7 +187,7 @@ pub(super) fn ring_reduce_scatter(
     g: Group,
     scratch: &mut Vec<u8>,
     buf: &mut [u8],
-    recv: &mut [u8],
+    recv: &mut [MaybeUninit<u8>],
     counts_: &[usize],
     dtype: DType,
     segment: Option<usize>,
@@ -217,9 +218,20 @@ pub(super) fn ring_reduce_scatter(
     }
     if n == 1 {
         let (a, b) = (ring.starts[g.rank], ring.starts[g.rank + 1]);
-        recv.copy_from_slice(&buf[a * es..b * es]);
+        write_copy(recv, &buf[a * es..b * es]);
     }
     Ok(())
+}
+
+/// Copies `src` into `dst` (the same length), which is then initialised.
+fn write_copy<'a>(dst: &'a mut [MaybeUninit<u8>], src: &[u8]) -> &'a mut [u8] {
+    assert_eq!(dst.len(), src.len(), "write_copy: lengths differ");
+    // SAFETY: both hold `src.len()` bytes and do not overlap (`dst` is borrowed
+    // mutably); after the copy every byte of `dst` is initialised.
+    unsafe {
+        std::ptr::copy_nonoverlapping(src.as_ptr(), dst.as_mut_ptr().cast::<u8>(), src.len());
+        &mut *(std::ptr::from_mut::<[MaybeUninit<u8>]>(dst) as *mut [u8])
+    }
 }
 
 /// What both sum rings share: the ring's size and this rank's position in it, its
@@ -376,7 +388,7 @@ impl Ring {
         step: usize,
         sends: &mut Requests,
         recvs: &mut Requests,
-        mut into: Option<&mut [u8]>,
+        mut into: Option<&mut [MaybeUninit<u8>]>,
     ) -> Result<()> {
         let out = self.segments(self.chunk(step));
         let (first, _) = self.chunk(step + 1);
@@ -406,8 +418,7 @@ impl Ring {
                 match into.as_deref_mut() {
                     Some(dst) => {
                         let at = (a - first) * self.links.es;
-                        let dst = &mut dst[at..at + bytes];
-                        dst.copy_from_slice(acc);
+                        let dst = write_copy(&mut dst[at..at + bytes], acc);
                         add_into(dst, got, self.links.dtype);
                     }
                     None => add_into(acc, got, self.links.dtype),
