@@ -56,6 +56,8 @@ pub(crate) fn run(
         OpKind::GroupedAllreduce => Ok(Output::Tensors(grouped_allreduce(
             t, inputs, first, size, buffer,
         )?)),
+        // One rank: the tensor is its own gathering (no copy).
+        OpKind::Allgather if size == 1 => Ok(Output::Tensor(take(&mut inputs)?)),
         OpKind::Allgather => Ok(Output::Tensor(allgather(t, &take(&mut inputs)?, ready)?)),
         OpKind::GroupedAllgather => Ok(Output::Tensors(super::grouped::allgather(
             t, inputs, ready, buffer,
@@ -450,6 +452,11 @@ fn reducescatter(
     let (counts, shape) = reducescatter_layout(tensor.shape(), size, t.topology().rank);
     let dtype = tensor.dtype();
     scale_bytes(tensor.host_bytes_mut(), dtype, meta.prescale);
+    if size == 1 {
+        // One rank: the tensor is its own reduction and its own block.
+        scale_bytes(tensor.host_bytes_mut(), dtype, post_factor(meta, size));
+        return Ok(tensor);
+    }
     // SAFETY: `reduce_scatter_fresh` writes all of the output when it returns Ok (the
     // transport's contract).
     let mut out = unsafe {

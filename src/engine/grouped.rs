@@ -51,6 +51,10 @@ pub(super) fn allgather(
     for (i, x) in tensors.iter().enumerate() {
         layouts.push(member_allgather_layout(ready, i, x.shape())?);
     }
+    if size == 1 {
+        // Each member is its own gathering: no copy.
+        return Ok(tensors);
+    }
     let mut outputs: Vec<Option<Tensor>> = (0..tensors.len()).map(|_| None).collect();
     for (dtype, members) in by_dtype(&tensors) {
         let w = dtype.size_of();
@@ -138,8 +142,17 @@ pub(super) fn reducescatter(
             s => Ok(reducescatter_layout(s, size, me)),
         })
         .collect::<Result<_>>()?;
-    let mut outputs: Vec<Option<Tensor>> = (0..tensors.len()).map(|_| None).collect();
     let post = post_factor(meta, size);
+    if size == 1 {
+        // Each member is its own reduction and its own block: scaled in place.
+        for x in &mut tensors {
+            let dtype = x.dtype();
+            scale_bytes(x.host_bytes_mut(), dtype, meta.prescale);
+            scale_bytes(x.host_bytes_mut(), dtype, post);
+        }
+        return Ok(tensors);
+    }
+    let mut outputs: Vec<Option<Tensor>> = (0..tensors.len()).map(|_| None).collect();
     for (dtype, members) in by_dtype(&tensors) {
         let w = dtype.size_of();
         let (small, large) = split(members, |i| tensors[i].num_bytes(), buffer.max_tensor);

@@ -258,6 +258,16 @@ pub(crate) fn reducescatter(k: &Kolo) -> Result<()> {
         .map(|x| x * size as f64)
         .collect();
     assert_close("rs.uneven", DType::F64, &to_f64(&out)?, &want)?;
+    // Scale factors (also at one rank, where the input is its own block): 0.5 before
+    // the sum, 3 after.
+    let out = k
+        .reducescatter("rs.scaled", tensor(DType::F64, &v, &[d0, 3])?)
+        .op(ReduceOp::Sum)
+        .prescale(0.5)
+        .postscale(3.0)
+        .wait()?;
+    let want: Vec<f64> = want.iter().map(|x| x * 1.5).collect();
+    assert_close("rs.scaled", DType::F64, &to_f64(&out)?, &want)?;
 
     expect_err(
         "rs scalar",
