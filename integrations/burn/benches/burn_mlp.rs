@@ -57,6 +57,29 @@ const PATHS: [&str; 6] = [
     "pipeline",
 ];
 
+/// The gradients of one step on `(x, y)` with every layer of `m` passed through
+/// `sync`'s hook (reduced during backward).
+fn hooked_grads(
+    m: &mlp::Mlp,
+    sync: &kolo_burn::Overlap,
+    x: &burn::tensor::Tensor<2>,
+    y: &burn::tensor::Tensor<1, burn::tensor::Int>,
+    device: &burn::tensor::Device,
+) -> GradientsParams {
+    let last = m.layers.len() - 1;
+    let mut h = x.clone();
+    for (i, layer) in m.layers.iter().enumerate() {
+        h = sync.layer(layer, &h).forward(h);
+        if i < last {
+            h = m.act.forward(h);
+        }
+    }
+    let loss = CrossEntropyLossConfig::new()
+        .init(device)
+        .forward(h, y.clone());
+    GradientsParams::from_grads(loss.backward(), m)
+}
+
 /// The layers of stage `stage` of `stages` of an MLP of widths `dims`: consecutive,
 /// cut where the stages' parameter counts are most even.
 fn stage_layers(dims: &[usize], stages: usize, stage: usize) -> std::ops::Range<usize> {
@@ -137,18 +160,7 @@ fn worker(
             let t = mlp::time_steps(start, &device, warmup, steps, |m| {
                 let step = || -> kolo_burn::Result<(GradientsParams, Duration)> {
                     let sync = reducer.overlap(&m)?;
-                    let last = m.layers.len() - 1;
-                    let mut h = x.clone();
-                    for (i, layer) in m.layers.iter().enumerate() {
-                        h = sync.layer(layer, &h).forward(h);
-                        if i < last {
-                            h = m.act.forward(h);
-                        }
-                    }
-                    let loss = CrossEntropyLossConfig::new()
-                        .init(&device)
-                        .forward(h, y.clone());
-                    let g = GradientsParams::from_grads(loss.backward(), &m);
+                    let g = hooked_grads(&m, &sync, &x, &y, &device);
                     let at = Instant::now();
                     let g = sync.finish(&m, g)?;
                     Ok((g, at.elapsed()))
@@ -205,18 +217,7 @@ fn worker(
                 let fallback = m.clone();
                 let mut step = || -> kolo_burn::Result<(mlp::Mlp, Duration)> {
                     let sync = optim.overlap(&m)?;
-                    let last = m.layers.len() - 1;
-                    let mut h = x.clone();
-                    for (i, layer) in m.layers.iter().enumerate() {
-                        h = sync.layer(layer, &h).forward(h);
-                        if i < last {
-                            h = m.act.forward(h);
-                        }
-                    }
-                    let loss = CrossEntropyLossConfig::new()
-                        .init(&device)
-                        .forward(h, y.clone());
-                    let g = GradientsParams::from_grads(loss.backward(), &m);
+                    let g = hooked_grads(&m, &sync, &x, &y, &device);
                     let at = Instant::now();
                     let m = optim.step_overlapped(mlp::LR, m.clone(), sync, g)?;
                     Ok((m, at.elapsed()))
