@@ -814,7 +814,12 @@ pub(crate) fn overlap(k: &Kolo) -> Result<()> {
                 ShardedOptimizer::new(k, inner)
             }
         };
-        let (mut over, mut direct) = (shard(make()), shard(make()));
+        // By element ranges one bucket per parameter (4), so that several buckets are
+        // reduce-scattered while backward runs; by tensors the default (one bucket).
+        let buckets = if whole { 1 } else { 4 };
+        let over = shard(make());
+        let mut over = if whole { over } else { over.bucket_bytes(1) };
+        let mut direct = shard(make());
         let mut plain = make();
         let reducer = GradientReducer::new(k).prefix(format!("overlap_ref.{whole}"));
         let (mut a, mut d, mut r) = (start.clone(), start.clone(), start.clone());
@@ -828,8 +833,8 @@ pub(crate) fn overlap(k: &Kolo) -> Result<()> {
             let loss = CrossEntropyLossConfig::new().init(&device).forward(out, y);
             let grads = GradientsParams::from_grads(loss.backward(), &a);
             ensure!(
-                sync.early_buckets() == 1,
-                "by tensors {whole}: {} buckets submitted during backward",
+                sync.early_buckets() == buckets,
+                "by tensors {whole}: {} buckets submitted during backward, not {buckets}",
                 sync.early_buckets()
             );
             a = over.step_overlapped(0.05, a, sync, grads)?;
