@@ -348,6 +348,14 @@ impl ShardedOptimizer {
     /// # Errors
     /// As [`step`](Self::step) (the partition is agreed here on the first step).
     pub fn overlap<M: Module>(&mut self, model: &M) -> Result<crate::Overlap> {
+        if self.bucket_bytes == Some(0) {
+            return Err(Error::InvalidArgument {
+                what: "ShardedOptimizer::bucket_bytes",
+                message: "a bucket of 0 bytes holds no gradient; use at least 1 (one bucket \
+                          per parameter) or leave the default (4 MiB)"
+                    .into(),
+            });
+        }
         let plan = self.plan_for(model)?;
         self.reducer_for(&plan).overlap(model)
     }

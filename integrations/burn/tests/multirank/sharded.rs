@@ -146,6 +146,31 @@ pub(crate) fn bad_model(k: &Kolo) -> Result<()> {
             ensure!(m.contains("fc1.weight") && m.contains("rank 1"), "{m}");
         }
     }
+    // A model whose largest parameter has fewer elements than ranks: refused on every
+    // rank, naming both counts (some rank would hold no block of anything).
+    let tiny = LinearConfig::new(1, 1).init(&device);
+    let x = Tensor::<2>::from_data(TensorData::new(vec![0.5f32], [1, 1]), &device);
+    let g = GradientsParams::from_grads(tiny.forward(x).sum().backward(), &tiny);
+    let mut sharded = ShardedOptimizer::new(k, AdamConfig::new().init());
+    match sharded.step(1e-3, tiny.clone(), g) {
+        Ok(_) => anyhow::bail!("a model of 1-element parameters was sharded over 2 ranks"),
+        Err(e) => {
+            let m = e.to_string();
+            ensure!(
+                m.contains("largest parameter has 1 elements") && m.contains("2 ranks"),
+                "{m}"
+            );
+        }
+    }
+    // A bucket size of 0 for the overlap: refused naming the setting.
+    let mut sharded = ShardedOptimizer::new(k, AdamConfig::new().init()).bucket_bytes(0);
+    match sharded.overlap(&tiny) {
+        Ok(_) => anyhow::bail!("an overlap with buckets of 0 bytes started"),
+        Err(e) => {
+            let m = e.to_string();
+            ensure!(m.contains("ShardedOptimizer::bucket_bytes"), "{m}");
+        }
+    }
     Ok(())
 }
 
