@@ -154,11 +154,19 @@ impl GradientReducer {
     ///   place, and every other rank fails the step with [`Error::OtherRank`] naming
     ///   this rank and the cause, so nobody waits and nobody steps alone;
     /// - [`Error::Kolo`]: a failed collective (a rank that left, …).
-    pub fn reduce<M: Module>(
+    pub fn reduce<M: Module>(&self, module: &M, grads: GradientsParams) -> Result<GradientsParams> {
+        let r = self.reduce_slots(module, grads)?;
+        self.give(&r.layout, module, r.slots, &r.devices)
+    }
+
+    /// [`reduce`](Self::reduce) up to the reduced gradients, by slot, as kolo tensors
+    /// (each rank's blocks when the reducer scatters), with the layout and each
+    /// gradient's device.
+    pub(crate) fn reduce_slots<M: Module>(
         &self,
         module: &M,
         mut grads: GradientsParams,
-    ) -> Result<GradientsParams> {
+    ) -> Result<Reduced> {
         let layout = self.layout_of(module)?;
         let mut take = Take {
             grads: &mut grads,
@@ -175,8 +183,12 @@ impl GradientReducer {
             error,
             ..
         } = take;
-        let reduced = self.allreduce(&layout, tensors, error)?;
-        self.give(&layout, module, reduced, &devices)
+        let slots = self.allreduce(&layout, tensors, error)?;
+        Ok(Reduced {
+            layout,
+            slots,
+            devices,
+        })
     }
 
     /// The reduced gradients, by slot, as Burn tensors registered under `module`'s
@@ -411,6 +423,16 @@ pub(crate) fn as_kolo<const D: usize>(
             (device, wire.zeros(s), None)
         }
     }
+}
+
+/// A step's reduced gradients before they go back to Burn
+/// ([`GradientReducer::reduce_slots`]).
+pub(crate) struct Reduced {
+    pub(crate) layout: Arc<Layout>,
+    /// Each slot's reduced gradient (this rank's block of it when scattering).
+    pub(crate) slots: Vec<Option<kolo::Tensor>>,
+    /// The device each gradient came from.
+    pub(crate) devices: Vec<Device>,
 }
 
 /// Takes each parameter's gradient (or zeros) as a kolo tensor, by slot.

@@ -1,15 +1,14 @@
-//! The element-range sharding's moves between the model and kolo: each parameter's
-//! gradient lent flat to the reduce-scatter, this rank's block of each parameter read
+//! The element-range sharding's moves between the model and kolo (the gradients go
+//! through the scattering `GradientReducer`): this rank's block of each parameter read
 //! as a view, the gathered parameters put back — in the parameters' own float type
 //! (f32, f16 or bf16), nothing copied on the way.
 
 use burn::module::{Module, ModuleMapper, ModuleVisitor, Param};
-use burn::optim::GradientsParams;
 use burn::tensor::{Device, Tensor};
 use half::{bf16, f16};
 
 use super::Plan;
-use crate::convert::{self, Copied};
+use crate::convert;
 use crate::error::{Error, Result};
 
 /// A float type the shard may hold: the parameters' own, which the wrapped
@@ -46,61 +45,6 @@ impl Flat for bf16 {
     }
     fn times(self, c: f32) -> Self {
         bf16::from_f32(self.to_f32() * c)
-    }
-}
-
-/// Every parameter's gradient from `grads`, flattened and named for the
-/// reduce-scatter, in module order: the gradient's own buffer where kolo can borrow it
-/// (Burn's host tensors, a CubeCL tensor's device memory), zeros of the parameter's
-/// size for a parameter without a gradient (or one of another type or size).
-pub(super) fn lend_gradients<M: Module>(
-    module: &M,
-    grads: &mut GradientsParams,
-    plan: &Plan,
-) -> Result<Vec<(String, kolo::Tensor)>> {
-    struct Lend<'a> {
-        grads: &'a mut GradientsParams,
-        plan: &'a Plan,
-        wire: kolo::DType,
-        copied: Copied,
-        out: Vec<(String, kolo::Tensor)>,
-        failed: Option<Error>,
-    }
-    impl ModuleVisitor for Lend<'_> {
-        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
-            let i = self.out.len();
-            let (Some(name), Some(&n)) = (self.plan.grad_names.get(i), self.plan.sizes.get(i))
-            else {
-                return;
-            };
-            let lent = match self.grads.remove::<D>(param.id) {
-                Some(g) if g.dtype() == self.plan.dtype && g.shape().num_elements() == n => {
-                    convert::to_kolo(name, g.reshape([n]), &self.copied).and_then(convert::on_host)
-                }
-                _ => Ok(kolo::Tensor::zeros(self.wire, &[n])),
-            };
-            match lent {
-                Ok(t) => self.out.push((name.clone(), t)),
-                Err(e) => {
-                    self.failed.get_or_insert(e);
-                    self.out
-                        .push((name.clone(), kolo::Tensor::zeros(self.wire, &[n])));
-                }
-            }
-        }
-    }
-    let mut lend = Lend {
-        grads,
-        plan,
-        wire: convert::kolo_dtype("the gradients", plan.dtype)?,
-        copied: Copied::default(),
-        out: Vec::with_capacity(plan.sizes.len()),
-        failed: None,
-    };
-    module.visit(&mut lend);
-    match lend.failed {
-        Some(e) => Err(e),
-        None => Ok(lend.out),
     }
 }
 

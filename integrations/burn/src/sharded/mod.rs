@@ -17,7 +17,7 @@ mod consolidate;
 mod flat;
 mod tensors;
 
-use flat::{blocks, gathered, lend_gradients, Flat, Gathered, WriteViews};
+use flat::{blocks, gathered, Flat, Gathered, WriteViews};
 
 /// A drop-in for Burn's `ModuleOptimizer` in a training loop that keeps only this
 /// rank's share of the optimizer state (DeepSpeed's ZeRO stage 1, and stage 2 for the
@@ -43,8 +43,9 @@ use flat::{blocks, gathered, lend_gradients, Flat, Gathered, WriteViews};
 /// ([`shard`](Self::shard)), so the state is split evenly however unevenly the
 /// parameters are sized. Each step:
 /// 1. the gradients are reduce-scattered as one group (kolo's
-///    `grouped_reducescatter`, Average by default; each gradient lent as it is, small
-///    ones fused): this rank receives the reduced gradient of its blocks only;
+///    `grouped_reducescatter` through a [`GradientReducer`](crate::GradientReducer)
+///    made to scatter, Average by default; each gradient lent as it is, small ones
+///    fused): this rank receives the reduced gradient of its blocks only;
 /// 2. the wrapped optimizer steps this rank's blocks, each a 1-D parameter viewing
 ///    the model's, so its state (Adam's two moments, momentum, …) exists for those
 ///    blocks only;
@@ -127,9 +128,12 @@ pub struct ShardedOptimizer {
     refused: Option<String>,
     /// Each parameter whole on one rank ([`by_tensors`](Self::by_tensors)).
     by_tensors: bool,
-    /// Averages the gradients when sharding by whole tensors; reduce-scatters them
-    /// during backward by element ranges ([`overlap`](Self::overlap)).
+    /// Averages the gradients by whole tensors (after backward or during it); by
+    /// element ranges, reduce-scatters them after backward, all in one bucket.
     reducer: Option<crate::GradientReducer>,
+    /// By element ranges: reduce-scatters the gradients during backward
+    /// ([`overlap`](Self::overlap)), in buckets of `bucket_bytes`.
+    overlap_reducer: Option<crate::GradientReducer>,
     /// The overlap's bucket size ([`bucket_bytes`](Self::bucket_bytes)).
     bucket_bytes: Option<usize>,
 }
@@ -167,8 +171,7 @@ struct Plan {
     blocks: Vec<Range<usize>>,
     /// The id under which the wrapped optimizer keeps each block's state.
     piece_ids: Vec<ParamId>,
-    /// The collective names of each parameter's gradient and values.
-    grad_names: Vec<String>,
+    /// The collective name of each parameter's gathered values.
     param_names: Vec<String>,
     /// Sharded by whole tensors: who owns each parameter.
     owners: Option<tensors::Owners>,
@@ -199,6 +202,7 @@ impl ShardedOptimizer {
             refused: None,
             by_tensors: false,
             reducer: None,
+            overlap_reducer: None,
             bucket_bytes: None,
         }
     }
@@ -253,9 +257,10 @@ impl ShardedOptimizer {
 
     /// The largest bucket of gradients reduced together during backward
     /// ([`overlap`](Self::overlap); default 4 MiB by element ranges, 25 MiB by whole
-    /// tensors, as [`GradientReducer::chunk_bytes`](crate::GradientReducer::chunk_bytes)).
-    /// A bucket is sent once backward has produced all of its gradients. Set before the
-    /// first step.
+    /// tensors, as [`GradientReducer::chunk_bytes`](crate::GradientReducer::chunk_bytes)):
+    /// a bucket is sent once backward has produced all of its gradients. After
+    /// backward ([`step`](Self::step)) the element ranges' gradients go in one bucket;
+    /// whole tensors' in these. Set before the first step; 0 makes the step fail.
     pub fn bucket_bytes(mut self, bytes: usize) -> Self {
         self.bucket_bytes = Some(bytes);
         self
@@ -348,16 +353,9 @@ impl ShardedOptimizer {
     /// # Errors
     /// As [`step`](Self::step) (the partition is agreed here on the first step).
     pub fn overlap<M: Module>(&mut self, model: &M) -> Result<crate::Overlap> {
-        if self.bucket_bytes == Some(0) {
-            return Err(Error::InvalidArgument {
-                what: "ShardedOptimizer::bucket_bytes",
-                message: "a bucket of 0 bytes holds no gradient; use at least 1 (one bucket \
-                          per parameter) or leave the default (4 MiB)"
-                    .into(),
-            });
-        }
+        self.check_buckets()?;
         let plan = self.plan_for(model)?;
-        self.reducer_for(&plan).overlap(model)
+        self.reducer_for(&plan, true)?.overlap(model)
     }
 
     /// Ends a step started by [`overlap`](Self::overlap): the gradients the hooks have
@@ -376,26 +374,58 @@ impl ShardedOptimizer {
         self.step_with(lr, model, Gradients::Overlapped(sync, grads), &plan)
     }
 
-    /// The reducer of the whole-tensor step, or of the overlapped element-range one.
-    fn reducer_for(&mut self, plan: &Plan) -> &crate::GradientReducer {
+    /// The reducer that averages the gradients by whole tensors, or reduce-scatters
+    /// them by element ranges: during backward (`overlapped`) in buckets, after it all
+    /// in one (one grouped reduce-scatter; in 4 MiB buckets the 10 M-parameter MLP's
+    /// step ran 9.6–11.9 steps/s against 11.2–12.3 in one, np 2, 5 alternating
+    /// launches).
+    fn reducer_for(&mut self, plan: &Plan, overlapped: bool) -> Result<&crate::GradientReducer> {
+        self.check_buckets()?;
         let by_tensors = plan.owners.is_some();
-        self.reducer.get_or_insert_with(|| {
-            let reducer = crate::GradientReducer::new(&self.kolo)
-                .op(self.op)
-                .backward_passes_per_step(self.passes);
+        let scatter_during = !by_tensors && overlapped;
+        // Made once, on first use.
+        let (kolo, op, passes) = (&self.kolo, self.op, self.passes);
+        let (prefix, bucket_bytes) = (&self.prefix, self.bucket_bytes);
+        let make = || {
+            let base = crate::GradientReducer::new(kolo)
+                .op(op)
+                .backward_passes_per_step(passes);
             if by_tensors {
-                let reducer = reducer.prefix(format!("{}.grads", self.prefix));
-                match self.bucket_bytes {
-                    Some(b) => reducer.chunk_bytes(b),
-                    None => reducer,
+                let r = base.prefix(format!("{prefix}.grads"));
+                match bucket_bytes {
+                    Some(b) => r.chunk_bytes(b),
+                    None => r,
                 }
+            } else if scatter_during {
+                base.prefix(format!("{prefix}.overlap"))
+                    .chunk_bytes(bucket_bytes.unwrap_or(OVERLAP_BUCKET_BYTES))
+                    .scattering()
             } else {
-                reducer
-                    .prefix(format!("{}.overlap", self.prefix))
-                    .chunk_bytes(self.bucket_bytes.unwrap_or(OVERLAP_BUCKET_BYTES))
+                base.prefix(format!("{prefix}.grads"))
+                    .chunk_bytes(usize::MAX)
                     .scattering()
             }
-        })
+        };
+        let slot = if scatter_during {
+            &mut self.overlap_reducer
+        } else {
+            &mut self.reducer
+        };
+        Ok(slot.get_or_insert_with(make))
+    }
+
+    /// Refuses a bucket size of 0 (by its own name: the reducer's error would name
+    /// `GradientReducer::chunk_bytes`).
+    fn check_buckets(&self) -> Result<()> {
+        if self.bucket_bytes == Some(0) {
+            return Err(Error::InvalidArgument {
+                what: "ShardedOptimizer::bucket_bytes",
+                message: "a bucket of 0 bytes holds no gradient; use at least 1 (one bucket \
+                          per parameter) or leave the default"
+                    .into(),
+            });
+        }
+        Ok(())
     }
 
     fn step_with<M: Module>(
@@ -407,7 +437,7 @@ impl ShardedOptimizer {
     ) -> Result<M> {
         if let Some(owners) = &plan.owners {
             let reduced = match grads {
-                Gradients::Local(g) => self.reducer_for(plan).reduce(&model, g)?,
+                Gradients::Local(g) => self.reducer_for(plan, false)?.reduce(&model, g)?,
                 Gradients::Overlapped(sync, g) => sync.finish(&model, g)?,
             };
             return self.step_by_tensors(lr, model, reduced, plan, owners);
@@ -429,31 +459,25 @@ impl ShardedOptimizer {
         plan: &Plan,
     ) -> Result<M> {
         let device = first_device(&model)?;
-        let (values, mut mine) = match grads {
-            Gradients::Local(mut grads) => {
-                let lent = lend_gradients(&model, &mut grads, plan)?;
-                let pending = self
-                    .kolo
-                    .grouped_reducescatter(lent)
-                    .op(self.op)
-                    .prescale(1.0 / self.passes as f64)
-                    .submit()?;
-                // This rank's parameter blocks are viewed while the engine reduces.
-                (blocks(&model, plan), pending.wait()?)
+        // The reducer's settling makes a rank that cannot hand over a gradient fail the
+        // step on every rank (it still takes part, with zeros), so that none waits.
+        let reduced = match grads {
+            Gradients::Local(g) => {
+                self.reducer_for(plan, false)?
+                    .reduce_slots(&model, g)?
+                    .slots
             }
-            Gradients::Overlapped(sync, grads) => {
-                let (reduced, _) = sync.settle(&model, grads)?;
-                let mine = reduced
-                    .into_iter()
-                    .collect::<Option<Vec<_>>>()
-                    .ok_or_else(|| {
-                        Error::Kolo(kolo::Error::Internal(
-                            "a reduced gradient block is missing".into(),
-                        ))
-                    })?;
-                (blocks(&model, plan), mine)
-            }
+            Gradients::Overlapped(sync, g) => sync.settle(&model, g)?.0,
         };
+        let mut mine = reduced
+            .into_iter()
+            .collect::<Option<Vec<_>>>()
+            .ok_or_else(|| {
+                Error::Kolo(kolo::Error::Internal(
+                    "a reduced gradient block is missing".into(),
+                ))
+            })?;
+        let values = blocks(&model, plan);
         if mine.len() != plan.sizes.len() {
             return Err(Error::Kolo(kolo::Error::Internal(format!(
                 "{} reduced gradient blocks for {} parameters",
@@ -655,7 +679,6 @@ impl ShardedOptimizer {
         };
         Ok(Plan {
             piece_ids: sizes.iter().map(|_| ParamId::new()).collect(),
-            grad_names: layout.names.iter().map(|n| format!("{n}.grad")).collect(),
             param_names: layout.names.iter().map(|n| format!("{n}.value")).collect(),
             layout,
             sizes,
