@@ -83,18 +83,8 @@ fn cube_equivalence(
             "{backend:?} {dtype:?} np1: the reduced weights are not plain Burn's on the same device"
         );
     }
-    // Every rank holds the same weights.
-    let all: Vec<Vec<u32>> = k.allgather_object(
-        "cube.weights",
-        got.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
-    )?;
-    ensure!(
-        all.iter().all(|w| *w == all[0]),
-        "the ranks' weights differ after 20 steps on {backend:?}"
-    );
-    let norm = |v: &[f32]| v.iter().map(|x| x * x).sum::<f32>().sqrt();
-    let diff: Vec<f32> = got.iter().zip(&want).map(|(a, b)| a - b).collect();
-    let relative = norm(&diff) / norm(&want);
+    let what = format!("20 steps on {backend:?}");
+    let relative = agreed_relative_diff(k, "cube.weights", &what, &got, &want)?;
     let bound = units * 2f32.powi(-mantissa);
     if rank == 0 {
         println!("CUBE {backend:?} {dtype:?} np{size} relative {relative:e} (bound {bound:e})");
@@ -104,6 +94,26 @@ fn cube_equivalence(
         "{backend:?} {dtype:?}: {relative:e} relative difference from the Flex path (bound {bound:e})"
     );
     Ok(())
+}
+
+/// Checks that every rank holds the same weights `got` (allgathered under `name`) and
+/// returns their relative distance from `want`, ‖got − want‖ / ‖want‖.
+fn agreed_relative_diff(
+    k: &Kolo,
+    name: &str,
+    what: &str,
+    got: &[f32],
+    want: &[f32],
+) -> Result<f32> {
+    let all: Vec<Vec<u32>> =
+        k.allgather_object(name, got.iter().map(|x| x.to_bits()).collect::<Vec<_>>())?;
+    ensure!(
+        all.iter().all(|w| *w == all[0]),
+        "the ranks' weights differ after {what}"
+    );
+    let norm = |v: &[f32]| v.iter().map(|x| x * x).sum::<f32>().sqrt();
+    let diff: Vec<f32> = got.iter().zip(want).map(|(a, b)| a - b).collect();
+    Ok(norm(&diff) / norm(want))
 }
 
 /// f32 on the CPU runtime: within 1e-5 relative of the Flex path.
@@ -168,17 +178,8 @@ fn cube_sharded(k: &Kolo, backend: Backend, units: f32) -> Result<()> {
         got != before,
         "sharded training on {backend:?} changed nothing"
     );
-    let all: Vec<Vec<u32>> = k.allgather_object(
-        "cube.sharded",
-        got.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
-    )?;
-    ensure!(
-        all.iter().all(|w| *w == all[0]),
-        "the ranks' weights differ after 20 sharded steps on {backend:?}"
-    );
-    let norm = |v: &[f32]| v.iter().map(|x| x * x).sum::<f32>().sqrt();
-    let diff: Vec<f32> = got.iter().zip(&want).map(|(a, b)| a - b).collect();
-    let relative = norm(&diff) / norm(&want);
+    let what = format!("20 sharded steps on {backend:?}");
+    let relative = agreed_relative_diff(k, "cube.sharded", &what, &got, &want)?;
     let bound = units * 2f32.powi(-17);
     ensure!(
         relative < bound,
