@@ -81,9 +81,11 @@ impl Driver {
         }
         self.drives.fetch_add(1, Ordering::Relaxed);
         driven.ended = driven.engine.drive(done);
-        // Work left for the engine thread (other threads' ops, taken in here), or an
-        // end it must serve: wake it once the lock is free.
-        let leftover = driven.ended.is_some() || driven.engine.inbox.has_work();
+        // Work left for the engine thread (other threads' ops, taken in here), a
+        // heartbeat due, or an end it must serve: wake it once the lock is free.
+        let leftover = driven.ended.is_some()
+            || driven.engine.inbox.has_work()
+            || std::mem::take(&mut driven.engine.heartbeat_handed_back);
         drop(slot);
         if leftover {
             self.queue.kick();
@@ -217,21 +219,27 @@ impl Engine {
                     }
                     // A send or receive waits for its peer: poll it here, spinning
                     // briefly (latency), then yielding, then napping on the queue
-                    // (new work ends a nap); heartbeats go on meanwhile.
-                    // One clock read a turn.
+                    // (new work ends a nap). One clock read a turn.
                     let now = std::time::Instant::now();
-                    if now.duration_since(self.last_cycle) < super::HEARTBEAT {
-                        let waited = now.duration_since(start);
-                        if waited < std::time::Duration::from_micros(50) {
-                            std::hint::spin_loop();
-                        } else if waited < std::time::Duration::from_millis(1) {
-                            std::thread::yield_now();
-                        } else {
-                            self.inbox.queue.wait_for_command(self.p2p.poll_interval());
-                        }
-                        polls = polls.wrapping_add(1).max(1);
-                        continue;
+                    if now.duration_since(self.last_cycle) >= super::HEARTBEAT {
+                        // A heartbeat is due: the engine thread runs it. Its agreement
+                        // waits until every other rank's heartbeat joins (up to one
+                        // interval later), and a caller running it would wait there
+                        // after its own send or receive completed: a pipeline stage
+                        // lost 40-100 ms at a time so.
+                        self.heartbeat_handed_back = true;
+                        return None;
                     }
+                    let waited = now.duration_since(start);
+                    if waited < std::time::Duration::from_micros(50) {
+                        std::hint::spin_loop();
+                    } else if waited < std::time::Duration::from_millis(1) {
+                        std::thread::yield_now();
+                    } else {
+                        self.inbox.queue.wait_for_command(self.p2p.poll_interval());
+                    }
+                    polls = polls.wrapping_add(1).max(1);
+                    continue;
                 }
                 if !self.control.last_cycle_had_news {
                     self.inbox.queue.wait_for_command(self.config.cycle_time);

@@ -83,6 +83,9 @@ struct Engine {
     progress: Option<Arc<watchdog::Progress>>,
     /// When the last cycle ran (heartbeats go on while point to point is polled).
     last_cycle: Instant,
+    /// Set by a driving caller that stopped because a heartbeat cycle is due: the
+    /// engine thread runs it (`driver.rs`).
+    heartbeat_handed_back: bool,
     /// Test-only: panic this engine thread after two cycles.
     #[cfg(feature = "fault-injection")]
     fault_panic: bool,

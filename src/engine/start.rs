@@ -143,6 +143,7 @@ impl Engine {
             ),
             p2p: super::p2p::P2pLane::new(port),
             last_cycle: Instant::now(),
+            heartbeat_handed_back: false,
             #[cfg(feature = "fault-injection")]
             fault_panic: std::env::var("KOLO_FAULT_ENGINE_PANIC_RANK")
                 .ok()

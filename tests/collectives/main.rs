@@ -68,6 +68,11 @@ const CASES: &[(&str, Case, usize)] = &[
     ("p2p_in_process_set", p2p::in_process_set, 3),
     ("p2p_pair_alone", p2p::pair_alone, 3),
     (
+        "p2p_pair_alone_past_heartbeats",
+        p2p::pair_alone_past_heartbeats,
+        3,
+    ),
+    (
         "issue31_grouped_member_order",
         issue31::grouped_member_order,
         2,

@@ -222,6 +222,86 @@ pub(crate) fn pair_alone(k: &Kolo) -> Result<()> {
     Ok(())
 }
 
+/// A thread waiting on its own send or receive runs the engine itself, but never a
+/// heartbeat cycle: that waits for every rank's heartbeat, and the waiter would wait
+/// with it after its op completed (a pipeline stage lost 40-100 ms at a time so). The
+/// last rank stops itself right after a barrier, so no heartbeat agreement can end
+/// while it is stopped; ranks 0 and 1 exchange round trips for about 300 ms (three
+/// heartbeats), rank 1 replying after 5 ms so that rank 0 is waiting (driving) when
+/// they come due. A waiter that ran a heartbeat would be held until rank 0 continues
+/// the stopped rank (after the loop; after 20 s at the latest).
+pub(crate) fn pair_alone_past_heartbeats(k: &Kolo) -> Result<()> {
+    let (rank, size) = (k.rank(), k.size());
+    let pids: Vec<i32> = k.allgather_object("p2p.hb.pids", std::process::id() as i32)?;
+    let last = size - 1;
+    k.barrier()?;
+    if rank == last {
+        // SAFETY: stopping our own process; rank 0 continues it.
+        unsafe { libc::kill(libc::getpid(), libc::SIGSTOP) };
+    } else if rank < 2 {
+        let pid = pids[last];
+        let fallback = (rank == 0).then(|| {
+            std::thread::spawn(move || {
+                std::thread::sleep(Duration::from_secs(20));
+                // SAFETY: continuing a rank of this job.
+                unsafe { libc::kill(pid, libc::SIGCONT) };
+            })
+        });
+        let start = Instant::now();
+        let mut slowest = Duration::ZERO;
+        let mut rounds = 0u32;
+        loop {
+            let key = format!("hb.pingpong.{rounds}");
+            let at = Instant::now();
+            if rank == 0 {
+                let t = Tensor::from_vec(vec![rounds as f32; 4], &[4])?;
+                k.send(key.as_str(), t, 1).wait()?;
+                let back = k.recv(key.as_str(), 1).wait()?;
+                ensure!(
+                    back.as_slice::<f32>()? == [rounds as f32 + 1.0; 4],
+                    "round {rounds}"
+                );
+            } else {
+                let got = k.recv(key.as_str(), 0).wait()?;
+                std::thread::sleep(Duration::from_millis(5));
+                let v: Vec<f32> = got.as_slice::<f32>()?.iter().map(|x| x + 1.0).collect();
+                k.send(key.as_str(), Tensor::from_vec(v, &[4])?, 0).wait()?;
+            }
+            slowest = slowest.max(at.elapsed());
+            rounds += 1;
+            // Rank 1 decides when to stop by rank 0's count: both run the same rounds.
+            if rank == 0 {
+                let go_on = start.elapsed() < Duration::from_millis(300) || rounds < 10;
+                let flag = Tensor::from_vec(vec![u8::from(go_on)], &[1])?;
+                k.send(format!("hb.more.{rounds}").as_str(), flag, 1)
+                    .wait()?;
+                if !go_on {
+                    break;
+                }
+            } else {
+                let flag = k.recv(format!("hb.more.{rounds}").as_str(), 0).wait()?;
+                if flag.as_slice::<u8>()? == [0] {
+                    break;
+                }
+            }
+        }
+        let took = start.elapsed();
+        if rank == 0 {
+            // SAFETY: continuing a rank of this job.
+            unsafe { libc::kill(pid, libc::SIGCONT) };
+        }
+        drop(fallback);
+        ensure!(
+            took < Duration::from_secs(5),
+            "{rounds} round trips took {took:?} (slowest {slowest:?}) while rank {last} \
+             was stopped: a waiter ran a heartbeat cycle"
+        );
+        eprintln!("rank {rank}: {rounds} round trips in {took:?}, slowest {slowest:?}");
+    }
+    k.barrier()?;
+    Ok(())
+}
+
 /// A receive whose sender has not sent is reported by the stall inspector, naming
 /// both ranks and the name (with `KOLO_STALL_CHECK_TIME_SECONDS=1`); the send then
 /// comes and both complete.
