@@ -18,6 +18,9 @@ pub(super) struct Agreed {
     pub(super) autotune: bool,
     /// Asked for a hierarchical allreduce (whether it runs depends on the hosts).
     pub(super) hierarchical_allreduce: bool,
+    /// Not set either way: hierarchical across hosts for sums of at least
+    /// [`HIERARCHICAL_AUTO_MIN_BYTES`], where it was measured faster.
+    pub(super) hierarchical_allreduce_auto: bool,
     /// Asked for a hierarchical allgather (likewise).
     pub(super) hierarchical_allgather: bool,
     /// Large sums across hosts in groups (None: measured at start).
@@ -43,6 +46,7 @@ pub(super) fn agree(t: &mut dyn Transport, config: &Config) -> Result<(Agreed, H
         cache_capacity: config.cache_capacity,
         autotune: config.autotune,
         hierarchical_allreduce: config.hierarchical_allreduce,
+        hierarchical_allreduce_auto: !config.hierarchical_allreduce_explicit,
         hierarchical_allgather: config.hierarchical_allgather,
         grouped_ring: config.grouped_ring,
     };
@@ -65,7 +69,8 @@ pub(super) fn agree(t: &mut dyn Transport, config: &Config) -> Result<(Agreed, H
         );
     }
     let per_host: Vec<u64> = all.iter().map(|&(_, l)| l).collect();
-    let reduce = hierarchical(first.hierarchical_allreduce, &topology, &per_host);
+    let auto = first.hierarchical_allreduce_auto;
+    let reduce = hierarchical(first.hierarchical_allreduce || auto, &topology, &per_host);
     let gather = hierarchical(first.hierarchical_allgather, &topology, &per_host);
     if topology.rank == 0 {
         for (asked, shape, op) in [
@@ -80,6 +85,11 @@ pub(super) fn agree(t: &mut dyn Transport, config: &Config) -> Result<(Agreed, H
                 Hierarchy::On => tracing::debug!(
                     hosts = topology.cross_size,
                     ranks_per_host = topology.local_size,
+                    from_bytes = if auto && op == "allreduce" {
+                        HIERARCHICAL_AUTO_MIN_BYTES
+                    } else {
+                        0
+                    },
                     "hierarchical {op} on"
                 ),
                 Hierarchy::Flat(_) => {}
@@ -92,11 +102,20 @@ pub(super) fn agree(t: &mut dyn Transport, config: &Config) -> Result<(Agreed, H
         possible: hierarchical(true, &topology, &per_host) == Hierarchy::On,
     };
     t.set_hierarchical_allreduce(choice.on);
+    t.set_hierarchical_min_bytes(if auto { HIERARCHICAL_AUTO_MIN_BYTES } else { 0 });
     t.set_hierarchical_allgather(choice.allgather_on);
     // Every rank, with rank 0's choice: the link probe behind `None` is collective.
     t.choose_grouped_ring(first.grouped_ring)?;
     Ok((first, choice))
 }
+
+/// Left unset, the allreduce runs hierarchically across hosts (with the same number,
+/// at least two, of ranks each) for sums of this many bytes or more. Measured across
+/// 2 emulated hosts × 2 ranks (`scripts/run-multinode-bench.sh`), hierarchical ÷
+/// flat: 1000 fused 1 KiB tensors (about 1 MiB per allreduce) 1.09–1.11 (slower) at
+/// 1 and 10 Gbit/s; the ResNet-50 set (fused allreduces of 38 and 64 MiB) 0.74 at
+/// 1 Gbit/s and 1.03 [0.71–1.09] at 10 Gbit/s; one 64 MiB tensor 0.74 and 0.94.
+pub(super) const HIERARCHICAL_AUTO_MIN_BYTES: usize = 16 << 20;
 
 /// Whether allreduce runs hierarchically, or why not.
 #[derive(Debug, PartialEq)]

@@ -119,6 +119,11 @@ pub(crate) trait Transport: Send {
     /// hosts have the same number of ranks each. A transport without hosts ignores it.
     fn set_hierarchical_allreduce(&mut self, _on: bool) {}
 
+    /// While hierarchical, only allreduces of at least this many bytes take the three
+    /// steps; smaller ones stay flat (0 at start: every size). Every rank calls it
+    /// with the same value. A transport without hosts ignores it.
+    fn set_hierarchical_min_bytes(&mut self, _bytes: usize) {}
+
     /// The rank this transport is waiting for a message from, kept up to date while it
     /// waits point to point (the cycle agreement), for the collective-timeout
     /// watchdog's message. A transport that never knows returns an [`Awaited`] that

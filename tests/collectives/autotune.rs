@@ -170,10 +170,11 @@ pub(crate) fn tune(k: &Kolo) -> Result<()> {
 
 /// Across hosts, with only hierarchical allreduce left to tune: the tuner tries it on
 /// and off (every rank switching after the same cycle), and sums stay exact through
-/// every switch, both through the ring (2 MiB) and fused small tensors.
+/// every switch, both through the hierarchical path or ring (16 MiB: hierarchical
+/// when on, left unset) and fused small tensors.
 pub(crate) fn tune_hierarchical(k: &Kolo) -> Result<()> {
     let (me, n) = (k.rank(), k.size());
-    let len = 1 << 19;
+    let len = 1 << 22;
     let mut step_no = 0usize;
     until_tuned(k, || {
         step_no += 1;
@@ -207,11 +208,11 @@ pub(crate) fn tune_hierarchical(k: &Kolo) -> Result<()> {
         Ok(())
     })?;
     let changes = changes_agree(k)?;
-    // It starts flat (nothing asked for hierarchical), so one switch on means both
-    // shapes were scored.
+    // Left unset, it starts hierarchical (across hosts, from 16 MiB), so one switch
+    // off means both shapes were scored.
     ensure!(
-        changes.iter().any(|c| c.5),
-        "the tuner never tried hierarchical allreduce: {changes:?}"
+        changes.iter().any(|c| !c.5),
+        "the tuner never tried the flat allreduce: {changes:?}"
     );
     if me == 0 {
         println!("TUNED hierarchical={}", changes.last().is_some_and(|c| c.5));

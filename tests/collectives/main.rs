@@ -641,6 +641,30 @@ fn multinode_faults() -> Vec<Trial> {
             Ok(())
         }));
     }
+    // Left unset, the allreduce is hierarchical from 16 MiB across hosts of 2 ranks
+    // each (said once, with the size), and the same sums stay exact.
+    trials.push(multinode_trial("hierarchical_allreduce_default", || {
+        let run = harness::mpirun_hosts_args(
+            "hierarchical_allreduce",
+            &["-np", "4"],
+            Duration::from_secs(180),
+            &[("KOLO_LOG_LEVEL", "debug")],
+        )?;
+        run.succeeded("hierarchical allreduce by default")?;
+        let said: Vec<&str> = run
+            .output
+            .lines()
+            .filter(|l| l.contains("hierarchical allreduce on"))
+            .collect();
+        if said.len() != 1 || !said[0].contains("from_bytes=16777216") {
+            return Err(format!(
+                "expected one \"hierarchical allreduce on\" with from_bytes=16777216:\n{}",
+                run.output
+            )
+            .into());
+        }
+        Ok(())
+    }));
     // Ranks placed round-robin over the hosts: the ring still crosses each host
     // boundary once (ring order 0 2 1 3), and sums through it stay exact.
     trials.push(multinode_trial("ring_round_robin_placement", || {
@@ -728,7 +752,11 @@ fn multinode_faults() -> Vec<Trial> {
         Ok(())
     }));
     trials.push(multinode_trial("hierarchical_case_flat", || {
-        let run = harness::mpirun_hosts("hierarchical_allreduce", Duration::from_secs(180), &[])?;
+        let run = harness::mpirun_hosts(
+            "hierarchical_allreduce",
+            Duration::from_secs(180),
+            &[("KOLO_HIERARCHICAL_ALLREDUCE", "0")],
+        )?;
         Ok(run.succeeded("the flat run")?)
     }));
     // kolorun end to end: inherited single-machine settings are dropped (with a note),

@@ -31,6 +31,7 @@ impl Rank {
             cache_capacity,
             autotune: false,
             hierarchical_allreduce: false,
+            hierarchical_allreduce_auto: false,
             hierarchical_allgather: false,
             grouped_ring: None,
         };

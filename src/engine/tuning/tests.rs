@@ -108,6 +108,7 @@ fn switching_the_cache_sends_slot_announced_requests_in_full_again() {
         cache_capacity: 8,
         autotune: true,
         hierarchical_allreduce: false,
+        hierarchical_allreduce_auto: false,
         hierarchical_allgather: false,
         grouped_ring: None,
     };

@@ -78,6 +78,8 @@ pub(crate) struct MpiTransport {
     cross: SimpleCommunicator,
     /// Allreduce hierarchically (set once at start, the same on every rank).
     hierarchical: bool,
+    /// ... from this many bytes on (smaller allreduces stay flat).
+    hierarchical_min_bytes: usize,
     /// Allgather hierarchically (set once at start, the same on every rank).
     hierarchical_allgather: bool,
     /// Large sums in groups through one ring (only where every hop crosses hosts;
@@ -367,6 +369,10 @@ impl Transport for MpiTransport {
         Ok(())
     }
 
+    fn set_hierarchical_min_bytes(&mut self, bytes: usize) {
+        self.hierarchical_min_bytes = bytes;
+    }
+
     fn set_hierarchical_allreduce(&mut self, on: bool) {
         self.hierarchical = on;
     }
@@ -394,7 +400,10 @@ impl Transport for MpiTransport {
     }
 
     fn allreduce(&mut self, buf: &mut [u8], dtype: DType, op: ReduceOp) -> Result<()> {
-        if self.hierarchical && buf.len() / dtype.size_of() >= self.topology.local_size {
+        if self.hierarchical
+            && buf.len() >= self.hierarchical_min_bytes
+            && buf.len() / dtype.size_of() >= self.topology.local_size
+        {
             return self.hierarchical_allreduce(buf, dtype, op);
         }
         let sum = matches!(op, ReduceOp::Sum | ReduceOp::Average);

@@ -79,6 +79,7 @@ impl MpiTransport {
             local,
             cross,
             hierarchical: false,
+            hierarchical_min_bytes: 0,
             hierarchical_allgather: false,
             grouped_ring: false,
             hosts,

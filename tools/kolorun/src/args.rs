@@ -98,7 +98,8 @@ pub(crate) struct Args {
     pub(crate) disable_stall_check: bool,
 
     /// Allreduce within each host, then across hosts, then within each host again
-    /// (only shards cross the network).
+    /// (only shards cross the network), at every size. Without it kolo does so from
+    /// 16 MiB where hosts have the same number (at least two) of ranks.
     #[arg(long)]
     pub(crate) hierarchical_allreduce: bool,
 
