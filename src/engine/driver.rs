@@ -191,6 +191,14 @@ impl Engine {
     /// engine ends. Paces cycles as the engine thread does: while only other ranks are
     /// awaited, one per cycle time unless new work arrives.
     fn drive(&mut self, done: &dyn Fn() -> bool) -> Option<End> {
+        // Polls take one arrived tensor at a time: the caller looks at `done` between.
+        self.p2p.drain = false;
+        let end = self.drive_turns(done);
+        self.p2p.drain = true;
+        end
+    }
+
+    fn drive_turns(&mut self, done: &dyn Fn() -> bool) -> Option<End> {
         let start = std::time::Instant::now();
         // Turns in a row spent only polling sends and receives: after the first, the
         // queue's lock is taken only when something was flagged there, and stalls are

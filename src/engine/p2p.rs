@@ -49,6 +49,10 @@ pub(super) struct P2pLane {
     /// The transport's error that broke point to point (a message stream out of step):
     /// every later send and receive fails with it.
     broken: Option<Error>,
+    /// Whether a poll takes every tensor that arrived (the engine thread) or at most
+    /// one new one (a caller driving the engine while it waits: it polls again at
+    /// once, and returns sooner when its own has come).
+    pub(super) drain: bool,
 }
 
 /// The name a send or receive was made with: its key is `name@src->dst`.
@@ -62,6 +66,7 @@ impl P2pLane {
     pub(super) fn new(port: Option<Box<dyn P2pPort>>) -> Self {
         P2pLane {
             port,
+            drain: true,
             ..P2pLane::default()
         }
     }
@@ -147,7 +152,7 @@ impl P2pLane {
             return;
         };
         let mut events = std::mem::take(&mut self.events);
-        if let Err(e) = port.poll(&mut events) {
+        if let Err(e) = port.poll(&mut events, self.drain) {
             self.fail_all(|_, _| e.clone());
             self.broken = Some(e);
         }

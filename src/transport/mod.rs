@@ -21,8 +21,10 @@ pub(crate) trait P2pPort: Send {
     /// send is done. The port keeps the tensor until then.
     fn send(&mut self, dest: usize, name: &str, tensor: Tensor) -> Result<u64>;
     /// Reports the sends that are done and the tensors that arrived whole (from any
-    /// rank, in the order each rank sent them).
-    fn poll(&mut self, events: &mut Vec<P2pEvent>) -> Result<()>;
+    /// rank, in the order each rank sent them). With `drain` false it takes at most
+    /// one newly arrived tensor: a thread waiting for one returns sooner (looking for
+    /// another that is not there may cost MPI a yield of the core).
+    fn poll(&mut self, events: &mut Vec<P2pEvent>, drain: bool) -> Result<()>;
 }
 
 /// What [`P2pPort::poll`] reports.
