@@ -10,7 +10,8 @@
 //! steps/s ÷ plain Burn steps/s of the same repetition.
 //!
 //! ```sh
-//! ./scripts/run-burn-bench.sh            # KOLO_BENCH_REPS=N (default 5), --model small|big
+//! ./scripts/run-burn-bench.sh            # KOLO_BENCH_REPS=N (default 5), --model small|big|pipe
+//! KOLO_BENCH_PATHS=pipeline ./scripts/run-burn-bench.sh --model pipe   # some paths only
 //! ./scripts/run-burn-bench.sh --device cuda   # after scripts/build-cuda.sh; also cpu
 //! ```
 //! `--device cuda` (Burn's CUDA backend, gradients reduced by NCCL) runs kolo at np 1
@@ -303,6 +304,15 @@ fn efficiency(pipeline: &[f64], plain: &[f64]) -> (Vec<f64>, Vec<f64>) {
     (eff, share)
 }
 
+/// Whether `path` runs: all of them, or those `KOLO_BENCH_PATHS` lists (comma-separated,
+/// e.g. `pipeline` for the pipeline rows alone).
+fn wanted(path: &str) -> bool {
+    match std::env::var("KOLO_BENCH_PATHS") {
+        Ok(list) if !list.trim().is_empty() => list.split(',').any(|p| p.trim() == path),
+        _ => true,
+    }
+}
+
 /// Runs `cmd` and reads its result line: (steps/s, communication share).
 fn result_of(cmd: Command, what: &str) -> Result<(f64, f64)> {
     let v = bench::result_of(cmd, what, &["steps_per_s", "comm_share"])?;
@@ -380,6 +390,9 @@ fn main() -> Result<()> {
                 plain_micro_sps.push(result_of(cmd, "plain Burn, micro-batches")?.0);
             }
             for (p, path) in PATHS.iter().enumerate() {
+                if !wanted(path) {
+                    continue;
+                }
                 for (n, &np) in nps.iter().enumerate() {
                     let mut cmd = Command::new("mpirun");
                     cmd.args(["-np", np, "--bind-to", "none"]).arg(&exe);
@@ -402,6 +415,9 @@ fn main() -> Result<()> {
             show(&plain_sps)
         );
         for (p, path) in PATHS.iter().enumerate() {
+            if !wanted(path) {
+                continue;
+            }
             for (n, np) in nps.iter().enumerate() {
                 let np = format!("np{np}");
                 let sps: Vec<f64> = kolo[p][n].iter().map(|r| r.0).collect();

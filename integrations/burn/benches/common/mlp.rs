@@ -19,10 +19,11 @@ pub(crate) const BATCH: usize = 64;
 #[allow(dead_code)]
 pub(crate) const MICRO_BATCHES: usize = 8;
 
-/// Samples per step of `model`: `KOLO_BENCH_BATCH` when set, 2048 for the pipeline
-/// model (micro-batches of 256: Burn's CPU matmuls at 32 rows ran 2.7× slower per
-/// sample here, at 128 rows 0.82× the whole batch's speed, at 256 rows 0.88×: a loss
-/// no schedule can hide), else [`BATCH`].
+/// Samples per step of `model`: `KOLO_BENCH_BATCH` when set, 4096 for the pipeline
+/// model (micro-batches of 512 rows: one rank running the batch as 8 micro-batches
+/// ran at 0.82× the whole batch's steps/s with 128-row micro-batches here, 0.88–0.91×
+/// with 256 rows — a loss no schedule can hide; at 32 rows 2.7× slower per sample),
+/// else [`BATCH`].
 pub(crate) fn batch_size(model: &str) -> usize {
     if let Some(b) = std::env::var("KOLO_BENCH_BATCH")
         .ok()
@@ -30,7 +31,7 @@ pub(crate) fn batch_size(model: &str) -> usize {
     {
         b
     } else if model == "pipe" {
-        2048
+        4096
     } else {
         BATCH
     }
