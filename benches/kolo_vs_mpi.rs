@@ -13,7 +13,7 @@
 //! forwarded to remote ranks. With more than one rank per host a third side runs: kolo
 //! with `KOLO_HIERARCHICAL_ALLREDUCE=1` and `KOLO_HIERARCHICAL_ALLGATHER=1` (every
 //! size), reported against plain MPI and against kolo's defaults (`hier/kolo`: the
-//! allreduce is hierarchical from 16 MiB there by default, flat below).
+//! allreduce is hierarchical from 2 MiB there by default, flat below).
 //!
 //! **The baseline is a separate plain MPI program**: the same binary launched with
 //! `--plain`, which calls `MPI_Init` itself and never starts kolo (no engine thread, no

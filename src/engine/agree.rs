@@ -112,10 +112,12 @@ pub(super) fn agree(t: &mut dyn Transport, config: &Config) -> Result<(Agreed, H
 /// Left unset, the allreduce runs hierarchically across hosts (with the same number,
 /// at least two, of ranks each) for sums of this many bytes or more. Measured across
 /// 2 emulated hosts × 2 ranks (`scripts/run-multinode-bench.sh`), hierarchical ÷
-/// flat: 1000 fused 1 KiB tensors (about 1 MiB per allreduce) 1.09–1.11 (slower) at
-/// 1 and 10 Gbit/s; the ResNet-50 set (fused allreduces of 38 and 64 MiB) 0.74 at
-/// 1 Gbit/s and 1.03 [0.71–1.09] at 10 Gbit/s; one 64 MiB tensor 0.74 and 0.94.
-pub(super) const HIERARCHICAL_AUTO_MIN_BYTES: usize = 16 << 20;
+/// flat: 1000 fused 1 KiB tensors (one allreduce of 1 MiB) 1.09–1.15 (slower) at 1
+/// and 10 Gbit/s; the ResNet-50 set (161 tensors, those above 64 KiB reduced each in
+/// place, most of its bytes in tensors of 2–9 MB) 0.74–0.75 at 1 Gbit/s and 0.89–1.03
+/// at 10 Gbit/s; one 64 MiB tensor 0.74 and 0.94–1.01. With this threshold the
+/// ResNet-50 set ran 0.99× the all-hierarchical time at 1 Gbit/s (1.10× at 10 Gbit/s).
+pub(super) const HIERARCHICAL_AUTO_MIN_BYTES: usize = 2 << 20;
 
 /// Whether allreduce runs hierarchically, or why not.
 #[derive(Debug, PartialEq)]

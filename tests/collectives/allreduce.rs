@@ -393,9 +393,9 @@ pub(crate) fn grouped(k: &Kolo) -> Result<()> {
 }
 
 /// Across hosts with `KOLO_HIERARCHICAL_ALLREDUCE=1` (and left unset: hierarchical
-/// from 16 MiB): integer-valued sums are exact (so equal to the flat allreduce's), and
+/// from 2 MiB): integer-valued sums are exact (so equal to the flat allreduce's), and
 /// for arbitrary floats every rank ends with the same bits. Sizes below, at and above
-/// the ranks per host, odd ones, one above 16 MiB, a fused batch; f32, f64, f16, i32;
+/// the ranks per host, odd ones, one just above 2 MiB, a fused batch; f32, f64, f16, i32;
 /// Sum, Average, Max.
 pub(crate) fn hierarchical(k: &Kolo) -> Result<()> {
     let (me, n) = (k.rank(), k.size());
@@ -437,8 +437,8 @@ pub(crate) fn hierarchical(k: &Kolo) -> Result<()> {
             );
         }
     }
-    // One sum above the size the hierarchical allreduce takes by default (16 MiB).
-    let len = (1 << 22) + 3;
+    // One sum just above the size the hierarchical allreduce takes by default (2 MiB).
+    let len = (1 << 19) + 3;
     let mine: Vec<f32> = (0..len).map(|j| ((me * 5 + j) % 17) as f32).collect();
     let got: Vec<f32> = k
         .allreduce("h.large", Tensor::from_vec(mine, &[len])?)

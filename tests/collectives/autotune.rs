@@ -170,11 +170,11 @@ pub(crate) fn tune(k: &Kolo) -> Result<()> {
 
 /// Across hosts, with only hierarchical allreduce left to tune: the tuner tries it on
 /// and off (every rank switching after the same cycle), and sums stay exact through
-/// every switch, both through the hierarchical path or ring (16 MiB: hierarchical
+/// every switch, both through the hierarchical path or ring (2 MiB: hierarchical
 /// when on, left unset) and fused small tensors.
 pub(crate) fn tune_hierarchical(k: &Kolo) -> Result<()> {
     let (me, n) = (k.rank(), k.size());
-    let len = 1 << 22;
+    let len = 1 << 19;
     let mut step_no = 0usize;
     until_tuned(k, || {
         step_no += 1;
@@ -208,7 +208,7 @@ pub(crate) fn tune_hierarchical(k: &Kolo) -> Result<()> {
         Ok(())
     })?;
     let changes = changes_agree(k)?;
-    // Left unset, it starts hierarchical (across hosts, from 16 MiB), so one switch
+    // Left unset, it starts hierarchical (across hosts, from 2 MiB), so one switch
     // off means both shapes were scored.
     ensure!(
         changes.iter().any(|c| !c.5),

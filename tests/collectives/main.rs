@@ -641,7 +641,7 @@ fn multinode_faults() -> Vec<Trial> {
             Ok(())
         }));
     }
-    // Left unset, the allreduce is hierarchical from 16 MiB across hosts of 2 ranks
+    // Left unset, the allreduce is hierarchical from 2 MiB across hosts of 2 ranks
     // each (said once, with the size), and the same sums stay exact.
     trials.push(multinode_trial("hierarchical_allreduce_default", || {
         let run = harness::mpirun_hosts_args(
@@ -656,9 +656,9 @@ fn multinode_faults() -> Vec<Trial> {
             .lines()
             .filter(|l| l.contains("hierarchical allreduce on"))
             .collect();
-        if said.len() != 1 || !said[0].contains("from_bytes=16777216") {
+        if said.len() != 1 || !said[0].contains("from_bytes=2097152") {
             return Err(format!(
-                "expected one \"hierarchical allreduce on\" with from_bytes=16777216:\n{}",
+                "expected one \"hierarchical allreduce on\" with from_bytes=2097152:\n{}",
                 run.output
             )
             .into());

@@ -99,7 +99,7 @@ pub(crate) struct Args {
 
     /// Allreduce within each host, then across hosts, then within each host again
     /// (only shards cross the network), at every size. Without it kolo does so from
-    /// 16 MiB where hosts have the same number (at least two) of ranks.
+    /// 2 MiB where hosts have the same number (at least two) of ranks.
     #[arg(long)]
     pub(crate) hierarchical_allreduce: bool,
 
