@@ -170,13 +170,18 @@ pub(crate) fn in_process_set(k: &Kolo) -> Result<()> {
     Ok(())
 }
 
-/// A pair needs no other rank (issue 36): the last rank stops itself (SIGSTOP) while
-/// ranks 0 and 1 exchange 50 round trips, and rank 0 then continues it (SIGCONT;
-/// after 20 s at the latest, so that a failure is not a hang). Through the cycles the
-/// pair would wait for the stopped rank's part of the next cycle agreement.
-pub(crate) fn pair_alone(k: &Kolo) -> Result<()> {
+/// Runs `pair` on ranks 0 and 1 while the last rank is stopped: right after a barrier
+/// it stops itself (SIGSTOP), and rank 0 continues it (SIGCONT) once `pair` returns,
+/// or after 20 s at the latest, so that a failure is not a hang. `pair` gets this
+/// rank and returns how long its part took, which must stay under `limit`.
+fn while_last_rank_stopped(
+    k: &Kolo,
+    tag: &str,
+    limit: Duration,
+    pair: impl FnOnce(usize) -> Result<Duration>,
+) -> Result<()> {
     let (rank, size) = (k.rank(), k.size());
-    let pids: Vec<i32> = k.allgather_object("p2p.pids", std::process::id() as i32)?;
+    let pids: Vec<i32> = k.allgather_object(format!("{tag}.pids"), std::process::id() as i32)?;
     let last = size - 1;
     k.barrier()?;
     if rank == last {
@@ -191,35 +196,52 @@ pub(crate) fn pair_alone(k: &Kolo) -> Result<()> {
                 unsafe { libc::kill(pid, libc::SIGCONT) };
             })
         });
-        // Let the last rank stop first.
-        std::thread::sleep(Duration::from_millis(300));
-        let start = Instant::now();
-        for i in 0..50u32 {
-            let key = format!("pingpong.{i}");
-            if rank == 0 {
-                let t = Tensor::from_vec(vec![i as f32; 4], &[4])?;
-                k.send(key.as_str(), t, 1).wait()?;
-                let back = k.recv(key.as_str(), 1).wait()?;
-                ensure!(back.as_slice::<f32>()? == [i as f32 + 1.0; 4], "round {i}");
-            } else {
-                let got = k.recv(key.as_str(), 0).wait()?;
-                let v: Vec<f32> = got.as_slice::<f32>()?.iter().map(|x| x + 1.0).collect();
-                k.send(key.as_str(), Tensor::from_vec(v, &[4])?, 0).wait()?;
-            }
-        }
-        let took = start.elapsed();
+        let took = pair(rank);
         if rank == 0 {
             // SAFETY: continuing a rank of this job.
             unsafe { libc::kill(pid, libc::SIGCONT) };
         }
         drop(fallback);
+        let took = took?;
         ensure!(
-            took < Duration::from_secs(10),
-            "50 round trips took {took:?} while rank {last} was stopped"
+            took < limit,
+            "{tag}: took {took:?} while rank {last} was stopped"
         );
     }
     k.barrier()?;
     Ok(())
+}
+
+/// One round trip of 4 floats between ranks 0 and 1 under `key` (rank 1 adds one,
+/// after `reply_after`).
+fn round_trip(k: &Kolo, rank: usize, key: &str, i: u32, reply_after: Duration) -> Result<()> {
+    if rank == 0 {
+        let t = Tensor::from_vec(vec![i as f32; 4], &[4])?;
+        k.send(key, t, 1).wait()?;
+        let back = k.recv(key, 1).wait()?;
+        ensure!(back.as_slice::<f32>()? == [i as f32 + 1.0; 4], "round {i}");
+    } else {
+        let got = k.recv(key, 0).wait()?;
+        std::thread::sleep(reply_after);
+        let v: Vec<f32> = got.as_slice::<f32>()?.iter().map(|x| x + 1.0).collect();
+        k.send(key, Tensor::from_vec(v, &[4])?, 0).wait()?;
+    }
+    Ok(())
+}
+
+/// A pair needs no other rank (issue 36): ranks 0 and 1 exchange 50 round trips while
+/// the last rank is stopped. Through the cycles the pair would wait for the stopped
+/// rank's part of the next cycle agreement.
+pub(crate) fn pair_alone(k: &Kolo) -> Result<()> {
+    while_last_rank_stopped(k, "p2p.alone", Duration::from_secs(10), |rank| {
+        // Let the last rank stop first.
+        std::thread::sleep(Duration::from_millis(300));
+        let start = Instant::now();
+        for i in 0..50u32 {
+            round_trip(k, rank, &format!("pingpong.{i}"), i, Duration::ZERO)?;
+        }
+        Ok(start.elapsed())
+    })
 }
 
 /// A thread waiting on its own send or receive runs the engine itself, but never a
@@ -229,77 +251,36 @@ pub(crate) fn pair_alone(k: &Kolo) -> Result<()> {
 /// while it is stopped; ranks 0 and 1 exchange round trips for about 300 ms (three
 /// heartbeats), rank 1 replying after 5 ms so that rank 0 is waiting (driving) when
 /// they come due. A waiter that ran a heartbeat would be held until rank 0 continues
-/// the stopped rank (after the loop; after 20 s at the latest).
+/// the stopped rank (after the pair is done; after 20 s at the latest).
 pub(crate) fn pair_alone_past_heartbeats(k: &Kolo) -> Result<()> {
-    let (rank, size) = (k.rank(), k.size());
-    let pids: Vec<i32> = k.allgather_object("p2p.hb.pids", std::process::id() as i32)?;
-    let last = size - 1;
-    k.barrier()?;
-    if rank == last {
-        // SAFETY: stopping our own process; rank 0 continues it.
-        unsafe { libc::kill(libc::getpid(), libc::SIGSTOP) };
-    } else if rank < 2 {
-        let pid = pids[last];
-        let fallback = (rank == 0).then(|| {
-            std::thread::spawn(move || {
-                std::thread::sleep(Duration::from_secs(20));
-                // SAFETY: continuing a rank of this job.
-                unsafe { libc::kill(pid, libc::SIGCONT) };
-            })
-        });
+    while_last_rank_stopped(k, "p2p.heartbeats", Duration::from_secs(5), |rank| {
         let start = Instant::now();
-        let mut slowest = Duration::ZERO;
         let mut rounds = 0u32;
         loop {
-            let key = format!("hb.pingpong.{rounds}");
-            let at = Instant::now();
-            if rank == 0 {
-                let t = Tensor::from_vec(vec![rounds as f32; 4], &[4])?;
-                k.send(key.as_str(), t, 1).wait()?;
-                let back = k.recv(key.as_str(), 1).wait()?;
-                ensure!(
-                    back.as_slice::<f32>()? == [rounds as f32 + 1.0; 4],
-                    "round {rounds}"
-                );
-            } else {
-                let got = k.recv(key.as_str(), 0).wait()?;
-                std::thread::sleep(Duration::from_millis(5));
-                let v: Vec<f32> = got.as_slice::<f32>()?.iter().map(|x| x + 1.0).collect();
-                k.send(key.as_str(), Tensor::from_vec(v, &[4])?, 0).wait()?;
-            }
-            slowest = slowest.max(at.elapsed());
+            let reply_after = Duration::from_millis(5);
+            round_trip(
+                k,
+                rank,
+                &format!("hb.pingpong.{rounds}"),
+                rounds,
+                reply_after,
+            )?;
             rounds += 1;
-            // Rank 1 decides when to stop by rank 0's count: both run the same rounds.
-            if rank == 0 {
+            // Rank 0 decides when to stop and tells rank 1: both run the same rounds.
+            let key = format!("hb.more.{rounds}");
+            let go_on = if rank == 0 {
                 let go_on = start.elapsed() < Duration::from_millis(300) || rounds < 10;
                 let flag = Tensor::from_vec(vec![u8::from(go_on)], &[1])?;
-                k.send(format!("hb.more.{rounds}").as_str(), flag, 1)
-                    .wait()?;
-                if !go_on {
-                    break;
-                }
+                k.send(key.as_str(), flag, 1).wait()?;
+                go_on
             } else {
-                let flag = k.recv(format!("hb.more.{rounds}").as_str(), 0).wait()?;
-                if flag.as_slice::<u8>()? == [0] {
-                    break;
-                }
+                k.recv(key.as_str(), 0).wait()?.as_slice::<u8>()? == [1]
+            };
+            if !go_on {
+                return Ok(start.elapsed());
             }
         }
-        let took = start.elapsed();
-        if rank == 0 {
-            // SAFETY: continuing a rank of this job.
-            unsafe { libc::kill(pid, libc::SIGCONT) };
-        }
-        drop(fallback);
-        ensure!(
-            took < Duration::from_secs(5),
-            "{rounds} round trips took {took:?} (slowest {slowest:?}) while rank {last} \
-             was stopped: a waiter ran a heartbeat cycle"
-        );
-        eprintln!("rank {rank}: {rounds} round trips in {took:?}, slowest {slowest:?}");
-    }
-    k.barrier()?;
-    Ok(())
+    })
 }
 
 /// A receive whose sender has not sent is reported by the stall inspector, naming
