@@ -232,6 +232,11 @@ fn main() {
 
 fn run() -> anyhow::Result<()> {
     let args = Args::parse();
+    // Before any thread starts: Burn loads optimizer state on its default device,
+    // CUDA in a build with the `cuda` feature, even when training on the CPU.
+    if std::env::var_os("BURN_DEVICE").is_none() {
+        std::env::set_var("BURN_DEVICE", args.device.burn_device_name());
+    }
     let kolo = kolo::init()?;
     let (rank, size) = (kolo.rank(), kolo.size());
     // Checked before Burn touches the device: a missing CUDA driver is one line

@@ -103,6 +103,11 @@ fn main() -> anyhow::Result<()> {
     if args.batch_size == 0 {
         bail!("--batch-size must be at least 1");
     }
+    // Before any thread starts: Burn loads optimizer state on its default device,
+    // CUDA in a build with the `cuda` feature, even when training on the CPU.
+    if std::env::var_os("BURN_DEVICE").is_none() {
+        std::env::set_var("BURN_DEVICE", kolo_burn::Backend::Flex.burn_device_name());
+    }
     let kolo = kolo::init()?;
     let (rank, size) = (kolo.rank(), kolo.size());
     let plain_device = Device::flex();

@@ -35,6 +35,20 @@ impl std::str::FromStr for Backend {
 }
 
 impl Backend {
+    /// The name Burn's `BURN_DEVICE` takes for this backend. Burn builds an optimizer's
+    /// loaded state on its default device (moved on the next step), which in a build
+    /// with the `cuda` feature is CUDA: a program on `Backend::Flex` or `Backend::Cpu`
+    /// there that resumes a checkpoint, or whose `ShardedOptimizer` consolidates its
+    /// state, panics without the CUDA driver. Setting `BURN_DEVICE` to this name first
+    /// (at the top of `main`, before any thread starts) keeps it on this backend.
+    pub fn burn_device_name(self) -> &'static str {
+        match self {
+            Backend::Flex => "flex",
+            Backend::Cpu => "cpu",
+            Backend::Cuda => "cuda",
+        }
+    }
+
     /// The device of `self` for this rank: Flex and the CPU runtime as they are; CUDA
     /// device `local_rank % GPUs` (one GPU per rank on a host), after checking that
     /// the CUDA driver is installed and sees a GPU.
