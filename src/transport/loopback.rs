@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 
 use half::{bf16, f16};
 
-use super::{ring, Topology, Transport};
+use super::{ring, Idle, Topology, Transport};
 
 pub(crate) mod sim_device;
 use crate::error::{Error, Result};
@@ -124,15 +124,13 @@ impl Loopback {
 
     /// Deposits this rank's part of the next call and returns every rank's, in rank
     /// order; calls `idle` (with the time waited) while others have not deposited.
-    fn meet(
-        &mut self,
-        part: Part,
-        mut idle: Option<&mut dyn FnMut(Duration)>,
-    ) -> Result<Vec<Part>> {
+    fn meet(&mut self, part: Part, mut idle: Option<&mut Idle<'_>>) -> Result<Vec<Part>> {
         let call = self.next;
         self.next += 1;
         let size = self.size;
         let start = Instant::now();
+        // How long to wait between looks: as `idle` allows.
+        let mut cap = Duration::MAX;
         let lock = || {
             self.hub
                 .state
@@ -182,11 +180,11 @@ impl Loopback {
             let (state, _) = self
                 .hub
                 .changed
-                .wait_timeout(state, Duration::from_millis(1))
+                .wait_timeout(state, Duration::from_millis(1).min(cap))
                 .unwrap_or_else(PoisonError::into_inner);
             drop(state);
             if let Some(idle) = idle.as_mut() {
-                idle(start.elapsed());
+                cap = idle(start.elapsed());
             }
         }
     }
@@ -313,7 +311,7 @@ impl Transport for Loopback {
         ))
     }
 
-    fn exchange(&mut self, local: &[u8], idle: &mut dyn FnMut(Duration)) -> Result<Vec<Vec<u8>>> {
+    fn exchange(&mut self, local: &[u8], idle: &mut Idle<'_>) -> Result<Vec<Vec<u8>>> {
         let part = Part::of(local);
         Ok(self
             .meet(part, Some(idle))?
@@ -326,7 +324,7 @@ impl Transport for Loopback {
         &mut self,
         words: &mut [u64],
         sum: &mut [f32],
-        idle: &mut dyn FnMut(Duration),
+        idle: &mut Idle<'_>,
     ) -> Result<()> {
         let mut mine: Vec<u8> = bytemuck::cast_slice(words).to_vec();
         mine.extend_from_slice(bytemuck::cast_slice(sum));

@@ -15,6 +15,13 @@ use crate::tensor::{DType, Tensor};
 use crate::vocab::ReduceOp;
 
 /// Point to point outside the cycles (see [`Transport::p2p_port`]).
+/// What a transport calls while it waits for other ranks (the engine takes in work
+/// and moves sends and receives along meanwhile), with the time waited so far. It
+/// returns how long the transport may sleep before it calls again: `Duration::MAX`
+/// leaves the transport's own back-off (up to 1 ms) alone; the engine returns its
+/// point-to-point polling interval while sends or receives wait.
+pub(crate) type Idle<'a> = dyn FnMut(Duration) -> Duration + 'a;
+
 pub(crate) trait P2pPort: Send {
     /// Posts `tensor` to rank `dest` under `name` (its name, dtype and shape, then its
     /// bytes) and returns at once with an id that [`P2pPort::poll`] reports once the
@@ -102,19 +109,16 @@ pub(crate) trait Transport: Send {
 
     /// Control plane: every rank contributes one byte string, every rank gets all of
     /// them in rank order. `idle` is called, with the time waited so far, while other
-    /// ranks have not yet contributed, so that the engine can keep accepting work.
-    fn exchange(&mut self, local: &[u8], idle: &mut dyn FnMut(Duration)) -> Result<Vec<Vec<u8>>>;
+    /// ranks have not yet contributed, so that the engine can keep accepting work; it
+    /// returns how long the transport may go without calling it again.
+    fn exchange(&mut self, local: &[u8], idle: &mut Idle<'_>) -> Result<Vec<Vec<u8>>>;
 
     /// Control plane: bitwise AND of `words` across ranks, in place, and in the same
     /// messages the sum of `sum` across ranks, in place (the engine's speculative
     /// reduction of small ops; every rank gets a bit-identical sum). `sum` has the same
     /// length on every rank, possibly 0. `idle` as for [`Transport::exchange`].
-    fn agree_bits(
-        &mut self,
-        words: &mut [u64],
-        sum: &mut [f32],
-        idle: &mut dyn FnMut(Duration),
-    ) -> Result<()>;
+    fn agree_bits(&mut self, words: &mut [u64], sum: &mut [f32], idle: &mut Idle<'_>)
+        -> Result<()>;
 
     /// From now on allreduce in three steps (within each host, across hosts, within
     /// each host) instead of flat. Every rank calls it with the same value, when its

@@ -95,7 +95,7 @@ impl Rank {
                 &mut self.t,
                 &mut self.inbox,
                 &mut None,
-                &mut |_| {},
+                &mut |_| std::time::Duration::MAX,
                 Instant::now(),
             )
             .unwrap();

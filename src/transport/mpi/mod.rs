@@ -54,7 +54,7 @@ use types::{
     to_usize, HalfOps, MAX_ELEMS_PER_CALL,
 };
 
-use super::{abort_requested, Awaited, Topology, Transport};
+use super::{abort_requested, Awaited, Idle, Topology, Transport};
 use crate::error::{Error, Result};
 use crate::tensor::DType;
 use crate::vocab::ReduceOp;
@@ -144,12 +144,12 @@ impl MpiTransport {
     }
 
     /// Waits for `req` with a back-off: spin briefly (latency), then yield, then sleep
-    /// with a growing interval capped at 1 ms (CPU).
+    /// with a growing interval capped at 1 ms (CPU), or at what `idle` returns.
     fn wait(
         &mut self,
         call: &'static str,
         mut req: ffi::MPI_Request,
-        idle: &mut dyn FnMut(Duration),
+        idle: &mut Idle<'_>,
     ) -> Result<()> {
         let start = Instant::now();
         let mut nap = Duration::from_micros(20);
@@ -167,13 +167,17 @@ impl MpiTransport {
                 self.abort(super::abort_code());
             }
             let waited = start.elapsed();
-            idle(waited);
+            let cap = idle(waited);
             if waited < Duration::from_micros(50) {
                 std::hint::spin_loop();
             } else if waited < Duration::from_millis(1) {
                 std::thread::yield_now();
             } else {
-                std::thread::sleep(nap);
+                // No longer than `idle` allows (zero: it napped itself): sends and
+                // receives move only when it is called.
+                if !cap.is_zero() {
+                    std::thread::sleep(nap.min(cap));
+                }
                 nap = (nap * 2).min(Duration::from_millis(1));
             }
         }
@@ -218,7 +222,7 @@ impl Transport for MpiTransport {
         std::process::exit(code)
     }
 
-    fn exchange(&mut self, local: &[u8], idle: &mut dyn FnMut(Duration)) -> Result<Vec<Vec<u8>>> {
+    fn exchange(&mut self, local: &[u8], idle: &mut Idle<'_>) -> Result<Vec<Vec<u8>>> {
         let size = self.topology.size;
         let my_len = local.len() as u64;
         let mut lens = vec![0u64; size];
@@ -308,7 +312,7 @@ impl Transport for MpiTransport {
         &mut self,
         words: &mut [u64],
         sum: &mut [f32],
-        idle: &mut dyn FnMut(Duration),
+        idle: &mut Idle<'_>,
     ) -> Result<()> {
         const CALL: &str = "MPI_Isend/MPI_Irecv (cycle agreement)";
         let (n, me) = (self.topology.size, self.topology.rank);
