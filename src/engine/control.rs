@@ -4,8 +4,6 @@
 
 use std::time::{Duration, Instant};
 
-use crate::transport::Idle;
-
 use smallvec::SmallVec;
 
 use super::agree::Agreed;
@@ -20,8 +18,7 @@ use super::Inbox;
 use crate::config::Config;
 use crate::error::{Error, Result};
 use crate::tensor::DType;
-use crate::transport::Topology;
-use crate::transport::Transport;
+use crate::transport::{Idle, Topology, Transport};
 use crate::vocab::ReduceOp;
 
 /// What negotiation keeps between cycles, beyond the inbox: what every rank has
@@ -103,8 +100,8 @@ impl Control {
     /// Runs one cycle's negotiation over `t`: announces `inbox`'s new requests (by
     /// cache slot where the cache knows them), sends `tuning` (rank 0's new settings)
     /// if any, and returns what every rank agreed to run. `poll` runs while waiting
-    /// for other ranks (the GPU plane completes its ops there) and returns how long
-    /// the transport may wait before it runs again (see `transport::Idle`).
+    /// for other ranks (the GPU plane completes its ops there) and returns the longest
+    /// the engine may nap before it runs again (see `Waiting`).
     pub(super) fn negotiate(
         &mut self,
         t: &mut dyn Transport,
@@ -136,9 +133,30 @@ struct Negotiate<'a> {
     started: Instant,
 }
 
-/// How long a wait for other ranks spins and yields before the engine naps on its
-/// queue between looks (the transport's own back-off does the same).
-const NAP_AFTER: Duration = Duration::from_millis(1);
+/// The engine while its transport waits for other ranks in a control-plane call.
+struct Waiting<'a> {
+    inbox: &'a mut Inbox,
+    poll: &'a mut dyn FnMut(&mut Inbox) -> Duration,
+    stall: &'a mut StallInspector,
+    /// What the last `poll` asked for: the longest nap before the next look.
+    poll_within: Duration,
+}
+
+impl Idle for Waiting<'_> {
+    fn poll(&mut self, waited: Duration) {
+        self.inbox.drain();
+        self.poll_within = (self.poll)(self.inbox);
+        self.stall.check_while_waiting(waited, &self.inbox.pending);
+    }
+
+    /// On the engine's queue, so that a submit or a kick (a caller's send or receive)
+    /// ends the nap at once, and no longer than `poll` asked while sends or receives
+    /// wait. With `thread::sleep` (1 ms, deaf to submits) a pair's round trip took
+    /// 3.5 ms while this rank waited for a stopped one.
+    fn nap(&mut self, d: Duration) {
+        self.inbox.queue.wait_for_command(d.min(self.poll_within));
+    }
+}
 
 impl Negotiate<'_> {
     /// Negotiation: the cache-bit agreement and the full exchange as needed, then the
@@ -392,7 +410,7 @@ impl Negotiate<'_> {
     /// inspector warn.
     fn while_waiting<R>(
         &mut self,
-        call: impl FnOnce(&mut dyn Transport, &mut Idle<'_>) -> Result<R>,
+        call: impl FnOnce(&mut dyn Transport, &mut dyn Idle) -> Result<R>,
     ) -> Result<R> {
         let Negotiate {
             t,
@@ -401,23 +419,15 @@ impl Negotiate<'_> {
             poll,
             ..
         } = self;
-        call(&mut **t, &mut |waited| {
-            inbox.drain();
-            let cap = poll(inbox);
-            stall.check_while_waiting(waited, &inbox.pending);
-            if waited < NAP_AFTER {
-                return cap;
-            }
-            // Past the transport's spinning and yielding: nap here, on the queue, so
-            // that a submit or a kick (a caller's send or receive) ends the nap at
-            // once; the transport then looks again without a nap of its own. With
-            // naps in the transport (1 ms, not ended by submits) a pair's round trip
-            // took 3.5 ms while this rank waited for a stopped one.
-            inbox
-                .queue
-                .wait_for_command(cap.min(Duration::from_millis(1)));
-            Duration::ZERO
-        })
+        call(
+            &mut **t,
+            &mut Waiting {
+                inbox,
+                poll: &mut **poll,
+                stall,
+                poll_within: Duration::MAX,
+            },
+        )
     }
 
     /// Every rank's [`CycleMsg`], in rank order.

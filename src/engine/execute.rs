@@ -270,15 +270,7 @@ fn unpack<'a>(buf: &[u8], tensors: impl IntoIterator<Item = &'a mut Tensor>) {
 
 fn allgather(t: &mut dyn Transport, tensor: &Tensor, ready: &Ready) -> Result<Tensor> {
     let (counts, shape) = allgather_layout(ready, tensor.shape())?;
-    let dtype = tensor.dtype();
-    // SAFETY: `allgatherv_fresh` writes all of the output when it returns Ok (the
-    // transport's contract); an empty one needs nothing.
-    unsafe {
-        Tensor::written_by(dtype, &shape, |recv| match recv.is_empty() {
-            true => Ok(()),
-            false => t.allgatherv_fresh(tensor.host_bytes(), recv, &counts, dtype),
-        })
-    }
+    super::grouped::gathered(t, tensor.host_bytes(), &counts, tensor.dtype(), &shape)
 }
 
 fn alltoall(t: &mut dyn Transport, tensor: &Tensor, ready: &Ready) -> Result<AlltoallOutput> {
@@ -457,13 +449,8 @@ fn reducescatter(
         scale_bytes(tensor.host_bytes_mut(), dtype, post_factor(meta, size));
         return Ok(tensor);
     }
-    // SAFETY: `reduce_scatter_fresh` writes all of the output when it returns Ok (the
-    // transport's contract).
-    let mut out = unsafe {
-        Tensor::written_by(dtype, &shape, |recv| {
-            t.reduce_scatter_fresh(tensor.host_bytes_mut(), recv, &counts, dtype, meta.op)
-        })
-    }?;
+    let mut out =
+        super::grouped::scattered(t, tensor.host_bytes_mut(), &counts, dtype, meta.op, &shape)?;
     scale_bytes(out.host_bytes_mut(), dtype, post_factor(meta, size));
     Ok(out)
 }

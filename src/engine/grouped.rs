@@ -1,7 +1,8 @@
 //! Running grouped allgathers and reducescatters on the host: the members of one
 //! dtype that are small enough (each at most the fusion buffer's per-tensor limit)
 //! move in one collective through the fusion buffer; larger members, and a dtype's
-//! only small one, go on their own, without a copy.
+//! only small one, go on their own, without a copy, into outputs not zeroed first
+//! (`gathered`, `scattered`: the single allgather and reducescatter use them too).
 
 use super::fusion::FusionBuffer;
 use super::layout::{member_allgather_layout, post_factor, reducescatter_layout, scale_bytes};
@@ -10,6 +11,7 @@ use super::request::Tensors;
 use crate::error::{Error, Result};
 use crate::tensor::{DType, Tensor};
 use crate::transport::Transport;
+use crate::vocab::ReduceOp;
 
 /// The members of `tensors` by dtype, in member order, each dtype once.
 fn by_dtype(tensors: &[Tensor]) -> Vec<(DType, Vec<usize>)> {
@@ -62,16 +64,7 @@ pub(super) fn allgather(
         let (small, large) = split(members, bytes, buffer.max_tensor);
         for i in large {
             let (counts, shape) = &layouts[i];
-            let send = tensors[i].host_bytes();
-            // SAFETY: `allgatherv_fresh` writes all of the output when it returns Ok
-            // (the transport's contract); an empty one needs nothing.
-            let out = unsafe {
-                Tensor::written_by(dtype, shape, |recv| match recv.is_empty() {
-                    true => Ok(()),
-                    false => t.allgatherv_fresh(send, recv, counts, dtype),
-                })
-            }?;
-            outputs[i] = Some(out);
+            outputs[i] = Some(gathered(t, tensors[i].host_bytes(), counts, dtype, shape)?);
         }
         if small.is_empty() {
             continue;
@@ -160,13 +153,7 @@ pub(super) fn reducescatter(
             let (counts, shape) = &layouts[i];
             let send = tensors[i].host_bytes_mut();
             scale_bytes(send, dtype, meta.prescale);
-            // SAFETY: `reduce_scatter_fresh` writes all of the output when it returns
-            // Ok (the transport's contract).
-            let mut out = unsafe {
-                Tensor::written_by(dtype, shape, |recv| {
-                    t.reduce_scatter_fresh(send, recv, counts, dtype, meta.op)
-                })
-            }?;
+            let mut out = scattered(t, send, counts, dtype, meta.op, shape)?;
             scale_bytes(out.host_bytes_mut(), dtype, post);
             outputs[i] = Some(out);
         }
@@ -211,4 +198,42 @@ pub(super) fn reducescatter(
         }
     }
     every_member(outputs, ready)
+}
+
+/// `send` gathered from every rank (`counts` elements each) into a new tensor of
+/// `shape`, not zeroed first: the transport writes all of it.
+pub(super) fn gathered(
+    t: &mut dyn Transport,
+    send: &[u8],
+    counts: &[usize],
+    dtype: DType,
+    shape: &[usize],
+) -> Result<Tensor> {
+    // SAFETY: `allgatherv_fresh` writes all of the output when it returns Ok (the
+    // transport's contract); an empty one needs nothing.
+    unsafe {
+        Tensor::written_by(dtype, shape, |recv| match recv.is_empty() {
+            true => Ok(()),
+            false => t.allgatherv_fresh(send, recv, counts, dtype),
+        })
+    }
+}
+
+/// This rank's block (`counts[rank]` elements of `shape`) of `send` reduced over the
+/// ranks with `op`, in a new tensor not zeroed first: the transport writes all of it.
+pub(super) fn scattered(
+    t: &mut dyn Transport,
+    send: &mut [u8],
+    counts: &[usize],
+    dtype: DType,
+    op: ReduceOp,
+    shape: &[usize],
+) -> Result<Tensor> {
+    // SAFETY: `reduce_scatter_fresh` writes all of the output when it returns Ok (the
+    // transport's contract).
+    unsafe {
+        Tensor::written_by(dtype, shape, |recv| {
+            t.reduce_scatter_fresh(send, recv, counts, dtype, op)
+        })
+    }
 }

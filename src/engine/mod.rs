@@ -349,8 +349,8 @@ impl Engine {
         let mut poll = |inbox: &mut Inbox| {
             gpu.poll();
             p2p.progress(&mut inbox.p2p, timeline);
-            // While sends or receives wait, the transport looks again as often as the
-            // engine would poll them, not after naps of up to 1 ms.
+            // While sends or receives wait, naps between looks are no longer than the
+            // engine's polling interval for them.
             if p2p.busy() {
                 p2p.poll_interval()
             } else {

@@ -124,13 +124,11 @@ impl Loopback {
 
     /// Deposits this rank's part of the next call and returns every rank's, in rank
     /// order; calls `idle` (with the time waited) while others have not deposited.
-    fn meet(&mut self, part: Part, mut idle: Option<&mut Idle<'_>>) -> Result<Vec<Part>> {
+    fn meet(&mut self, part: Part, mut idle: Option<&mut dyn Idle>) -> Result<Vec<Part>> {
         let call = self.next;
         self.next += 1;
         let size = self.size;
         let start = Instant::now();
-        // How long to wait between looks: as `idle` allows.
-        let mut cap = Duration::MAX;
         let lock = || {
             self.hub
                 .state
@@ -180,11 +178,11 @@ impl Loopback {
             let (state, _) = self
                 .hub
                 .changed
-                .wait_timeout(state, Duration::from_millis(1).min(cap))
+                .wait_timeout(state, Duration::from_millis(1))
                 .unwrap_or_else(PoisonError::into_inner);
             drop(state);
             if let Some(idle) = idle.as_mut() {
-                cap = idle(start.elapsed());
+                idle.poll(start.elapsed());
             }
         }
     }
@@ -311,7 +309,7 @@ impl Transport for Loopback {
         ))
     }
 
-    fn exchange(&mut self, local: &[u8], idle: &mut Idle<'_>) -> Result<Vec<Vec<u8>>> {
+    fn exchange(&mut self, local: &[u8], idle: &mut dyn Idle) -> Result<Vec<Vec<u8>>> {
         let part = Part::of(local);
         Ok(self
             .meet(part, Some(idle))?
@@ -324,7 +322,7 @@ impl Transport for Loopback {
         &mut self,
         words: &mut [u64],
         sum: &mut [f32],
-        idle: &mut Idle<'_>,
+        idle: &mut dyn Idle,
     ) -> Result<()> {
         let mut mine: Vec<u8> = bytemuck::cast_slice(words).to_vec();
         mine.extend_from_slice(bytemuck::cast_slice(sum));

@@ -14,14 +14,27 @@ use crate::error::{Error, Result};
 use crate::tensor::{DType, Tensor};
 use crate::vocab::ReduceOp;
 
-/// Point to point outside the cycles (see [`Transport::p2p_port`]).
-/// What a transport calls while it waits for other ranks (the engine takes in work
-/// and moves sends and receives along meanwhile), with the time waited so far. It
-/// returns how long the transport may sleep before it calls again: `Duration::MAX`
-/// leaves the transport's own back-off (up to 1 ms) alone; the engine returns its
-/// point-to-point polling interval while sends or receives wait.
-pub(crate) type Idle<'a> = dyn FnMut(Duration) -> Duration + 'a;
+/// What a transport calls while it waits for other ranks, so that the engine keeps
+/// taking in work and moving sends and receives along meanwhile. A closure of the
+/// time waited is one that only looks.
+pub(crate) trait Idle {
+    /// One look, with the time waited so far (every turn of the wait).
+    fn poll(&mut self, waited: Duration);
 
+    /// The transport's back-off: sleep up to `d` before the next look. The engine
+    /// naps on its own queue instead, so that a submit or a kick ends the nap.
+    fn nap(&mut self, d: Duration) {
+        std::thread::sleep(d);
+    }
+}
+
+impl<F: FnMut(Duration)> Idle for F {
+    fn poll(&mut self, waited: Duration) {
+        self(waited);
+    }
+}
+
+/// Point to point outside the cycles (see [`Transport::p2p_port`]).
 pub(crate) trait P2pPort: Send {
     /// Posts `tensor` to rank `dest` under `name` (its name, dtype and shape, then its
     /// bytes) and returns at once with an id that [`P2pPort::poll`] reports once the
@@ -109,15 +122,15 @@ pub(crate) trait Transport: Send {
 
     /// Control plane: every rank contributes one byte string, every rank gets all of
     /// them in rank order. `idle` is called, with the time waited so far, while other
-    /// ranks have not yet contributed, so that the engine can keep accepting work; it
-    /// returns how long the transport may go without calling it again.
-    fn exchange(&mut self, local: &[u8], idle: &mut Idle<'_>) -> Result<Vec<Vec<u8>>>;
+    /// ranks have not yet contributed, so that the engine can keep accepting work; its
+    /// `nap` does the transport's sleeping meanwhile.
+    fn exchange(&mut self, local: &[u8], idle: &mut dyn Idle) -> Result<Vec<Vec<u8>>>;
 
     /// Control plane: bitwise AND of `words` across ranks, in place, and in the same
     /// messages the sum of `sum` across ranks, in place (the engine's speculative
     /// reduction of small ops; every rank gets a bit-identical sum). `sum` has the same
     /// length on every rank, possibly 0. `idle` as for [`Transport::exchange`].
-    fn agree_bits(&mut self, words: &mut [u64], sum: &mut [f32], idle: &mut Idle<'_>)
+    fn agree_bits(&mut self, words: &mut [u64], sum: &mut [f32], idle: &mut dyn Idle)
         -> Result<()>;
 
     /// From now on allreduce in three steps (within each host, across hosts, within
@@ -264,6 +277,15 @@ pub(crate) trait Transport: Send {
 pub(crate) fn zero_fill(buf: &mut [MaybeUninit<u8>]) -> &mut [u8] {
     buf.fill(MaybeUninit::new(0));
     // SAFETY: every byte was just written.
+    unsafe { assume_written(buf) }
+}
+
+/// `buf` as initialised bytes.
+///
+/// # Safety
+/// Every byte of `buf` must have been written.
+pub(crate) unsafe fn assume_written(buf: &mut [MaybeUninit<u8>]) -> &mut [u8] {
+    // SAFETY: same length and layout, and initialised (the caller's promise).
     unsafe { &mut *(std::ptr::from_mut::<[MaybeUninit<u8>]>(buf) as *mut [u8]) }
 }
 

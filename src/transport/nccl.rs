@@ -108,7 +108,7 @@ impl Nccl {
         };
         let bytes = postcard::to_stdvec(&setup)
             .map_err(|e| Error::Internal(format!("encoding NCCL setup: {e}")))?;
-        let all = mpi.exchange(&bytes, &mut |_| Duration::MAX)?;
+        let all = mpi.exchange(&bytes, &mut |_: Duration| {})?;
         let setups = all
             .iter()
             .map(|b| postcard::from_bytes::<Setup>(b))

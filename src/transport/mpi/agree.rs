@@ -60,7 +60,7 @@ impl MpiTransport {
         peer: usize,
         send: Option<&[u64]>,
         recv: Option<&mut [u64]>,
-        idle: &mut Idle<'_>,
+        idle: &mut dyn Idle,
     ) -> Result<()> {
         let peer = count(call, peer)?;
         // Named before anything is posted: a partitioned peer can hold up the posting
@@ -79,7 +79,7 @@ impl MpiTransport {
         peer: c_int,
         send: Option<&[u64]>,
         recv: Option<&mut [u64]>,
-        idle: &mut Idle<'_>,
+        idle: &mut dyn Idle,
     ) -> Result<()> {
         let comm = self.comm();
         let mut reqs = [null_request(), null_request()];

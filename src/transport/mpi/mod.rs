@@ -143,13 +143,13 @@ impl MpiTransport {
         self.comm.as_raw()
     }
 
-    /// Waits for `req` with a back-off: spin briefly (latency), then yield, then sleep
-    /// with a growing interval capped at 1 ms (CPU), or at what `idle` returns.
+    /// Waits for `req` with a back-off: spin briefly (latency), then yield, then nap
+    /// (through `idle`) with a growing interval capped at 1 ms (CPU).
     fn wait(
         &mut self,
         call: &'static str,
         mut req: ffi::MPI_Request,
-        idle: &mut Idle<'_>,
+        idle: &mut dyn Idle,
     ) -> Result<()> {
         let start = Instant::now();
         let mut nap = Duration::from_micros(20);
@@ -167,17 +167,13 @@ impl MpiTransport {
                 self.abort(super::abort_code());
             }
             let waited = start.elapsed();
-            let cap = idle(waited);
+            idle.poll(waited);
             if waited < Duration::from_micros(50) {
                 std::hint::spin_loop();
             } else if waited < Duration::from_millis(1) {
                 std::thread::yield_now();
             } else {
-                // No longer than `idle` allows (zero: it napped itself): sends and
-                // receives move only when it is called.
-                if !cap.is_zero() {
-                    std::thread::sleep(nap.min(cap));
-                }
+                idle.nap(nap);
                 nap = (nap * 2).min(Duration::from_millis(1));
             }
         }
@@ -222,7 +218,7 @@ impl Transport for MpiTransport {
         std::process::exit(code)
     }
 
-    fn exchange(&mut self, local: &[u8], idle: &mut Idle<'_>) -> Result<Vec<Vec<u8>>> {
+    fn exchange(&mut self, local: &[u8], idle: &mut dyn Idle) -> Result<Vec<Vec<u8>>> {
         let size = self.topology.size;
         let my_len = local.len() as u64;
         let mut lens = vec![0u64; size];
@@ -312,7 +308,7 @@ impl Transport for MpiTransport {
         &mut self,
         words: &mut [u64],
         sum: &mut [f32],
-        idle: &mut Idle<'_>,
+        idle: &mut dyn Idle,
     ) -> Result<()> {
         const CALL: &str = "MPI_Isend/MPI_Irecv (cycle agreement)";
         let (n, me) = (self.topology.size, self.topology.rank);

@@ -230,7 +230,7 @@ fn write_copy<'a>(dst: &'a mut [MaybeUninit<u8>], src: &[u8]) -> &'a mut [u8] {
     // mutably); after the copy every byte of `dst` is initialised.
     unsafe {
         std::ptr::copy_nonoverlapping(src.as_ptr(), dst.as_mut_ptr().cast::<u8>(), src.len());
-        &mut *(std::ptr::from_mut::<[MaybeUninit<u8>]>(dst) as *mut [u8])
+        crate::transport::assume_written(dst)
     }
 }
 

@@ -86,7 +86,7 @@ pub(super) fn exchange_outcome(
 ) -> Result<Vec<std::result::Result<(), String>>> {
     let bytes = postcard::to_stdvec(outcome)
         .map_err(|e| Error::Internal(format!("encoding NCCL init outcome: {e}")))?;
-    let all = mpi.exchange(&bytes, &mut |_| Duration::MAX)?;
+    let all = mpi.exchange(&bytes, &mut |_: Duration| {})?;
     all.iter()
         .map(|b| postcard::from_bytes::<std::result::Result<(), String>>(b))
         .collect::<std::result::Result<Vec<_>, _>>()
