@@ -353,6 +353,7 @@ impl ShardedOptimizer {
     /// # Errors
     /// As [`step`](Self::step) (the partition is agreed here on the first step).
     pub fn overlap<M: Module>(&mut self, model: &M) -> Result<crate::Overlap> {
+        // Before planning, which may refuse the model for another reason.
         self.check_buckets()?;
         let plan = self.plan_for(model)?;
         self.reducer_for(&plan, true)?.overlap(model)
