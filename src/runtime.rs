@@ -9,12 +9,15 @@ use std::time::{Duration, Instant};
 use crate::config::Config;
 use crate::engine::autotune::AutotuneState;
 use crate::engine::queue::{Queue, Refused};
-use crate::engine::request::{self, Command, Named, OpKind, Request, Submission, Tensors};
+use crate::engine::request::{
+    self, Command, Key, Named, OpKind, Request, Submission, Tensors, RESERVED_PREFIX,
+};
 use crate::engine::Driver;
 use crate::error::{Error, Result};
-use crate::handle::{self, Handle, Output};
+use crate::handle::{self, Completer, Handle, Output};
 use crate::order::unsort;
 use crate::submit_error::SubmitError;
+use crate::tensor::{Device, Tensor};
 use crate::transport::Topology;
 
 /// MPI can be initialised once per process; so can kolo.
@@ -589,6 +592,90 @@ impl Kolo {
         // Queued without waking the engine thread: the wait runs it here, or kicks
         // that thread when it cannot.
         self.submit_waking(s, convert, false)?.wait()
+    }
+
+    /// A send run on this thread while the engine is idle (`engine::Driver::send_now`):
+    /// no queue, and no handle unless it must wait for its receiver. `Err`: not here
+    /// (the engine is busy, or the submit-time checks must speak): the tensor comes
+    /// back for the usual path. `key` makes the pair's negotiation key, claimed only
+    /// if the send must wait.
+    pub(crate) fn send_now(
+        &self,
+        name: &str,
+        tensor: Tensor,
+        dest: usize,
+        key: impl FnOnce() -> Key,
+    ) -> Result<Result<()>, Tensor> {
+        if !self.may_p2p_now(name, dest) || tensor.device() != Device::Cpu {
+            return Err(tensor);
+        }
+        let mut handle = None;
+        let later = || {
+            let (h, c) = self.claimed_pair(key(), "send", handle::to_unit);
+            handle = Some(h);
+            c
+        };
+        match self.inner.driver.send_now(dest, name, tensor, later) {
+            Ok(Ok(true)) => Ok(Ok(())),
+            Ok(Ok(false)) => Ok(match handle {
+                Some(h) => h.wait(),
+                None => Err(Error::Internal("a waiting send without a handle".into())),
+            }),
+            Ok(Err(e)) => Ok(Err(e)),
+            Err(t) => Err(t),
+        }
+    }
+
+    /// A receive run on this thread while the engine is idle, as
+    /// [`send_now`](Self::send_now); `None`: not here.
+    pub(crate) fn recv_now(
+        &self,
+        name: &str,
+        src: usize,
+        key: impl FnOnce() -> Key,
+    ) -> Option<Result<Tensor>> {
+        if !self.may_p2p_now(name, src) {
+            return None;
+        }
+        let mut handle = None;
+        let later = || {
+            let (h, c) = self.claimed_pair(key(), "recv", handle::to_tensor);
+            handle = Some(h);
+            c
+        };
+        Some(match self.inner.driver.recv_now(src, name, later)? {
+            Ok(Some(t)) => Ok(t),
+            Ok(None) => match handle {
+                Some(h) => h.wait(),
+                None => Err(Error::Internal("a waiting recv without a handle".into())),
+            },
+            Err(e) => Err(e),
+        })
+    }
+
+    /// Whether a send or receive of `name` with `peer` passes the submit-time checks
+    /// (`validate`), so that it may skip them on this thread.
+    fn may_p2p_now(&self, name: &str, peer: usize) -> bool {
+        peer < self.size()
+            && peer != self.rank()
+            && !name.is_empty()
+            && !name.starts_with(RESERVED_PREFIX)
+    }
+
+    /// A handle driven by this engine, its `key` claimed in the pending set (unless
+    /// pending already: the op is posted by then, so it goes on unclaimed).
+    fn claimed_pair<T>(
+        &self,
+        key: Key,
+        op: &'static str,
+        convert: fn(Output) -> Result<T>,
+    ) -> (Handle<T>, Completer) {
+        let mut names = handle::Names::new();
+        if self.inner.queue.claim_key(&key) {
+            names.push(key);
+        }
+        let (h, c) = handle::pair(names, self.inner.queue.clone(), (op, self.rank()), convert);
+        (h.driven_by(self.inner.driver.clone()), c)
     }
 
     /// How many times a waiting caller ran the engine's cycles itself (tests).

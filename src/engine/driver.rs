@@ -21,9 +21,14 @@
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, TryLockError};
 
+use std::time::{Duration, Instant};
+
+use super::p2p::P2pLane;
 use super::queue::Queue;
 use super::{End, Engine, Sleep};
-use crate::handle::Drive;
+use crate::error::Result;
+use crate::handle::{Completer, Drive};
+use crate::tensor::Tensor;
 
 /// The engine, shared by its thread and the callers that drive it; see the module docs.
 pub(crate) struct Driver {
@@ -69,28 +74,84 @@ impl Driver {
     /// and may be driven from here (see the module docs). Returns false when it did
     /// not drive.
     fn drive_until(&self, done: &dyn Fn() -> bool) -> bool {
-        let mut slot = match self.slot.try_lock() {
-            Ok(slot) => slot,
-            Err(TryLockError::WouldBlock | TryLockError::Poisoned(_)) => return false,
-        };
-        let Some(driven) = slot.as_mut() else {
+        let Some(mut slot) = self.idle() else {
             return false;
         };
-        if driven.ended.is_some() || !driven.engine.may_be_driven() {
-            return false;
+        if let Some(driven) = slot.as_mut() {
+            self.drives.fetch_add(1, Ordering::Relaxed);
+            driven.ended = driven.engine.drive(done);
         }
-        self.drives.fetch_add(1, Ordering::Relaxed);
-        driven.ended = driven.engine.drive(done);
-        // Work left for the engine thread (other threads' ops, taken in here), a
-        // heartbeat due, or an end it must serve: wake it once the lock is free.
-        let leftover = driven.ended.is_some()
-            || driven.engine.inbox.has_work()
-            || std::mem::take(&mut driven.engine.heartbeat_handed_back);
+        self.let_go(slot);
+        true
+    }
+
+    /// The engine's lock, when this thread may run it now: the lock is free, and the
+    /// engine has not ended, is not shutting down and may be driven from here.
+    fn idle(&self) -> Option<MutexGuard<'_, Option<Driven>>> {
+        let slot = match self.slot.try_lock() {
+            Ok(slot) => slot,
+            Err(TryLockError::WouldBlock | TryLockError::Poisoned(_)) => return None,
+        };
+        let ready = slot.as_ref().is_some_and(|d| {
+            d.ended.is_none() && d.engine.may_be_driven() && !d.engine.inbox.shutting_down
+        });
+        ready.then_some(slot)
+    }
+
+    /// Lets go of the engine taken with [`idle`](Self::idle). Work left for the engine
+    /// thread (other threads' ops, taken in here), a heartbeat due, or an end it must
+    /// serve: wakes it once the lock is free.
+    fn let_go(&self, mut slot: MutexGuard<'_, Option<Driven>>) {
+        let leftover = slot.as_mut().is_some_and(|d| {
+            d.ended.is_some()
+                || d.engine.inbox.has_work()
+                || std::mem::take(&mut d.engine.heartbeat_handed_back)
+        });
         drop(slot);
         if leftover {
             self.queue.kick();
         }
-        true
+    }
+
+    /// Sends `tensor` to `peer` on this thread, without queueing it, if the engine is
+    /// idle: posted, and polled once. `Ok(Ok(true))`: sent. `Ok(Ok(false))`: still in
+    /// flight, waiting in the engine under the completer `later` made (its handle
+    /// then waits as usual). `Err`: not now (the engine is busy, or the usual path
+    /// must report something); the tensor comes back to be queued.
+    pub(crate) fn send_now(
+        &self,
+        peer: usize,
+        name: &str,
+        tensor: Tensor,
+        later: impl FnOnce() -> Completer,
+    ) -> Result<Result<bool>, Tensor> {
+        let Some(mut slot) = self.idle() else {
+            return Err(tensor);
+        };
+        let sent = match slot.as_mut() {
+            Some(driven) => driven.engine.send_now(peer, name, tensor, later),
+            None => Err(tensor),
+        };
+        self.let_go(slot);
+        sent
+    }
+
+    /// Receives `name` from `peer` on this thread, without queueing it, if the engine
+    /// is idle: the tensor if it is here or comes within [`RECV_NOW_SPIN`].
+    /// `Some(Ok(None))`: it waits in the engine under the completer `later` made.
+    /// `None`: not now (queue it).
+    pub(crate) fn recv_now(
+        &self,
+        peer: usize,
+        name: &str,
+        later: impl FnOnce() -> Completer,
+    ) -> Option<Result<Option<Tensor>>> {
+        let mut slot = self.idle()?;
+        let got = slot
+            .as_mut()
+            .and_then(|driven| driven.engine.recv_now(peer, name, later));
+        self.let_go(slot);
+        got
     }
 
     /// The engine thread's side: holds `engine` until it ends, running cycles and
@@ -198,8 +259,81 @@ impl Engine {
         end
     }
 
+    /// [`Driver::send_now`] with the engine in hand. Queued commands go first (this
+    /// thread's earlier sends stay in order).
+    fn send_now(
+        &mut self,
+        peer: usize,
+        name: &str,
+        tensor: Tensor,
+        later: impl FnOnce() -> Completer,
+    ) -> Result<Result<bool>, Tensor> {
+        if self.inbox.queue.flagged() {
+            self.take_in();
+            if self.inbox.shutting_down {
+                return Err(tensor);
+            }
+        }
+        self.p2p.drain = false;
+        let sent = self
+            .p2p
+            .send_now(peer, name, tensor, &mut self.exec.timeline, later);
+        self.p2p.drain = true;
+        sent
+    }
+
+    /// [`Driver::recv_now`] with the engine in hand: polls for the tensor, one arrived
+    /// header at a time, for at most [`RECV_NOW_SPIN`] or until other work is queued,
+    /// then leaves the receive waiting in the engine (the caller's handle drives it
+    /// from there as any other wait).
+    fn recv_now(
+        &mut self,
+        peer: usize,
+        name: &str,
+        later: impl FnOnce() -> Completer,
+    ) -> Option<Result<Option<Tensor>>> {
+        if self.inbox.queue.flagged() {
+            self.take_in();
+            if self.inbox.shutting_down {
+                return None;
+            }
+        }
+        let key = (peer, name.to_string());
+        if !self.p2p.may_recv_now(&key) {
+            return None;
+        }
+        let start = Instant::now();
+        self.p2p.drain = false;
+        let mut turns = 0u32;
+        let got = loop {
+            match self.p2p.recv_now(&key, &mut self.exec.timeline) {
+                Ok(None) => {}
+                got => break got,
+            }
+            turns = turns.wrapping_add(1);
+            if self.inbox.queue.flagged()
+                || (turns.is_multiple_of(RECV_NOW_LOOKS) && start.elapsed() >= RECV_NOW_SPIN)
+            {
+                break Ok(None);
+            }
+            std::hint::spin_loop();
+        };
+        self.p2p.drain = true;
+        Some(match got {
+            Ok(Some(t)) => {
+                P2pLane::trace_now(&mut self.exec.timeline, "RECV", name, start);
+                Ok(Some(t))
+            }
+            Ok(None) => {
+                self.p2p.post_recv(key, later(), start);
+                Ok(None)
+            }
+            Err(e) => Err(e),
+        })
+    }
+
     fn drive_turns(&mut self, done: &dyn Fn() -> bool) -> Option<End> {
-        let start = std::time::Instant::now();
+        let start = Instant::now();
         // Turns in a row spent only polling sends and receives: after the first, the
         // queue's lock is taken only when something was flagged there, and stalls are
         // looked for every `STALL_POLLS` turns (each costs a clock read).
@@ -228,7 +362,7 @@ impl Engine {
                     // A send or receive waits for its peer: poll it here, spinning
                     // briefly (latency), then yielding, then napping on the queue
                     // (new work ends a nap). One clock read a turn.
-                    let now = std::time::Instant::now();
+                    let now = Instant::now();
                     if now.duration_since(self.last_cycle) >= super::HEARTBEAT {
                         // A heartbeat is due: the engine thread runs it. Its agreement
                         // waits until every other rank's heartbeat joins (up to one
@@ -239,9 +373,9 @@ impl Engine {
                         return None;
                     }
                     let waited = now.duration_since(start);
-                    if waited < std::time::Duration::from_micros(50) {
+                    if waited < DRIVE_SPIN {
                         std::hint::spin_loop();
-                    } else if waited < std::time::Duration::from_millis(1) {
+                    } else if waited < Duration::from_millis(1) {
                         std::thread::yield_now();
                     } else {
                         self.inbox.queue.wait_for_command(self.p2p.poll_interval());
@@ -261,6 +395,18 @@ impl Engine {
         }
     }
 }
+
+/// How long a driving caller whose send or receive waits for its peer polls without
+/// yielding the core (its peer's answer on one host comes within microseconds).
+const DRIVE_SPIN: Duration = Duration::from_micros(50);
+
+/// How long a receive on the caller's thread ([`Driver::recv_now`]) polls for its
+/// tensor before it waits in the engine like any other op (whose driving caller then
+/// spins as long again before it yields).
+const RECV_NOW_SPIN: Duration = DRIVE_SPIN;
+
+/// How many polls of such a receive go between two clock reads.
+const RECV_NOW_LOOKS: u32 = 32;
 
 /// How many polling turns of a driving caller go between two looks for stalled sends
 /// and receives (a look reads the clock; stalls are reported after seconds).

@@ -30,6 +30,22 @@ struct Waiting {
     reported: Option<Instant>,
 }
 
+/// What a caller running a send or receive itself polls for.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Want<'a> {
+    Nothing,
+    /// Its send's transport id.
+    Sent(u64),
+    /// Its receive's source and name.
+    Received(usize, &'a str),
+}
+
+/// What a caller's poll found of its own.
+enum Found {
+    Sent,
+    Tensor(Tensor),
+}
+
 /// This rank's point-to-point traffic.
 #[derive(Default)]
 pub(super) struct P2pLane {
@@ -148,9 +164,13 @@ impl P2pLane {
     /// Progresses the transport's point to point and completes what finished. An error
     /// of the transport fails every send and receive waiting (with the error).
     pub(super) fn poll(&mut self, timeline: &mut Timeline) {
-        let Some(port) = self.port.as_mut() else {
-            return;
-        };
+        self.poll_for(Want::Nothing, timeline);
+    }
+
+    /// [`poll`](Self::poll), keeping for the caller the completion it `want`s (a send
+    /// or receive of its own that is not registered here) instead of handling it.
+    fn poll_for(&mut self, want: Want<'_>, timeline: &mut Timeline) -> Option<Found> {
+        let port = self.port.as_mut()?;
         let mut events = std::mem::take(&mut self.events);
         if let Err(e) = port.poll(&mut events, self.drain) {
             self.fail_all(|_, _| e.clone());
@@ -159,15 +179,24 @@ impl P2pLane {
         if !events.is_empty() {
             self.last_progress = Some(Instant::now());
         }
+        let mut found = None;
         for ev in events.drain(..) {
             match ev {
                 P2pEvent::Sent(id) => {
-                    if let Some(w) = self.sends.remove(&id) {
+                    if found.is_none() && want == Want::Sent(id) {
+                        found = Some(Found::Sent);
+                    } else if let Some(w) = self.sends.remove(&id) {
                         trace(timeline, "SEND", &w.name, w.submitted);
                         w.done.complete(Ok(Output::Unit));
                     }
                 }
                 P2pEvent::Received { src, name, tensor } => {
+                    if found.is_none()
+                        && matches!(want, Want::Received(p, n) if p == src && n == name)
+                    {
+                        found = Some(Found::Tensor(tensor));
+                        continue;
+                    }
                     let key = (src, name);
                     match self.recvs.remove(&key) {
                         Some(w) => {
@@ -180,6 +209,91 @@ impl P2pLane {
             }
         }
         self.events = events;
+        found
+    }
+
+    /// A send on the caller's thread (`Engine::send_now`): posts it and polls once.
+    /// `Ok(true)`: it completed; `Ok(false)`: it waits here under the completer
+    /// `later` makes. The tensor comes back (`Err`) when this path does not apply: no
+    /// point to point here, or a send of that name to `peer` still in flight (the
+    /// usual path then reports the duplicate).
+    pub(super) fn send_now(
+        &mut self,
+        peer: usize,
+        name: &str,
+        tensor: Tensor,
+        timeline: &mut Timeline,
+        later: impl FnOnce() -> Completer,
+    ) -> Result<Result<bool, Error>, Tensor> {
+        if self.port.is_none() || self.sends.values().any(|w| w.peer == peer && w.name == name)
+        {
+            return Err(tensor);
+        }
+        if let Some(e) = &self.broken {
+            return Ok(Err(e.clone()));
+        }
+        let traced = timeline.enabled().then(Instant::now);
+        let sent = match self.port.as_mut() {
+            Some(port) => port.send(peer, name, tensor),
+            None => return Ok(Err(Error::Internal("point to point went away".into()))),
+        };
+        let id = match sent {
+            Ok(id) => id,
+            Err(e) => return Ok(Err(e)),
+        };
+        if let Some(Found::Sent) = self.poll_for(Want::Sent(id), timeline) {
+            if let Some(t) = traced {
+                trace(timeline, "SEND", name, t);
+            }
+            return Ok(Ok(true));
+        }
+        if let Some(e) = &self.broken {
+            return Ok(Err(e.clone()));
+        }
+        let now = Instant::now();
+        self.last_progress = Some(now);
+        let w = waiting(later(), name.to_string(), peer, traced.unwrap_or(now));
+        self.sends.insert(id, w);
+        Ok(Ok(false))
+    }
+
+    /// Whether the receive of `key` may run on the caller's thread: point to point is
+    /// here and no receive of that key is posted already.
+    pub(super) fn may_recv_now(&self, key: &(usize, String)) -> bool {
+        self.port.is_some() && !self.recvs.contains_key(key)
+    }
+
+    /// The tensor of `key` if it arrived before its receive, else one poll for it.
+    pub(super) fn recv_now(
+        &mut self,
+        key: &(usize, String),
+        timeline: &mut Timeline,
+    ) -> Result<Option<Tensor>, Error> {
+        if let Some(e) = &self.broken {
+            return Err(e.clone());
+        }
+        if let Some(t) = self.take_arrived(key) {
+            return Ok(Some(t));
+        }
+        match self.poll_for(Want::Received(key.0, &key.1), timeline) {
+            Some(Found::Tensor(t)) => Ok(Some(t)),
+            _ => match &self.broken {
+                Some(e) => Err(e.clone()),
+                None => Ok(None),
+            },
+        }
+    }
+
+    /// Leaves the receive of `key` (started at `start`) waiting here under `done`.
+    pub(super) fn post_recv(&mut self, key: (usize, String), done: Completer, start: Instant) {
+        self.last_progress = Some(Instant::now());
+        let (peer, name) = key.clone();
+        self.recvs.insert(key, waiting(done, name, peer, start));
+    }
+
+    /// A span on the timeline for a send or receive done on the caller's thread.
+    pub(super) fn trace_now(timeline: &mut Timeline, phase: &str, name: &str, start: Instant) {
+        trace(timeline, phase, name, start);
     }
 
     /// Takes in the sends and receives of `reqs` and polls those waiting.

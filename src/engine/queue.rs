@@ -235,6 +235,13 @@ impl Queue {
         }
     }
 
+    /// Claims `key` for an op that never went through the queue (a send or receive
+    /// run on the caller's thread that must wait after all); false when it is pending
+    /// already.
+    pub(crate) fn claim_key(&self, key: &Key) -> bool {
+        self.lock().names.insert(key.clone())
+    }
+
     /// Claims names without queueing anything (for tests).
     #[cfg(test)]
     pub(crate) fn claim(&self, names: &[&str]) {
