@@ -225,7 +225,11 @@ impl P2pLane {
         timeline: &mut Timeline,
         later: impl FnOnce() -> Completer,
     ) -> Result<Result<bool, Error>, Tensor> {
-        if self.port.is_none() || self.sends.values().any(|w| w.peer == peer && w.name == name)
+        if self.port.is_none()
+            || self
+                .sends
+                .values()
+                .any(|w| w.peer == peer && w.name == name)
         {
             return Err(tensor);
         }

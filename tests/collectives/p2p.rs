@@ -305,3 +305,138 @@ pub(crate) fn stalled_recv(k: &Kolo) -> Result<()> {
     k.barrier()?;
     Ok(())
 }
+
+/// The error text of `r`, or "" when it succeeded.
+fn error_text<T>(r: kolo::Result<T>) -> String {
+    r.err().map(|e| e.to_string()).unwrap_or_default()
+}
+
+/// Blocking sends and receives, which run on the caller's thread while the engine is
+/// idle (no queue, no handle): bad arguments give the submit-time errors; a receive
+/// whose name is pending already is refused; a receive whose tensor comes 30 ms late
+/// and a send whose receiver comes 300 ms late then wait in the engine, their names
+/// claimed (a second send of the name is refused meanwhile); and two threads of a
+/// rank exchange round trips while a third runs allreduces.
+pub(crate) fn blocking_paths(k: &Kolo) -> Result<()> {
+    let (rank, size) = (k.rank(), k.size());
+    let one = || Tensor::from_vec(vec![1.0f32], &[1]);
+    let e = error_text(k.send("x", one()?, rank).wait());
+    ensure!(e.contains("is this rank"), "send to self: {e:?}");
+    let e = error_text(k.send("x", one()?, size).wait());
+    ensure!(
+        e.contains(&format!("destination rank {size} is out of range")),
+        "send out of range: {e:?}"
+    );
+    let e = error_text(k.recv("", (rank + 1) % size).wait());
+    ensure!(e.contains("must not be empty"), "empty name: {e:?}");
+    k.barrier()?;
+    let big = || Tensor::from_vec((0..(4 << 20)).map(|i| i as f32).collect(), &[4 << 20]);
+    let pids: Vec<i32> = k.allgather_object("blocking.pids", std::process::id() as i32)?;
+    match rank {
+        0 => {
+            std::thread::sleep(Duration::from_millis(30));
+            k.send("late", Tensor::from_vec(vec![3i32; 5], &[5])?, 1)
+                .wait()?;
+            // Rank 1 stops itself (so that nothing there takes the big send in early):
+            // the send waits in the engine with its name claimed.
+            wait_until_stopped(pids[1])?;
+            let resume = Resume(pids[1]);
+            std::thread::scope(|s| -> Result<()> {
+                let sending = s.spawn(|| k.send("big", big()?, 1).wait());
+                std::thread::sleep(Duration::from_millis(50));
+                let e = match k.send("big", one()?, 1).submit() {
+                    Ok(_) => String::new(),
+                    Err(e) => e.to_string(),
+                };
+                drop(resume);
+                ensure!(
+                    e.contains("already pending on rank 0"),
+                    "second send: {e:?}"
+                );
+                match sending.join() {
+                    Ok(r) => Ok(r?),
+                    Err(_) => anyhow::bail!("the sending thread panicked"),
+                }
+            })?;
+            k.send("dup", one()?, 1).wait()?;
+        }
+        1 => {
+            let pending = k.recv("dup", 0).submit()?;
+            let e = error_text(k.recv("dup", 0).wait());
+            ensure!(
+                e.contains("already pending on rank 1"),
+                "second recv: {e:?}"
+            );
+            let late = k.recv("late", 0).wait()?;
+            ensure!(late.as_slice::<i32>()? == [3; 5], "late: {late:?}");
+            // SAFETY: stopping our own process; rank 0 continues it.
+            unsafe { libc::kill(libc::getpid(), libc::SIGSTOP) };
+            let got = k.recv("big", 0).wait()?;
+            ensure!(got == big()?, "big: wrong data");
+            let dup = pending.wait()?;
+            ensure!(dup.as_slice::<f32>()? == [1.0], "dup: {dup:?}");
+        }
+        _ => {}
+    }
+    k.barrier()?;
+    // Two threads per rank of the pair each exchange round trips under their own
+    // name while the main thread of every rank runs allreduces.
+    std::thread::scope(|s| -> Result<()> {
+        let pairs: Vec<_> = (0..2)
+            .filter(|_| rank < 2)
+            .map(|t| {
+                s.spawn(move || -> Result<()> {
+                    let key = format!("rt.{t}");
+                    for i in 0..200 {
+                        round_trip(k, rank, &key, i, Duration::ZERO)?;
+                    }
+                    Ok(())
+                })
+            })
+            .collect();
+        for i in 0..50 {
+            let t = Tensor::from_vec(vec![1.0f32; 16], &[16])?;
+            let sum = k.allreduce(format!("ar.{i}"), t).op(ReduceOp::Sum).wait()?;
+            ensure!(sum.as_slice::<f32>()? == [size as f32; 16], "allreduce {i}");
+        }
+        for p in pairs {
+            match p.join() {
+                Ok(r) => r?,
+                Err(_) => anyhow::bail!("a round-trip thread panicked"),
+            }
+        }
+        Ok(())
+    })?;
+    k.barrier()?;
+    Ok(())
+}
+
+/// Waits (up to 10 s) until process `pid` is stopped.
+fn wait_until_stopped(pid: i32) -> Result<()> {
+    let start = Instant::now();
+    loop {
+        let stat = std::fs::read_to_string(format!("/proc/{pid}/stat"))?;
+        // The state follows the command's closing parenthesis.
+        let state = stat
+            .rsplit_once(") ")
+            .and_then(|(_, rest)| rest.chars().next());
+        if state == Some('T') {
+            return Ok(());
+        }
+        ensure!(
+            start.elapsed() < Duration::from_secs(10),
+            "rank never stopped"
+        );
+        std::thread::sleep(Duration::from_millis(1));
+    }
+}
+
+/// Continues a stopped process when dropped.
+struct Resume(i32);
+
+impl Drop for Resume {
+    fn drop(&mut self) {
+        // SAFETY: continuing a rank of this job.
+        unsafe { libc::kill(self.0, libc::SIGCONT) };
+    }
+}
