@@ -18,7 +18,7 @@ use crate::handle::{self, Completer, Handle, Output};
 use crate::order::unsort;
 use crate::submit_error::SubmitError;
 use crate::tensor::{Device, Tensor};
-use crate::transport::Topology;
+use crate::transport::{Topology, P2P_NAME_MAX, P2P_NDIM_MAX};
 
 /// MPI can be initialised once per process; so can kolo.
 static STARTED: AtomicBool = AtomicBool::new(false);
@@ -606,7 +606,10 @@ impl Kolo {
         dest: usize,
         key: impl FnOnce() -> Key,
     ) -> Result<Result<()>, Tensor> {
-        if !self.may_p2p_now(name, dest) || tensor.device() != Device::Cpu {
+        if !self.may_p2p_now(name, dest)
+            || tensor.device() != Device::Cpu
+            || tensor.shape().len() > P2P_NDIM_MAX
+        {
             return Err(tensor);
         }
         let mut handle = None;
@@ -659,6 +662,7 @@ impl Kolo {
         peer < self.size()
             && peer != self.rank()
             && !name.is_empty()
+            && name.len() <= P2P_NAME_MAX
             && !name.starts_with(RESERVED_PREFIX)
     }
 

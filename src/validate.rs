@@ -4,6 +4,7 @@
 
 use crate::engine::request::{OpKind, Submission, RESERVED_PREFIX};
 use crate::error::{Error, Result};
+use crate::transport::{P2P_NAME_MAX, P2P_NDIM_MAX};
 
 /// A broadcast root that is not a rank.
 pub(crate) fn bad_root(op: &'static str, name: &str, root: usize, size: usize) -> Error {
@@ -56,7 +57,20 @@ fn check_peer(s: &Submission, size: usize, rank: usize) -> std::result::Result<(
             "{role} rank {peer} is this rank; send and recv are between two ranks"
         ));
     }
+    let name = s.key.rsplit_once('@').map_or(&*s.key, |(n, _)| n);
+    if name.len() > P2P_NAME_MAX {
+        return Err(format!(
+            "the name is {} bytes long; a send's or receive's name takes at most {P2P_NAME_MAX}",
+            name.len()
+        ));
+    }
     if let Some((_, t)) = s.tensors.first() {
+        if t.shape().len() > P2P_NDIM_MAX {
+            return Err(format!(
+                "the tensor has {} dimensions; send takes at most {P2P_NDIM_MAX}",
+                t.shape().len()
+            ));
+        }
         if t.device() != crate::tensor::Device::Cpu {
             return Err(format!(
                 "the tensor is on {}; send takes CPU tensors (copy it with to_cpu first)",

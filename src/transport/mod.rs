@@ -34,6 +34,15 @@ impl<F: FnMut(Duration)> Idle for F {
     }
 }
 
+/// The longest name a send or receive may have, in bytes, and the most dimensions its
+/// tensor may have: a header (name, dtype, shape) then fits the buffer a transport
+/// keeps posted for the next one ([`P2P_HEADER_MAX`]).
+pub(crate) const P2P_NAME_MAX: usize = 1024;
+pub(crate) const P2P_NDIM_MAX: usize = 64;
+
+/// The most bytes a point-to-point header takes (varints of at most 10 bytes).
+pub(crate) const P2P_HEADER_MAX: usize = P2P_NAME_MAX + 10 * (P2P_NDIM_MAX + 2) + 16;
+
 /// Point to point outside the cycles (see [`Transport::p2p_port`]).
 pub(crate) trait P2pPort: Send {
     /// Posts `tensor` to rank `dest` under `name` (its name, dtype and shape, then its

@@ -146,6 +146,45 @@ pub(crate) fn errors(k: &Kolo) -> Result<()> {
         .map(|e| e.to_string())
         .unwrap_or_default();
     ensure!(e.contains("must not be empty"), "{e}");
+    // The longest name and the most dimensions a header holds: refused one past them
+    // (the tensor comes back); at them, the tensor arrives whole.
+    let (peer, long) = ((rank + 1) % size, "n".repeat(1025));
+    let e = match k
+        .send(long.as_str(), Tensor::from_vec(vec![1u8], &[1])?, peer)
+        .submit()
+    {
+        Ok(_) => anyhow::bail!("a send with a 1025-byte name was accepted"),
+        Err(e) => e,
+    };
+    ensure!(e.to_string().contains("takes at most 1024"), "{e}");
+    ensure!(e.into_tensors().len() == 1, "not handed back");
+    let e = error_text(k.recv(long.as_str(), peer).wait());
+    ensure!(e.contains("takes at most 1024"), "{e}");
+    let e = error_text(
+        k.send("x", Tensor::from_vec(vec![1u8], &[1; 65])?, peer)
+            .wait(),
+    );
+    ensure!(
+        e.contains("has 65 dimensions; send takes at most 64"),
+        "{e}"
+    );
+    let mut shape = vec![1usize << 62; 64];
+    shape[0] = 0;
+    let (name, edge) = (
+        "e".repeat(1024),
+        Tensor::from_vec(Vec::<f64>::new(), &shape)?,
+    );
+    match rank {
+        0 => k.send(name.as_str(), edge, 1).wait()?,
+        1 => {
+            let got = k.recv(name.as_str(), 0).wait()?;
+            ensure!(
+                got.shape() == shape && got.dtype() == DType::F64,
+                "edge: {got:?}"
+            );
+        }
+        _ => {}
+    }
     k.barrier()?;
     Ok(())
 }
