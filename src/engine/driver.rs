@@ -17,10 +17,14 @@
 //! `MPI_THREAD_SERIALIZED`), or once a request on a device has been taken in (CUDA
 //! and NCCL calls, opening the communicator first, stay on the engine thread). It
 //! then waits for its handle as any other.
+//!
+//! A blocking send or receive goes further ([`Driver::send_now`],
+//! [`Driver::recv_now`]): while the engine is idle it is not even queued. The caller
+//! posts it on the engine's point-to-point lane and polls for it, and gets a handle
+//! only if it must wait longer than a spin (README, "When a cycle starts").
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, TryLockError};
-
 use std::time::{Duration, Instant};
 
 use super::p2p::P2pLane;
