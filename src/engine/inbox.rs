@@ -60,7 +60,7 @@ impl Inbox {
                     return;
                 }
                 if req.meta.kind.is_p2p() {
-                    self.p2p.push(req);
+                    self.p2p.push(*req);
                     return;
                 }
                 if req.meta.device != super::request::Device::Cpu {

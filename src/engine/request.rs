@@ -283,7 +283,7 @@ impl Request {
 #[derive(Debug)]
 #[allow(clippy::large_enum_variant)]
 pub(crate) enum Command {
-    Submit(Request),
+    Submit(Box<Request>),
     Shutdown,
     /// Start writing the timeline to a path, or stop (None); the result is sent back.
     Timeline {

@@ -50,7 +50,7 @@ impl Executor {
 /// This rank's requests waiting to run, by negotiation key: a response takes its
 /// local request (tensors and handle) out; a rank without one (joined) contributes
 /// zeros.
-pub(super) type Pending = FxHashMap<Key, Request>;
+pub(super) type Pending = FxHashMap<Key, Box<Request>>;
 
 impl Executor {
     /// Runs the agreed responses of a cycle (agreed at `ready_at`), fused as the plan
@@ -327,7 +327,7 @@ impl Executor {
     fn host_inputs<'r>(
         &mut self,
         readies: &'r [Ready],
-        locals: Vec<Option<Request>>,
+        locals: Vec<Option<Box<Request>>>,
     ) -> (
         Vec<(&'r Ready, Option<Tensors>)>,
         Vec<Option<handle::Completer>>,
@@ -392,7 +392,7 @@ fn take_batch(batch: &[usize], responses: &mut [Option<Response>]) -> Vec<Respon
 fn take_members(
     pending: &mut Pending,
     members: Vec<Response>,
-) -> (Vec<Ready>, Vec<Option<Request>>) {
+) -> (Vec<Ready>, Vec<Option<Box<Request>>>) {
     let mut readies = Vec::with_capacity(members.len());
     let mut locals = Vec::with_capacity(members.len());
     for m in members {

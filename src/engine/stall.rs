@@ -90,7 +90,7 @@ impl StallInspector {
     pub(crate) fn check_while_waiting(
         &mut self,
         waited: Duration,
-        pending: &rustc_hash::FxHashMap<super::request::Key, Request>,
+        pending: &rustc_hash::FxHashMap<super::request::Key, Box<Request>>,
     ) {
         if !self.enabled || self.warned_waiting || waited < self.after {
             return;

@@ -57,12 +57,12 @@ impl Rank {
             handle::to_tensor,
         );
         let n = values.len();
-        self.inbox.accept(Command::Submit(Request {
+        self.inbox.accept(Command::Submit(Box::new(Request {
             meta,
             tensors: smallvec::smallvec![Tensor::from_vec(values, &[n]).unwrap()],
             done,
             submitted: Instant::now(),
-        }));
+        })));
         h
     }
 

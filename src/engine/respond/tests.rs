@@ -45,7 +45,7 @@ fn submit(pending: &mut Pending, meta: &RequestMeta, values: &[f32]) -> Handle<T
         done,
         submitted: Instant::now(),
     };
-    pending.insert(meta.key.clone(), req);
+    pending.insert(meta.key.clone(), Box::new(req));
     h
 }
 
@@ -173,7 +173,7 @@ fn a_groups_large_members_go_to_the_transport_together() {
                 done,
                 submitted: Instant::now(),
             };
-            pending.insert(meta.key.clone(), req);
+            pending.insert(meta.key.clone(), Box::new(req));
             exec.run(
                 &mut t,
                 &mut pending,

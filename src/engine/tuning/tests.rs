@@ -130,12 +130,12 @@ fn switching_the_cache_sends_slot_announced_requests_in_full_again() {
     );
     inbox.pending.insert(
         "w".into(),
-        super::request::Request {
+        Box::new(super::request::Request {
             meta,
             tensors: smallvec::smallvec![],
             done,
             submitted: Instant::now(),
-        },
+        }),
     );
     inbox.announced.insert(3, "w".into());
 
