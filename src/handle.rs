@@ -177,28 +177,42 @@ impl Completer {
     }
 }
 
-/// Completes a batch of handles (a fused collective's): the names of all of them are
+/// Completes a batch of handles (a fused collective's): handle `i` with `result(i)`
+/// (`None`: no result, as if the engine stopped). The names of all of them are
 /// released under one lock of the pending set, and blocked threads are signalled only
 /// once every result is in place. A thread waiting on the batch's first handle then
 /// wakes once and finds the rest complete, instead of being woken (and competing with
-/// the engine for a core) once per handle.
-pub(crate) fn complete_all(mut batch: Vec<(Completer, Result<Output>)>) {
-    if let Some(pending) = batch.first().map(|(c, _)| c.pending.clone()) {
+/// the engine for a core) once per handle. The results are made one at a time, not
+/// gathered first: a batch of 1000 small tensors moved ~200 KB through a vector so.
+pub(crate) fn complete_all(
+    mut dones: Vec<Option<Completer>>,
+    mut result: impl FnMut(usize) -> Option<Result<Output>>,
+) {
+    if let Some(pending) = dones.iter().flatten().next().map(|c| c.pending.clone()) {
         let mine = |c: &Completer| {
             !c.released && std::ptr::addr_eq(Arc::as_ptr(&c.pending), Arc::as_ptr(&pending))
         };
-        pending.release_names(&mut batch.iter().filter(|(c, _)| mine(c)).map(|(c, _)| &c.names));
-        for (c, _) in &mut batch {
+        pending.release_names(&mut dones.iter().flatten().filter(|c| mine(c)).map(|c| &c.names));
+        for c in dones.iter_mut().flatten() {
             if mine(c) {
                 c.released = true;
             }
         }
     }
     let mut wake = Vec::new();
-    for (mut c, result) in batch {
-        // Another Kolo's handle (never within one engine): released on its own.
-        c.release_names();
-        wake.extend(c.store(result.map_err(SubmitError::from)));
+    for (i, done) in dones.into_iter().enumerate() {
+        let Some(mut c) = done else {
+            continue;
+        };
+        match result(i) {
+            Some(r) => {
+                // Another Kolo's handle (never within one engine): released on its own.
+                c.release_names();
+                wake.extend(c.store(r.map_err(SubmitError::from)));
+            }
+            // Dropped: completes with the "engine stopped" error.
+            None => drop(c),
+        }
     }
     for slot in wake {
         slot.ready.notify_all();
@@ -491,12 +505,8 @@ mod tests {
         while !completers[0].slot.lock().waiting {
             std::thread::yield_now();
         }
-        let batch = completers
-            .into_iter()
-            .enumerate()
-            .map(|(i, c)| (c, Ok(Output::Rank(i))))
-            .collect();
-        complete_all(batch);
+        let dones = completers.into_iter().map(Some).collect();
+        complete_all(dones, |i| Some(Ok(Output::Rank(i))));
         assert_eq!(waiter.join().unwrap(), 0);
         let rest: Vec<usize> = handles.map(|h| h.wait().unwrap()).collect();
         assert_eq!(rest, [1, 2]);

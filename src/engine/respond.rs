@@ -411,23 +411,13 @@ fn complete_fused(
     dones: Vec<Option<handle::Completer>>,
     outputs: crate::error::Result<Vec<Option<crate::tensor::Tensor>>>,
 ) {
-    // Sized up front, as `take_batch`.
-    let mut batch = Vec::with_capacity(dones.len());
     match outputs {
-        Ok(outputs) => batch.extend(
-            dones
-                .into_iter()
-                .zip(outputs)
-                .filter_map(|(done, out)| Some((done?, Ok(Output::Tensor(out?))))),
-        ),
-        Err(e) => batch.extend(
-            dones
-                .into_iter()
-                .flatten()
-                .map(|done| (done, Err(e.clone()))),
-        ),
+        Ok(mut outputs) => handle::complete_all(dones, |i| {
+            let out = outputs.get_mut(i)?.take()?;
+            Some(Ok(Output::Tensor(out)))
+        }),
+        Err(e) => handle::complete_all(dones, |_| Some(Err(e.clone()))),
     }
-    handle::complete_all(batch);
 }
 
 /// The timeline args of an op: dtype and shape of each tensor.
