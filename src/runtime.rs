@@ -716,12 +716,13 @@ impl Kolo {
         let (handle, mut done) = handle::pair(names, self.inner.queue.clone(), on_drop, convert);
         let handle = handle.driven_by(self.inner.driver.clone());
         done.set_order(order.clone());
-        let request = Request {
+        // Boxed here, once: the queue and the engine move it by pointer.
+        let request = Box::new(Request {
             meta,
             tensors,
             done,
             submitted: std::time::Instant::now(),
-        };
+        });
         match self.inner.queue.submit_waking(request, wake) {
             Ok(()) => {}
             Err(Refused::Duplicate(name, request)) => {

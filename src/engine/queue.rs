@@ -67,24 +67,24 @@ impl Queue {
     /// the queue is closed; wakes the engine thread if it sleeps.
     #[cfg(test)]
     pub(crate) fn submit(&self, request: Request) -> Result<(), Refused> {
-        self.submit_waking(request, true)
+        self.submit_waking(Box::new(request), true)
     }
 
     /// [`submit`](Self::submit), waking a sleeping engine thread only if `wake`: a
     /// caller that is about to drive the engine itself does not wake it (and must
     /// [`kick`](Self::kick) it when it cannot drive after all).
-    pub(crate) fn submit_waking(&self, request: Request, wake: bool) -> Result<(), Refused> {
+    pub(crate) fn submit_waking(&self, request: Box<Request>, wake: bool) -> Result<(), Refused> {
         let mut state = self.lock();
         if state.closed {
-            return Err(Refused::Closed(Box::new(request)));
+            return Err(Refused::Closed(request));
         }
         let names = request.done.names();
         if let Some(dup) = names.iter().find(|n| state.names.contains(*n)) {
             let dup = dup.clone();
-            return Err(Refused::Duplicate(dup, Box::new(request)));
+            return Err(Refused::Duplicate(dup, request));
         }
         state.names.extend(names.iter().cloned());
-        state.commands.push(Command::Submit(Box::new(request)));
+        state.commands.push(Command::Submit(request));
         if wake {
             self.signal(state);
         }
