@@ -4,8 +4,10 @@
 //! `-np 4` (`-- --np 2` for one size; `-- --quick` for fewer repetitions; `-- --only 3`
 //! or `--only 1,3,4` for some scenarios; `KOLO_BENCH_REPS=N` timed repetitions per
 //! launch, default 9;
-//! `KOLO_BENCH_ROUNDS=N` launches of each side, default 3), prints a table of medians
-//! with ratios and writes the same to `target/kolo-bench-np<N>.json`.
+//! `KOLO_BENCH_ROUNDS=N` launches of each side, default 3; `KOLO_BENCH_BIND=core` binds
+//! each rank to a core, as Open MPI does by default for up to 2 ranks, instead of
+//! `--bind-to none`), prints a table of medians with ratios and writes the same to
+//! `target/kolo-bench-np<N>.json`.
 //! `scripts/run-bench.sh` sets OpenMPI up first.
 //!
 //! `-- --hosts H` runs across the emulated hosts of `scripts/multinode` (set up first,
@@ -812,7 +814,10 @@ fn launch(np: usize, side: Side, o: &Opts, round: usize) -> anyhow::Result<Sampl
     let mut cmd = match o.hosts {
         None => {
             let mut cmd = std::process::Command::new("mpirun");
-            cmd.args(["-np", &np.to_string(), "--bind-to", "none"]);
+            // `KOLO_BENCH_BIND=core`: each rank (and kolo's engine thread with it) on
+            // a core of its own, as Open MPI binds by default for up to 2 ranks.
+            let bind = std::env::var("KOLO_BENCH_BIND").unwrap_or_else(|_| "none".into());
+            cmd.args(["-np", &np.to_string(), "--bind-to", &bind]);
             // The same defaults as the tests' launcher, so that a bare `cargo bench` works.
             harness::mpi_env(&mut cmd);
             cmd
