@@ -122,6 +122,9 @@ impl Driver {
     /// flight, waiting in the engine under the completer `later` made (its handle
     /// then waits as usual). `Err`: not now (the engine is busy, or the usual path
     /// must report something); the tensor comes back to be queued.
+    // The tensor comes back by value when this path does not apply, to go the queued
+    // way (as `Tensor::into_host_buffer` hands it back).
+    #[allow(clippy::result_large_err)]
     pub(crate) fn send_now(
         &self,
         peer: usize,
@@ -265,6 +268,9 @@ impl Engine {
 
     /// [`Driver::send_now`] with the engine in hand. Queued commands go first (this
     /// thread's earlier sends stay in order).
+    // The tensor comes back by value when this path does not apply, to go the queued
+    // way (as `Tensor::into_host_buffer` hands it back).
+    #[allow(clippy::result_large_err)]
     fn send_now(
         &mut self,
         peer: usize,

@@ -278,10 +278,11 @@ impl Request {
 
 /// Messages from framework threads to the engine.
 ///
-/// A request is not boxed: a box would cost every submit an allocation, freed on
-/// the engine thread; the queue reuses its buffer, so their size costs no allocation.
+/// A request is boxed, although a box costs every submit an allocation (freed on the
+/// engine thread): the engine moves it from the queue into its pending map and on
+/// into a batch, 336 bytes each time unboxed, and by pointer 1000 async 1 KiB
+/// allreduces took 1.12-1.15 ms instead of 1.22-1.28 (np 2, alternating launches).
 #[derive(Debug)]
-#[allow(clippy::large_enum_variant)]
 pub(crate) enum Command {
     Submit(Box<Request>),
     Shutdown,
