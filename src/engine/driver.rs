@@ -331,7 +331,7 @@ impl Engine {
         self.p2p.drain = true;
         Some(match got {
             Ok(Some(t)) => {
-                P2pLane::trace_now(&mut self.exec.timeline, "RECV", name, start);
+                P2pLane::trace_recv(&mut self.exec.timeline, name, &t, peer, start);
                 Ok(Some(t))
             }
             Ok(None) => {

@@ -10,6 +10,7 @@ use std::collections::VecDeque;
 use std::time::{Duration, Instant};
 
 use rustc_hash::FxHashMap;
+use serde_json::Value;
 
 use super::request::{OpKind, Request};
 use super::timeline::Timeline;
@@ -28,6 +29,9 @@ struct Waiting {
     submitted: Instant,
     /// When it was last reported as waiting.
     reported: Option<Instant>,
+    /// A send's timeline args (dtype, shape, peer), taken while its tensor was here
+    /// (`Null` without a timeline, and for a receive: its tensor gives them).
+    args: serde_json::Value,
 }
 
 /// What a caller running a send or receive itself polls for.
@@ -124,6 +128,7 @@ impl P2pLane {
                     ))));
                     return;
                 };
+                let args = timeline_args(timeline, &tensor, peer);
                 let sent = match self.port.as_mut() {
                     Some(port) => port.send(peer, &name, tensor),
                     None => Err(Error::Internal(
@@ -132,8 +137,8 @@ impl P2pLane {
                 };
                 match sent {
                     Ok(id) => {
-                        self.sends
-                            .insert(id, waiting(req.done, name, peer, req.submitted));
+                        let w = waiting(req.done, name, peer, req.submitted, args);
+                        self.sends.insert(id, w);
                     }
                     Err(e) => req.done.complete(Err(e)),
                 }
@@ -141,12 +146,13 @@ impl P2pLane {
             _ => {
                 let key = (peer, name);
                 if let Some(tensor) = self.take_arrived(&key) {
-                    trace(timeline, "RECV", &key.1, req.submitted);
+                    let args = timeline_args(timeline, &tensor, peer);
+                    trace(timeline, "RECV", &key.1, req.submitted, args);
                     req.done.complete(Ok(Output::Tensor(tensor)));
                 } else {
                     let (peer, name) = key.clone();
-                    self.recvs
-                        .insert(key, waiting(req.done, name, peer, req.submitted));
+                    let w = waiting(req.done, name, peer, req.submitted, Value::Null);
+                    self.recvs.insert(key, w);
                 }
             }
         }
@@ -186,7 +192,7 @@ impl P2pLane {
                     if found.is_none() && want == Want::Sent(id) {
                         found = Some(Found::Sent);
                     } else if let Some(w) = self.sends.remove(&id) {
-                        trace(timeline, "SEND", &w.name, w.submitted);
+                        trace(timeline, "SEND", &w.name, w.submitted, w.args);
                         w.done.complete(Ok(Output::Unit));
                     }
                 }
@@ -200,7 +206,8 @@ impl P2pLane {
                     let key = (src, name);
                     match self.recvs.remove(&key) {
                         Some(w) => {
-                            trace(timeline, "RECV", &w.name, w.submitted);
+                            let args = timeline_args(timeline, &tensor, src);
+                            trace(timeline, "RECV", &w.name, w.submitted, args);
                             w.done.complete(Ok(Output::Tensor(tensor)));
                         }
                         None => self.arrived.entry(key).or_default().push_back(tensor),
@@ -240,6 +247,7 @@ impl P2pLane {
             return Ok(Err(e.clone()));
         }
         let traced = timeline.enabled().then(Instant::now);
+        let args = timeline_args(timeline, &tensor, peer);
         let sent = match self.port.as_mut() {
             Some(port) => port.send(peer, name, tensor),
             None => return Ok(Err(Error::Internal("point to point went away".into()))),
@@ -250,7 +258,7 @@ impl P2pLane {
         };
         if let Some(Found::Sent) = self.poll_for(Want::Sent(id), timeline) {
             if let Some(t) = traced {
-                trace(timeline, "SEND", name, t);
+                trace(timeline, "SEND", name, t, args);
             }
             return Ok(Ok(true));
         }
@@ -259,7 +267,7 @@ impl P2pLane {
         }
         let now = Instant::now();
         self.last_progress = Some(now);
-        let w = waiting(later(), name.to_string(), peer, traced.unwrap_or(now));
+        let w = waiting(later(), name.to_string(), peer, traced.unwrap_or(now), args);
         self.sends.insert(id, w);
         Ok(Ok(false))
     }
@@ -295,12 +303,20 @@ impl P2pLane {
     pub(super) fn post_recv(&mut self, key: (usize, String), done: Completer, start: Instant) {
         self.last_progress = Some(Instant::now());
         let (peer, name) = key.clone();
-        self.recvs.insert(key, waiting(done, name, peer, start));
+        self.recvs
+            .insert(key, waiting(done, name, peer, start, Value::Null));
     }
 
-    /// A span on the timeline for a send or receive done on the caller's thread.
-    pub(super) fn trace_now(timeline: &mut Timeline, phase: &str, name: &str, start: Instant) {
-        trace(timeline, phase, name, start);
+    /// The span of a receive of `tensor` from `peer` done on the caller's thread.
+    pub(super) fn trace_recv(
+        timeline: &mut Timeline,
+        name: &str,
+        tensor: &Tensor,
+        peer: usize,
+        start: Instant,
+    ) {
+        let args = timeline_args(timeline, tensor, peer);
+        trace(timeline, "RECV", name, start, args);
     }
 
     /// Takes in the sends and receives of `reqs` and polls those waiting.
@@ -362,25 +378,33 @@ impl P2pLane {
     }
 }
 
-fn waiting(done: Completer, name: String, peer: usize, submitted: Instant) -> Waiting {
+fn waiting(done: Completer, name: String, peer: usize, submitted: Instant, args: Value) -> Waiting {
     Waiting {
         done,
         name,
         peer,
         submitted,
         reported: None,
+        args,
     }
 }
 
+/// A send's or receive's timeline args: its tensor's dtype and shape, and the other
+/// rank (`Null` when no timeline is written).
+fn timeline_args(timeline: &Timeline, tensor: &Tensor, peer: usize) -> Value {
+    if !timeline.enabled() {
+        return Value::Null;
+    }
+    serde_json::json!({
+        "dtype": tensor.dtype().to_string(),
+        "shape": tensor.shape(),
+        "peer": peer,
+    })
+}
+
 /// A finished send's or receive's span, from its submission to now.
-fn trace(timeline: &mut Timeline, phase: &str, name: &str, submitted: Instant) {
+fn trace(timeline: &mut Timeline, phase: &str, name: &str, submitted: Instant, args: Value) {
     if timeline.enabled() {
-        timeline.span(
-            name,
-            phase,
-            submitted,
-            Instant::now(),
-            &serde_json::Value::Null,
-        );
+        timeline.span(name, phase, submitted, Instant::now(), &args);
     }
 }

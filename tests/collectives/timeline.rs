@@ -79,6 +79,21 @@ pub(crate) fn trace(k: &Kolo) -> Result<()> {
         .wait()?;
     k.allgather("tl.gather", Tensor::zeros(DType::I32, &[2, 3]))
         .wait()?;
+    // Both ends of a send have a span: blocking (run on the calling thread while the
+    // engine is idle) and submitted (through the engine's queue).
+    match rank {
+        0 => {
+            k.send("tl.p2p", Tensor::zeros(DType::U8, &[4]), 1).wait()?;
+            k.send("tl.p2p.async", Tensor::zeros(DType::U8, &[4]), 1)
+                .submit()?
+                .wait()?;
+        }
+        1 => {
+            k.recv("tl.p2p", 0).wait()?;
+            k.recv("tl.p2p.async", 0).submit()?.wait()?;
+        }
+        _ => {}
+    }
     // The engine is still running: the file must already be a complete trace.
     let spans = check_format(&events(&path)?, rank)?;
     let has = |track: &str, phase: &str| spans.iter().any(|(t, p)| t == track && p == phase);
@@ -90,6 +105,13 @@ pub(crate) fn trace(k: &Kolo) -> Result<()> {
         has("tl.gather", "ALLGATHER"),
         "allgather span missing: {spans:?}"
     );
+    let phase = if rank == 0 { "SEND" } else { "RECV" };
+    for track in ["tl.p2p", "tl.p2p.async"] {
+        ensure!(
+            rank > 1 || has(track, phase),
+            "no {phase} span for {track}: {spans:?}"
+        );
+    }
     let fused = (0..6)
         .filter(|i| has(&format!("tl.small.{i}"), "MEMCPY_IN_FUSION_BUFFER"))
         .count();
