@@ -166,6 +166,25 @@ pub(crate) fn p2p_dead_sender(k: &Kolo) -> Result<()> {
     Ok(())
 }
 
+/// The last rank is killed while rank 0 waits in a blocking 16 MiB send to it (which
+/// cannot complete without its receiver: it waits in the engine after its first poll)
+/// and the others wait in a barrier: the job ends (no hang), mpirun naming the rank.
+pub(crate) fn p2p_dead_receiver(k: &Kolo) -> Result<()> {
+    let last = k.size() - 1;
+    if k.rank() == last {
+        std::thread::sleep(Duration::from_millis(300));
+        // SAFETY: killing our own process.
+        unsafe { libc::kill(libc::getpid(), libc::SIGKILL) };
+    }
+    if k.rank() == 0 {
+        let big = Tensor::zeros(DType::U8, &[16 << 20]);
+        k.send("never.received", big, last).wait()?;
+    } else {
+        k.barrier()?;
+    }
+    Ok(())
+}
+
 /// The last rank sends itself `signal` after 300 ms; every rank then waits in an
 /// allreduce the last rank never reaches.
 fn last_rank_signalled(k: &Kolo, signal: libc::c_int) -> Result<()> {

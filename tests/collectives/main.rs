@@ -362,6 +362,12 @@ const FAULTS: &[(&str, Case, &[usize], &str)] = &[
         "process rank {last} with PID",
     ),
     (
+        "p2p_dead_receiver",
+        faults::p2p_dead_receiver,
+        &[2, 3],
+        "process rank {last} with PID",
+    ),
+    (
         "sigstop",
         faults::sigstop,
         &[2, 4],
