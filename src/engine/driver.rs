@@ -90,15 +90,15 @@ impl Driver {
     }
 
     /// The engine's lock, when this thread may run it now: the lock is free, and the
-    /// engine has not ended, is not shutting down and may be driven from here.
+    /// engine has not ended and may be driven from here.
     fn idle(&self) -> Option<MutexGuard<'_, Option<Driven>>> {
         let slot = match self.slot.try_lock() {
             Ok(slot) => slot,
             Err(TryLockError::WouldBlock | TryLockError::Poisoned(_)) => return None,
         };
-        let ready = slot.as_ref().is_some_and(|d| {
-            d.ended.is_none() && d.engine.may_be_driven() && !d.engine.inbox.shutting_down
-        });
+        let ready = slot
+            .as_ref()
+            .is_some_and(|d| d.ended.is_none() && d.engine.may_be_driven());
         ready.then_some(slot)
     }
 
@@ -266,8 +266,16 @@ impl Engine {
         end
     }
 
-    /// [`Driver::send_now`] with the engine in hand. Queued commands go first (this
-    /// thread's earlier sends stay in order).
+    /// Takes in what is queued (this thread's earlier sends go first, in order);
+    /// false once shutdown was asked for (the queued path then reports it).
+    fn ready_for_p2p_now(&mut self) -> bool {
+        if self.inbox.queue.flagged() {
+            self.take_in();
+        }
+        !self.inbox.shutting_down
+    }
+
+    /// [`Driver::send_now`] with the engine in hand.
     // The tensor comes back by value when this path does not apply, to go the queued
     // way (as `Tensor::into_host_buffer` hands it back).
     #[allow(clippy::result_large_err)]
@@ -278,11 +286,8 @@ impl Engine {
         tensor: Tensor,
         later: impl FnOnce() -> Completer,
     ) -> Result<Result<bool>, Tensor> {
-        if self.inbox.queue.flagged() {
-            self.take_in();
-            if self.inbox.shutting_down {
-                return Err(tensor);
-            }
+        if !self.ready_for_p2p_now() {
+            return Err(tensor);
         }
         self.p2p.drain = false;
         let sent = self
@@ -302,11 +307,8 @@ impl Engine {
         name: &str,
         later: impl FnOnce() -> Completer,
     ) -> Option<Result<Option<Tensor>>> {
-        if self.inbox.queue.flagged() {
-            self.take_in();
-            if self.inbox.shutting_down {
-                return None;
-            }
+        if !self.ready_for_p2p_now() {
+            return None;
         }
         let key = (peer, name.to_string());
         if !self.p2p.may_recv_now(&key) {
