@@ -17,7 +17,7 @@ use crate::vocab::{AlltoallOutput, ReduceOp};
 
 /// The collectives: each returns a builder (or, for barrier and join, blocks).
 impl Kolo {
-    /// Reduces `tensor` over all ranks (default [`ReduceOp::Average`](crate::ReduceOp::Average)). Every rank must
+    /// Reduces `tensor` over all ranks (default [`ReduceOp::Average`]). Every rank must
     /// submit a tensor of the same name, dtype and shape.
     pub fn allreduce(&self, name: impl Into<String>, tensor: Tensor) -> AllreduceBuilder<'_> {
         AllreduceBuilder::new(self, name.into(), tensor)

@@ -70,7 +70,7 @@ impl Queue {
         self.submit_waking(Box::new(request), true)
     }
 
-    /// [`submit`](Self::submit), waking a sleeping engine thread only if `wake`: a
+    /// `submit` (a test's), waking a sleeping engine thread only if `wake`: a
     /// caller that is about to drive the engine itself does not wake it (and must
     /// [`kick`](Self::kick) it when it cannot drive after all).
     pub(crate) fn submit_waking(&self, request: Box<Request>, wake: bool) -> Result<(), Refused> {

@@ -59,7 +59,7 @@ pub(crate) trait P2pPort: Send {
 /// What [`P2pPort::poll`] reports.
 #[derive(Debug)]
 pub(crate) enum P2pEvent {
-    /// The send [`Transport::p2p_send`] numbered so is done (its tensor dropped).
+    /// The send [`P2pPort::send`] numbered so is done (its tensor dropped).
     Sent(u64),
     /// A whole tensor arrived from `src` under `name`.
     Received {

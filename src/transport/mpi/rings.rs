@@ -454,7 +454,7 @@ fn ring_neighbours(
     ))
 }
 
-/// Below this rate between hosts (bytes/s per rank, as [`MpiTransport::probe_link`]
+/// Below this rate between hosts (bytes/s per rank, as [`super::MpiTransport::probe_link`]
 /// times it) large sums go through the ring in groups. Across 2 emulated hosts with one
 /// rank each, ResNet-50 gradient set: at 1 Gbit/s (timed at 0.65-0.93 Gbit/s) grouping
 /// is 1.3× faster (870 vs 1120-1180 ms per step, as fast as one pre-packed
