@@ -65,6 +65,11 @@ const CASES: &[(&str, Case, usize)] = &[
     ("p2p_same_name_other_pairs", p2p::same_name_other_pairs, 2),
     ("p2p_errors", p2p::errors, 2),
     ("p2p_blocking_paths", p2p::blocking_paths, 2),
+    (
+        "p2p_shutdown_while_receiving",
+        p2p::shutdown_while_receiving,
+        2,
+    ),
     ("p2p_dtypes_sizes_in_flight", p2p::dtypes_sizes_in_flight, 2),
     ("p2p_in_process_set", p2p::in_process_set, 3),
     ("p2p_pair_alone", p2p::pair_alone, 3),

@@ -479,3 +479,29 @@ impl Drop for Resume {
         unsafe { libc::kill(self.0, libc::SIGCONT) };
     }
 }
+
+/// A thread of rank 0 waits in a blocking receive that rank 1 never sends while rank
+/// 0's main thread shuts it down: the receive fails naming the shutdown, and nothing
+/// hangs (the receive went past its spin on the caller's thread and waits in the
+/// engine, which fails it as it stops).
+pub(crate) fn shutdown_while_receiving(k: &Kolo) -> Result<()> {
+    if k.rank() == 0 {
+        std::thread::scope(|s| -> Result<()> {
+            let waiter = s.spawn(|| error_text(k.recv("never.sent", 1).wait()));
+            std::thread::sleep(Duration::from_millis(200));
+            k.shutdown()?;
+            let e = match waiter.join() {
+                Ok(e) => e,
+                Err(_) => anyhow::bail!("the receiving thread panicked"),
+            };
+            ensure!(
+                e.contains("shut down"),
+                "the waiting receive ended with {e:?}"
+            );
+            Ok(())
+        })
+    } else {
+        k.shutdown()?;
+        Ok(())
+    }
+}
