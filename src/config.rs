@@ -153,8 +153,10 @@ impl Config {
     }
 
     /// The pause between negotiation cycles while this rank has submitted its work and
-    /// only waits for the other ranks; new local work starts a cycle at once.
-    /// (`KOLO_CYCLE_TIME`, in ms)
+    /// only waits for the other ranks; new local work starts a cycle at once. Also the
+    /// longest an op submitted while the engine is idle waits for its own caller to run
+    /// it (the caller's `wait` does, on its own thread) before the engine thread starts
+    /// it. (`KOLO_CYCLE_TIME`, in ms; default 1)
     pub fn cycle_time(mut self, cycle_time: Duration) -> Self {
         self.cycle_time = cycle_time;
         self.cycle_time_explicit = true;

@@ -28,7 +28,7 @@ use std::sync::{Arc, Mutex, MutexGuard, TryLockError};
 use std::time::{Duration, Instant};
 
 use super::p2p::P2pLane;
-use super::queue::Queue;
+use super::queue::{Queue, Woke};
 use super::{End, Engine, Sleep};
 use crate::error::Result;
 use crate::handle::{Completer, Drive};
@@ -167,8 +167,10 @@ impl Driver {
     ///
     /// A sleep that ran out is a cycle due (a heartbeat, or the next paced cycle while
     /// other ranks are awaited) unless a caller ran one meanwhile; a sleep ended by
-    /// work looks at the engine again first (a caller may have run it already). The
-    /// thread spins for the next submit only after a cycle of its own.
+    /// work looks at the engine again first (a caller may have run it already), after
+    /// a grace of one cycle time when the work woke it from idle (the submitting
+    /// caller usually waits soon, and then runs the op itself; README, "Who runs a
+    /// cycle"). The thread spins for the next submit only after a cycle of its own.
     pub(super) fn serve(&self, engine: Engine) -> Engine {
         let queue = &*self.queue;
         *self.lock() = Some(Driven {
@@ -178,8 +180,25 @@ impl Driver {
         // After a sleep that ran out: the cycle count when it began.
         let mut due: Option<u64> = None;
         let mut ran_last = false;
+        // After a grace that ran out: take the engine only if no caller runs it.
+        let mut polite: Option<Duration> = None;
         loop {
-            let mut slot = self.lock();
+            let mut slot = match polite.take() {
+                None => self.lock(),
+                Some(grace) => match self.slot.try_lock() {
+                    Ok(slot) => slot,
+                    Err(TryLockError::Poisoned(p)) => p.into_inner(),
+                    Err(TryLockError::WouldBlock) => {
+                        // A caller runs the engine and takes in what is queued; look
+                        // again after a kick, or a grace later (what was queued after
+                        // the caller's last look waits at most that long).
+                        if !queue.wait_for_kick(grace) {
+                            polite = Some(grace);
+                        }
+                        continue;
+                    }
+                },
+            };
             let Some(driven) = slot.as_mut() else {
                 unreachable!("only the engine thread takes the engine out");
             };
@@ -201,9 +220,20 @@ impl Driver {
                             }
                         }
                         let seen = engine.cycles;
+                        // Woken from idle by a submit, it leaves the op to its caller
+                        // for up to a cycle time (see `grace`).
+                        let grace = (matches!(sleep, Sleep::Idle) && engine.may_be_driven())
+                            .then_some(engine.config.cycle_time)
+                            .filter(|g| !g.is_zero());
                         drop(slot);
-                        if !sleep.sleep(queue) && sleep.cycles_when_over() {
+                        let woke = sleep.sleep(queue);
+                        if woke == Woke::TimedOut && sleep.cycles_when_over() {
                             due = Some(seen);
+                        }
+                        if let (Woke::Command, Some(g)) = (woke, grace) {
+                            if !queue.wait_for_kick(g) {
+                                polite = Some(g);
+                            }
                         }
                         ran_last = false;
                         continue;

@@ -37,7 +37,7 @@ use autotune::{AutotuneState, Tuner};
 use control::{Control, Negotiation};
 use inbox::{stopped, Inbox};
 use negotiate::Response;
-use queue::Queue;
+use queue::{Queue, Woke};
 use request::{Command, RequestMeta, Settings};
 use respond::Executor;
 use tuning::{tuned_bytes, Tuning};
@@ -120,13 +120,17 @@ enum Sleep {
 impl Sleep {
     /// Sleeps on the queue (not on the engine) as `self` says. True when work (or a
     /// kick) ended it, false when the time ran out.
-    fn sleep(self, queue: &Queue) -> bool {
+    fn sleep(self, queue: &Queue) -> Woke {
         match self {
             Sleep::SpinThenIdle => {
-                queue.spin_for_command(ENGINE_SPIN) || queue.wait_for_command(HEARTBEAT)
+                if queue.spin_for_command(ENGINE_SPIN) {
+                    Woke::Command
+                } else {
+                    queue.wait_for_work(HEARTBEAT)
+                }
             }
-            Sleep::Idle => queue.wait_for_command(HEARTBEAT),
-            Sleep::Pace(t) | Sleep::Poll(t) => queue.wait_for_command(t),
+            Sleep::Idle => queue.wait_for_work(HEARTBEAT),
+            Sleep::Pace(t) | Sleep::Poll(t) => queue.wait_for_work(t),
         }
     }
 

@@ -17,6 +17,16 @@ use std::time::{Duration, Instant};
 use super::request::{Command, Key, Request};
 use crate::handle::{Names, PendingNames};
 
+/// What ended a wait for work ([`Queue::wait_for_work`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Woke {
+    TimedOut,
+    /// A command was queued.
+    Command,
+    /// A kick, or the queue was closed.
+    Kicked,
+}
+
 /// Why a submit was not queued.
 #[derive(Debug)]
 pub(crate) enum Refused {
@@ -39,6 +49,8 @@ struct State {
     kicked: bool,
     /// Shutdown was requested: no command is taken any more.
     closed: bool,
+    /// The engine thread waits for a kick only ([`Queue::wait_for_kick`]).
+    awaiting_kick: bool,
 }
 
 /// See the module docs.
@@ -46,6 +58,8 @@ struct State {
 pub(crate) struct Queue {
     state: Mutex<State>,
     arrived: Condvar,
+    /// Signalled by a kick or the close, not by commands: see [`Queue::wait_for_kick`].
+    kicks: Condvar,
     /// Set whenever a command is queued, cleared when the engine takes them: lets the
     /// engine look for work without taking the lock.
     queued: AtomicBool,
@@ -110,6 +124,9 @@ impl Queue {
         if !state.closed {
             state.closed = true;
             state.commands.push(Command::Shutdown);
+            if state.awaiting_kick {
+                self.kicks.notify_all();
+            }
             self.signal(state);
         }
     }
@@ -149,12 +166,37 @@ impl Queue {
     pub(crate) fn kick(&self) {
         let mut state = self.lock();
         state.kicked = true;
+        if state.awaiting_kick {
+            self.kicks.notify_all();
+        }
         self.signal(state);
+    }
+
+    /// Waits up to `timeout` until the queue is kicked or closed; commands arriving
+    /// meanwhile do not end the wait (nor signal it). False when the time ran out.
+    pub(crate) fn wait_for_kick(&self, timeout: Duration) -> bool {
+        let mut state = self.lock();
+        let waiting = |s: &mut State| !s.kicked && !s.closed;
+        if waiting(&mut state) {
+            state.awaiting_kick = true;
+            state = self
+                .kicks
+                .wait_timeout_while(state, timeout, waiting)
+                .unwrap_or_else(PoisonError::into_inner)
+                .0;
+            state.awaiting_kick = false;
+        }
+        !waiting(&mut state)
     }
 
     /// Waits up to `timeout` until a command is queued, the queue is closed or it is
     /// [kicked](Self::kick), without taking anything. False when the time ran out.
     pub(crate) fn wait_for_command(&self, timeout: Duration) -> bool {
+        self.wait_for_work(timeout) != Woke::TimedOut
+    }
+
+    /// [`wait_for_command`](Self::wait_for_command), saying what ended the wait.
+    pub(crate) fn wait_for_work(&self, timeout: Duration) -> Woke {
         let mut state = self.lock();
         let idle = |s: &mut State| s.commands.is_empty() && !s.closed && !s.kicked;
         if idle(&mut state) && !timeout.is_zero() {
@@ -166,9 +208,15 @@ impl Queue {
                 .0;
             state.waiters -= 1;
         }
-        let woken = !idle(&mut state);
+        let woke = if state.kicked || state.closed {
+            Woke::Kicked
+        } else if state.commands.is_empty() {
+            Woke::TimedOut
+        } else {
+            Woke::Command
+        };
         state.kicked = false;
-        woken
+        woke
     }
 
     /// The engine's side: moves every queued command into `into` (which should be

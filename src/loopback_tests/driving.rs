@@ -136,3 +136,49 @@ fn shutdown_while_a_caller_drives_fails_its_op_and_stops() {
     let rank1 = errors[1].as_deref().unwrap_or("it succeeded");
     assert!(rank1.contains("rank 0 has shut down"), "rank 1: {rank1}");
 }
+
+/// An op submitted asynchronously while the engine is idle is left to its caller for
+/// at most a cycle time (the engine thread's grace); one that nobody waits for still
+/// runs on the engine thread: every rank polls its handle without waiting, and all
+/// complete within a few cycle times. With a cycle time of 20 ms they do not complete
+/// within the first 5 ms (the grace is the cycle time) but within 500 ms.
+#[test]
+fn an_async_op_nobody_waits_for_runs_after_the_grace() {
+    for (cycle, at_least, at_most) in [
+        (
+            Duration::from_millis(1),
+            Duration::ZERO,
+            Duration::from_millis(500),
+        ),
+        (
+            Duration::from_millis(20),
+            Duration::from_millis(5),
+            Duration::from_millis(500),
+        ),
+    ] {
+        let ranks = job(2, |_| Config::default().cycle_time(cycle));
+        let took = on_every_rank(&ranks, |r, k| {
+            // Let the engine thread go idle (past its spin after the start).
+            std::thread::sleep(Duration::from_millis(50));
+            let t = Tensor::from_vec(vec![r as f32 + 1.0], &[1]).unwrap_or_else(|e| panic!("{e}"));
+            let start = std::time::Instant::now();
+            let h = k
+                .allreduce("nobody.waits", t)
+                .op(ReduceOp::Sum)
+                .submit()
+                .unwrap_or_else(|e| panic!("{e}"));
+            while !h.poll() && start.elapsed() < Duration::from_secs(5) {
+                std::thread::sleep(Duration::from_micros(100));
+            }
+            let took = start.elapsed();
+            assert_eq!(values(h.wait().unwrap_or_else(|e| panic!("{e}"))), [3.0]);
+            took
+        });
+        for (r, t) in took.iter().enumerate() {
+            assert!(
+                *t >= at_least && *t <= at_most,
+                "cycle time {cycle:?}: rank {r}'s op completed after {t:?}"
+            );
+        }
+    }
+}
