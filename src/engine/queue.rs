@@ -51,6 +51,9 @@ struct State {
     closed: bool,
     /// The engine thread waits for a kick only ([`Queue::wait_for_kick`]).
     awaiting_kick: bool,
+    /// A send or receive is queued: it ends such a wait too (its peer may be waiting
+    /// for it, and its caller may not wait soon).
+    urgent: bool,
 }
 
 /// See the module docs.
@@ -98,6 +101,12 @@ impl Queue {
             return Err(Refused::Duplicate(dup, request));
         }
         state.names.extend(names.iter().cloned());
+        if request.meta.kind.is_p2p() {
+            state.urgent = true;
+            if state.awaiting_kick {
+                self.kicks.notify_all();
+            }
+        }
         state.commands.push(Command::Submit(request));
         if wake {
             self.signal(state);
@@ -172,11 +181,12 @@ impl Queue {
         self.signal(state);
     }
 
-    /// Waits up to `timeout` until the queue is kicked or closed; commands arriving
-    /// meanwhile do not end the wait (nor signal it). False when the time ran out.
+    /// Waits up to `timeout` until the queue is kicked or closed, or a send or receive
+    /// is queued; other commands arriving meanwhile do not end the wait (nor signal
+    /// it). False when the time ran out.
     pub(crate) fn wait_for_kick(&self, timeout: Duration) -> bool {
         let mut state = self.lock();
-        let waiting = |s: &mut State| !s.kicked && !s.closed;
+        let waiting = |s: &mut State| !s.kicked && !s.closed && !s.urgent;
         if waiting(&mut state) {
             state.awaiting_kick = true;
             state = self
@@ -243,6 +253,7 @@ impl Queue {
             state.waiters -= 1;
         }
         self.queued.store(false, Ordering::Relaxed);
+        state.urgent = false;
         std::mem::swap(&mut state.commands, into);
     }
 

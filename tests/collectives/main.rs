@@ -115,6 +115,7 @@ const VARIANT_ONLY: &[(&str, Case)] = &[
     ("elastic", faults::elastic),
     ("stall_shutdown", faults::stall_shutdown),
     ("p2p_stalled_recv", p2p::stalled_recv),
+    ("p2p_async_send_unwaited", p2p::async_send_unwaited),
     ("timeline", timeline::trace),
     ("autotune_grid_point", autotune::grid_point),
     ("autotune_tune", autotune::tune),
@@ -308,6 +309,13 @@ const VARIANTS: &[Variant] = &[
         &[2],
         &[("KOLO_STALL_CHECK_TIME_SECONDS", "1")],
         Some("stalled recv: rank 1 has waited"),
+    ),
+    (
+        "p2p_async_send_unwaited",
+        "p2p_async_send_unwaited",
+        &[2],
+        &[("KOLO_CYCLE_TIME", "200")],
+        None,
     ),
     (
         "timeline",

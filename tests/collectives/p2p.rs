@@ -505,3 +505,37 @@ pub(crate) fn shutdown_while_receiving(k: &Kolo) -> Result<()> {
         Ok(())
     }
 }
+
+/// Run with `KOLO_CYCLE_TIME=200`: an async send nobody waits for is posted at once,
+/// not after the engine thread's grace (a cycle time, in which it leaves a burst of
+/// submits to their caller): rank 1's blocking receive has it within 100 ms of rank
+/// 0's submit while rank 0 sleeps.
+pub(crate) fn async_send_unwaited(k: &Kolo) -> Result<()> {
+    k.barrier()?;
+    // Let the engine threads go idle.
+    std::thread::sleep(Duration::from_millis(300));
+    match k.rank() {
+        0 => {
+            let h = k
+                .send("unwaited", Tensor::from_vec(vec![7u8; 4], &[4])?, 1)
+                .submit()?;
+            std::thread::sleep(Duration::from_millis(400));
+            h.wait()?;
+        }
+        1 => {
+            let start = Instant::now();
+            let got = k.recv("unwaited", 0).wait()?;
+            let took = start.elapsed();
+            ensure!(got.as_slice::<u8>()? == [7; 4], "wrong data");
+            // Rank 1 starts waiting about when rank 0 submits (both left the same
+            // barrier 300 ms before).
+            ensure!(
+                took < Duration::from_millis(100),
+                "the unwaited send arrived after {took:?}"
+            );
+        }
+        _ => {}
+    }
+    k.barrier()?;
+    Ok(())
+}
