@@ -17,8 +17,8 @@ use crate::error::{Error, Result};
 use crate::handle::{self, Completer, Handle, Output};
 use crate::order::unsort;
 use crate::submit_error::SubmitError;
-use crate::tensor::{Device, Tensor};
-use crate::transport::{Topology, P2P_NAME_MAX, P2P_NDIM_MAX};
+use crate::tensor::Tensor;
+use crate::transport::Topology;
 
 /// MPI can be initialised once per process; so can kolo.
 static STARTED: AtomicBool = AtomicBool::new(false);
@@ -609,10 +609,7 @@ impl Kolo {
         dest: usize,
         key: impl FnOnce() -> Key,
     ) -> Result<Result<()>, Tensor> {
-        if !self.may_p2p_now(name, dest)
-            || tensor.device() != Device::Cpu
-            || tensor.shape().len() > P2P_NDIM_MAX
-        {
+        if !self.may_p2p_now(Some(&tensor), name, dest) {
             return Err(tensor);
         }
         let mut handle = None;
@@ -640,7 +637,7 @@ impl Kolo {
         src: usize,
         key: impl FnOnce() -> Key,
     ) -> Option<Result<Tensor>> {
-        if !self.may_p2p_now(name, src) {
+        if !self.may_p2p_now(None, name, src) {
             return None;
         }
         let mut handle = None;
@@ -659,14 +656,21 @@ impl Kolo {
         })
     }
 
-    /// Whether a send or receive of `name` with `peer` passes the submit-time checks
-    /// (`validate`), so that it may skip them on this thread.
-    fn may_p2p_now(&self, name: &str, peer: usize) -> bool {
-        peer < self.size()
-            && peer != self.rank()
-            && !name.is_empty()
-            && name.len() <= P2P_NAME_MAX
+    /// Whether a send (of `tensor`) or receive of `name` with `peer` passes the
+    /// submit-time checks (`validate`'s for point to point, and a name neither empty
+    /// nor reserved), so that it may skip them on this thread.
+    fn may_p2p_now(&self, tensor: Option<&Tensor>, name: &str, peer: usize) -> bool {
+        !name.is_empty()
             && !name.starts_with(RESERVED_PREFIX)
+            && crate::validate::check_p2p(
+                tensor.is_some(),
+                tensor,
+                name,
+                peer,
+                self.size(),
+                self.rank(),
+            )
+            .is_ok()
     }
 
     /// A handle driven by this engine, its `key` claimed in the pending set (unless

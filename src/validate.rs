@@ -4,6 +4,7 @@
 
 use crate::engine::request::{OpKind, Submission, RESERVED_PREFIX};
 use crate::error::{Error, Result};
+use crate::tensor::Tensor;
 use crate::transport::{P2P_NAME_MAX, P2P_NDIM_MAX};
 
 /// A broadcast root that is not a rank.
@@ -43,10 +44,23 @@ fn invalid(s: &Submission, message: String) -> Error {
 
 /// A send's or receive's other rank: a rank, not this one; a send's tensor on the CPU.
 fn check_peer(s: &Submission, size: usize, rank: usize) -> std::result::Result<(), String> {
-    let (peer, role) = match s.kind {
-        OpKind::Send => (s.root, "destination"),
-        _ => (s.root, "source"),
-    };
+    let name = s.key.rsplit_once('@').map_or(&*s.key, |(n, _)| n);
+    let tensor = s.tensors.first().map(|(_, t)| t);
+    check_p2p(s.kind == OpKind::Send, tensor, name, s.root, size, rank)
+}
+
+/// [`check_peer`] on its own parts, for a send or receive that is not made into a
+/// submission (run on the caller's thread): whether it is a send, its tensor, its
+/// name (without the pair's ranks) and the other rank.
+pub(crate) fn check_p2p(
+    send: bool,
+    tensor: Option<&Tensor>,
+    name: &str,
+    peer: usize,
+    size: usize,
+    rank: usize,
+) -> std::result::Result<(), String> {
+    let role = if send { "destination" } else { "source" };
     if peer >= size {
         return Err(format!(
             "{role} rank {peer} is out of range: there are {size} ranks (0..{size})"
@@ -57,14 +71,13 @@ fn check_peer(s: &Submission, size: usize, rank: usize) -> std::result::Result<(
             "{role} rank {peer} is this rank; send and recv are between two ranks"
         ));
     }
-    let name = s.key.rsplit_once('@').map_or(&*s.key, |(n, _)| n);
     if name.len() > P2P_NAME_MAX {
         return Err(format!(
             "the name is {} bytes long; a send's or receive's name takes at most {P2P_NAME_MAX}",
             name.len()
         ));
     }
-    if let Some((_, t)) = s.tensors.first() {
+    if let Some(t) = tensor {
         if t.shape().len() > P2P_NDIM_MAX {
             return Err(format!(
                 "the tensor has {} dimensions; send takes at most {P2P_NDIM_MAX}",
