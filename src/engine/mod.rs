@@ -118,8 +118,7 @@ enum Sleep {
 }
 
 impl Sleep {
-    /// Sleeps on the queue (not on the engine) as `self` says. True when work (or a
-    /// kick) ended it, false when the time ran out.
+    /// Sleeps on the queue (not on the engine) as `self` says, and says what ended it.
     fn sleep(self, queue: &Queue) -> Woke {
         match self {
             Sleep::SpinThenIdle => {
