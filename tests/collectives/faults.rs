@@ -152,47 +152,44 @@ pub(crate) fn elastic(k: &Kolo) -> Result<()> {
 /// Issue 36: the last rank is killed while rank 0 waits to receive from it and the
 /// others wait in a barrier: the job ends (no hang), mpirun naming the rank.
 pub(crate) fn p2p_dead_sender(k: &Kolo) -> Result<()> {
-    let last = k.size() - 1;
-    if k.rank() == last {
-        std::thread::sleep(Duration::from_millis(300));
-        // SAFETY: killing our own process.
-        unsafe { libc::kill(libc::getpid(), libc::SIGKILL) };
-    }
-    if k.rank() == 0 {
-        k.recv("never.sent", last).wait()?;
-    } else {
-        k.barrier()?;
-    }
-    Ok(())
+    while_last_rank_killed(k, |last| k.recv("never.sent", last).wait().map(drop))
 }
 
 /// The last rank is killed while rank 0 waits in a blocking 16 MiB send to it (which
 /// cannot complete without its receiver: it waits in the engine after its first poll)
 /// and the others wait in a barrier: the job ends (no hang), mpirun naming the rank.
 pub(crate) fn p2p_dead_receiver(k: &Kolo) -> Result<()> {
-    let last = k.size() - 1;
-    if k.rank() == last {
-        std::thread::sleep(Duration::from_millis(300));
-        // SAFETY: killing our own process.
-        unsafe { libc::kill(libc::getpid(), libc::SIGKILL) };
-    }
-    if k.rank() == 0 {
+    while_last_rank_killed(k, |last| {
         let big = Tensor::zeros(DType::U8, &[16 << 20]);
-        k.send("never.received", big, last).wait()?;
+        k.send("never.received", big, last).wait()
+    })
+}
+
+/// The last rank kills itself after 300 ms while rank 0 runs `pair` with it (given
+/// the last rank) and the others wait in a barrier.
+fn while_last_rank_killed(k: &Kolo, pair: impl FnOnce(usize) -> kolo::Result<()>) -> Result<()> {
+    last_rank_signals_itself(k, libc::SIGKILL);
+    if k.rank() == 0 {
+        pair(k.size() - 1)?;
     } else {
         k.barrier()?;
     }
     Ok(())
 }
 
-/// The last rank sends itself `signal` after 300 ms; every rank then waits in an
-/// allreduce the last rank never reaches.
-fn last_rank_signalled(k: &Kolo, signal: libc::c_int) -> Result<()> {
+/// On the last rank: sleeps 300 ms, then sends itself `signal`.
+fn last_rank_signals_itself(k: &Kolo, signal: libc::c_int) {
     if k.rank() == k.size() - 1 {
         std::thread::sleep(Duration::from_millis(300));
         // SAFETY: signalling our own process.
         unsafe { libc::kill(libc::getpid(), signal) };
     }
+}
+
+/// The last rank sends itself `signal` after 300 ms; every rank then waits in an
+/// allreduce the last rank never reaches.
+fn last_rank_signalled(k: &Kolo, signal: libc::c_int) -> Result<()> {
+    last_rank_signals_itself(k, signal);
     k.allreduce("never", Tensor::zeros(DType::F32, &[4]))
         .wait()?;
     Ok(())
