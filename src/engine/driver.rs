@@ -319,12 +319,8 @@ impl Engine {
         if !self.ready_for_p2p_now() {
             return Err(tensor);
         }
-        self.p2p.drain = false;
-        let sent = self
-            .p2p
-            .send_now(peer, name, tensor, &mut self.exec.timeline, later);
-        self.p2p.drain = true;
-        sent
+        self.p2p
+            .send_now(peer, name, tensor, &mut self.exec.timeline, later)
     }
 
     /// [`Driver::recv_now`] with the engine in hand: polls for the tensor, one arrived
@@ -345,7 +341,6 @@ impl Engine {
             return None;
         }
         let start = Instant::now();
-        self.p2p.drain = false;
         let mut turns = 0u32;
         let got = loop {
             match self.p2p.recv_now(&key, &mut self.exec.timeline) {
@@ -360,7 +355,6 @@ impl Engine {
             }
             std::hint::spin_loop();
         };
-        self.p2p.drain = true;
         Some(match got {
             Ok(Some(t)) => {
                 P2pLane::trace_recv(&mut self.exec.timeline, name, &t, peer, start);

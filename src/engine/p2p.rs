@@ -178,7 +178,10 @@ impl P2pLane {
     fn poll_for(&mut self, want: Want<'_>, timeline: &mut Timeline) -> Option<Found> {
         let port = self.port.as_mut()?;
         let mut events = std::mem::take(&mut self.events);
-        if let Err(e) = port.poll(&mut events, self.drain) {
+        // A caller polling for its own send or receive takes one arrived tensor at a
+        // time, as a driving caller does.
+        let drain = self.drain && want == Want::Nothing;
+        if let Err(e) = port.poll(&mut events, drain) {
             self.fail_all(|_, _| e.clone());
             self.broken = Some(e);
         }
