@@ -17,7 +17,12 @@ impl Kolo {
     /// part, and the same name may be in use between other pairs at the same time.
     /// The engine runs the pair at the same place of its order on both ranks, so
     /// sends, receives and collectives never deadlock whatever order they are
-    /// submitted in. CPU tensors.
+    /// submitted in.
+    ///
+    /// A CUDA tensor (feature `nccl`) travels through host memory: it is copied there
+    /// when the engine takes the send in (waiting for the copy), sent over MPI, and
+    /// put on the receiver's device ([`Kolo::cuda_device`]) when it arrives. NCCL's
+    /// own send and receive, device to device, are not used yet.
     pub fn send(&self, name: impl Into<String>, tensor: Tensor, dest: usize) -> SendBuilder<'_> {
         SendBuilder {
             kolo: self,
@@ -29,7 +34,9 @@ impl Kolo {
     }
 
     /// Receives the tensor rank `src` sends under `name` with [`Kolo::send`]; its
-    /// shape and dtype come from the sender.
+    /// shape and dtype come from the sender, and so does its kind of device: a tensor
+    /// sent from a CUDA device arrives on this rank's ([`Kolo::cuda_device`]), a CPU
+    /// tensor on the CPU.
     pub fn recv(&self, name: impl Into<String>, src: usize) -> RecvBuilder<'_> {
         RecvBuilder {
             kolo: self,
@@ -91,7 +98,7 @@ impl<'k> SendBuilder<'k> {
     ///
     /// # Errors
     /// Submit-time errors only (empty or duplicate name, a destination that is not
-    /// another rank, a CUDA tensor, engine not running), with the tensor handed back.
+    /// another rank, engine not running), with the tensor handed back.
     pub fn submit(self) -> Result<Handle<()>, SubmitError> {
         self.prepare().submit()
     }

@@ -411,11 +411,7 @@ impl Kolo {
     /// # Errors
     /// As [`cuda_device_count`].
     pub fn cuda_device(&self) -> Result<usize> {
-        let n = cuda_device_count()?;
-        if n == 0 {
-            return Err(Error::CudaUnavailable("no CUDA device".into()));
-        }
-        Ok(self.local_rank() % n)
+        crate::tensor::default_cuda_ordinal(self.local_rank())
     }
 
     /// The number of ranks on this machine.

@@ -176,6 +176,30 @@ impl Storage {
     }
 }
 
+/// The CUDA device a rank uses unless told otherwise, as Horovod users pick it: its
+/// local rank modulo the number of devices on its machine.
+///
+/// # Errors
+/// [`Error::CudaUnavailable`] without a driver, without a device, or in a build
+/// without the `nccl` feature.
+pub(crate) fn default_cuda_ordinal(local_rank: usize) -> Result<usize> {
+    #[cfg(feature = "nccl")]
+    {
+        let n = device::device_count()?;
+        if n == 0 {
+            return Err(Error::CudaUnavailable("no CUDA device".into()));
+        }
+        Ok(local_rank % n)
+    }
+    #[cfg(not(feature = "nccl"))]
+    {
+        let _ = local_rank;
+        Err(Error::CudaUnavailable(
+            "kolo was built without the `nccl` feature".into(),
+        ))
+    }
+}
+
 /// Buffers from this size up ask the kernel for transparent huge pages.
 const HUGE_PAGES_FROM: usize = 4 << 20;
 

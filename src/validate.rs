@@ -84,12 +84,6 @@ pub(crate) fn check_p2p(
                 t.shape().len()
             ));
         }
-        if t.device() != crate::tensor::Device::Cpu {
-            return Err(format!(
-                "the tensor is on {}; send takes CPU tensors (copy it with to_cpu first)",
-                t.device()
-            ));
-        }
     }
     Ok(())
 }

@@ -47,7 +47,14 @@ enum Want<'a> {
 /// What a caller's poll found of its own.
 enum Found {
     Sent,
-    Tensor(Tensor),
+    Tensor(Arrived),
+}
+
+/// A tensor that arrived, in host memory, and whether its sender's was on a device
+/// (it is then placed on this rank's device when handed over: [`P2pLane::place`]).
+struct Arrived {
+    tensor: Tensor,
+    from_device: bool,
 }
 
 /// This rank's point-to-point traffic.
@@ -61,7 +68,10 @@ pub(super) struct P2pLane {
     recvs: FxHashMap<(usize, String), Waiting>,
     /// Tensors that arrived before their receive was posted, by (source, name), in the
     /// order they were sent.
-    arrived: FxHashMap<(usize, String), VecDeque<Tensor>>,
+    arrived: FxHashMap<(usize, String), VecDeque<Arrived>>,
+    /// This rank's place on its machine: a tensor sent from a device lands on the
+    /// device it picks (`Kolo::cuda_device`).
+    local_rank: usize,
     events: Vec<P2pEvent>,
     /// When a send or receive last completed (or was taken in): the polling interval
     /// grows from then on.
@@ -82,10 +92,11 @@ fn name_of(req: &Request) -> String {
 }
 
 impl P2pLane {
-    /// The lane over `port`.
-    pub(super) fn new(port: Option<Box<dyn P2pPort>>) -> Self {
+    /// The lane over `port`, on a rank with local rank `local_rank`.
+    pub(super) fn new(port: Option<Box<dyn P2pPort>>, local_rank: usize) -> Self {
         P2pLane {
             port,
+            local_rank,
             drain: true,
             ..P2pLane::default()
         }
@@ -145,10 +156,11 @@ impl P2pLane {
             }
             _ => {
                 let key = (peer, name);
-                if let Some(tensor) = self.take_arrived(&key) {
-                    let args = timeline_args(timeline, &tensor, peer);
+                if let Some(got) = self.take_arrived(&key) {
+                    let args = timeline_args(timeline, &got.tensor, peer);
                     trace(timeline, "RECV", &key.1, req.submitted, args);
-                    req.done.complete(Ok(Output::Tensor(tensor)));
+                    let placed = self.place(got, &key);
+                    req.done.complete(placed.map(Output::Tensor));
                 } else {
                     let (peer, name) = key.clone();
                     let w = waiting(req.done, name, peer, req.submitted, Value::Null);
@@ -158,7 +170,7 @@ impl P2pLane {
         }
     }
 
-    fn take_arrived(&mut self, key: &(usize, String)) -> Option<Tensor> {
+    fn take_arrived(&mut self, key: &(usize, String)) -> Option<Arrived> {
         let q = self.arrived.get_mut(key)?;
         let t = q.pop_front();
         if q.is_empty() {
@@ -199,21 +211,31 @@ impl P2pLane {
                         w.done.complete(Ok(Output::Unit));
                     }
                 }
-                P2pEvent::Received { src, name, tensor } => {
+                P2pEvent::Received {
+                    src,
+                    name,
+                    tensor,
+                    from_device,
+                } => {
+                    let got = Arrived {
+                        tensor,
+                        from_device,
+                    };
                     if found.is_none()
                         && matches!(want, Want::Received(p, n) if p == src && n == name)
                     {
-                        found = Some(Found::Tensor(tensor));
+                        found = Some(Found::Tensor(got));
                         continue;
                     }
                     let key = (src, name);
                     match self.recvs.remove(&key) {
                         Some(w) => {
-                            let args = timeline_args(timeline, &tensor, src);
+                            let args = timeline_args(timeline, &got.tensor, src);
                             trace(timeline, "RECV", &w.name, w.submitted, args);
-                            w.done.complete(Ok(Output::Tensor(tensor)));
+                            let placed = self.place(got, &key);
+                            w.done.complete(placed.map(Output::Tensor));
                         }
-                        None => self.arrived.entry(key).or_default().push_back(tensor),
+                        None => self.arrived.entry(key).or_default().push_back(got),
                     }
                 }
             }
@@ -290,11 +312,11 @@ impl P2pLane {
         if let Some(e) = &self.broken {
             return Err(e.clone());
         }
-        if let Some(t) = self.take_arrived(key) {
-            return Ok(Some(t));
+        if let Some(got) = self.take_arrived(key) {
+            return self.place(got, key).map(Some);
         }
         match self.poll_for(Want::Received(key.0, &key.1), timeline) {
-            Some(Found::Tensor(t)) => Ok(Some(t)),
+            Some(Found::Tensor(got)) => self.place(got, key).map(Some),
             _ => match &self.broken {
                 Some(e) => Err(e.clone()),
                 None => Ok(None),
@@ -320,6 +342,36 @@ impl P2pLane {
     ) {
         let args = timeline_args(timeline, tensor, peer);
         trace(timeline, "RECV", name, start, args);
+    }
+
+    /// The tensor a receive of `key` hands over: as it arrived, or, when its sender's
+    /// was on a device, copied to this rank's device (`Kolo::cuda_device`).
+    fn place(&self, got: Arrived, key: &(usize, String)) -> Result<Tensor, Error> {
+        if !got.from_device {
+            return Ok(got.tensor);
+        }
+        let (src, name) = key;
+        let failed = |e: Error| Error::Transport {
+            call: "recv",
+            message: format!(
+                "{name:?} from rank {src} was sent from a CUDA device, and this rank \
+                 cannot put it on its own: {e}"
+            ),
+        };
+        #[cfg(feature = "nccl")]
+        {
+            let ordinal = crate::tensor::default_cuda_ordinal(self.local_rank).map_err(failed)?;
+            got.tensor
+                .to_cuda(ordinal)
+                .map_err(|e| failed(Error::from(e)))
+        }
+        #[cfg(not(feature = "nccl"))]
+        {
+            let _ = self.local_rank;
+            Err(failed(Error::CudaUnavailable(
+                "kolo was built without the `nccl` feature".into(),
+            )))
+        }
     }
 
     /// Takes in the sends and receives of `reqs` and polls those waiting.

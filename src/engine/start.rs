@@ -141,7 +141,7 @@ impl Engine {
                 ),
                 awaited,
             ),
-            p2p: super::p2p::P2pLane::new(port),
+            p2p: super::p2p::P2pLane::new(port, topology.local_rank),
             last_cycle: Instant::now(),
             heartbeat_handed_back: false,
             #[cfg(feature = "fault-injection")]

@@ -47,7 +47,9 @@ pub(crate) const P2P_HEADER_MAX: usize = P2P_NAME_MAX + 10 * (P2P_NDIM_MAX + 2) 
 pub(crate) trait P2pPort: Send {
     /// Posts `tensor` to rank `dest` under `name` (its name, dtype and shape, then its
     /// bytes) and returns at once with an id that [`P2pPort::poll`] reports once the
-    /// send is done. The port keeps the tensor until then.
+    /// send is done. The port keeps the tensor until then. A tensor on a device is
+    /// staged through host memory (copied there first, waiting for the copy), and
+    /// arrives marked as sent from a device.
     fn send(&mut self, dest: usize, name: &str, tensor: Tensor) -> Result<u64>;
     /// Reports the sends that are done and the tensors that arrived whole (from any
     /// rank, in the order each rank sent them). With `drain` false it takes at most
@@ -61,11 +63,13 @@ pub(crate) trait P2pPort: Send {
 pub(crate) enum P2pEvent {
     /// The send [`P2pPort::send`] numbered so is done (its tensor dropped).
     Sent(u64),
-    /// A whole tensor arrived from `src` under `name`.
+    /// A whole tensor arrived from `src` under `name` (in host memory; `from_device`:
+    /// the sender's was on a device).
     Received {
         src: usize,
         name: String,
         tensor: Tensor,
+        from_device: bool,
     },
 }
 

@@ -307,3 +307,73 @@ pub(crate) fn errors(k: &Kolo) -> Result<()> {
     )?;
     Ok(())
 }
+
+/// Send and receive of CUDA tensors (np 2; two ranks may share one GPU: no NCCL
+/// communicator is made). Rank 0 sends every dtype, an empty tensor and a 16 MiB one
+/// from its device, blocking and submitted; each arrives on rank 1's device
+/// (`cuda_device`) with the values sent. A CPU tensor sent back arrives on the CPU.
+pub(crate) fn p2p_device(k: &Kolo) -> Result<()> {
+    let mut cases: Vec<(String, Tensor)> = Vec::new();
+    let mut rng = Rng::new(31);
+    for dtype in DTYPES {
+        let v = values(dtype, 3 * 7, 2, &mut rng);
+        cases.push((format!("p2p.{dtype:?}"), tensor(dtype, &v, &[3, 7])?));
+    }
+    cases.push(("p2p.empty".into(), tensor(DType::F32, &[], &[0, 4])?));
+    let big: Vec<f64> = (0..(4 << 20)).map(|i| (i % 977) as f64).collect();
+    cases.push(("p2p.16MiB".into(), tensor(DType::F32, &big, &[4 << 20])?));
+    let device = Device::Cuda(k.cuda_device()?);
+    match k.rank() {
+        0 => {
+            for (i, (name, t)) in cases.iter().enumerate() {
+                let g = gpu(t, k)?;
+                if i % 2 == 0 {
+                    k.send(name.clone(), g, 1).wait()?;
+                } else {
+                    k.send(name.clone(), g, 1).submit()?.wait()?;
+                }
+            }
+            let back = k.recv("p2p.back", 1).wait()?;
+            ensure!(
+                back.device() == Device::Cpu,
+                "a CPU tensor came back on {}",
+                back.device()
+            );
+            ensure!(
+                back.into_vec::<f32>()? == [1.0, 2.0],
+                "the CPU tensor sent back changed"
+            );
+        }
+        1 => {
+            for (i, (name, t)) in cases.iter().enumerate() {
+                let got = if i % 2 == 0 {
+                    k.recv(name.clone(), 0).submit()?.wait()?
+                } else {
+                    k.recv(name.clone(), 0).wait()?
+                };
+                ensure!(
+                    got.device() == device,
+                    "{name} arrived on {}, not {device}",
+                    got.device()
+                );
+                let host = got.to_cpu()?;
+                ensure!(
+                    host.dtype() == t.dtype() && host.shape() == t.shape(),
+                    "{name}: {:?} {:?}, sent {:?} {:?}",
+                    host.dtype(),
+                    host.shape(),
+                    t.dtype(),
+                    t.shape()
+                );
+                ensure!(
+                    to_f64(&host)? == to_f64(t)?,
+                    "{name}: the values changed on the way"
+                );
+            }
+            k.send("p2p.back", Tensor::from_vec(vec![1.0f32, 2.0], &[2])?, 0)
+                .wait()?;
+        }
+        _ => {}
+    }
+    Ok(())
+}

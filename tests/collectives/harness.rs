@@ -120,6 +120,22 @@ pub(crate) fn gpu_trials(
     trials
 }
 
+/// The trials of GPU cases whose ranks may share one device: every np listed, ignored
+/// unless `KOLO_TEST_GPU=1`.
+pub(crate) fn gpu_shared_trials(
+    cases: &'static [(&'static str, Case, &'static [usize])],
+    timeout: Duration,
+) -> Vec<libtest_mimic::Trial> {
+    let gpu_machine = std::env::var_os("KOLO_TEST_GPU").is_some_and(|v| v == "1");
+    let mut trials = Vec::new();
+    for &(name, _, nps) in cases {
+        for &np in nps {
+            trials.push(trial(name, np, timeout, &[]).with_ignored_flag(!gpu_machine));
+        }
+    }
+    trials
+}
+
 impl Run {
     /// Ok when every rank succeeded; otherwise the error names `what`, the time taken
     /// and the output.

@@ -813,6 +813,13 @@ const GPU_CASES: &[(&str, Case, &[usize])] = &[
 #[cfg(not(feature = "nccl"))]
 const GPU_CASES: &[(&str, Case, &[usize])] = &[];
 
+/// CUDA cases whose ranks may share one GPU (no NCCL communicator): run at every np
+/// listed with `KOLO_TEST_GPU=1`, ignored elsewhere.
+#[cfg(feature = "nccl")]
+const GPU_SHARED_CASES: &[(&str, Case, &[usize])] = &[("gpu_p2p_device", gpu::p2p_device, &[2])];
+#[cfg(not(feature = "nccl"))]
+const GPU_SHARED_CASES: &[(&str, Case, &[usize])] = &[];
+
 #[cfg(feature = "nccl")]
 // Named so that no filter for the GPU cases ("gpu", "gpu_") selects them: they expect
 // a machine without the CUDA driver.
@@ -828,6 +835,7 @@ fn worker(case: &str) -> ! {
     let variant_only = VARIANT_ONLY.iter().copied();
     let gpu = GPU_CASES
         .iter()
+        .chain(GPU_SHARED_CASES)
         .chain(NO_GPU_CASES)
         .map(|(n, f, _)| (*n, *f));
     let all: Vec<(&str, Case)> = CASES
@@ -858,6 +866,10 @@ fn main() {
         GPU_CASES,
         Duration::from_secs(180),
         &[],
+    ));
+    trials.extend(harness::gpu_shared_trials(
+        GPU_SHARED_CASES,
+        Duration::from_secs(180),
     ));
     let gpu_machine = std::env::var_os("KOLO_TEST_GPU").is_some_and(|v| v == "1");
     // The no-GPU cases expect the CUDA driver library to be missing: on a machine that

@@ -36,6 +36,9 @@ struct Header<'a> {
     /// The bytes follow the header in its own message (small tensors: one message
     /// instead of two, and no receive to post for the data).
     inline: bool,
+    /// The sender's tensor was on a device (its bytes were copied to host memory to
+    /// travel): the receiver puts it on its own device.
+    device: bool,
 }
 
 /// Tensors up to this size travel inside their header's message.
@@ -58,6 +61,8 @@ struct Incoming {
     name: String,
     tensor: Tensor,
     reqs: Vec<ffi::MPI_Request>,
+    /// Sent from a device ([`Header::device`]).
+    from_device: bool,
 }
 
 /// The point-to-point side of a transport, which the engine keeps beside it.
@@ -155,6 +160,15 @@ impl P2pPort for P2p {
     }
 }
 
+/// `tensor` in host memory: a device tensor is copied (waiting for the copy).
+fn to_host(tensor: Tensor) -> Result<Tensor> {
+    #[cfg(feature = "nccl")]
+    if tensor.device().is_cuda() {
+        return tensor.to_cpu().map_err(Error::from);
+    }
+    Ok(tensor)
+}
+
 /// Posts one non-blocking call per piece of the `len` bytes at `base`.
 fn post_pieces(
     call: &'static str,
@@ -198,6 +212,11 @@ impl P2p {
     /// may still read it).
     pub(super) fn post_send(&mut self, dest: usize, name: &str, tensor: Tensor) -> Result<u64> {
         let call = "MPI_Isend (send)";
+        let device = tensor.device().is_cuda();
+        let tensor = to_host(tensor).map_err(|e| Error::Transport {
+            call: "send",
+            message: format!("{name:?} to rank {dest}: copying it to host memory to send: {e}"),
+        })?;
         let inline = tensor.num_bytes() <= INLINE_BYTES;
         // Sized for the header and, inline, the bytes that follow it: one allocation.
         let room = name.len() + 10 * (tensor.shape().len() + 2) + 2;
@@ -208,6 +227,7 @@ impl P2p {
                 dtype: tensor.dtype(),
                 shape: Cow::Borrowed(tensor.shape()),
                 inline,
+                device,
             },
             Vec::with_capacity(room),
         )
@@ -321,6 +341,7 @@ impl P2p {
                     src: done.src,
                     name: done.name,
                     tensor: done.tensor,
+                    from_device: done.from_device,
                 });
             } else {
                 let r = &self.recvs[i];
@@ -423,6 +444,7 @@ impl P2p {
                 name: header.name.into_owned(),
                 tensor,
                 reqs: Vec::new(),
+                from_device: header.device,
             });
             return Ok(());
         }
@@ -442,6 +464,7 @@ impl P2p {
             name: header.name.into_owned(),
             tensor,
             reqs,
+            from_device: header.device,
         });
         // A failure here leaves this source's data stream out of step with its
         // headers: the caller fails the whole lane (see `P2pLane::poll`).
@@ -464,6 +487,7 @@ mod tests {
                 dtype: DType::BF16,
                 shape: Cow::Borrowed(&shape),
                 inline: true,
+                device: true,
             },
             Vec::new(),
         )
@@ -471,6 +495,9 @@ mod tests {
         let back: Header = postcard::from_bytes(&bytes).unwrap();
         assert_eq!(back.name, "grad.7");
         assert_eq!(&*back.shape, &shape[..]);
-        assert_eq!((back.dtype, back.inline), (DType::BF16, true));
+        assert_eq!(
+            (back.dtype, back.inline, back.device),
+            (DType::BF16, true, true)
+        );
     }
 }
