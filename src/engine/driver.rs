@@ -396,8 +396,9 @@ impl Engine {
                         return None;
                     }
                     // A send or receive waits for its peer: poll it here, spinning
-                    // briefly (latency), then yielding, then napping on the queue
-                    // (new work ends a nap). One clock read a turn.
+                    // briefly (latency), then yielding (longer while bytes move:
+                    // `P2pLane::yield_for`), then napping on the queue (new work ends
+                    // a nap). One clock read a turn.
                     let now = Instant::now();
                     if now.duration_since(self.last_cycle) >= super::HEARTBEAT {
                         // A heartbeat is due: the engine thread runs it. Its agreement
@@ -411,7 +412,7 @@ impl Engine {
                     let waited = now.duration_since(start);
                     if waited < DRIVE_SPIN {
                         std::hint::spin_loop();
-                    } else if waited < Duration::from_millis(1) {
+                    } else if waited < self.p2p.yield_for() {
                         std::thread::yield_now();
                     } else {
                         self.inbox.queue.wait_for_command(self.p2p.poll_interval());

@@ -56,6 +56,11 @@ pub(crate) trait P2pPort: Send {
     /// one newly arrived tensor: a thread waiting for one returns sooner (looking for
     /// another that is not there may cost MPI a yield of the core).
     fn poll(&mut self, events: &mut Vec<P2pEvent>, drain: bool) -> Result<()>;
+    /// The bytes posted to move and not yet moved: sends not done, and receives whose
+    /// bytes are coming (after their header). 0 when the port cannot tell.
+    fn in_flight(&self) -> usize {
+        0
+    }
 }
 
 /// What [`P2pPort::poll`] reports.

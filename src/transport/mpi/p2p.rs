@@ -158,6 +158,12 @@ impl P2pPort for P2p {
     fn poll(&mut self, events: &mut Vec<P2pEvent>, drain: bool) -> Result<()> {
         self.poll_p2p(events, drain)
     }
+
+    fn in_flight(&self) -> usize {
+        let sends = self.sends.iter().map(|s| s.tensor.num_bytes());
+        let recvs = self.recvs.iter().filter(|r| !r.reqs.is_empty());
+        sends.sum::<usize>() + recvs.map(|r| r.tensor.num_bytes()).sum::<usize>()
+    }
 }
 
 /// `tensor` in host memory: a device tensor is copied (waiting for the copy).
