@@ -71,6 +71,7 @@ const CASES: &[(&str, Case, usize)] = &[
         2,
     ),
     ("p2p_dtypes_sizes_in_flight", p2p::dtypes_sizes_in_flight, 2),
+    ("p2p_waiting_recv_sleeps", p2p::waiting_recv_sleeps, 2),
     ("p2p_in_process_set", p2p::in_process_set, 3),
     ("p2p_pair_alone", p2p::pair_alone, 3),
     (
