@@ -91,13 +91,14 @@ pub(crate) fn trial(
 /// The GPU cases' trials (case, function, np values). With `KOLO_TEST_GPU=1` each runs
 /// at the np values this machine has a GPU per rank for: NCCL refuses two ranks on one
 /// device, so a case needing more GPUs is left out (`--include-ignored` cannot force
-/// it), and a machine where no CUDA device can be used ends the run with an error
-/// rather than passing with none run. Elsewhere every case is listed, ignored, so the
-/// count shows.
+/// it), unless its ranks may `share` a device (no NCCL communicator); a machine where
+/// no CUDA device can be used ends the run with an error rather than passing with none
+/// run. Elsewhere every case is listed, ignored, so the count shows.
 pub(crate) fn gpu_trials(
     cases: &'static [(&'static str, Case, &'static [usize])],
     timeout: Duration,
     env: &'static [(&'static str, &'static str)],
+    share: bool,
 ) -> Vec<libtest_mimic::Trial> {
     let gpu_machine = std::env::var_os("KOLO_TEST_GPU").is_some_and(|v| v == "1");
     let gpus = if gpu_machine {
@@ -113,24 +114,11 @@ pub(crate) fn gpu_trials(
     };
     let mut trials = Vec::new();
     for &(name, _, nps) in cases {
-        for &np in nps.iter().filter(|&&np| !gpu_machine || np <= gpus) {
+        for &np in nps
+            .iter()
+            .filter(|&&np| !gpu_machine || share || np <= gpus)
+        {
             trials.push(trial(name, np, timeout, env).with_ignored_flag(!gpu_machine));
-        }
-    }
-    trials
-}
-
-/// The trials of GPU cases whose ranks may share one device: every np listed, ignored
-/// unless `KOLO_TEST_GPU=1`.
-pub(crate) fn gpu_shared_trials(
-    cases: &'static [(&'static str, Case, &'static [usize])],
-    timeout: Duration,
-) -> Vec<libtest_mimic::Trial> {
-    let gpu_machine = std::env::var_os("KOLO_TEST_GPU").is_some_and(|v| v == "1");
-    let mut trials = Vec::new();
-    for &(name, _, nps) in cases {
-        for &np in nps {
-            trials.push(trial(name, np, timeout, &[]).with_ignored_flag(!gpu_machine));
         }
     }
     trials

@@ -867,10 +867,13 @@ fn main() {
         GPU_CASES,
         Duration::from_secs(180),
         &[],
+        false,
     ));
-    trials.extend(harness::gpu_shared_trials(
+    trials.extend(harness::gpu_trials(
         GPU_SHARED_CASES,
         Duration::from_secs(180),
+        &[],
+        true,
     ));
     let gpu_machine = std::env::var_os("KOLO_TEST_GPU").is_some_and(|v| v == "1");
     // The no-GPU cases expect the CUDA driver library to be missing: on a machine that

@@ -1111,6 +1111,7 @@ fn main() {
         GPU_CASES,
         Duration::from_secs(300),
         &[("RAYON_NUM_THREADS", "1")],
+        false,
     ));
     #[cfg(feature = "cuda")]
     trials.push(
