@@ -122,12 +122,11 @@ impl P2pLane {
     }
 
     /// How long a caller waiting on a send or receive yields the core between polls
-    /// before it naps instead ([`poll_interval`](Self::poll_interval)): 1 ms, or while
-    /// bytes are moving as long as they take at 1 GB/s (at most 50 ms). A transfer in
-    /// flight ends within about that; napping meanwhile cost a 16 MiB leg here ~25%
-    /// (the sender noticed its send done, and the next header, a nap late, and the
-    /// copy between the processes ran slower beside a napping core than beside a
-    /// yielding one: ping-pong 2.0 -> 1.5 ms a leg, raw MPI calls 1.3).
+    /// before it naps ([`poll_interval`](Self::poll_interval)): 1 ms, or, while bytes
+    /// are moving, as long as they take at 1 GB/s (at most 50 ms), within which such a
+    /// transfer ends. Napping meanwhile made a 16 MiB leg ~25% slower here (2.0 against
+    /// 1.5 ms; raw MPI calls 1.3): the sender saw its send done, and the next header, a
+    /// nap late, and the copy between the processes ran slower beside a napping core.
     pub(super) fn yield_for(&self) -> Duration {
         const BYTES_PER_MS: usize = 1 << 20;
         let moving = self.port.as_ref().map_or(0, |p| p.in_flight());
