@@ -127,6 +127,8 @@ const VARIANT_ONLY: &[(&str, Case)] = &[
     ),
     #[cfg(feature = "fault-injection")]
     ("issue31_mpi_error_returns", issue31::mpi_error_returns),
+    #[cfg(feature = "fault-injection")]
+    ("p2p_device_flag_without_gpu", p2p::device_flag_without_gpu),
 ];
 
 /// The autotuner's test settings: only the fusion threshold is tuned (cycle time and
@@ -345,6 +347,16 @@ const VARIANTS: &[Variant] = &[
         &[1, 2],
         &[("KOLO_FAULT_MPI_BAD_ROOT", "1")],
         Some("TRANSPORT_ERROR MPI_Bcast"),
+    ),
+    // Tensors marked as sent from a device (fault-injection): refused clearly where
+    // there is none, put on the device where there is one.
+    #[cfg(feature = "fault-injection")]
+    (
+        "p2p_device_flag_without_gpu",
+        "p2p_device_flag_without_gpu",
+        &[2, 3],
+        &[("KOLO_FAULT_P2P_AS_DEVICE", "1")],
+        Some("DEVICE_FLAG"),
     ),
 ];
 

@@ -582,3 +582,60 @@ pub(crate) fn waiting_recv_sleeps(k: &Kolo) -> Result<()> {
     k.barrier()?;
     Ok(())
 }
+
+/// Run with `KOLO_FAULT_P2P_AS_DEVICE=1` (feature fault-injection): every tensor
+/// travels marked as sent from a device. Without a usable CUDA device (CI), rank 1's
+/// receive (blocking, then submitted) fails naming the tensor, the sender and why this
+/// rank cannot put it on a device, and the ranks go on working; with one, each arrives
+/// on rank 1's `cuda_device` with the values sent.
+#[cfg(feature = "fault-injection")]
+pub(crate) fn device_flag_without_gpu(k: &Kolo) -> Result<()> {
+    match k.rank() {
+        0 => {
+            for name in ["as_device.0", "as_device.1"] {
+                k.send(name, Tensor::from_vec(vec![1.0f32; 4], &[4])?, 1)
+                    .wait()?;
+            }
+        }
+        1 => {
+            let gpu = k.cuda_device().ok();
+            let blocking = k.recv("as_device.0", 0).wait();
+            let submitted = k.recv("as_device.1", 0).submit()?.wait();
+            for (name, got) in [("as_device.0", blocking), ("as_device.1", submitted)] {
+                match (got, gpu) {
+                    (Ok(t), Some(i)) => {
+                        ensure!(
+                            t.device() == kolo::Device::Cuda(i),
+                            "{name} on {}",
+                            t.device()
+                        );
+                        #[cfg(feature = "nccl")]
+                        let t = t.to_cpu()?;
+                        ensure!(t.into_vec::<f32>()? == [1.0; 4], "{name} changed");
+                        println!("DEVICE_FLAG {name} on cuda:{i}");
+                    }
+                    (Ok(t), None) => {
+                        anyhow::bail!("{name} arrived on {} without a GPU", t.device())
+                    }
+                    (Err(e), None) => {
+                        let msg = e.to_string();
+                        let want = format!(
+                            "\"{name}\" from rank 0 was sent from a CUDA device, and this rank cannot put it on its own"
+                        );
+                        ensure!(msg.contains(&want), "{name}: {msg}");
+                        println!("DEVICE_FLAG {msg}");
+                    }
+                    (Err(e), Some(i)) => anyhow::bail!("{name} failed with cuda:{i} here: {e}"),
+                }
+            }
+        }
+        _ => {}
+    }
+    let sum = k
+        .allreduce("after", Tensor::from_vec(vec![1.0f32], &[1])?)
+        .op(ReduceOp::Sum)
+        .wait()?
+        .into_vec::<f32>()?;
+    ensure!(sum == [k.size() as f32], "allreduce after gave {sum:?}");
+    Ok(())
+}

@@ -78,6 +78,11 @@ pub(super) struct P2p {
     header_req: Option<ffi::MPI_Request>,
     /// Where headers are received ([`HEADER_MESSAGE_MAX`] bytes).
     header_buf: Vec<u8>,
+    /// Test-only (feature fault-injection, `KOLO_FAULT_P2P_AS_DEVICE=1`): every tensor
+    /// is sent as if from a device, so that a machine without one can check the
+    /// receiving side's handling of it.
+    #[cfg(feature = "fault-injection")]
+    fault_as_device: bool,
 }
 
 /// How many sent tensors [`P2p::spare`] keeps, and how many bytes in all.
@@ -95,6 +100,8 @@ impl P2p {
             spare: Vec::new(),
             header_req: None,
             header_buf: Vec::new(),
+            #[cfg(feature = "fault-injection")]
+            fault_as_device: std::env::var("KOLO_FAULT_P2P_AS_DEVICE").is_ok_and(|v| v == "1"),
         }
     }
 
@@ -219,6 +226,8 @@ impl P2p {
     pub(super) fn post_send(&mut self, dest: usize, name: &str, tensor: Tensor) -> Result<u64> {
         let call = "MPI_Isend (send)";
         let device = tensor.device().is_cuda();
+        #[cfg(feature = "fault-injection")]
+        let device = device || self.fault_as_device;
         let tensor = to_host(tensor).map_err(|e| Error::Transport {
             call: "send",
             message: format!("{name:?} to rank {dest}: copying it to host memory to send: {e}"),
