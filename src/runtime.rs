@@ -151,16 +151,7 @@ pub fn build_info() -> BuildInfo {
 /// CUDA driver library is not installed ("CUDA driver library not found"), or when the
 /// driver finds no device.
 pub fn cuda_device_count() -> Result<usize> {
-    #[cfg(feature = "nccl")]
-    {
-        crate::tensor::device::device_count()
-    }
-    #[cfg(not(feature = "nccl"))]
-    {
-        Err(Error::CudaUnavailable(
-            "kolo was built without the `nccl` feature".into(),
-        ))
-    }
+    crate::tensor::cuda_device_count()
 }
 
 /// Whether the NCCL library (libnccl.so.2) can be loaded; always false without the
@@ -658,15 +649,7 @@ impl Kolo {
     fn may_p2p_now(&self, tensor: Option<&Tensor>, name: &str, peer: usize) -> bool {
         !name.is_empty()
             && !name.starts_with(RESERVED_PREFIX)
-            && crate::validate::check_p2p(
-                tensor.is_some(),
-                tensor,
-                name,
-                peer,
-                self.size(),
-                self.rank(),
-            )
-            .is_ok()
+            && crate::validate::check_p2p(tensor, name, peer, self.size(), self.rank()).is_ok()
     }
 
     /// A handle driven by this engine, its `key` claimed in the pending set (unless

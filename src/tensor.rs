@@ -183,17 +183,24 @@ impl Storage {
 /// [`Error::CudaUnavailable`] without a driver, without a device, or in a build
 /// without the `nccl` feature.
 pub(crate) fn default_cuda_ordinal(local_rank: usize) -> Result<usize> {
+    match cuda_device_count()? {
+        0 => Err(Error::CudaUnavailable("no CUDA device".into())),
+        n => Ok(local_rank % n),
+    }
+}
+
+/// `kolo::cuda_device_count`: the CUDA devices this process can use.
+///
+/// # Errors
+/// [`Error::CudaUnavailable`] in a build without the `nccl` feature, without a driver,
+/// or when the driver finds no device.
+pub(crate) fn cuda_device_count() -> Result<usize> {
     #[cfg(feature = "nccl")]
     {
-        let n = device::device_count()?;
-        if n == 0 {
-            return Err(Error::CudaUnavailable("no CUDA device".into()));
-        }
-        Ok(local_rank % n)
+        device::device_count()
     }
     #[cfg(not(feature = "nccl"))]
     {
-        let _ = local_rank;
         Err(Error::CudaUnavailable(
             "kolo was built without the `nccl` feature".into(),
         ))

@@ -42,25 +42,29 @@ fn invalid(s: &Submission, message: String) -> Error {
     }
 }
 
-/// A send's or receive's other rank: a rank, not this one; a send's tensor on the CPU.
+/// A send's or receive's other rank (a rank, not this one), its name's length and its
+/// tensor's dimensions.
 fn check_peer(s: &Submission, size: usize, rank: usize) -> std::result::Result<(), String> {
     let name = s.key.rsplit_once('@').map_or(&*s.key, |(n, _)| n);
     let tensor = s.tensors.first().map(|(_, t)| t);
-    check_p2p(s.kind == OpKind::Send, tensor, name, s.root, size, rank)
+    check_p2p(tensor, name, s.root, size, rank)
 }
 
 /// [`check_peer`] on its own parts, for a send or receive that is not made into a
-/// submission (run on the caller's thread): whether it is a send, its tensor, its
+/// submission (run on the caller's thread): a send's tensor (`None`: a receive), its
 /// name (without the pair's ranks) and the other rank.
 pub(crate) fn check_p2p(
-    send: bool,
     tensor: Option<&Tensor>,
     name: &str,
     peer: usize,
     size: usize,
     rank: usize,
 ) -> std::result::Result<(), String> {
-    let role = if send { "destination" } else { "source" };
+    let role = if tensor.is_some() {
+        "destination"
+    } else {
+        "source"
+    };
     if peer >= size {
         return Err(format!(
             "{role} rank {peer} is out of range: there are {size} ranks (0..{size})"
