@@ -20,7 +20,7 @@ impl Kolo {
     /// submitted in.
     ///
     /// A CUDA tensor (feature `nccl`) travels through host memory: it is copied there
-    /// when the engine takes the send in (waiting for the copy), sent over MPI, and
+    /// when the send is posted (waiting for the copy), sent over MPI, and
     /// put on the receiver's device ([`Kolo::cuda_device`]) when it arrives. NCCL's
     /// own send and receive, device to device, are not used yet.
     pub fn send(&self, name: impl Into<String>, tensor: Tensor, dest: usize) -> SendBuilder<'_> {
