@@ -7,6 +7,7 @@ mod elastic;
 #[path = "../../../../tests/collectives/harness.rs"]
 mod harness;
 mod issue31;
+mod issue53;
 mod pipeline;
 mod sharded;
 mod supervised;
@@ -937,6 +938,15 @@ const CASES: &[(&str, Case, &[usize])] = &[
     // Launched in turn by `sharded_checkpoint_reshard` (no trials of their own).
     ("sharded_reshard_save", sharded::reshard_save, &[]),
     ("sharded_reshard_load", sharded::reshard_load, &[]),
+    ("issue53_frozen_layer", issue53::frozen_layer, &[1, 2, 4]),
+    ("issue53_unused_layer", issue53::unused_layer, &[2]),
+    (
+        "issue53_half_clip_global_norm",
+        issue53::half_clip_global_norm,
+        &[2],
+    ),
+    ("issue53_sync_bn_f16", issue53::sync_bn_f16, &[2]),
+    ("issue53_sync_bn_bf16", issue53::sync_bn_bf16, &[2]),
     ("pipeline_equivalence", pipeline::equivalence, &[2, 4]),
     ("pipeline_bad_input", pipeline::bad_input, &[2, 4]),
     ("pipeline_checkpoint", pipeline::checkpoint, &[2, 4]),

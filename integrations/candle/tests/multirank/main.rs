@@ -4,6 +4,7 @@
 #[path = "../../../../tests/collectives/harness.rs"]
 #[allow(dead_code)]
 mod harness;
+mod issue53;
 
 use std::collections::HashMap;
 use std::time::Duration;
@@ -358,6 +359,13 @@ const CASES: &[(&str, Case, &[usize])] = &[
     ("var_mismatch", var_mismatch, &[2, 3]),
     ("broadcast_from_root", broadcast_from_root, &[2, 3]),
     ("unused_variable", unused_variable, &[2, 3]),
+    ("issue53_unused_head", issue53::unused_head, &[2, 4]),
+    ("issue53_pairs_by_name", issue53::pairs_by_name, &[2, 3]),
+    (
+        "issue53_local_error_mid_submission",
+        issue53::local_error_mid_submission,
+        &[2, 3],
+    ),
 ];
 
 /// The digits example's runs: name, arguments, rank counts.
