@@ -10,7 +10,7 @@
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use burn::tensor::{Bytes, DType, Device, Tensor, TensorData};
+use burn::tensor::{Bytes, DType, Device, Tensor, TensorCreationOptions, TensorData};
 use half::{bf16, f16};
 use kolo::HostBuffer;
 
@@ -196,7 +196,10 @@ pub(crate) fn to_burn<const D: usize>(
             }
         }
     };
-    Ok(Tensor::from_data(data, device))
+    // In `dtype` itself, not the device's default float type (a parameter may differ
+    // from it: an f64 one on an f32 device, f32 statistics beside f16 layers).
+    let options = TensorCreationOptions::new(device.clone()).with_dtype(dtype);
+    Ok(Tensor::from_data(data, options))
 }
 
 #[cfg(test)]

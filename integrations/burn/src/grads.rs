@@ -10,7 +10,7 @@ use kolo::{Kolo, ReduceOp};
 
 use crate::convert::{self, Copied};
 use crate::error::{Error, Result};
-use crate::layout::Layout;
+use crate::layout::{trains, Layout};
 
 /// Reduces all gradients of a step across ranks, then hands them back in a
 /// [`GradientsParams`] for Burn's optimizer.
@@ -30,8 +30,13 @@ use crate::layout::Layout;
 /// copied once on the way in ([`copied_bytes`](Self::copied_bytes) counts those).
 /// f16 and bf16 gradients travel as 2-byte values, f64 as f64.
 ///
-/// A parameter without a gradient on this rank contributes zeros, so ranks whose graph
-/// skipped a parameter still take part. A step fails on every rank or on none: a rank
+/// **Frozen parameters** (`require_grad = false`: `no_grad()`, `freeze()`, LoRA's
+/// base weights) are not reduced and get no gradient, as plain Burn leaves them: the
+/// optimizer never steps them or keeps state for them. A parameter without a gradient
+/// on this rank contributes zeros, so ranks whose graph skipped a parameter still take
+/// part; one that no rank has a gradient for in a step gets none in the result (plain
+/// Burn's optimizer then skips it, so weight decay and momentum do not move it). A
+/// step fails on every rank or on none: a rank
 /// that cannot hand a gradient over still takes part, and one tiny collective per step
 /// (beside the buckets) tells every rank whether any failed.
 ///
@@ -174,16 +179,18 @@ impl GradientReducer {
             copied: &self.shared.copied,
             tensors: Vec::with_capacity(layout.slots.len()),
             devices: Vec::with_capacity(layout.slots.len()),
+            present: Vec::with_capacity(layout.slots.len()),
             error: None,
         };
         module.visit(&mut take);
         let Take {
             tensors,
             devices,
+            present,
             error,
             ..
         } = take;
-        let slots = self.allreduce(&layout, tensors, error)?;
+        let slots = self.allreduce(&layout, tensors, error, &present)?;
         Ok(Reduced {
             layout,
             slots,
@@ -305,15 +312,17 @@ impl GradientReducer {
         layout: &Layout,
         mut tensors: Vec<Option<kolo::Tensor>>,
         local: Option<Error>,
+        present: &[bool],
     ) -> Result<Vec<Option<kolo::Tensor>>> {
         let handles = (0..layout.buckets.len())
             .map(|b| self.submit_bucket(layout, b, &mut tensors))
             .collect::<Result<Vec<_>>>()?;
-        self.settle(layout, handles, local)
+        self.settle(layout, handles, local, present)
     }
 
     /// Ends a step whose buckets are all submitted (one handle per bucket, in order):
-    /// waits for each and returns the results by slot, unless a rank failed.
+    /// waits for each and returns the results by slot, unless a rank failed. A slot
+    /// that no rank had a gradient for (`present` says which this rank had) is `None`.
     ///
     /// `local` is this rank's failure before the reduction (a gradient it could not
     /// hand over, a wrong layer given to `Overlap`): such a rank has still submitted
@@ -322,13 +331,25 @@ impl GradientReducer {
     /// (the sum of a 0/1 flag) beside the buckets; when any did, they exchange their errors, the
     /// failing ranks return their own and the others [`Error::OtherRank`], so the step
     /// fails on every rank and no rank applies gradients the others threw away.
+    ///
+    /// The same collective counts the ranks that lack some gradient; only when one
+    /// does, the ranks sum which slots each has (one more small allreduce) and the
+    /// slots nobody has are dropped.
     pub(crate) fn settle(
         &self,
         layout: &Layout,
         handles: Vec<kolo::Handle<Vec<kolo::Tensor>>>,
         local: Option<Error>,
+        present: &[bool],
     ) -> Result<Vec<Option<kolo::Tensor>>> {
-        let flag = kolo::Tensor::from_vec(vec![if local.is_some() { 1.0f32 } else { 0.0 }], &[1])?;
+        let lacks = present.iter().any(|&p| !p);
+        let flag = kolo::Tensor::from_vec(
+            vec![
+                if local.is_some() { 1.0f32 } else { 0.0 },
+                if lacks { 1.0 } else { 0.0 },
+            ],
+            &[2],
+        )?;
         let verdict = self
             .kolo
             .allreduce(format!("{}.failed", self.prefix), flag)
@@ -351,12 +372,15 @@ impl GradientReducer {
                 }
             }
         }
-        let any_failed = match verdict
+        let (any_failed, any_lacks) = match verdict
             .map_err(kolo::Error::from)
             .and_then(|h| h.wait())
             .and_then(|t| Ok(t.into_vec::<f32>()?))
         {
-            Ok(v) => v.first().is_some_and(|&f| f > 0.0),
+            Ok(v) => (
+                v.first().is_some_and(|&f| f > 0.0),
+                v.get(1).is_some_and(|&f| f > 0.0),
+            ),
             Err(e) => return Err(local.or(failed).unwrap_or(e.into())),
         };
         if any_failed {
@@ -366,10 +390,35 @@ impl GradientReducer {
                 .allgather_object(format!("{}.failures", self.prefix), mine)?;
             return Err(local.unwrap_or_else(|| other_rank(all)));
         }
-        match failed {
-            Some(e) => Err(e),
-            None => Ok(slots),
+        if let Some(e) = failed {
+            return Err(e);
         }
+        if any_lacks {
+            self.drop_absent(&mut slots, present)?;
+        }
+        Ok(slots)
+    }
+
+    /// Drops the slots that no rank had a gradient for: the ranks sum how many have
+    /// each (u8 would overflow past 255 ranks, so f32).
+    fn drop_absent(&self, slots: &mut [Option<kolo::Tensor>], present: &[bool]) -> Result<()> {
+        let mine: Vec<f32> = present.iter().map(|&p| f32::from(u8::from(p))).collect();
+        let n = mine.len();
+        let counts = self
+            .kolo
+            .allreduce(
+                format!("{}.present", self.prefix),
+                kolo::Tensor::from_vec(mine, &[n])?,
+            )
+            .op(ReduceOp::Sum)
+            .wait()?
+            .into_vec::<f32>()?;
+        for (slot, &count) in slots.iter_mut().zip(&counts) {
+            if count == 0.0 {
+                *slot = None;
+            }
+        }
+        Ok(())
     }
 }
 
@@ -390,8 +439,9 @@ fn other_rank(all: Vec<Option<String>>) -> Error {
 }
 
 /// A parameter's gradient as a kolo tensor, and the device the reduced gradient goes
-/// back to. Zeros stand in for a gradient this rank does not have, and for one it
-/// cannot convert (the error is returned beside them: the rank must still take part).
+/// back to. Zeros stand in for a gradient this rank does not have (the caller records
+/// that it had none), and for one it cannot convert (the error is returned beside
+/// them: the rank must still take part).
 pub(crate) fn as_kolo<const D: usize>(
     grad: Option<Tensor<D>>,
     param: &Param<Tensor<D>>,
@@ -442,16 +492,19 @@ struct Take<'a> {
     copied: &'a Copied,
     tensors: Vec<Option<kolo::Tensor>>,
     devices: Vec<Device>,
+    /// Whether this rank has each slot's gradient.
+    present: Vec<bool>,
     error: Option<Error>,
 }
 
 impl ModuleVisitor for Take<'_> {
     fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
         let slot = self.tensors.len();
-        if slot >= self.layout.slots.len() {
+        if slot >= self.layout.slots.len() || !trains(param) {
             return;
         }
         let grad = self.grads.remove::<D>(param.id);
+        self.present.push(grad.is_some());
         let (device, t, error) = as_kolo(grad, param, self.layout, slot, self.copied);
         self.devices.push(device);
         self.tensors.push(Some(t));
@@ -473,6 +526,9 @@ struct Give<'a> {
 
 impl ModuleVisitor for Give<'_> {
     fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+        if !trains(param) {
+            return;
+        }
         let i = self.next;
         self.next += 1;
         let (Some(slot), Some(t), Some(device)) = (

@@ -1,5 +1,11 @@
-//! A model's gradient layout, learned once: its parameters in module order with their
-//! shapes and dtypes, the collective name of each, and the buckets they are reduced in.
+//! A model's gradient layout, learned once: its trainable parameters in module order
+//! with their shapes and dtypes, the collective name of each, and the buckets they are
+//! reduced in.
+//!
+//! A parameter that does not require a gradient (`no_grad()`, `freeze()`, the frozen
+//! base weights of `apply_lora`) is not part of the layout: plain Burn never steps it,
+//! so kolo never reduces it, steps it or gives it optimizer state. Every visitor that
+//! walks a model by slot skips it through [`trains`].
 
 use burn::module::{Module, ModuleVisitor, Param, ParamId};
 use burn::tensor::{DType, Tensor};
@@ -60,7 +66,7 @@ impl Layout {
     ///
     /// # Errors
     /// - [`Error::ModelMismatch`]: the ranks' parameters differ;
-    /// - [`Error::InvalidArgument`]: a module without float parameters;
+    /// - [`Error::InvalidArgument`]: a module without trainable float parameters;
     /// - [`Error::Data`]: a parameter of a dtype kolo cannot reduce (quantized);
     /// - [`Error::Kolo`]: the allgather failed.
     pub(crate) fn learn<M: Module>(
@@ -74,13 +80,24 @@ impl Layout {
             slots: Vec::new(),
         };
         module.visit(&mut visit);
-        let slots = visit.slots;
-        agree(&slots, kolo, &format!("{prefix}.layout"))?;
+        agree(&visit.slots, kolo, &format!("{prefix}.layout"))?;
+        let frozen = visit.slots.iter().filter(|(_, trains)| !trains).count();
+        let slots: Vec<Slot> = visit
+            .slots
+            .into_iter()
+            .filter_map(|(slot, trains)| trains.then_some(slot))
+            .collect();
         if slots.is_empty() {
             return Err(Error::InvalidArgument {
                 what: "GradientReducer::reduce",
-                message: "the module has no float parameters, so there is no gradient to reduce"
-                    .into(),
+                message: if frozen > 0 {
+                    format!(
+                        "all {frozen} float parameters of the module are frozen (they do not \
+                         require a gradient), so there is no gradient to reduce"
+                    )
+                } else {
+                    "the module has no float parameters, so there is no gradient to reduce".into()
+                },
             });
         }
         let wires = slots
@@ -125,16 +142,27 @@ impl Layout {
     }
 }
 
+/// Whether plain Burn would step `param`: it requires a gradient, or the model is on
+/// a device without autodiff (where nothing is tracked, and gradients a caller made
+/// by hand are taken as they come).
+pub(crate) fn trains<const D: usize>(param: &Param<Tensor<D>>) -> bool {
+    let t = param.val();
+    !t.device().is_autodiff() || t.is_require_grad()
+}
+
 /// Checks that every rank has the same parameters, in the same order, with the same
-/// shapes and dtypes (one allgather, when the layout is learned).
+/// shapes, dtypes and frozen state (one allgather, when the layout is learned).
 ///
 /// # Errors
 /// [`Error::ModelMismatch`] on every rank, naming the first parameter that differs
 /// and what each rank has there.
-fn agree(slots: &[Slot], kolo: &Kolo, name: &str) -> Result<()> {
+fn agree(slots: &[(Slot, bool)], kolo: &Kolo, name: &str) -> Result<()> {
     let mine: Vec<(String, Vec<usize>, String)> = slots
         .iter()
-        .map(|s| (s.path.clone(), s.dims.clone(), format!("{:?}", s.dtype)))
+        .map(|(s, trains)| {
+            let frozen = if *trains { "" } else { " (frozen)" };
+            (s.path.clone(), s.dims.clone(), format!("{:?}{frozen}", s.dtype))
+        })
         .collect();
     let all = kolo.allgather_object(name, mine)?;
     let longest = all.iter().map(Vec::len).max().unwrap_or(0);
@@ -169,7 +197,8 @@ fn agree(slots: &[Slot], kolo: &Kolo, name: &str) -> Result<()> {
 
 struct Learn {
     path: Vec<String>,
-    slots: Vec<Slot>,
+    /// Every float parameter, and whether it trains.
+    slots: Vec<(Slot, bool)>,
 }
 
 impl ModuleVisitor for Learn {
@@ -183,12 +212,13 @@ impl ModuleVisitor for Learn {
 
     fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
         let t = param.val();
-        self.slots.push(Slot {
+        let slot = Slot {
             id: param.id,
             path: self.path.join("."),
             dims: t.dims().to_vec(),
             dtype: t.dtype(),
-        });
+        };
+        self.slots.push((slot, trains(param)));
     }
 }
 
@@ -200,6 +230,9 @@ struct Check<'a> {
 
 impl ModuleVisitor for Check<'_> {
     fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+        if !trains(param) {
+            return;
+        }
         let same = self.slots.get(self.next).is_some_and(|s| {
             let t = param.val();
             s.id == param.id && s.dims == t.dims() && s.dtype == t.dtype()

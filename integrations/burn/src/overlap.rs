@@ -32,7 +32,7 @@ use burn::tensor::{Device, Tensor};
 use crate::convert;
 use crate::error::{Error, Result};
 use crate::grads::{as_kolo, GradientReducer};
-use crate::layout::Layout;
+use crate::layout::{trains, Layout};
 
 /// One overlapped step of a [`GradientReducer`]: made by
 /// [`GradientReducer::overlap`] before the forward pass, used by the forward pass
@@ -77,6 +77,8 @@ struct StepState {
     /// Each slot's gradient as a kolo tensor until its bucket is submitted.
     tensors: Vec<Option<kolo::Tensor>>,
     devices: Vec<Option<Device>>,
+    /// Whether this rank had each slot's gradient (a hook's, or one `finish` found).
+    present: Vec<bool>,
     /// How many gradients of each bucket have arrived.
     arrived: Vec<usize>,
     handles: Vec<Option<kolo::Handle<Vec<kolo::Tensor>>>>,
@@ -111,6 +113,7 @@ impl GradientReducer {
         let state = StepState {
             tensors: (0..n).map(|_| None).collect(),
             devices: vec![None; n],
+            present: vec![false; n],
             arrived: vec![0; layout.buckets.len()],
             handles: (0..layout.buckets.len()).map(|_| None).collect(),
             early: 0,
@@ -236,8 +239,9 @@ impl Overlap {
             .iter()
             .map(|d| d.clone().unwrap_or_default())
             .collect();
+        let present = std::mem::take(&mut state.present);
         drop(state);
-        Ok((reducer.settle(layout, handles, local)?, devices))
+        Ok((reducer.settle(layout, handles, local, &present)?, devices))
     }
 }
 
@@ -267,6 +271,9 @@ struct Rest<'a, 'b> {
 
 impl ModuleVisitor for Rest<'_, '_> {
     fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+        if !trains(param) {
+            return;
+        }
         let i = self.next;
         self.next += 1;
         if i >= self.layout.slots.len() || self.state.devices[i].is_some() {
@@ -277,6 +284,7 @@ impl ModuleVisitor for Rest<'_, '_> {
             (Some(g), Some(e)) => Some(g + e),
             (g, e) => g.or(e),
         };
+        self.state.present[i] = grad.is_some();
         let (device, t, error) = as_kolo(grad, param, self.layout, i, self.reducer.copied());
         self.state.devices[i] = Some(device);
         self.state.tensors[i] = Some(t);
@@ -296,6 +304,9 @@ static UNHOOKED: Once = Once::new();
 
 impl<const I: usize> ModuleMapper for Hooker<'_, I> {
     fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
+        if !trains(&param) {
+            return param; // frozen: no gradient to reduce
+        }
         let Some(&slot) = self.step.slot_of.get(&param.id) else {
             let mut state = self.step.lock();
             state.error.get_or_insert(Error::InvalidArgument {
@@ -443,6 +454,7 @@ impl Step {
             return;
         }
         state.devices[slot] = Some(device);
+        state.present[slot] = true;
         state.tensors[slot] = Some(t);
         if let Some(e) = error {
             state.error.get_or_insert(e);

@@ -20,7 +20,7 @@ use burn::backend::autodiff::ops::{Backward, Ops, OpsKind};
 use burn::backend::{Autodiff, Flex};
 use burn::module::{Module, Param, RunningState};
 use burn::nn::{BatchNorm, BatchNormConfig};
-use burn::tensor::{Device, Tensor, TensorData};
+use burn::tensor::{DType, Device, FloatDType, Tensor, TensorCreationOptions, TensorData};
 use kolo::{Kolo, ProcessSet, ReduceOp};
 
 /// Numbers the layers of a process in the order they are made: the same model built
@@ -47,7 +47,8 @@ static LAYERS: AtomicU64 = AtomicU64::new(0);
 /// In training (an autodiff device, the layer not frozen), each forward makes one
 /// allreduce of `2C + 1` values and the backward one more; the running statistics are
 /// updated from the global values and stay the same on every rank. In evaluation
-/// there is no communication. Every rank (of the process set, see
+/// there is no communication. f16 and bf16 inputs are normalized in f32 (statistics
+/// summed and reduced in f32, only the output cast back), f64 in f64. Every rank (of the process set, see
 /// [`process_set`](Self::process_set)) must run the layer's forward and backward
 /// passes alike. Layers are matched across ranks by the order they were made, so
 /// build the model with the same code on every rank.
@@ -179,13 +180,25 @@ impl SyncBatchNorm {
 
     fn forward_train<const D: usize>(&self, sync: &Sync, input: Tensor<D>, c: usize) -> Tensor<D> {
         let device = input.device();
-        let per_channel = input.shape().num_elements() / c;
+        let dtype = input.dtype();
+        // f16 and bf16 are normalized in f32 and only the output is cast back: in f16
+        // a channel's sum (or the count) passes 65504 and becomes inf, and bf16's
+        // 8-bit mantissa puts the variance 10-50 % off. f64 stays f64.
+        let wide = if dtype == DType::F64 {
+            FloatDType::F64
+        } else {
+            FloatDType::F32
+        };
+        let x = input.cast(wide);
+        let per_channel = x.shape().num_elements() / c;
         // [C, everything else]: each channel's values in one row.
-        let rows = input.clone().swap_dims(0, 1).reshape([c, per_channel]);
+        let rows = x.clone().swap_dims(0, 1).reshape([c, per_channel]);
         let sum = rows.clone().sum_dim(1).reshape([c]);
         let squares = (rows.clone() * rows).sum_dim(1).reshape([c]);
-        let count = Tensor::<1>::from_data(TensorData::new(vec![per_channel as f32], [1]), &device)
-            .cast(sum.dtype());
+        let count = Tensor::<1>::from_data(
+            TensorData::new(vec![per_channel as f64], [1]),
+            TensorCreationOptions::new(device.clone()).with_dtype(wide.into()),
+        );
         let stats = Tensor::cat(vec![sum, squares, count], 0);
         let global = allreduce_sum(sync, stats);
         let n = global.clone().narrow(0, 2 * c, 1);
@@ -195,19 +208,22 @@ impl SyncBatchNorm {
         let mut shape = [1usize; D];
         shape[1] = c;
         let inv_std = (var.clone() + self.epsilon).sqrt().recip();
-        let out = (input - mean.clone().reshape(shape))
+        let out = (x - mean.clone().reshape(shape))
             * inv_std.reshape(shape)
-            * self.gamma.val().reshape(shape)
-            + self.beta.val().reshape(shape);
+            * self.gamma.val().cast(wide).reshape(shape)
+            + self.beta.val().cast(wide).reshape(shape);
 
         let m = self.momentum;
         let running_mean = self.running_mean.value_sync().to_device(&device);
         let running_var = self.running_var.value_sync().to_device(&device);
+        let (mean_dtype, var_dtype) = (running_mean.dtype(), running_var.dtype());
+        let mean = mean.detach().cast(mean_dtype);
+        let var = var.detach().cast(var_dtype);
         self.running_mean
-            .update((running_mean.mul_scalar(1.0 - m) + mean.detach().mul_scalar(m)).detach());
+            .update((running_mean.mul_scalar(1.0 - m) + mean.mul_scalar(m)).detach());
         self.running_var
-            .update((running_var.mul_scalar(1.0 - m) + var.detach().mul_scalar(m)).detach());
-        out
+            .update((running_var.mul_scalar(1.0 - m) + var.mul_scalar(m)).detach());
+        out.cast(dtype)
     }
 }
 
@@ -218,24 +234,41 @@ fn host_allreduce(sync: &Sync, name: String, t: Tensor<1>) -> Tensor<1> {
     }
     let device = t.device();
     let dtype = t.dtype();
-    let values: Vec<f32> = t
-        .into_data()
-        .convert::<f32>()
-        .try_to_vec::<f32>()
-        .unwrap_or_else(|e| panic!("{name}: cannot read the statistics: {e:?}"));
-    let n = values.len();
-    let result = kolo::Tensor::from_vec(values, &[n])
-        .and_then(|t| {
-            sync.kolo
-                .allreduce(name.clone(), t)
-                .op(ReduceOp::Sum)
-                .wait()
-        })
-        .and_then(|t| Ok(t.into_vec::<f32>()?));
+    let n = t.shape().num_elements();
+    // f64 statistics travel as f64, every other type as f32 (the statistics are made
+    // in f32 for f16 and bf16 inputs already).
+    let result = if dtype == DType::F64 {
+        sum_as::<f64>(sync, &name, t).map(|v| TensorData::new(v, [n]))
+    } else {
+        sum_as::<f32>(sync, &name, t).map(|v| TensorData::new(v, [n]))
+    };
     match result {
-        Ok(v) => Tensor::<1>::from_data(TensorData::new(v, [n]), &device).cast(dtype),
+        // In `dtype` itself: a device configured for f16 would make f16 of the sums.
+        Ok(data) => Tensor::<1>::from_data(
+            data,
+            TensorCreationOptions::new(device).with_dtype(dtype),
+        ),
         Err(e) => panic!("kolo_burn::SyncBatchNorm: the allreduce {name} failed: {e}"),
     }
+}
+
+/// `t`'s values read as `E` and summed across `sync`'s ranks.
+fn sum_as<E>(sync: &Sync, name: &str, t: Tensor<1>) -> kolo::Result<Vec<E>>
+where
+    E: burn::tensor::Element + kolo::Element,
+{
+    let values: Vec<E> = t
+        .into_data()
+        .convert::<E>()
+        .try_to_vec::<E>()
+        .unwrap_or_else(|e| panic!("{name}: cannot read the statistics: {e:?}"));
+    let n = values.len();
+    let summed = sync
+        .kolo
+        .allreduce(name.to_string(), kolo::Tensor::from_vec(values, &[n])?)
+        .op(ReduceOp::Sum)
+        .wait()?;
+    Ok(summed.into_vec::<E>()?)
 }
 
 /// `stats` summed across ranks, with a backward pass that sums their gradient across

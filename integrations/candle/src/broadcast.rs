@@ -5,7 +5,7 @@ use kolo::Kolo;
 
 use crate::convert::{check_dtype, from_kolo, to_kolo};
 use crate::error::{Error, Result};
-use crate::vars::{agree, describe};
+use crate::vars::{agree, describe, named_vars};
 
 const WHAT: &str = "kolo_candle::broadcast_parameters";
 
@@ -29,14 +29,7 @@ pub fn broadcast_parameters(kolo: &Kolo, varmap: &VarMap, root: usize) -> Result
             ),
         });
     }
-    let mut vars: Vec<(String, candle_core::Var)> = {
-        let data = varmap.data().lock().map_err(|_| Error::InvalidArgument {
-            what: WHAT,
-            message: "the VarMap's lock is poisoned (a thread panicked while holding it)".into(),
-        })?;
-        data.iter().map(|(n, v)| (n.clone(), v.clone())).collect()
-    };
-    vars.sort_by(|a, b| a.0.cmp(&b.0));
+    let vars = named_vars(WHAT, varmap)?;
     let described = vars
         .iter()
         .map(|(n, v)| describe(n, v.as_tensor()))

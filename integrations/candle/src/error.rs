@@ -28,6 +28,15 @@ pub enum Error {
         /// Its dtype.
         dtype: candle_core::DType,
     },
+    /// Another rank failed this step (it could not hand a gradient over): no rank
+    /// steps, and every rank's error says which failed and why.
+    #[error("kolo_candle::DistributedOptimizer: rank {rank} could not hand its gradients to the reduction, so no rank steps: {message}")]
+    OtherRank {
+        /// The first rank that failed.
+        rank: usize,
+        /// Its error.
+        message: String,
+    },
     /// A bad argument, named.
     #[error("{what}: {message}")]
     InvalidArgument {

@@ -2,12 +2,12 @@
 
 use candle_core::backprop::GradStore;
 use candle_core::{Tensor, Var};
-use candle_nn::Optimizer;
+use candle_nn::{Optimizer, VarMap};
 use kolo::{Kolo, ReduceOp};
 
 use crate::convert::{check_dtype, from_kolo, to_kolo};
 use crate::error::{Error, Result};
-use crate::vars::{agree, describe, in_creation_order};
+use crate::vars::{agree, describe, in_creation_order, named_vars, with_names};
 
 const WHAT: &str = "kolo_candle::DistributedOptimizer";
 
@@ -28,21 +28,28 @@ const WHAT: &str = "kolo_candle::DistributedOptimizer";
 /// # Ok(()) }
 /// ```
 ///
-/// Variables are matched across ranks by the order candle created them (`VarMap`
-/// lists them in a different order in every process): build the model with the same
-/// code on every rank. [`new`](Self::new) checks that every rank passed the same
-/// number of variables with the same shapes and dtypes.
+/// Variables are matched across ranks **by name** when their names are known: built
+/// with [`from_varmap`](Self::from_varmap), or after
+/// [`broadcast_parameters`](crate::broadcast_parameters) has seen their `VarMap`
+/// (the usual start of a loop). Otherwise (a `Var` carries no name) by the order
+/// candle created them (`VarMap` lists them in a different order in every process):
+/// then build the model with the same code on every rank. [`new`](Self::new) checks
+/// that every rank passed the same variables — names where known, shapes and dtypes
+/// — and fails on every rank naming the first difference.
 ///
 /// Each gradient goes to kolo as its own tensor, all submitted before any is waited
 /// for, so kolo's engine fuses the small ones into one reduction. A variable without a
 /// gradient on this rank (not used by this loss) contributes zeros, so that the ranks
-/// stay in step. The wrapped optimizer sees the reduced gradients of these variables
-/// only.
+/// stay in step; one that no rank has a gradient for gets none, so the wrapped
+/// optimizer leaves it alone as in one process (AdamW's decay does not move an unused
+/// head). The wrapped optimizer sees the reduced gradients of these variables only.
 #[derive(Debug)]
 pub struct DistributedOptimizer<O> {
     kolo: Kolo,
     inner: O,
     vars: Vec<Var>,
+    /// Each variable's name where known (empty where not).
+    names: Vec<String>,
     op: ReduceOp,
     passes: usize,
     /// Gradients summed over the passes of this step so far, by variable.
@@ -56,25 +63,46 @@ impl<O: Optimizer> DistributedOptimizer<O> {
     /// variables.
     ///
     /// # Errors
-    /// The ranks' variables differ (count, shape or dtype: [`Error::Mismatch`] on every
-    /// rank, naming the first difference and the ranks); a dtype kolo does not carry;
-    /// a rank left.
+    /// The ranks' variables differ (count, shape, dtype, or name where known:
+    /// [`Error::Mismatch`] on every rank, naming the first difference and the ranks); a
+    /// dtype kolo does not carry; a rank left.
     pub fn new(kolo: &Kolo, inner: O, vars: Vec<Var>) -> Result<Self> {
-        let vars = in_creation_order(WHAT, vars)?;
-        let described = vars.iter().map(|v| describe("", v.as_tensor())).collect();
+        let (vars, names) = with_names(in_creation_order(WHAT, vars)?);
+        let described = vars
+            .iter()
+            .zip(&names)
+            .map(|(v, n)| describe(n, v.as_tensor()))
+            .collect();
         agree(kolo, WHAT, "kolo_candle.optimizer.vars", described)?;
-        for (i, v) in vars.iter().enumerate() {
-            check_dtype(WHAT, &format!("#{i} in creation order"), v.dtype())?;
-        }
-        Ok(DistributedOptimizer {
+        let built = DistributedOptimizer {
             kolo: kolo.clone(),
             inner,
             accumulated: vec![None; vars.len()],
             vars,
+            names,
             op: ReduceOp::Average,
             passes: 1,
             pass: 0,
-        })
+        };
+        for (i, v) in built.vars.iter().enumerate() {
+            check_dtype(WHAT, &built.label(i), v.dtype())?;
+        }
+        Ok(built)
+    }
+
+    /// Wraps `inner`, reducing the gradients of every variable of `varmap`, matched
+    /// across ranks by name (so the order the model created them in may differ
+    /// between ranks). Every rank must call it, with the same names.
+    ///
+    /// # Errors
+    /// As [`new`](Self::new); the ranks' names differ ([`Error::Mismatch`], naming the
+    /// first differing variable and what each rank holds).
+    pub fn from_varmap(kolo: &Kolo, inner: O, varmap: &VarMap) -> Result<Self> {
+        let vars = named_vars(WHAT, varmap)?
+            .into_iter()
+            .map(|(_, v)| v)
+            .collect();
+        Self::new(kolo, inner, vars)
     }
 
     /// How gradients combine across ranks: [`ReduceOp::Average`] (the default) or
@@ -167,31 +195,30 @@ impl<O: Optimizer> DistributedOptimizer<O> {
     }
 
     /// Reduces `local` (a gradient or none per variable) divided by `passes`.
+    ///
+    /// A step fails on every rank or on none: a rank that cannot hand a gradient over
+    /// (a wrong shape, a dtype kolo does not carry) still submits every variable, with
+    /// zeros in its place, and one small allreduce beside the gradients (`[failed,
+    /// lacks]`, summed) tells every rank whether any rank failed, so nobody waits for
+    /// names that were never submitted and nobody steps alone. The same allreduce
+    /// counts the ranks that lack some gradient; only when one does, a second one says
+    /// which variables nobody has, and those get no gradient (candle's optimizers then
+    /// skip them, as in one process).
     fn reduce_local(&self, local: Vec<Option<Tensor>>, passes: usize) -> Result<GradStore> {
         let mut handles = Vec::with_capacity(self.vars.len());
-        let mut first_error: Option<Error> = None;
+        let mut present = Vec::with_capacity(self.vars.len());
+        let mut failed: Option<Error> = None;
         for (i, (v, g)) in self.vars.iter().zip(local).enumerate() {
-            let label = format!("#{i} in creation order");
-            let g = match g {
-                Some(g) => g,
-                None => v.as_tensor().zeros_like()?,
-            };
-            if g.dims() != v.dims() {
-                first_error.get_or_insert(Error::InvalidArgument {
-                    what: WHAT,
-                    message: format!(
-                        "the gradient of variable {label} has shape {:?}, the variable {:?}",
-                        g.dims(),
-                        v.dims()
-                    ),
-                });
-                break;
-            }
-            let t = match to_kolo(WHAT, &label, &g) {
+            present.push(g.is_some());
+            let t = match self.gradient(i, v, g) {
                 Ok(t) => t,
                 Err(e) => {
-                    first_error.get_or_insert(e);
-                    break;
+                    failed.get_or_insert(e);
+                    match crate::convert::kolo_dtype(v.dtype()) {
+                        Some(d) => kolo::Tensor::zeros(d, v.dims()),
+                        // `new` refused such a variable: unreachable in practice.
+                        None => kolo::Tensor::zeros(kolo::DType::F32, v.dims()),
+                    }
                 }
             };
             let mut b = self
@@ -201,33 +228,115 @@ impl<O: Optimizer> DistributedOptimizer<O> {
             if passes > 1 {
                 b = b.prescale(1.0 / passes as f64);
             }
-            match b.submit() {
-                Ok(h) => handles.push((v, h)),
-                Err(e) => {
-                    first_error.get_or_insert(Error::Kolo(e.into()));
-                    break;
-                }
-            }
+            handles.push((v, b.submit()));
         }
+        let lacks = present.iter().any(|&p| !p);
+        let flag = kolo::Tensor::from_vec(
+            vec![f32::from(u8::from(failed.is_some())), f32::from(u8::from(lacks))],
+            &[2],
+        )?;
+        // A Sum of a small cached f32 tensor rides in the engine's cycle agreement.
+        let verdict = self
+            .kolo
+            .allreduce("kolo_candle.grad.verdict", flag)
+            .op(ReduceOp::Sum)
+            .submit();
         // Every submitted reduction is waited for, even after an error, so that no
         // name stays pending into the next step.
-        let mut out = GradStore::default();
+        let mut out: Vec<Option<(&Var, Tensor)>> = Vec::with_capacity(handles.len());
+        let mut collective: Option<Error> = None;
         for (v, h) in handles {
-            match h
-                .wait()
-                .map_err(Error::from)
-                .and_then(|t| from_kolo(t, v.device()))
-            {
-                Ok(g) => {
-                    out.insert(v.as_tensor(), g);
-                }
+            let reduced = h
+                .map_err(|e| Error::Kolo(e.into()))
+                .and_then(|h| h.wait().map_err(Error::from))
+                .and_then(|t| from_kolo(t, v.device()));
+            match reduced {
+                Ok(g) => out.push(Some((v, g))),
                 Err(e) => {
-                    first_error.get_or_insert(e);
+                    collective.get_or_insert(e);
+                    out.push(None);
                 }
             }
         }
-        first_error.map_or(Ok(out), Err)
+        let counts = verdict
+            .map_err(kolo::Error::from)
+            .and_then(|h| h.wait())
+            .and_then(|t| Ok(t.into_vec::<f32>()?));
+        let counts = match counts {
+            Ok(c) => c,
+            Err(e) => return Err(failed.or(collective).unwrap_or(Error::Kolo(e))),
+        };
+        if counts.first().is_some_and(|&f| f > 0.0) {
+            let mine = failed.as_ref().map(ToString::to_string);
+            let all: Vec<Option<String>> = self
+                .kolo
+                .allgather_object("kolo_candle.grad.failures", mine)?;
+            return Err(failed.unwrap_or_else(|| other_rank(all)));
+        }
+        if let Some(e) = collective {
+            return Err(e);
+        }
+        if counts.get(1).is_some_and(|&f| f > 0.0) {
+            let mine: Vec<f32> = present.iter().map(|&p| f32::from(u8::from(p))).collect();
+            let n = mine.len();
+            let have = self
+                .kolo
+                .allreduce("kolo_candle.grad.present", kolo::Tensor::from_vec(mine, &[n])?)
+                .op(ReduceOp::Sum)
+                .wait()?
+                .into_vec::<f32>()?;
+            for (slot, &count) in out.iter_mut().zip(&have) {
+                if count == 0.0 {
+                    *slot = None;
+                }
+            }
+        }
+        let mut store = GradStore::default();
+        for (v, g) in out.into_iter().flatten() {
+            store.insert(v.as_tensor(), g);
+        }
+        Ok(store)
     }
+
+    /// Variable `i`'s gradient (zeros where this rank has none) as a kolo tensor.
+    fn gradient(&self, i: usize, v: &Var, g: Option<Tensor>) -> Result<kolo::Tensor> {
+        let label = self.label(i);
+        let g = match g {
+            Some(g) => g,
+            None => v.as_tensor().zeros_like()?,
+        };
+        if g.dims() != v.dims() {
+            return Err(Error::InvalidArgument {
+                what: WHAT,
+                message: format!(
+                    "the gradient of variable {label} has shape {:?}, the variable {:?}",
+                    g.dims(),
+                    v.dims()
+                ),
+            });
+        }
+        to_kolo(WHAT, &label, &g)
+    }
+
+    /// How errors name variable `i`: its name where known, else its place in creation
+    /// order.
+    fn label(&self, i: usize) -> String {
+        match self.names.get(i).filter(|n| !n.is_empty()) {
+            Some(n) => format!("\"{n}\""),
+            None => format!("#{i} in creation order"),
+        }
+    }
+}
+
+/// The error of a rank whose own step went well while another's failed: the first
+/// failing rank and its message.
+fn other_rank(all: Vec<Option<String>>) -> Error {
+    let (rank, message) = all
+        .into_iter()
+        .enumerate()
+        .find_map(|(rank, m)| Some((rank, m?)))
+        .unwrap_or((0, "(no message)".into()));
+    Error::OtherRank { rank, message }
 }
 
 impl<O: Optimizer> Optimizer for DistributedOptimizer<O> {

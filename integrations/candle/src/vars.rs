@@ -1,7 +1,11 @@
 //! Which variables a rank holds, in an order every rank agrees on, and the check that
 //! every rank holds the same ones.
 
-use candle_core::{Tensor, Var};
+use std::collections::HashMap;
+use std::sync::{Mutex, OnceLock, PoisonError};
+
+use candle_core::{Tensor, TensorId, Var};
+use candle_nn::VarMap;
 use kolo::Kolo;
 
 use crate::error::{Error, Result};
@@ -30,6 +34,59 @@ pub(crate) fn creation_number(v: &Var) -> Option<usize> {
         .strip_suffix(')')?
         .parse()
         .ok()
+}
+
+/// The names of the variables kolo-candle has seen in a `VarMap` (by
+/// [`broadcast_parameters`](crate::broadcast_parameters) or
+/// [`DistributedOptimizer::from_varmap`](crate::DistributedOptimizer::from_varmap)),
+/// by tensor id: a `Var` alone carries no name. Ids are never reused in a process.
+fn names() -> std::sync::MutexGuard<'static, HashMap<TensorId, String>> {
+    static NAMES: OnceLock<Mutex<HashMap<TensorId, String>>> = OnceLock::new();
+    NAMES
+        .get_or_init(Mutex::default)
+        .lock()
+        .unwrap_or_else(PoisonError::into_inner)
+}
+
+/// `varmap`'s variables with their names, sorted by name (the same order on every
+/// rank that holds the same names), remembered for [`with_names`].
+///
+/// # Errors
+/// The `VarMap`'s lock is poisoned.
+pub(crate) fn named_vars(what: &'static str, varmap: &VarMap) -> Result<Vec<(String, Var)>> {
+    let mut vars: Vec<(String, Var)> = {
+        let data = varmap.data().lock().map_err(|_| Error::InvalidArgument {
+            what,
+            message: "the VarMap's lock is poisoned (a thread panicked while holding it)".into(),
+        })?;
+        data.iter().map(|(n, v)| (n.clone(), v.clone())).collect()
+    };
+    vars.sort_by(|a, b| a.0.cmp(&b.0));
+    let mut known = names();
+    for (n, v) in &vars {
+        known.insert(v.as_tensor().id(), n.clone());
+    }
+    Ok(vars)
+}
+
+/// `vars` (in creation order) with the name of each where known (empty where not);
+/// when every name is known, sorted by name instead, so that ranks that created the
+/// same variables in different orders (from a `HashMap`, say) still pair each
+/// variable with its namesake.
+pub(crate) fn with_names(vars: Vec<Var>) -> (Vec<Var>, Vec<String>) {
+    let known = names();
+    let mut named: Vec<(String, Var)> = vars
+        .into_iter()
+        .map(|v| {
+            let n = known.get(&v.as_tensor().id()).cloned().unwrap_or_default();
+            (n, v)
+        })
+        .collect();
+    drop(known);
+    if named.iter().all(|(n, _)| !n.is_empty()) {
+        named.sort_by(|a, b| a.0.cmp(&b.0));
+    }
+    named.into_iter().map(|(n, v)| (v, n)).unzip()
 }
 
 /// `vars` in creation order, each once (candle's `VarMap::all_vars` lists them in a

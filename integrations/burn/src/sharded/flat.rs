@@ -10,6 +10,7 @@ use half::{bf16, f16};
 use super::Plan;
 use crate::convert;
 use crate::error::{Error, Result};
+use crate::layout::trains;
 
 /// A float type the shard may hold: the parameters' own, which the wrapped
 /// optimizer's state keeps.
@@ -49,7 +50,8 @@ impl Flat for bf16 {
 }
 
 /// This rank's block of each parameter, flattened — a view of the parameter, not a
-/// copy — in module order; `None` for an empty block.
+/// copy — in module order (frozen parameters left out, as in the plan); `None` for an
+/// empty block.
 pub(super) fn blocks<M: Module>(module: &M, plan: &Plan) -> Vec<Option<Tensor<1>>> {
     struct Read<'a> {
         plan: &'a Plan,
@@ -57,6 +59,9 @@ pub(super) fn blocks<M: Module>(module: &M, plan: &Plan) -> Vec<Option<Tensor<1>
     }
     impl ModuleVisitor for Read<'_> {
         fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            if !trains(param) {
+                return;
+            }
             let i = self.out.len();
             let block = self.plan.blocks.get(i).filter(|b| !b.is_empty());
             self.out.push(block.map(|b| {
@@ -110,7 +115,7 @@ pub(super) enum Gathered<'a> {
 
 /// Puts gathered parameters back into the model without copying them: each parameter
 /// becomes its gathered values (or a slice of the one sequence) reshaped, keeping its
-/// id and `require_grad`.
+/// id and `require_grad`. Frozen parameters are not in the plan and stay as they are.
 pub(super) struct WriteViews<'a> {
     pub(super) all: Gathered<'a>,
     pub(super) next: usize,
@@ -118,6 +123,9 @@ pub(super) struct WriteViews<'a> {
 
 impl ModuleMapper for WriteViews<'_> {
     fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
+        if !trains(&param) {
+            return param;
+        }
         let i = self.next;
         self.next += 1;
         let (id, tensor, mapper) = param.consume();

@@ -37,7 +37,7 @@ use flat::{blocks, gathered, Flat, Gathered, WriteViews};
 /// # Ok(()) }
 /// ```
 ///
-/// **How.** Every float parameter, flattened, is cut into `N` contiguous blocks
+/// **How.** Every trainable float parameter, flattened, is cut into `N` contiguous blocks
 /// balanced by elements (the first `n % N` ranks hold one more), the same on every
 /// rank and every step; rank `r` holds block `r` of every parameter
 /// ([`shard`](Self::shard)), so the state is split evenly however unevenly the
@@ -109,7 +109,11 @@ use flat::{blocks, gathered, Flat, Gathered, WriteViews};
 /// averaged by a [`GradientReducer`](crate::GradientReducer) would be averaged again,
 /// which for Average leaves them unchanged (the same values on every rank) and for
 /// Sum multiplies them by N — nothing can tell the two apart, so do not reduce them
-/// first. A parameter without a gradient on this rank counts as zeros.
+/// first. A parameter without a gradient on this rank counts as zeros; one that no
+/// rank has a gradient for in a step is not stepped (plain Burn skips it too).
+///
+/// **Frozen parameters** (`require_grad = false`: `no_grad()`, `freeze()`, LoRA's base
+/// weights) are not sharded, reduced, stepped or given state, and stay bit-identical.
 pub struct ShardedOptimizer {
     kolo: Kolo,
     inner: ModuleOptimizer,
@@ -470,14 +474,10 @@ impl ShardedOptimizer {
             }
             Gradients::Overlapped(sync, g) => sync.settle(&model, g)?.0,
         };
-        let mut mine = reduced
-            .into_iter()
-            .collect::<Option<Vec<_>>>()
-            .ok_or_else(|| {
-                Error::Kolo(kolo::Error::Internal(
-                    "a reduced gradient block is missing".into(),
-                ))
-            })?;
+        // A block is `None` where no rank had a gradient for its parameter this step:
+        // the wrapped optimizer gets none for it and leaves it (and its state) alone,
+        // as plain Burn does.
+        let mut mine = reduced;
         let values = blocks(&model, plan);
         if mine.len() != plan.sizes.len() {
             return Err(Error::Kolo(kolo::Error::Internal(format!(
@@ -492,15 +492,17 @@ impl ShardedOptimizer {
         for ((value, grad), &id) in values.into_iter().zip(mine).zip(&plan.piece_ids) {
             if let Some(value) = value {
                 pieces.push(Param::initialized(id, value));
-                shard_grads.register(
-                    id,
-                    crate::convert::to_burn::<1>(
-                        "the shard's gradients",
-                        grad,
-                        plan.dtype,
-                        &device,
-                    )?,
-                );
+                if let Some(grad) = grad {
+                    shard_grads.register(
+                        id,
+                        crate::convert::to_burn::<1>(
+                            "the shard's gradients",
+                            grad,
+                            plan.dtype,
+                            &device,
+                        )?,
+                    );
+                }
             }
         }
         let mut stepped = self
@@ -576,19 +578,21 @@ impl ShardedOptimizer {
     /// Clips this rank's reduced gradient blocks `mine` (one per parameter): all
     /// together to the global norm, then each parameter's to its norm, each norm summed
     /// across the blocks (one allreduce of the squared norm of every parameter's block).
-    fn clip<T: Flat>(&self, mine: &mut [kolo::Tensor]) -> Result<()> {
+    fn clip<T: Flat>(&self, mine: &mut [Option<kolo::Tensor>]) -> Result<()> {
         if self.global_norm.is_none() && self.param_norm.is_none() {
             return Ok(());
         }
         let mut squares = Vec::with_capacity(mine.len());
         for block in mine.iter() {
-            squares.push(
-                block
+            let square = match block {
+                Some(b) => b
                     .as_slice::<T>()?
                     .iter()
                     .map(|&g| g.to_f64() * g.to_f64())
                     .sum::<f64>(),
-            );
+                None => 0.0,
+            };
+            squares.push(square);
         }
         let n = squares.len();
         let squares = self
@@ -610,7 +614,7 @@ impl ShardedOptimizer {
                 let norm = global * square.sqrt();
                 coef *= (f64::from(max) / (norm + f64::from(f32::MIN_POSITIVE))).min(1.0);
             }
-            if coef < 1.0 {
+            if let (true, Some(block)) = (coef < 1.0, block.as_mut()) {
                 let c = coef as f32;
                 block
                     .as_mut_slice::<T>()?

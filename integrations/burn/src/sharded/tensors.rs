@@ -5,11 +5,12 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use burn::module::{Module, ModuleVisitor, Param};
 use burn::optim::{GradientsParams, LearningRate, ModuleOptimizer};
-use burn::tensor::{DType, Tensor};
+use burn::tensor::{DType, FloatDType, Tensor};
 
 use super::consolidate::{read, read_bytes, record_bytes, write, Record};
 use super::{Flat, Gathered, Plan, ShardedOptimizer, WriteViews};
 use crate::error::{Error, Result};
+use crate::layout::trains;
 
 /// Which rank steps each parameter, and where its values land in the all-gathered
 /// sequence (every rank's parameters, in module order, rank after rank).
@@ -132,13 +133,19 @@ struct Keep<'a> {
 
 impl ModuleVisitor for Keep<'_> {
     fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+        if !trains(param) {
+            return;
+        }
         let i = self.next;
         self.next += 1;
         let Some(g) = self.grads.remove::<D>(param.id) else {
             return;
         };
         if let Some(squares) = &mut self.squares {
-            *squares += f64::from(g.clone().square().sum().into_scalar::<f32>());
+            // In f32 whatever the gradient's type: an f16 sum of squares passes 65504
+            // (a norm of 256) and becomes inf, which would scale every gradient by 0.
+            let square = g.clone().cast(FloatDType::F32).square().sum();
+            *squares += f64::from(square.into_scalar::<f32>());
         }
         if self.owner.get(i) == Some(&self.rank) {
             self.mine.register(param.id, g);
@@ -170,6 +177,9 @@ fn read_owned<T: Flat, M: Module>(module: &M, owner: &[usize], rank: usize) -> V
     }
     impl<T: Flat> ModuleVisitor for Read<'_, T> {
         fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            if !trains(param) {
+                return;
+            }
             let i = self.next;
             self.next += 1;
             if self.owner.get(i) == Some(&self.rank) {
