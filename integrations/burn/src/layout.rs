@@ -161,7 +161,11 @@ fn agree(slots: &[(Slot, bool)], kolo: &Kolo, name: &str) -> Result<()> {
         .iter()
         .map(|(s, trains)| {
             let frozen = if *trains { "" } else { " (frozen)" };
-            (s.path.clone(), s.dims.clone(), format!("{:?}{frozen}", s.dtype))
+            (
+                s.path.clone(),
+                s.dims.clone(),
+                format!("{:?}{frozen}", s.dtype),
+            )
         })
         .collect();
     let all = kolo.allgather_object(name, mine)?;

@@ -244,10 +244,9 @@ fn host_allreduce(sync: &Sync, name: String, t: Tensor<1>) -> Tensor<1> {
     };
     match result {
         // In `dtype` itself: a device configured for f16 would make f16 of the sums.
-        Ok(data) => Tensor::<1>::from_data(
-            data,
-            TensorCreationOptions::new(device).with_dtype(dtype),
-        ),
+        Ok(data) => {
+            Tensor::<1>::from_data(data, TensorCreationOptions::new(device).with_dtype(dtype))
+        }
         Err(e) => panic!("kolo_burn::SyncBatchNorm: the allreduce {name} failed: {e}"),
     }
 }

@@ -232,7 +232,10 @@ impl<O: Optimizer> DistributedOptimizer<O> {
         }
         let lacks = present.iter().any(|&p| !p);
         let flag = kolo::Tensor::from_vec(
-            vec![f32::from(u8::from(failed.is_some())), f32::from(u8::from(lacks))],
+            vec![
+                f32::from(u8::from(failed.is_some())),
+                f32::from(u8::from(lacks)),
+            ],
             &[2],
         )?;
         // A Sum of a small cached f32 tensor rides in the engine's cycle agreement.
@@ -281,7 +284,10 @@ impl<O: Optimizer> DistributedOptimizer<O> {
             let n = mine.len();
             let have = self
                 .kolo
-                .allreduce("kolo_candle.grad.present", kolo::Tensor::from_vec(mine, &[n])?)
+                .allreduce(
+                    "kolo_candle.grad.present",
+                    kolo::Tensor::from_vec(mine, &[n])?,
+                )
                 .op(ReduceOp::Sum)
                 .wait()?
                 .into_vec::<f32>()?;

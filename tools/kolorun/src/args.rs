@@ -138,8 +138,10 @@ pub(crate) struct Args {
     /// Relaunched: a rank that died of a signal (killed, out of memory), a job kolo
     /// ended because a peer stopped answering (exit status 75), a failed start. Not
     /// relaunched: the program's own error (a panic, a failed assertion, any other
-    /// exit status), unless --restart-on-error.
-    #[arg(long, value_name = "N", default_value_t = 0)]
+    /// exit status), unless --restart-on-error. Never relaunched: a job ended by a
+    /// signal kolorun was sent (Ctrl-C, SIGTERM, SIGHUP, SIGQUIT).
+    #[arg(long, value_name = "N", default_value_t = 0,
+          value_parser = clap::value_parser!(u32).range(0..=1_000_000))]
     pub(crate) max_restarts: u32,
 
     /// With --max-restarts: relaunch on any failure, the program's own errors too.
@@ -148,9 +150,16 @@ pub(crate) struct Args {
 
     /// With --max-restarts across hosts: a host whose rank failed (or that does not
     /// answer at start) is left out of later attempts, which run on fewer ranks as
-    /// long as at least this many remain (default: -np, i.e. never fewer).
+    /// long as at least this many remain (default: -np, i.e. never fewer). Where
+    /// leaving a host out would leave fewer, the next attempt runs on every host.
     #[arg(long, value_name = "M", value_parser = clap::value_parser!(u32).range(1..))]
     pub(crate) min_np: Option<u32>,
+
+    /// With --max-restarts across hosts: the checkpoint directory is shared by every
+    /// host, so rank 0's host (the first) may be left out too. Without it kolorun
+    /// keeps rank 0's host in every attempt: its checkpoints may live on its own disk.
+    #[arg(long, requires = "max_restarts")]
+    pub(crate) shared_checkpoints: bool,
 
     /// A program printing the job's hosts, `host:slots` per line (horovodrun's
     /// contract), run before every attempt in place of -H/--hostfile: replaced hosts

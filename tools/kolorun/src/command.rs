@@ -245,7 +245,8 @@ fn forward_env(p: &mut Plan, env: &[(String, String)], named: &BTreeSet<String>)
 pub(crate) fn shell_quote(s: &str) -> String {
     if !s.is_empty()
         && s.chars()
-            .all(|c| c.is_ascii_alphanumeric() || "-_./=:,{}+@%".contains(c))
+            // Not `{` or `}`: a shell expands `a{b,c}` into two words.
+            .all(|c| c.is_ascii_alphanumeric() || "-_./=:,+@%".contains(c))
     {
         s.to_string()
     } else {

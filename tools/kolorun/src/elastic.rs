@@ -2,6 +2,7 @@
 //! many ranks the next attempt gets (`--min-np`, `--host-discovery-script`).
 
 use crate::hosts::flag_hosts;
+use crate::supervise::Ended;
 
 /// Whether `name` (as mpirun printed it) is `host` (as -H gave it): equal, or equal
 /// without the domain (mpirun may print a full name where -H had the short one).
@@ -141,37 +142,68 @@ pub(crate) fn hosts_flag(hosts: &[(String, usize)]) -> String {
         .join(",")
 }
 
-/// Whether a job that ended with exit status `code` and mpirun's `cause` lines failed
-/// as a job (and may be relaunched) rather than by the program's own error: a rank
-/// died of a signal (mpirun exits with 128 + the signal, or names it), kolo ended it
-/// because a peer stopped answering ([`kolo::RESTARTABLE_EXIT_CODE`]), or mpirun could
-/// not start every rank.
-pub(crate) fn restartable(code: i32, cause: &[String]) -> bool {
-    code == kolo::RESTARTABLE_EXIT_CODE
-        || code > 128
-        || cause.iter().any(|l| {
-            let l = l.to_ascii_lowercase();
-            l.contains("signal") || l.contains("unable to") || l.contains("failed to start")
-        })
+/// Why a job that ended as `ended` failed as a job (and may be relaunched) rather
+/// than by the program's own error, or `None`: kolo's restartable exit status (a rank
+/// whose peer left, or kolo's watchdog: [`kolo::RESTARTABLE_EXIT_CODE`]), mpirun's own
+/// line that a rank died of a signal or that its daemons failed
+/// ([`job_failure`](crate::supervise::job_failure)), or mpirun itself killed by a
+/// signal kolorun did not pass on. A program's own messages are never read for it, and
+/// an exit status above 128 alone (`exit(255)`) is not a signal.
+pub(crate) fn relaunch_reason(ended: &Ended) -> Option<String> {
+    if ended.signalled {
+        return None;
+    }
+    if let Some(line) = &ended.job_failure {
+        return Some(line.clone());
+    }
+    if ended.code == kolo::RESTARTABLE_EXIT_CODE {
+        return Some(format!(
+            "kolo's restartable exit status {}",
+            kolo::RESTARTABLE_EXIT_CODE
+        ));
+    }
+    ended
+        .mpirun_signal
+        .map(|s| format!("mpirun itself was killed by signal {s}"))
 }
 
 #[cfg(test)]
 mod tests {
     #[test]
-    fn signals_kolos_status_and_failed_starts_restart_program_errors_do_not() {
-        use super::restartable;
-        let none: Vec<String> = Vec::new();
-        assert!(restartable(75, &none));
-        assert!(restartable(137, &none));
-        assert!(!restartable(1, &none));
-        assert!(!restartable(3, &none));
-        let killed = vec![
-            "mpirun noticed that process rank 1 with PID 7 on node h2 exited on signal 9 (Killed)."
-                .to_string(),
-        ];
-        assert!(restartable(1, &killed));
-        let start = vec!["ORTE was unable to reliably start one or more daemons.".to_string()];
-        assert!(restartable(1, &start));
+    fn issue53_relaunched_for_job_failures_only() {
+        use super::relaunch_reason;
+        use crate::supervise::Ended;
+        let ended = |code: i32, failure: Option<&str>| Ended {
+            code,
+            job_failure: failure.map(String::from),
+            ..Ended::default()
+        };
+        assert!(relaunch_reason(&ended(75, None)).is_some());
+        assert!(relaunch_reason(&ended(1, None)).is_none());
+        // exit(255) and a 137 without mpirun's line are the program's own.
+        assert!(relaunch_reason(&ended(255, None)).is_none());
+        assert!(relaunch_reason(&ended(137, None)).is_none());
+        let killed = "mpirun noticed that process rank 1 with PID 7 on node h2 exited on signal 9";
+        assert_eq!(
+            relaunch_reason(&ended(137, Some(killed))).as_deref(),
+            Some(killed)
+        );
+        let start = "ORTE was unable to reliably start one or more daemons.";
+        assert!(relaunch_reason(&ended(1, Some(start))).is_some());
+        let mpirun_killed = Ended {
+            code: 137,
+            mpirun_signal: Some(9),
+            ..Ended::default()
+        };
+        assert!(relaunch_reason(&mpirun_killed).is_some());
+        // The user's signal is never relaunched.
+        let user = Ended {
+            code: 130,
+            signalled: true,
+            job_failure: Some(killed.into()),
+            ..Ended::default()
+        };
+        assert!(relaunch_reason(&user).is_none());
     }
 
     use super::*;

@@ -284,8 +284,9 @@ pub(crate) fn check_hosts(
                     agent.join(" "),
                     timeout.as_secs_f64()
                 ));
-                // SAFETY: signalling the process group made for this child.
-                unsafe { libc::killpg(child.id() as i32, libc::SIGKILL) };
+                // The process group made for this child.
+                let group = nix::unistd::Pid::from_raw(child.id() as i32);
+                let _ = nix::sys::signal::killpg(group, nix::sys::signal::Signal::SIGKILL);
                 let _ = child.wait();
                 false
             }

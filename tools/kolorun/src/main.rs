@@ -19,6 +19,7 @@ mod command;
 mod elastic;
 mod hosts;
 mod nic;
+mod signals;
 mod slurm;
 mod supervise;
 
@@ -30,7 +31,8 @@ use args::{normalize, Args};
 use command::{command_line, plan, threads_per_rank};
 
 use hosts::{check_hosts, flag_hosts, hostfile_hosts, remote_agent};
-use supervise::{catch_signals, supervise_job, ABORT_GRACE};
+use signals::Signals;
+use supervise::{supervise_job, ABORT_GRACE};
 
 fn check_build() {
     let b = kolo::build_info();
@@ -83,19 +85,26 @@ fn main() {
         Some(s) => shlex::split(s)
             .unwrap_or_else(|| fail(&format!("--mpi-args {s:?} has an unclosed quote"))),
     };
-    // SAFETY: geteuid has no preconditions.
-    let root = unsafe { libc::geteuid() } == 0;
+    let root = nix::unistd::geteuid().is_root();
     let env: Vec<(String, String)> = std::env::vars_os()
         .filter_map(|(k, v)| Some((k.into_string().ok()?, v.into_string().ok()?)))
         .collect();
     let min_np = args.min_np.unwrap_or(np).min(np);
+    // From here on no signal ends kolorun unseen: each is acted on (between attempts)
+    // or passed to mpirun (during one).
+    let signals =
+        Signals::catch().unwrap_or_else(|e| fail(&format!("cannot install signal handlers: {e}")));
     // Hosts left out of later attempts: their ranks died, or they did not answer.
     let mut left_out: Vec<String> = Vec::new();
+    // At most 1 000 001 (--max-restarts is bounded): no overflow.
     let attempts = args.max_restarts + 1;
     let mut attempt = 0u32;
-    let mut signals_caught = false;
+    // The last attempt's exit code: what kolorun ends with when it cannot relaunch.
+    let mut last_code: Option<i32> = None;
     loop {
-        let (run_args, run_np, hosts) = attempt_layout(&args, np, min_np, &left_out);
+        stop_if_signalled(&signals);
+        let (run_args, run_np, hosts) =
+            attempt_layout(&args, np, min_np, &left_out, &signals, last_code);
         let per_host: Vec<usize> = hosts.iter().map(|&(_, slots)| slots).collect();
         let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
         let threads = threads_per_rank(
@@ -105,7 +114,7 @@ fn main() {
             &per_host,
             std::env::var("RAYON_NUM_THREADS").ok(),
         );
-        let plan = plan(
+        let mut plan = plan(
             &run_args,
             run_np,
             root,
@@ -115,6 +124,13 @@ fn main() {
             &nic::local_addresses(),
         )
         .unwrap_or_else(|e| fail(&e));
+        if args.max_restarts > 0 {
+            // Every rank learns which attempt it is part of; before mpirun's own
+            // arguments and the program.
+            let at = plan.argv.len() - mpi_args.len() - args.command.len();
+            let restart = ["-x".to_string(), format!("KOLO_RESTART_COUNT={attempt}")];
+            plan.argv.splice(at..at, restart);
+        }
         if attempt == 0 {
             for n in &plan.notes {
                 eprintln!("{n}");
@@ -137,21 +153,13 @@ fn main() {
             left_out.extend(unreachable);
             continue;
         }
-        if !signals_caught {
-            catch_signals();
-            signals_caught = true;
-        }
+        stop_if_signalled(&signals);
         let mut cmd = Command::new("mpirun");
-        if args.max_restarts > 0 {
-            // Every rank learns which attempt it is part of.
-            cmd.args(["-x", "KOLO_RESTART_COUNT"])
-                .env("KOLO_RESTART_COUNT", attempt.to_string());
-        }
         cmd.args(&plan.argv);
         for u in &plan.unset {
             cmd.env_remove(u);
         }
-        let ended = match supervise_job(cmd, ABORT_GRACE, std::io::stderr()) {
+        let ended = match supervise_job(cmd, ABORT_GRACE, std::io::stderr(), &signals) {
             Ok(e) => e,
             Err(e) => {
                 eprintln!(
@@ -163,14 +171,18 @@ fn main() {
         if ended.code == 0 || ended.signalled || args.max_restarts == 0 {
             std::process::exit(ended.code);
         }
-        let why = if ended.cause.is_empty() {
+        last_code = Some(ended.code);
+        let mut why = if ended.cause.is_empty() {
             String::new()
         } else {
             format!(": {}", ended.cause.join(" | "))
         };
-        if !args.restart_on_error && !elastic::restartable(ended.code, &ended.cause) {
+        if ended.hung {
+            why.push_str(" (mpirun did not end after the job was aborted; kolorun ended it)");
+        }
+        if !args.restart_on_error && elastic::relaunch_reason(&ended).is_none() {
             eprintln!(
-                "kolorun: attempt {} of {attempts} failed with the program's own error (exit code {}){why}; not relaunched (only signals, kolo's exit status {} and failed starts are; --restart-on-error relaunches on any failure)",
+                "kolorun: attempt {} of {attempts} failed with the program's own error (exit code {}){why}; not relaunched (only ranks killed by a signal, kolo's exit status {}, lost or unstarted daemons are; --restart-on-error relaunches on any failure)",
                 attempt + 1,
                 ended.code,
                 kolo::RESTARTABLE_EXIT_CODE
@@ -196,14 +208,39 @@ fn main() {
                 .map(|(h, _)| h)
                 .find(|h| elastic::same_host(&named, h));
             if let Some(h) = host.filter(|h| !left_out.contains(h)) {
-                next = format!("; leaving host {h} out");
-                left_out.push(h.clone());
+                let mut without = left_out.clone();
+                without.push(h.clone());
+                let rank0 = hosts.first().is_some_and(|(first, _)| first == h);
+                next = if rank0 && !args.shared_checkpoints {
+                    format!(
+                        "; keeping host {h}, rank 0's (its checkpoints may be on its own disk; \
+                         --shared-checkpoints lets kolorun leave it out)"
+                    )
+                } else if let Err(e) = elastic::next_layout(&hosts, &without, np, min_np) {
+                    format!("; relaunching on every host (leaving {h} out: {e})")
+                } else {
+                    left_out = without;
+                    format!("; leaving host {h} out")
+                };
             }
         }
         eprintln!(
             "kolorun: attempt {attempt} of {attempts} failed (exit code {}){why}{next}; relaunching (KOLO_RESTART_COUNT={attempt})",
             ended.code
         );
+    }
+}
+
+/// Ends kolorun with 128 + the signal when one that ends the job arrived while no
+/// job runs (between attempts, during host checks or discovery): a job the user
+/// ended is not relaunched.
+fn stop_if_signalled(signals: &Signals) {
+    if let Some(r) = signals.ending() {
+        eprintln!(
+            "kolorun: signal {} received; not starting another attempt",
+            r.signal
+        );
+        std::process::exit(128 + r.signal);
     }
 }
 
@@ -247,14 +284,19 @@ fn from_slurm(args: &mut Args) {
 /// The arguments, number of ranks and hosts of the next attempt: as given, or — with a
 /// discovery script, or hosts left out — the hosts that remain, with as many ranks as
 /// they have slots (at most -np, at least --min-np, else kolorun ends saying so).
+///
+/// When no layout is left after a failed attempt, kolorun ends with that attempt's
+/// exit code (`last_code`), not a command-line error.
 fn attempt_layout(
     args: &Args,
     np: u32,
     min_np: u32,
     left_out: &[String],
+    signals: &Signals,
+    last_code: Option<i32>,
 ) -> (Args, u32, Vec<(String, usize)>) {
     let hosts = match &args.host_discovery_script {
-        Some(script) => discover(script),
+        Some(script) => discover(script, signals),
         None => job_hosts(args),
     };
     if hosts.is_empty() || (left_out.is_empty() && args.host_discovery_script.is_none()) {
@@ -263,8 +305,10 @@ fn attempt_layout(
         }
         return (args.clone(), np, hosts);
     }
-    let (kept, run_np) = elastic::next_layout(&hosts, left_out, np, min_np)
-        .unwrap_or_else(|e| fail(&format!("cannot relaunch: {e}")));
+    let (kept, run_np) = elastic::next_layout(&hosts, left_out, np, min_np).unwrap_or_else(|e| {
+        eprintln!("kolorun: cannot relaunch: {e}");
+        std::process::exit(last_code.unwrap_or(2))
+    });
     let mut a = args.clone();
     a.hosts = Some(elastic::hosts_flag(&kept));
     a.hostfile = None;
@@ -272,11 +316,69 @@ fn attempt_layout(
     (a, run_np, kept)
 }
 
-/// Runs the `--host-discovery-script` and reads its hosts, or ends kolorun saying why.
-fn discover(script: &str) -> Vec<(String, usize)> {
-    let out = Command::new(script)
-        .output()
+/// How long a `--host-discovery-script` may run.
+const DISCOVERY_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(60);
+
+/// Runs the `--host-discovery-script` and reads its hosts, or ends kolorun saying why:
+/// it failed, ran past [`DISCOVERY_TIMEOUT`], or a signal arrived meanwhile (the
+/// script is killed then, and kolorun ends as the signal asks).
+fn discover(script: &str, signals: &Signals) -> Vec<(String, usize)> {
+    use std::io::Read;
+    let mut cmd = Command::new(script);
+    cmd.stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped());
+    // Its own process group: killed whole, children included.
+    std::os::unix::process::CommandExt::process_group(&mut cmd, 0);
+    let mut child = cmd
+        .spawn()
         .unwrap_or_else(|e| fail(&format!("cannot run --host-discovery-script {script}: {e}")));
+    let (mut stdout, mut stderr) = (child.stdout.take(), child.stderr.take());
+    let read_out = std::thread::spawn(move || {
+        let mut s = Vec::new();
+        if let Some(o) = stdout.as_mut() {
+            let _ = o.read_to_end(&mut s);
+        }
+        s
+    });
+    let read_err = std::thread::spawn(move || {
+        let mut s = Vec::new();
+        if let Some(e) = stderr.as_mut() {
+            let _ = e.read_to_end(&mut s);
+        }
+        s
+    });
+    let start = std::time::Instant::now();
+    let status = loop {
+        match child.try_wait() {
+            Ok(Some(status)) => break status,
+            Ok(None) => {}
+            Err(e) => fail(&format!("--host-discovery-script {script}: {e}")),
+        }
+        let mut end = |why: &str| {
+            let group = nix::unistd::Pid::from_raw(child.id() as i32);
+            let _ = nix::sys::signal::killpg(group, nix::sys::signal::Signal::SIGKILL);
+            let _ = child.wait();
+            eprintln!("kolorun: --host-discovery-script {script} {why}; killed it");
+        };
+        if let Some(r) = signals.ending() {
+            end(&format!("was running when signal {} arrived", r.signal));
+            std::process::exit(128 + r.signal);
+        }
+        if start.elapsed() > DISCOVERY_TIMEOUT {
+            end(&format!(
+                "did not finish within {} s",
+                DISCOVERY_TIMEOUT.as_secs()
+            ));
+            std::process::exit(2);
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    };
+    let out = std::process::Output {
+        status,
+        stdout: read_out.join().unwrap_or_default(),
+        stderr: read_err.join().unwrap_or_default(),
+    };
     if !out.status.success() {
         fail(&format!(
             "--host-discovery-script {script} failed ({}): {}",
@@ -748,5 +850,8 @@ mod tests {
         assert_eq!(shell_quote("a b"), "'a b'");
         assert_eq!(shell_quote("KOLO_X=1"), "KOLO_X=1");
         assert_eq!(shell_quote("it's"), r"'it'\''s'");
+        // Issue 53 item 17: braces would be expanded by a shell.
+        assert_eq!(shell_quote("a{b,c}"), "'a{b,c}'");
+        assert_eq!(shell_quote("h1:2,h2:2"), "h1:2,h2:2");
     }
 }

@@ -3,9 +3,13 @@
 
 use std::io::{BufRead, Write};
 use std::process::{Child, Command};
-use std::sync::atomic::{AtomicI32, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
+
+use nix::sys::signal::{kill, killpg, Signal};
+use nix::unistd::Pid;
+
+use crate::signals::Signals;
 
 /// How long mpirun gets to end the job once it has been aborted.
 /// (A normal abort ends in 1–3 s; the bound the collective timeout promises is the
@@ -25,32 +29,6 @@ pub(crate) fn aborting(line: &str) -> bool {
 /// outlives mpirun and keeps the pipe open makes this wait run out.
 const STDERR_DRAIN: Duration = Duration::from_secs(5);
 
-/// The last of SIGINT, SIGTERM and SIGHUP kolorun was sent and has not yet passed on
-/// to mpirun; 0 for none.
-static RECEIVED: AtomicI32 = AtomicI32::new(0);
-
-extern "C" fn note_signal(signal: libc::c_int) {
-    // Only an atomic store: async-signal-safe.
-    RECEIVED.store(signal, Ordering::SeqCst);
-}
-
-/// Catches SIGINT, SIGTERM and SIGHUP from here on: [`supervise_job`] passes each to
-/// mpirun (which ends the ranks and prints its last messages) instead of kolorun
-/// dying and leaving mpirun and the ranks behind. Call it before [`supervise_job`].
-pub(crate) fn catch_signals() {
-    for signal in [libc::SIGINT, libc::SIGTERM, libc::SIGHUP] {
-        // SAFETY: a zeroed sigaction is valid (no flags, empty mask); the handler
-        // only stores to an atomic, which is async-signal-safe.
-        unsafe {
-            let mut action: libc::sigaction = std::mem::zeroed();
-            action.sa_sigaction = note_signal as extern "C" fn(libc::c_int) as usize;
-            action.sa_flags = libc::SA_RESTART;
-            libc::sigemptyset(&mut action.sa_mask);
-            libc::sigaction(signal, &action, std::ptr::null_mut());
-        }
-    }
-}
-
 /// The exit code a shell would report for `status`: its code, or 128 + the signal
 /// that ended it.
 fn exit_code(status: std::process::ExitStatus) -> i32 {
@@ -67,15 +45,12 @@ fn exit_code(status: std::process::ExitStatus) -> i32 {
 fn kill_job(child: &mut Child) {
     let pid = child.id() as i32;
     for (child_pid, group) in children_of(pid) {
-        // SAFETY: plain kill(2) calls on processes mpirun started; a group is only
-        // signalled when the child leads it, so never kolorun's own group.
-        unsafe {
-            if group == child_pid {
-                libc::killpg(group, libc::SIGKILL);
-            } else {
-                libc::kill(child_pid, libc::SIGKILL);
-            }
-        }
+        // A group is only signalled when the child leads it, so never kolorun's own.
+        let _ = if group == child_pid {
+            killpg(Pid::from_raw(group), Signal::SIGKILL)
+        } else {
+            kill(Pid::from_raw(child_pid), Signal::SIGKILL)
+        };
     }
     let _ = child.kill();
     let _ = child.wait();
@@ -98,13 +73,20 @@ fn children_of(parent: i32) -> Vec<(i32, i32)> {
     .collect()
 }
 
-/// How a job ended: [`supervise_job`]'s exit code, whether kolorun passed a signal on
-/// (the user ended it: no relaunch), and the job's first lines that say which rank
-/// failed and why.
+/// How a job ended: [`supervise_job`]'s exit code, whether kolorun was sent a signal
+/// that ends it (the user ended it: no relaunch), what says it failed as a job, and
+/// the job's first lines that say which rank failed and why.
 #[derive(Debug, Default)]
 pub(crate) struct Ended {
     pub(crate) code: i32,
     pub(crate) signalled: bool,
+    /// mpirun's own line saying the job failed as a job (a rank killed by a signal,
+    /// daemons that did not start or were lost): the first one.
+    pub(crate) job_failure: Option<String>,
+    /// mpirun itself died of this signal (not one kolorun passed on).
+    pub(crate) mpirun_signal: Option<i32>,
+    /// mpirun did not end after the job was aborted and kolorun ended it.
+    pub(crate) hung: bool,
     pub(crate) cause: Vec<String>,
     /// Every line of kolo's watchdog ("kolo: rank R: … has made no progress …"): which
     /// ranks still reported, and whom they waited for.
@@ -122,6 +104,33 @@ pub(crate) fn names_failure(line: &str) -> bool {
         || line.contains("Process name:")
         || line.contains("Exit code:")
         || line.contains("has shut down")
+        || job_failure(line)
+}
+
+/// The beginnings of mpirun's own lines (Open MPI 4's ORTE and 5's PRTE) for daemons
+/// that could not be started or were lost: the job failed as a job.
+const DAEMON_FAILURES: [&str; 8] = [
+    "ORTE was unable to reliably start one or more daemons",
+    "PRTE was unable to reliably start one or more daemons",
+    "ORTE has lost communication with a remote daemon",
+    "PRTE has lost communication with a remote daemon",
+    "An ORTE daemon has unexpectedly failed after launch",
+    "A PRTE daemon has unexpectedly failed after launch",
+    "ORTE does not know how to route a message to the specified daemon",
+    "PRTE does not know how to route a message to the specified daemon",
+];
+
+/// Whether `line` is mpirun's own report of a job failure: a rank ended by a signal
+/// ("mpirun noticed that process rank 1 with PID 7 on node h2 exited on signal 9"), or
+/// daemons that could not be started or were lost ([`DAEMON_FAILURES`]). Anchored at
+/// the start of the line: the ranks' output is tagged (`[1,0]<stderr>:`), so a
+/// program's own message ("Error: unable to open …") never reads as one.
+pub(crate) fn job_failure(line: &str) -> bool {
+    let l = line.trim_start();
+    ((l.starts_with("mpirun noticed that process rank")
+        || l.starts_with("prterun noticed that process rank"))
+        && l.contains(" exited on signal "))
+        || DAEMON_FAILURES.iter().any(|p| l.starts_with(p))
 }
 
 /// Runs mpirun, passing its stderr through to `out`, and tells how the job ended
@@ -129,10 +138,13 @@ pub(crate) fn names_failure(line: &str) -> bool {
 ///
 /// - Once the job is being aborted, mpirun waits for every host's daemon to confirm;
 ///   a host that is unreachable (a partition) never does, and mpirun would wait for
-///   ever: after `grace` kolorun ends it and says so (exit code 1).
-/// - A signal caught by [`catch_signals`] is passed on to mpirun; if mpirun has not
-///   ended `grace` later, it and its ranks here are killed. The exit code is then
-///   128 + the signal, as if kolorun had died of it.
+///   ever: after `grace` kolorun ends it and says so ([`Ended::hung`]; exit code 75,
+///   kolo's restartable status, when kolo's watchdog aborted the job, else 1).
+/// - A signal in `signals` is passed on to mpirun (unless a terminal sent it to mpirun
+///   too); SIGUSR1 and SIGUSR2 only that. One that ends the job (SIGINT, SIGTERM,
+///   SIGHUP, SIGQUIT) is never relaunched, even when it comes during the abort's
+///   grace; if mpirun has not ended `grace` later, it and its ranks here are killed.
+///   The exit code is then 128 + the signal, as if kolorun had died of it.
 /// - mpirun dying of a signal gives 128 + that signal, as a shell reports it.
 ///
 /// Before it returns, the last of the job's stderr is passed through (bounded by
@@ -141,9 +153,11 @@ pub(crate) fn supervise_job(
     mut cmd: Command,
     grace: Duration,
     out: impl Write + Send + 'static,
+    signals: &Signals,
 ) -> std::io::Result<Ended> {
     let mut child = cmd.stderr(std::process::Stdio::piped()).spawn()?;
     let cause: Arc<Mutex<Vec<String>>> = Arc::default();
+    let failure: Arc<Mutex<Option<String>>> = Arc::default();
     let watchdog: Arc<Mutex<Vec<String>>> = Arc::default();
     let aborted_at: Arc<Mutex<Option<Instant>>> = Arc::default();
     let (drained, copied) = std::sync::mpsc::channel::<()>();
@@ -151,6 +165,7 @@ pub(crate) fn supervise_job(
         let aborted_at = aborted_at.clone();
         let cause = cause.clone();
         let watchdog = watchdog.clone();
+        let failure = failure.clone();
         let mut out = out;
         std::thread::spawn(move || {
             for line in std::io::BufReader::new(stderr).split(b'\n') {
@@ -168,6 +183,10 @@ pub(crate) fn supervise_job(
                         w.push(text.trim().to_string());
                     }
                 }
+                if job_failure(&text) {
+                    let mut f = failure.lock().unwrap_or_else(|p| p.into_inner());
+                    f.get_or_insert_with(|| text.trim().to_string());
+                }
                 if names_failure(&text) {
                     let mut c = cause.lock().unwrap_or_else(|p| p.into_inner());
                     // The first three, and mpirun's line naming the failed node
@@ -184,40 +203,75 @@ pub(crate) fn supervise_job(
             drop(drained);
         });
     }
-    let (code, signalled) = watch(&mut child, grace, &aborted_at)?;
+    let watched = watch(&mut child, grace, &aborted_at, signals)?;
     // The copier ends at the end of the pipe (the sender is dropped, which
     // `recv_timeout` reports as disconnected), or the wait runs out.
     let _ = copied.recv_timeout(STDERR_DRAIN);
     let cause = std::mem::take(&mut *cause.lock().unwrap_or_else(|p| p.into_inner()));
     let watchdog = std::mem::take(&mut *watchdog.lock().unwrap_or_else(|p| p.into_inner()));
+    let job_failure = failure.lock().unwrap_or_else(|p| p.into_inner()).take();
+    let code = match watched.code {
+        Some(code) => code,
+        // Ended by kolorun after the abort: kolo's watchdog asked for the restartable
+        // status (a host cut off); any other abort (a program error whose teardown
+        // hung) is the program's failure.
+        None if !watchdog.is_empty() => kolo::RESTARTABLE_EXIT_CODE,
+        None => 1,
+    };
     Ok(Ended {
         code,
-        signalled,
+        signalled: watched.signalled,
+        job_failure,
+        mpirun_signal: watched.mpirun_signal,
+        hung: watched.code.is_none(),
         cause,
         watchdog,
     })
 }
 
-/// Waits for mpirun to end, passing signals on and ending a job that does not end:
-/// the exit code, and whether a signal was passed on.
+/// What [`watch`] saw.
+struct Watched {
+    /// The exit code; `None` when kolorun ended a job that did not end after its abort.
+    code: Option<i32>,
+    signalled: bool,
+    mpirun_signal: Option<i32>,
+}
+
+/// Waits for mpirun to end, passing signals on and ending a job that does not end.
 fn watch(
     child: &mut Child,
     grace: Duration,
     aborted_at: &Mutex<Option<Instant>>,
-) -> std::io::Result<(i32, bool)> {
-    // The first signal received, and when.
+    signals: &Signals,
+) -> std::io::Result<Watched> {
+    use std::os::unix::process::ExitStatusExt;
+    // The first signal received that ends the job, and when.
     let mut signalled: Option<(i32, Instant)> = None;
+    let ended_by = |signal: i32| Watched {
+        code: Some(128 + signal),
+        signalled: true,
+        mpirun_signal: None,
+    };
     loop {
-        let signal = RECEIVED.swap(0, Ordering::SeqCst);
-        if signal != 0 {
-            // SAFETY: kill(2) on mpirun, which is our child and not yet reaped.
-            unsafe { libc::kill(child.id() as i32, signal) };
-            signalled.get_or_insert((signal, Instant::now()));
+        while let Some(r) = signals.next() {
+            if !r.reached_mpirun() {
+                if let Ok(s) = Signal::try_from(r.signal) {
+                    // mpirun is our child and not yet reaped.
+                    let _ = kill(Pid::from_raw(child.id() as i32), s);
+                }
+            }
+            if r.ends() {
+                signalled.get_or_insert((r.signal, Instant::now()));
+            }
         }
         if let Some(status) = child.try_wait()? {
             return Ok(match signalled {
-                Some((signal, _)) => (128 + signal, true),
-                None => (exit_code(status), false),
+                Some((signal, _)) => ended_by(signal),
+                None => Watched {
+                    code: Some(exit_code(status)),
+                    signalled: false,
+                    mpirun_signal: status.signal(),
+                },
             });
         }
         if let Some((signal, _)) = signalled.filter(|(_, at)| at.elapsed() > grace) {
@@ -227,7 +281,7 @@ fn watch(
                 grace.as_secs()
             );
             kill_job(child);
-            return Ok((128 + signal, true));
+            return Ok(ended_by(signal));
         }
         let since = *aborted_at.lock().unwrap_or_else(|p| p.into_inner());
         if since.is_some_and(|at| at.elapsed() > grace) {
@@ -238,9 +292,15 @@ fn watch(
                 grace.as_secs()
             );
             kill_job(child);
-            // The job failed as a job (a host gone), as kolo's own abort says: it may be
-            // relaunched without that host.
-            return Ok((kolo::RESTARTABLE_EXIT_CODE, false));
+            // A signal from the user during the grace still ends the run.
+            return Ok(match signalled {
+                Some((signal, _)) => ended_by(signal),
+                None => Watched {
+                    code: None,
+                    signalled: false,
+                    mpirun_signal: None,
+                },
+            });
         }
         std::thread::sleep(Duration::from_millis(50));
     }
@@ -260,23 +320,40 @@ mod tests {
         ));
         assert!(!aborting("[1,0]<stderr>:epoch 3 loss 0.2"));
         let short = std::time::Duration::from_millis(300);
-        // An mpirun stand-in that reports an abort and then hangs is ended.
+        // An mpirun stand-in that reports kolo's watchdog abort and then hangs is
+        // ended, with kolo's restartable status (a host gone).
         let mut hang = Command::new("sh");
         hang.args([
             "-c",
-            "echo 'MPI_ABORT was invoked on rank 0' >&2; exec sleep 30",
+            "echo '[1,0]<stderr>:kolo: rank 0: its engine (kolo-engine) has made no progress \
+             for 5.9 s: another rank is stopped or stuck, or its host is unreachable; aborting \
+             the whole job' >&2; echo 'MPI_ABORT was invoked on rank 0' >&2; exec sleep 30",
         ]);
         let start = std::time::Instant::now();
-        // Ended as a job that failed as a job (a host gone): kolo's restartable status.
-        assert_eq!(
-            supervise_job(hang, short, std::io::sink()).unwrap().code,
-            kolo::RESTARTABLE_EXIT_CODE
-        );
+        let ended = supervise_job(hang, short, std::io::sink(), &Signals::none()).unwrap();
+        assert_eq!(ended.code, kolo::RESTARTABLE_EXIT_CODE);
+        assert!(ended.hung && !ended.signalled);
         assert!(start.elapsed() < std::time::Duration::from_secs(5));
+        // Issue 53 item 12: a program's own error whose teardown hangs stays the
+        // program's error (exit 1), not kolo's restartable status.
+        let mut slow = Command::new("sh");
+        slow.args([
+            "-c",
+            "echo '[1,1]<stderr>:Error: unable to open data.bin' >&2; \
+             echo 'MPI_ABORT was invoked on rank 1' >&2; exec sleep 30",
+        ]);
+        let ended = supervise_job(slow, short, std::io::sink(), &Signals::none()).unwrap();
+        assert_eq!((ended.code, ended.hung), (1, true));
+        assert_eq!(ended.job_failure, None);
         // Exit codes pass through; a job that only prints is left alone.
         let mut ok = Command::new("sh");
         ok.args(["-c", "echo working >&2; sleep 0.5; exit 3"]);
-        assert_eq!(supervise_job(ok, short, std::io::sink()).unwrap().code, 3);
+        assert_eq!(
+            supervise_job(ok, short, std::io::sink(), &Signals::none())
+                .unwrap()
+                .code,
+            3
+        );
     }
 
     /// A terminal that takes its time: each write waits 100 ms.
@@ -303,9 +380,14 @@ mod tests {
             "-c",
             "echo 'rank 0: loss 0.2' >&2; echo 'rank 1: out of memory' >&2; exit 5",
         ]);
-        let code = supervise_job(job, ABORT_GRACE, SlowTerminal(Arc::clone(&text)))
-            .unwrap()
-            .code;
+        let code = supervise_job(
+            job,
+            ABORT_GRACE,
+            SlowTerminal(Arc::clone(&text)),
+            &Signals::none(),
+        )
+        .unwrap()
+        .code;
         assert_eq!(code, 5);
         let text = text.lock().unwrap_or_else(|p| p.into_inner()).clone();
         assert_eq!(
@@ -319,7 +401,7 @@ mod tests {
         let mut job = Command::new("sh");
         job.args(["-c", "kill -TERM $$"]);
         assert_eq!(
-            supervise_job(job, ABORT_GRACE, std::io::sink())
+            supervise_job(job, ABORT_GRACE, std::io::sink(), &Signals::none())
                 .unwrap()
                 .code,
             143
@@ -327,7 +409,7 @@ mod tests {
         let mut job = Command::new("sh");
         job.args(["-c", "kill -KILL $$"]);
         assert_eq!(
-            supervise_job(job, ABORT_GRACE, std::io::sink())
+            supervise_job(job, ABORT_GRACE, std::io::sink(), &Signals::none())
                 .unwrap()
                 .code,
             137
@@ -371,5 +453,99 @@ mod tests {
             std::thread::sleep(Duration::from_millis(20));
         }
         assert!(gone(rank), "the rank {rank} outlived the job");
+    }
+
+    #[test]
+    fn issue53_job_failures_are_mpiruns_anchored_lines_only() {
+        assert!(job_failure(
+            "mpirun noticed that process rank 1 with PID 7 on node h2 exited on signal 9 (Killed)."
+        ));
+        assert!(job_failure(
+            "ORTE was unable to reliably start one or more daemons."
+        ));
+        assert!(job_failure(
+            "  ORTE has lost communication with a remote daemon."
+        ));
+        // A program's own words, tagged by mpirun, are never one.
+        for own in [
+            "[1,0]<stderr>:Error: unable to open data.bin",
+            "[1,0]<stderr>:thread 'main' panicked at src/signal.rs:3:5",
+            "[1,1]<stderr>:mpirun noticed that process rank 1 exited on signal 9",
+            "[1,0]<stderr>:ORTE was unable to reliably start one or more daemons",
+            "mpirun was unable to launch the specified application as it could not access",
+        ] {
+            assert!(!job_failure(own), "{own:?}");
+        }
+    }
+
+    /// An mpirun stand-in that reports an abort and hangs (ignoring SIGINT, as a
+    /// daemon that does not answer keeps mpirun waiting).
+    fn hanging_abort() -> Command {
+        let mut hang = Command::new("sh");
+        hang.args([
+            "-c",
+            "trap '' INT; echo '[1,0]<stderr>:kolo: rank 0: its engine (kolo-engine) has made \
+             no progress for 5.9 s; aborting the whole job' >&2; \
+             echo 'MPI_ABORT was invoked on rank 0' >&2; while :; do sleep 0.05; done",
+        ]);
+        hang
+    }
+
+    #[test]
+    fn issue53_a_signal_during_the_abort_grace_ends_the_run() {
+        let (tx, signals) = Signals::injected();
+        let sender = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(300));
+            let _ = tx.send(crate::signals::Received {
+                signal: libc::SIGINT,
+                from_terminal: false,
+            });
+            tx
+        });
+        let ended = supervise_job(
+            hanging_abort(),
+            Duration::from_millis(600),
+            std::io::sink(),
+            &signals,
+        )
+        .unwrap();
+        let _tx = sender.join();
+        assert!(ended.signalled, "{ended:?}");
+        assert_eq!(ended.code, 130);
+    }
+
+    #[test]
+    fn issue53_usr1_is_passed_on_and_a_terminals_ctrl_c_not_twice() {
+        // SIGUSR1 reaches mpirun and does not end the run: the stand-in exits 4 on it.
+        let (tx, signals) = Signals::injected();
+        let usr1 = crate::signals::Received {
+            signal: libc::SIGUSR1,
+            from_terminal: false,
+        };
+        let mut job = Command::new("sh");
+        job.args([
+            "-c",
+            "trap 'exit 4' USR1; echo ready >&2; while :; do sleep 0.05; done",
+        ]);
+        let sender = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(300));
+            let _ = tx.send(usr1);
+            tx
+        });
+        let ended = supervise_job(job, ABORT_GRACE, std::io::sink(), &signals).unwrap();
+        let _tx = sender.join();
+        assert_eq!((ended.code, ended.signalled), (4, false), "{ended:?}");
+        // A terminal's Ctrl-C reached mpirun by its process group: not sent again
+        // (the stand-in would exit 5 on a second SIGINT), the run still ends.
+        let (tx, signals) = Signals::injected();
+        let mut job = Command::new("sh");
+        job.args(["-c", "trap 'exit 5' INT; while :; do sleep 0.05; done"]);
+        let _ = tx.send(crate::signals::Received {
+            signal: libc::SIGINT,
+            from_terminal: true,
+        });
+        let ended =
+            supervise_job(job, Duration::from_millis(400), std::io::sink(), &signals).unwrap();
+        assert_eq!((ended.code, ended.signalled), (130, true), "{ended:?}");
     }
 }
