@@ -85,6 +85,8 @@ pub(crate) struct Ended {
     pub(crate) job_failure: Option<String>,
     /// mpirun itself died of this signal (not one kolorun passed on).
     pub(crate) mpirun_signal: Option<i32>,
+    /// mpirun reported a rank's own exit status (its "Exit code:" line).
+    pub(crate) rank_exit_code: bool,
     /// mpirun did not end after the job was aborted and kolorun ended it.
     pub(crate) hung: bool,
     pub(crate) cause: Vec<String>,
@@ -158,6 +160,7 @@ pub(crate) fn supervise_job(
     let mut child = cmd.stderr(std::process::Stdio::piped()).spawn()?;
     let cause: Arc<Mutex<Vec<String>>> = Arc::default();
     let failure: Arc<Mutex<Option<String>>> = Arc::default();
+    let rank_exit: Arc<std::sync::atomic::AtomicBool> = Arc::default();
     let watchdog: Arc<Mutex<Vec<String>>> = Arc::default();
     let aborted_at: Arc<Mutex<Option<Instant>>> = Arc::default();
     let (drained, copied) = std::sync::mpsc::channel::<()>();
@@ -166,6 +169,7 @@ pub(crate) fn supervise_job(
         let cause = cause.clone();
         let watchdog = watchdog.clone();
         let failure = failure.clone();
+        let rank_exit = rank_exit.clone();
         let mut out = out;
         std::thread::spawn(move || {
             for line in std::io::BufReader::new(stderr).split(b'\n') {
@@ -182,6 +186,10 @@ pub(crate) fn supervise_job(
                     if w.len() < 1024 {
                         w.push(text.trim().to_string());
                     }
+                }
+                // mpirun's box for a rank that exited with a status of its own.
+                if text.trim_start().starts_with("Exit code:") {
+                    rank_exit.store(true, std::sync::atomic::Ordering::Relaxed);
                 }
                 if job_failure(&text) {
                     let mut f = failure.lock().unwrap_or_else(|p| p.into_inner());
@@ -223,6 +231,7 @@ pub(crate) fn supervise_job(
         signalled: watched.signalled,
         job_failure,
         mpirun_signal: watched.mpirun_signal,
+        rank_exit_code: rank_exit.load(std::sync::atomic::Ordering::Relaxed),
         hung: watched.code.is_none(),
         cause,
         watchdog,

@@ -315,6 +315,26 @@ fn a_programs_own_error_is_not_relaunched() {
             && !stderr.contains("relaunching"),
         "{stderr}"
     );
+    // Issue 53 item 12: a program's own message that reads like a failed start, and
+    // an exit status above 128, are still the program's own errors.
+    for (body, code) in [
+        ("echo 'Error: unable to open data.bin' >&2; exit 1", 1),
+        (
+            "echo 'thread main panicked at src/signal.rs:3:5' >&2; exit 101",
+            101,
+        ),
+        ("exit 255", 255),
+    ] {
+        let out = run(kolorun()
+            .args(["-np", "2", "--oversubscribe", "--max-restarts", "2"])
+            .args(["sh", "-c", body]));
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(code), "{body}: {stderr}");
+        assert!(
+            stderr.contains("not relaunched") && !stderr.contains("relaunching"),
+            "{body}: {stderr}"
+        );
+    }
     // A rank that kills itself on the first attempt: relaunched, and the second
     // attempt succeeds.
     let out = run(kolorun()
@@ -387,5 +407,26 @@ fn discovered_hosts_set_each_attempts_ranks() {
         stderr.contains("1 rank(s) left on 1 host(s)") && stderr.contains("fewer than --min-np 2"),
         "{stderr}"
     );
+    // Issue 53 item 14: a discovery script that hangs does not keep kolorun from its
+    // signals: SIGTERM ends it (and the script) at once.
+    let hangs = script("hangs.sh", "exec sleep 60");
+    let mut child = kolorun()
+        .args(["-np", "2", "--max-restarts", "1"])
+        .args(["--host-discovery-script", &hangs])
+        .args(["sh", "-c", "true"])
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("kolorun starts");
+    std::thread::sleep(Duration::from_millis(800));
+    let start = std::time::Instant::now();
+    // SAFETY: kill(2) on our own child.
+    unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
+    let status = child.wait().expect("kolorun ends");
+    assert!(
+        start.elapsed() < Duration::from_secs(5),
+        "kolorun took {:?} to end on SIGTERM",
+        start.elapsed()
+    );
+    assert_eq!(status.code(), Some(143));
     let _ = std::fs::remove_dir_all(&dir);
 }
