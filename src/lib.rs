@@ -78,7 +78,9 @@ pub use optimizer::{
 };
 pub use p2p::{RecvBuilder, SendBuilder};
 pub use process_set::ProcessSet;
-pub use progress::{restart_count, Progress};
+pub use progress::{
+    mark_run_started, restart_count, resume_decision, run_id, run_started_in, Progress, ResumeError,
+};
 pub use runtime::{
     build_info, catch_panic, cuda_device_count, init, nccl_library_present, BuildInfo, Kolo,
 };

@@ -43,8 +43,8 @@ use burn::tensor::{Device, Int, Tensor, TensorData};
 use clap::Parser;
 use indicatif::{ProgressBar, ProgressStyle};
 use kolo_burn::{
-    average_metrics, broadcast_optimizer_state, broadcast_parameters, commit, load_checkpoint,
-    DistributedSampler, GradientReducer, Progress, ShardedOptimizer,
+    average_metrics, broadcast_optimizer_state, broadcast_parameters, commit, DistributedSampler,
+    GradientReducer, Progress, ShardedOptimizer,
 };
 
 #[derive(Parser, Debug)]
@@ -217,12 +217,10 @@ fn main() {
             .chain()
             .find_map(|c| {
                 c.downcast_ref::<kolo::Error>()
-                    .or_else(|| match c.downcast_ref() {
-                        Some(kolo_burn::Error::Kolo(k)) => Some(k),
-                        _ => None,
-                    })
+                    .map(kolo::Error::exit_code)
+                    .or_else(|| c.downcast_ref().map(kolo_burn::Error::exit_code))
             })
-            .map_or(1, kolo::Error::exit_code);
+            .unwrap_or(1);
         // One write, so that mpirun's tagged output keeps the line whole.
         let line = format!("train_digits: {e:#}\n");
         let _ = std::io::Write::write_all(&mut std::io::stderr().lock(), line.as_bytes());
@@ -264,8 +262,10 @@ fn run() -> anyhow::Result<()> {
     device.seed(args.seed);
     let model = broadcast_parameters(&kolo, Mlp::new(args.hidden, &device), 0)?;
     let optim = AdamConfig::new().init();
-    let restored = match resume_from(&args) {
-        Some(dir) => load_checkpoint(&kolo, dir, model.clone(), optim.clone())?,
+    // This run's commit if there is one (a relaunch, a requeued Slurm job), any with
+    // --resume; another run's is an error, never loaded or overwritten.
+    let restored = match &args.checkpoint {
+        Some(dir) => kolo_burn::resume(&kolo, dir, model.clone(), optim.clone(), args.resume)?,
         None => None,
     };
     let (mut model, optim, progress) = start_from(&kolo, restored, model, optim);
@@ -427,15 +427,6 @@ fn run() -> anyhow::Result<()> {
     check_accuracy(&args, Some(last_acc))
 }
 
-/// The checkpoint directory to resume from: with `--resume`, or when kolorun relaunched
-/// the job (`KOLO_RESTART_COUNT` above 0).
-fn resume_from(args: &Args) -> Option<&PathBuf> {
-    let restarted = kolo::restart_count() > 0;
-    args.checkpoint
-        .as_ref()
-        .filter(|_| args.resume || restarted)
-}
-
 /// What training starts from: `restored`'s model, optimizer and progress (a checkpoint
 /// without progress, from `save_checkpoint`, counts epochs), saying so on rank 0; else
 /// `model` and `optim` from the start.
@@ -591,8 +582,8 @@ fn train_pipeline(
     device.seed(args.seed);
     let part = pipe.broadcast_parameters(Stage::new(&widths, range.clone(), device))?;
     let optim = AdamConfig::new().init();
-    let restored = match resume_from(args) {
-        Some(dir) => pipe.load_checkpoint(dir, part.clone(), optim.clone())?,
+    let restored = match &args.checkpoint {
+        Some(dir) => pipe.resume(dir, part.clone(), optim.clone(), args.resume)?,
         None => None,
     };
     let (mut part, mut optim, progress) = start_from(kolo, restored, part, optim);

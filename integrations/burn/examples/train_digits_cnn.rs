@@ -24,8 +24,8 @@ use burn::optim::{AdamConfig, GradientsParams};
 use burn::tensor::Device;
 use clap::{Parser, ValueEnum};
 use kolo_burn::{
-    average_metrics, broadcast_optimizer_state, broadcast_parameters, commit, load_checkpoint,
-    DistributedSampler, GradientReducer, Progress,
+    average_metrics, broadcast_optimizer_state, broadcast_parameters, commit, DistributedSampler,
+    GradientReducer, Progress,
 };
 
 #[path = "../../shared/digits.rs"]
@@ -98,7 +98,27 @@ fn correct(model: &Cnn, d: &Digits, ids: &[usize], device: &Device) -> anyhow::R
     Ok(n)
 }
 
-fn main() -> anyhow::Result<()> {
+/// Runs the training; a failure of the job (another rank left, a stall) exits with
+/// `kolo::RESTARTABLE_EXIT_CODE`, so that `kolorun --max-restarts` relaunches it, the
+/// program's own errors with 1.
+fn main() {
+    if let Err(e) = run() {
+        let code = e
+            .chain()
+            .find_map(|c| {
+                c.downcast_ref::<kolo::Error>()
+                    .map(kolo::Error::exit_code)
+                    .or_else(|| c.downcast_ref().map(kolo_burn::Error::exit_code))
+            })
+            .unwrap_or(1);
+        // One write, so that mpirun's tagged output keeps the line whole.
+        let line = format!("train_digits_cnn: {e:#}\n");
+        let _ = std::io::Write::write_all(&mut std::io::stderr().lock(), line.as_bytes());
+        std::process::exit(code);
+    }
+}
+
+fn run() -> anyhow::Result<()> {
     let args = Args::parse();
     if args.batch_size == 0 {
         bail!("--batch-size must be at least 1");
@@ -120,13 +140,15 @@ fn main() -> anyhow::Result<()> {
         0,
     )?;
     let optim = AdamConfig::new().init();
-    let resume = args.resume || kolo::restart_count() > 0;
-    let (mut model, optim, start) = match &args.checkpoint {
-        Some(dir) if resume => match load_checkpoint(&kolo, dir, model.clone(), optim.clone())? {
-            Some(r) => (r.model, r.optim, r.progress.map_or(r.step, |p| p.epoch)),
-            None => (model, optim, 0),
-        },
-        _ => (model, optim, 0),
+    // This run's commit if there is one (a relaunch, a requeued Slurm job), any with
+    // --resume; another run's is an error, never loaded or overwritten.
+    let restored = match &args.checkpoint {
+        Some(dir) => kolo_burn::resume(&kolo, dir, model.clone(), optim.clone(), args.resume)?,
+        None => None,
+    };
+    let (mut model, optim, start) = match restored {
+        Some(r) => (r.model, r.optim, r.progress.map_or(r.step, |p| p.epoch)),
+        None => (model, optim, 0),
     };
     let mut optim = broadcast_optimizer_state(&kolo, optim, 0)?;
     if rank == 0 {

@@ -14,7 +14,8 @@ use serde::{Deserialize, Serialize};
 use crate::error::{Error, Result};
 
 const FILE: &str = "checkpoint.kolo";
-const MAGIC: &str = "kolo-burn checkpoint v2";
+const MAGIC: &str = "kolo-burn checkpoint v3";
+const MAGIC_V2: &str = "kolo-burn checkpoint v2";
 const MAGIC_V1: &str = "kolo-burn checkpoint v1";
 
 #[derive(Serialize, Deserialize)]
@@ -24,6 +25,18 @@ struct Checkpoint {
     model: Vec<u8>,
     optim: Vec<u8>,
     /// Where training stood ([`commit`]); `None` from [`save_checkpoint`].
+    progress: Option<Progress>,
+    /// The run that wrote it ([`kolo::run_id`]).
+    run: Option<String>,
+}
+
+/// The format before run identities.
+#[derive(Deserialize)]
+struct CheckpointV2 {
+    magic: String,
+    step: u64,
+    model: Vec<u8>,
+    optim: Vec<u8>,
     progress: Option<Progress>,
 }
 
@@ -46,6 +59,8 @@ pub struct Restored<M> {
     pub step: u64,
     /// Where training stood, for a checkpoint written by [`commit`].
     pub progress: Option<Progress>,
+    /// The run that wrote it ([`kolo::run_id`] then), if it had an identity.
+    pub run: Option<String>,
 }
 
 impl<M> std::fmt::Debug for Restored<M> {
@@ -53,6 +68,7 @@ impl<M> std::fmt::Debug for Restored<M> {
         f.debug_struct("Restored")
             .field("step", &self.step)
             .field("progress", &self.progress)
+            .field("run", &self.run)
             .finish_non_exhaustive()
     }
 }
@@ -136,6 +152,7 @@ pub(crate) fn write_checkpoint<M: Module>(
                 .map_err(|e| record(e, "serialising the optimizer"))?
                 .to_vec(),
             progress,
+            run: kolo::run_id(),
         };
         let bytes = postcard::to_stdvec(&ckpt).map_err(|e| Error::Checkpoint {
             path: dir.to_path_buf(),
@@ -153,10 +170,19 @@ fn write_atomically(dir: &Path, bytes: &[u8]) -> Result<()> {
 
 /// Writes `bytes` to `dir/name` so that a crash leaves the old file or the new one:
 /// a temporary file, flushed, renamed over the old one, the rename made durable.
+/// Temporary files of earlier writes that were killed midway are removed first.
 pub(crate) fn write_named_atomically(dir: &Path, name: &str, bytes: &[u8]) -> Result<()> {
     fs::create_dir_all(dir).map_err(io(dir))?;
     let path = dir.join(name);
-    let tmp = dir.join(format!(".{name}.tmp-{}", std::process::id()));
+    let prefix = format!(".{name}.tmp-");
+    if let Ok(entries) = fs::read_dir(dir) {
+        for e in entries.flatten() {
+            if e.file_name().to_string_lossy().starts_with(&prefix) {
+                let _ = fs::remove_file(e.path());
+            }
+        }
+    }
+    let tmp = dir.join(format!("{prefix}{}", std::process::id()));
     let mut f = File::create(&tmp).map_err(io(&tmp))?;
     f.write_all(bytes).map_err(io(&tmp))?;
     f.sync_all().map_err(io(&tmp))?;
@@ -205,24 +231,7 @@ pub fn load_checkpoint<M: Module>(
         path: path.clone(),
         message,
     };
-    let ckpt: Checkpoint = match postcard::from_bytes::<Checkpoint>(&bytes) {
-        Ok(c) if c.magic == MAGIC => c,
-        first => match postcard::from_bytes::<CheckpointV1>(&bytes) {
-            Ok(c) if c.magic == MAGIC_V1 => Checkpoint {
-                magic: c.magic,
-                step: c.step,
-                model: c.model,
-                optim: c.optim,
-                progress: None,
-            },
-            _ => {
-                return Err(bad(match first {
-                    Ok(c) => format!("unknown format {:?}", c.magic),
-                    Err(e) => format!("not a kolo-burn checkpoint ({e})"),
-                }))
-            }
-        },
-    };
+    let ckpt = decode(&bytes).map_err(bad)?;
     let record = ModuleRecord::from_bytes(Bytes::from_bytes_vec(ckpt.model))
         .map_err(|e| bad(e.to_string()))?;
     let model = model.load_record(record);
@@ -234,5 +243,84 @@ pub fn load_checkpoint<M: Module>(
         optim,
         step: ckpt.step,
         progress: ckpt.progress,
+        run: ckpt.run,
     }))
+}
+
+/// A checkpoint file's contents, in any format kolo-burn has written.
+fn decode(bytes: &[u8]) -> std::result::Result<Checkpoint, String> {
+    let first = match postcard::from_bytes::<Checkpoint>(bytes) {
+        Ok(c) if c.magic == MAGIC => return Ok(c),
+        first => first,
+    };
+    if let Ok(c) = postcard::from_bytes::<CheckpointV2>(bytes) {
+        if c.magic == MAGIC_V2 {
+            return Ok(Checkpoint {
+                magic: c.magic,
+                step: c.step,
+                model: c.model,
+                optim: c.optim,
+                progress: c.progress,
+                run: None,
+            });
+        }
+    }
+    if let Ok(c) = postcard::from_bytes::<CheckpointV1>(bytes) {
+        if c.magic == MAGIC_V1 {
+            return Ok(Checkpoint {
+                magic: c.magic,
+                step: c.step,
+                model: c.model,
+                optim: c.optim,
+                progress: None,
+                run: None,
+            });
+        }
+    }
+    Err(match first {
+        Ok(c) => format!("unknown format {:?}", c.magic),
+        Err(e) => format!("not a kolo-burn checkpoint ({e})"),
+    })
+}
+
+/// Resumes the run from `dir`'s commit when it should, or starts it fresh: `Ok(None)`
+/// to start from scratch, the restored state to go on from. `asked`: the user asked to
+/// resume (a `--resume` flag), which takes any commit there. Otherwise the commit is
+/// taken when it is this run's ([`kolo::run_id`]: kolorun's, or the Slurm job's, which
+/// a requeued job keeps), and a relaunch ([`kolo::restart_count`] above 0, Slurm
+/// requeues included) that finds none fails instead of starting over — unless the
+/// run started in this directory and failed before its first commit (a fresh start
+/// marks the directory, [`kolo::mark_run_started`]); another run's commit fails too,
+/// naming both runs, instead of being loaded or overwritten
+/// ([`kolo::resume_decision`]). The same decision on every rank (rank 0 reads).
+///
+/// # Errors
+/// [`Error::Resume`] as above; the file cannot be read; the broadcast fails.
+pub fn resume<M: Module>(
+    kolo: &Kolo,
+    dir: &Path,
+    model: M,
+    optim: ModuleOptimizer,
+    asked: bool,
+) -> Result<Option<Restored<M>>> {
+    let restored = load_checkpoint(kolo, dir, model, optim)?;
+    let found = restored.as_ref().map(|r| r.run.as_deref());
+    let started = kolo.rank() == 0 && kolo::run_started_in(dir);
+    let started = kolo.broadcast_object("kolo_burn.resume.started", started, 0)?;
+    if kolo::resume_decision(dir, found, asked, started)? {
+        return Ok(restored);
+    }
+    // Starting from scratch: rank 0 marks the directory as this run's, so that a
+    // relaunch before the first commit starts over instead of failing.
+    let marked = match kolo.rank() {
+        0 => kolo::mark_run_started(dir).err().map(|e| e.to_string()),
+        _ => None,
+    };
+    match kolo.broadcast_object("kolo_burn.resume.marked", marked, 0)? {
+        Some(message) => Err(Error::Checkpoint {
+            path: dir.to_path_buf(),
+            message: format!("rank 0 cannot mark the directory as this run's: {message}"),
+        }),
+        None => Ok(None),
+    }
 }

@@ -96,6 +96,9 @@ pub enum Error {
         source: std::io::Error,
     },
 
+    /// The checkpoint directory holds no commit on a relaunch, or another run's.
+    #[error(transparent)]
+    Resume(#[from] kolo::ResumeError),
     /// A checkpoint file is not one kolo-burn wrote, or is from another version.
     #[error("checkpoint {path}: {message}")]
     Checkpoint {
@@ -104,6 +107,19 @@ pub enum Error {
         /// What is wrong.
         message: String,
     },
+}
+
+impl Error {
+    /// The exit status for a program that ends with this error, as
+    /// [`kolo::Error::exit_code`]: [`kolo::RESTARTABLE_EXIT_CODE`] when the job failed
+    /// (another rank left, a stall), so that `kolorun --max-restarts` relaunches it;
+    /// 1 for the program's own errors.
+    pub fn exit_code(&self) -> i32 {
+        match self {
+            Error::Kolo(k) => k.exit_code(),
+            _ => 1,
+        }
+    }
 }
 
 /// A refused or failed collective; its handed-back tensors are dropped here, so match

@@ -54,7 +54,7 @@ mod sync_bn;
 pub mod train;
 
 pub use broadcast::{broadcast_optimizer_state, broadcast_parameters};
-pub use checkpoint::{checkpoint_path, commit, load_checkpoint, save_checkpoint, Restored};
+pub use checkpoint::{checkpoint_path, commit, load_checkpoint, resume, save_checkpoint, Restored};
 pub use device::{cuda_device, Backend};
 pub use error::{Error, Result};
 pub use grads::GradientReducer;

@@ -160,7 +160,27 @@ fn train<O: Optimizer>(
     Ok(accuracy)
 }
 
-fn main() -> anyhow::Result<()> {
+/// Runs the training; a failure of the job (another rank left, a stall) exits with
+/// `kolo::RESTARTABLE_EXIT_CODE`, so that `kolorun --max-restarts` relaunches it, the
+/// program's own errors with 1.
+fn main() {
+    if let Err(e) = run() {
+        let code = e
+            .chain()
+            .find_map(|c| {
+                c.downcast_ref::<kolo::Error>()
+                    .map(kolo::Error::exit_code)
+                    .or_else(|| c.downcast_ref().map(kolo_candle::Error::exit_code))
+            })
+            .unwrap_or(1);
+        // One write, so that mpirun's tagged output keeps the line whole.
+        let line = format!("train_digits_candle: {e:#}\n");
+        let _ = std::io::Write::write_all(&mut std::io::stderr().lock(), line.as_bytes());
+        std::process::exit(code);
+    }
+}
+
+fn run() -> anyhow::Result<()> {
     let args = Args::parse();
     if args.batch_size == 0 || args.backward_passes_per_step == 0 {
         bail!("--batch-size and --backward-passes-per-step must be at least 1");

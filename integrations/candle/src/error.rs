@@ -47,6 +47,19 @@ pub enum Error {
     },
 }
 
+impl Error {
+    /// The exit status for a program that ends with this error, as
+    /// [`kolo::Error::exit_code`]: [`kolo::RESTARTABLE_EXIT_CODE`] when the job failed
+    /// (another rank left, a stall), so that `kolorun --max-restarts` relaunches it;
+    /// 1 for the program's own errors.
+    pub fn exit_code(&self) -> i32 {
+        match self {
+            Error::Kolo(k) => k.exit_code(),
+            _ => 1,
+        }
+    }
+}
+
 impl From<kolo::ConversionError<kolo::Tensor>> for Error {
     fn from(e: kolo::ConversionError<kolo::Tensor>) -> Self {
         Error::Kolo(e.into_parts().0)

@@ -164,6 +164,53 @@ impl Pipeline {
     }
 }
 
+impl Pipeline {
+    /// [`load_checkpoint`](Self::load_checkpoint) when the run should go on from
+    /// `dir`'s last step, as [`crate::resume`] decides for one model: this run's
+    /// commit (or any with `asked`, a `--resume` flag); a relaunch that finds none in
+    /// a directory the run did not start in, or another run's commit, fails on every
+    /// rank. `Ok(None)`: start from scratch (rank 0 marks the directory as this run's).
+    ///
+    /// # Errors
+    /// [`Error::Resume`] as above; as [`load_checkpoint`](Self::load_checkpoint).
+    pub fn resume<M: Module>(
+        &self,
+        dir: &Path,
+        model: M,
+        optim: ModuleOptimizer,
+        asked: bool,
+    ) -> Result<Option<Restored<M>>> {
+        let restored = self.load_checkpoint(dir, model, optim)?;
+        // Every stage wrote its step with the same run identity: rank 0's stage speaks
+        // for all, so that every rank decides alike.
+        let found = restored.as_ref().map(|r| r.run.clone());
+        let found = self
+            .kolo
+            .broadcast_object("kolo_burn.pipeline.resume.found", found, 0)?;
+        let started = self.kolo.rank() == 0 && kolo::run_started_in(dir);
+        let started =
+            self.kolo
+                .broadcast_object("kolo_burn.pipeline.resume.started", started, 0)?;
+        if kolo::resume_decision(dir, found.as_ref().map(Option::as_deref), asked, started)? {
+            return Ok(restored);
+        }
+        let marked = match self.kolo.rank() {
+            0 => kolo::mark_run_started(dir).err().map(|e| e.to_string()),
+            _ => None,
+        };
+        match self
+            .kolo
+            .broadcast_object("kolo_burn.pipeline.resume.marked", marked, 0)?
+        {
+            Some(message) => Err(Error::Checkpoint {
+                path: dir.to_path_buf(),
+                message: format!("rank 0 cannot mark the directory as this run's: {message}"),
+            }),
+            None => Ok(None),
+        }
+    }
+}
+
 /// The step and stage count `dir`'s record names; `None` without a record.
 fn read_latest(dir: &Path) -> std::result::Result<Option<(u64, usize)>, String> {
     let path = dir.join(LATEST);

@@ -157,6 +157,129 @@ fn resume_is_exact(np: usize, extra: &[&str]) -> Result<(), String> {
     Ok(())
 }
 
+/// Issue 53 items 8 and 9: commits carry the run's identity. A second kolorun launch
+/// (a new run) does not load, or overwrite, the first one's commit; a relaunch that
+/// finds no commit fails instead of starting over; a requeued Slurm job
+/// (`SLURM_RESTART_COUNT`) with the same run resumes its own commit.
+fn run_identity() -> Result<(), String> {
+    let dir = Scratch::new("run-identity")?;
+    let kolorun = built("kolorun")?.display().to_string();
+    let ck = dir.0.join("ck").display().to_string();
+    let limit = Duration::from_secs(120);
+    let common = ["--epochs", "2", "--commit-every", "7", "--checkpoint", &ck];
+    let launch = |launcher: &[String], extra: &[&str], env: &[(&str, &str)], log: &str| {
+        let mut l = launcher.to_vec();
+        if !env.is_empty() {
+            let mut e = vec!["env".to_string()];
+            e.extend(env.iter().map(|(k, v)| format!("{k}={v}")));
+            e.extend(l);
+            l = e;
+        }
+        let args: Vec<&str> = common.iter().chain(extra).copied().collect();
+        run_digits(&l, &args, &dir.0.join(log), limit, || {})
+    };
+    let via_kolorun = [kolorun.as_str(), "-np", "2"].map(String::from).to_vec();
+    let (ok, text) = launch(&via_kolorun, &["--max-steps", "14"], &[], "first.log")?;
+    if !ok || !text.contains("stopped after step 14") {
+        return Err(format!(
+            "the first run did not commit and stop:
+{text}"
+        ));
+    }
+    // Another kolorun launch is another run: its commit is refused, named.
+    let (ok, text) = launch(&via_kolorun, &[], &[], "second.log")?;
+    if ok
+        || !text.contains("the commit there is run \"kolorun-")
+        || !text.contains("not loading it")
+    {
+        return Err(format!(
+            "a second run took or overwrote the first's commit:
+{text}"
+        ));
+    }
+    // ... and taken when asked to resume.
+    let (ok, text) = launch(
+        &via_kolorun,
+        &["--resume", "--max-steps", "21"],
+        &[],
+        "asked.log",
+    )?;
+    if !ok || !text.contains("resumed from the commit at step 14") {
+        return Err(format!(
+            "--resume did not take the commit:
+{text}"
+        ));
+    }
+    // A relaunch (attempt 1) in a directory without a commit: an error, not a start
+    // from scratch.
+    let empty = dir.0.join("empty").display().to_string();
+    let (ok, text) = run_digits(
+        &["env", "KOLO_RESTART_COUNT=1", "KOLO_RUN_ID=r9"]
+            .map(String::from)
+            .into_iter()
+            .chain(mpirun(2))
+            .collect::<Vec<_>>(),
+        &["--epochs", "1", "--checkpoint", &empty],
+        &dir.0.join("relaunch.log"),
+        limit,
+        || {},
+    )?;
+    if ok || !text.contains("rank 0 finds no commit there") {
+        return Err(format!(
+            "a relaunch without a commit started over:
+{text}"
+        ));
+    }
+    // A requeued Slurm job of the same run resumes its own commit without --resume.
+    let requeue = dir.0.join("requeue").display().to_string();
+    let job = |restart: &'static str| {
+        ["env", "KOLO_RUN_ID=slurm-991", restart]
+            .map(String::from)
+            .into_iter()
+            .chain(mpirun(2))
+            .collect::<Vec<_>>()
+    };
+    let args = |extra: &'static str| {
+        vec![
+            "--epochs",
+            "2",
+            "--commit-every",
+            "7",
+            "--checkpoint",
+            &requeue,
+            "--max-steps",
+            extra,
+        ]
+    };
+    let (ok, text) = run_digits(
+        &job("SLURM_RESTART_COUNT=0"),
+        &args("14"),
+        &dir.0.join("q0.log"),
+        limit,
+        || {},
+    )?;
+    if !ok {
+        return Err(format!(
+            "the Slurm job's first run failed:
+{text}"
+        ));
+    }
+    let (ok, text) = run_digits(
+        &job("SLURM_RESTART_COUNT=1"),
+        &args("21"),
+        &dir.0.join("q1.log"),
+        limit,
+        || {},
+    )?;
+    if !ok || !text.contains("resumed from the commit at step 14") {
+        return Err(format!(
+            "the requeued job did not resume its commit:
+{text}"
+        ));
+    }
+    Ok(())
+}
+
 /// The pids of the digits example's ranks whose command line names `dir`.
 fn ranks_of(dir: &str) -> Vec<i32> {
     let Ok(procs) = std::fs::read_dir("/proc") else {
@@ -453,6 +576,7 @@ pub(crate) fn trials() -> Vec<Trial> {
         )
         .with_ignored_flag(std::env::var_os("KOLO_SLURM").is_none_or(|v| v != "hosts")),
         Trial::test("digits_resume_exact/np2", || Ok(resume_is_exact(2, &[])?)),
+        Trial::test("issue53_digits_run_identity/np2", || Ok(run_identity()?)),
         Trial::test("digits_resume_exact_sharded/np2", || {
             Ok(resume_is_exact(2, &["--sharded-optimizer"])?)
         }),
