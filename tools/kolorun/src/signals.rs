@@ -38,7 +38,7 @@ impl Received {
 #[derive(Debug)]
 pub(crate) struct Signals {
     rx: Receiver<Received>,
-    /// Keeps the channel open for [`Signals::none`] (a test's, with nothing caught).
+    /// Keeps the channel open for `Signals::none` (a test's, with nothing caught).
     _tx: Option<Sender<Received>>,
 }
 
