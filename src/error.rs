@@ -150,6 +150,18 @@ pub enum Error {
         dtype: DType,
     },
 
+    /// A tensor's memory could not be allocated (a shape another rank sent, say): an
+    /// error instead of an abort.
+    #[error("cannot allocate {bytes} bytes for a tensor of shape {shape:?} ({dtype:?})")]
+    OutOfMemory {
+        /// The bytes asked for.
+        bytes: usize,
+        /// The shape.
+        shape: Vec<usize>,
+        /// The element type.
+        dtype: DType,
+    },
+
     /// An object could not be (de)serialised for `broadcast_object` / `allgather_object`.
     #[error("{op} {name:?}: object from rank {rank} could not be (de)serialised")]
     Serialization {

@@ -174,6 +174,21 @@ impl Storage {
             DType::F64 => Storage::F64(zeroed(len)),
         }
     }
+
+    /// [`zeros`](Self::zeros), or `None` where the memory cannot be had (a size that
+    /// came from another rank, say): never an abort.
+    fn try_zeros(dtype: DType, len: usize) -> Option<Storage> {
+        Some(match dtype {
+            DType::U8 => Storage::U8(try_zeroed(len)?),
+            DType::I8 => Storage::I8(try_zeroed(len)?),
+            DType::I32 => Storage::I32(try_zeroed(len)?),
+            DType::I64 => Storage::I64(try_zeroed(len)?),
+            DType::F16 => Storage::F16(try_zeroed(len)?),
+            DType::BF16 => Storage::BF16(try_zeroed(len)?),
+            DType::F32 => Storage::F32(try_zeroed(len)?),
+            DType::F64 => Storage::F64(try_zeroed(len)?),
+        })
+    }
 }
 
 /// The CUDA device a rank uses unless told otherwise, as Horovod users pick it: its
@@ -230,6 +245,13 @@ fn zeroed<T: bytemuck::Zeroable + Clone>(len: usize) -> Vec<T> {
     let v: Vec<T> = bytemuck::zeroed_vec(len);
     advise_huge_pages(v.as_ptr().cast(), std::mem::size_of_val(v.as_slice()));
     v
+}
+
+/// [`zeroed`], or `None` when the allocation fails.
+fn try_zeroed<T: bytemuck::Zeroable + Clone>(len: usize) -> Option<Vec<T>> {
+    let v: Vec<T> = bytemuck::allocation::try_zeroed_vec(len).ok()?;
+    advise_huge_pages(v.as_ptr().cast(), std::mem::size_of_val(v.as_slice()));
+    Some(v)
 }
 
 /// Asks for transparent huge pages over an allocation of `bytes` at `ptr` from
@@ -403,10 +425,12 @@ impl Tensor {
     /// [`Error::ShapeOverflow`] when the size of `shape` in bytes overflows `usize`.
     pub fn try_zeros(dtype: DType, shape: &[usize]) -> Result<Tensor> {
         let len = checked_len(shape, dtype)?;
-        Ok(Tensor::from_parts(
-            Storage::zeros(dtype, len),
-            shape.to_vec(),
-        ))
+        let storage = Storage::try_zeros(dtype, len).ok_or_else(|| Error::OutOfMemory {
+            bytes: len.saturating_mul(dtype.size_of()),
+            shape: shape.to_vec(),
+            dtype,
+        })?;
+        Ok(Tensor::from_parts(storage, shape.to_vec()))
     }
 
     /// Gives back the elements without copying (a tensor made with

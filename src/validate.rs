@@ -75,6 +75,15 @@ pub(crate) fn check_p2p(
             "{role} rank {peer} is this rank; send and recv are between two ranks"
         ));
     }
+    if name.is_empty() {
+        return Err("the name must not be empty (both ranks must use the same name)".into());
+    }
+    if name.starts_with(RESERVED_PREFIX) {
+        return Err(format!(
+            "names starting with '{RESERVED_PREFIX}' are reserved for kolo's own keys; \
+             rename it"
+        ));
+    }
     if name.len() > P2P_NAME_MAX {
         return Err(format!(
             "the name is {} bytes long; a send's or receive's name takes at most {P2P_NAME_MAX}",

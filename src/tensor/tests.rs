@@ -12,6 +12,17 @@ fn round_trip_keeps_the_allocation() {
 }
 
 #[test]
+fn issue53_a_size_that_cannot_be_allocated_is_an_error_not_an_abort() {
+    let e = Tensor::try_zeros(DType::U8, &[1 << 62]).unwrap_err();
+    assert!(
+        e.to_string()
+            .starts_with("cannot allocate 4611686018427387904 bytes"),
+        "{e}"
+    );
+    assert_eq!(Tensor::try_zeros(DType::F32, &[3]).unwrap().len(), 3);
+}
+
+#[test]
 fn wrong_dtype_and_shape_are_errors() {
     let t = Tensor::from_vec(vec![f16::ONE; 4], &[4]).unwrap();
     let err = t.into_vec::<f32>().unwrap_err();

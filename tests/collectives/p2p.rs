@@ -146,6 +146,10 @@ pub(crate) fn errors(k: &Kolo) -> Result<()> {
         .map(|e| e.to_string())
         .unwrap_or_default();
     ensure!(e.contains("must not be empty"), "{e}");
+    // Issue 53 item 25: a receive of a reserved name is refused (it was accepted and
+    // waited for ever: no send of it can be made).
+    let e = error_text(k.recv("@x", (rank + 1) % size).wait());
+    ensure!(e.contains("names starting with '@' are reserved"), "{e}");
     // The longest name and the most dimensions a header holds: refused one past them
     // (the tensor comes back); at them, the tensor arrives whole.
     let (peer, long) = ((rank + 1) % size, "n".repeat(1025));

@@ -439,6 +439,29 @@ impl P2p {
                 call: "recv",
                 message: format!("a malformed point-to-point header from rank {src}: {e}"),
             })?;
+        // The header's shape is another process's word: its size is checked against
+        // the bytes that came inline before anything is allocated, and a size that
+        // cannot be allocated is an error, not an abort.
+        let bytes = crate::tensor::checked_len(&header.shape, header.dtype)
+            .map(|n| n * header.dtype.size_of())
+            .map_err(|_| Error::Transport {
+                call: "recv",
+                message: format!(
+                    "rank {src} sent a header for {:?} of shape {:?} ({:?}), which overflows",
+                    header.name, header.shape, header.dtype
+                ),
+            })?;
+        if header.inline && bytes != rest.len() {
+            return Err(Error::Transport {
+                call: "recv",
+                message: format!(
+                    "rank {src} sent {} bytes for {:?} of shape {:?}",
+                    rest.len(),
+                    header.name,
+                    header.shape
+                ),
+            });
+        }
         let mut tensor = self.receive_buffer(header.dtype, &header.shape)?;
         if header.inline {
             let bytes = tensor.as_bytes_mut()?;

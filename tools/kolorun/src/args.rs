@@ -40,6 +40,11 @@ pub(crate) struct Args {
     #[arg(long, value_name = "SECONDS", value_parser = clap::value_parser!(u32).range(1..))]
     pub(crate) start_timeout: Option<u32>,
 
+    /// Do not check before the launch that every host answers through mpirun's agent
+    /// (`agent host true`), e.g. where the agent cannot run such a command.
+    #[arg(long)]
+    pub(crate) no_host_check: bool,
+
     /// More mpirun arguments, as one string (split like a shell would), e.g.
     /// "--mca btl_tcp_links 2 --map-by node".
     #[arg(long, value_name = "ARGS", allow_hyphen_values = true)]

@@ -204,13 +204,25 @@ pub(crate) fn remote_agent(mpi_args: &[String], env: &[(String, String)]) -> Vec
         .windows(2)
         .find(|w| w[0] == "plm_rsh_agent")
         .map(|w| w[1].clone());
+    // mpirun's own ssh arguments (`--mca plm_rsh_args "-p 2222"`), as it passes them.
+    let rsh_args: Vec<String> = mpi_args
+        .windows(2)
+        .find(|w| w[0] == "plm_rsh_args")
+        .map(|w| w[1].clone())
+        .or_else(|| {
+            env.iter()
+                .find(|(k, _)| k == "OMPI_MCA_plm_rsh_args")
+                .map(|(_, v)| v.clone())
+        })
+        .map(|a| shlex::split(&a).unwrap_or_default())
+        .unwrap_or_default();
     let from_env = || {
         env.iter()
             .find(|(k, _)| k == "OMPI_MCA_plm_rsh_agent")
             .map(|(_, v)| v.clone())
     };
     let in_slurm = env.iter().any(|(k, _)| k == "SLURM_JOB_ID");
-    match from_args.or_else(from_env) {
+    let mut agent: Vec<String> = match from_args.or_else(from_env) {
         // OpenMPI's agent lists alternatives ("ssh : rsh"): the first is tried first.
         Some(a) => a
             .split(':')
@@ -219,13 +231,31 @@ pub(crate) fn remote_agent(mpi_args: &[String], env: &[(String, String)]) -> Vec
             .split_whitespace()
             .map(String::from)
             .collect(),
-        None if in_slurm => ["srun", "--overlap", "-N1", "-n1", "-w"]
-            .map(String::from)
-            .to_vec(),
+        None if in_slurm => {
+            return ["srun", "--overlap", "-N1", "-n1", "-w"]
+                .map(String::from)
+                .to_vec()
+        }
         None => ["ssh", "-o", "BatchMode=yes", "-o", "ConnectTimeout=10"]
             .map(String::from)
             .to_vec(),
+    };
+    agent.extend(rsh_args);
+    agent
+}
+
+/// Whether `host` (as -H or a hostfile names it, perhaps `user@host`) is this machine:
+/// `localhost`, its name with or without the domain, or any address of its own
+/// interfaces (loopback included) — mpirun starts no daemon there, so kolorun checks
+/// nothing.
+pub(crate) fn is_local(host: &str, this: &str, addresses: &[std::net::IpAddr]) -> bool {
+    let name = host.rsplit_once('@').map_or(host, |(_, n)| n);
+    let bare = name.trim_start_matches('[').trim_end_matches(']');
+    if let Ok(ip) = bare.parse::<std::net::IpAddr>() {
+        return ip.is_loopback() || addresses.contains(&ip);
     }
+    let short = |h: &str| h.split('.').next().unwrap_or(h).to_ascii_lowercase();
+    name == "localhost" || (!this.is_empty() && short(name) == short(this))
 }
 
 /// Runs `agent host true` on every host other than this one, in parallel, as
@@ -240,7 +270,11 @@ pub(crate) fn check_hosts(
 ) -> Vec<String> {
     use std::time::Instant;
     let this = this_host();
-    let local = |h: &str| h == "localhost" || h == "127.0.0.1" || h == this;
+    let addresses: Vec<std::net::IpAddr> = crate::nic::local_addresses()
+        .into_iter()
+        .map(|(_, a)| a)
+        .collect();
+    let local = |h: &str| is_local(h, &this, &addresses);
     let Some((program, first)) = agent.split_first() else {
         return vec!["no remote agent to reach the hosts with".into()];
     };
@@ -463,6 +497,45 @@ mod tests {
             }).collect();
             prop_assert_eq!(hostfile_hosts(&file), Ok(want));
         }
+    }
+
+    #[test]
+    fn issue53_every_local_name_and_address_is_local_and_mpiruns_ssh_args_are_used() {
+        let addrs: Vec<std::net::IpAddr> = vec!["10.0.0.5".parse().unwrap()];
+        for local in [
+            "localhost",
+            "vm",
+            "vm.cluster.local",
+            "VM",
+            "10.0.0.5",
+            "127.0.0.1",
+            "127.0.1.1",
+            "[::1]",
+            "bob@vm",
+            "bob@10.0.0.5",
+        ] {
+            assert!(is_local(local, "vm.cluster.local", &addrs), "{local}");
+        }
+        for remote in ["vm2", "10.0.0.6", "[fe80::1]", "bob@other"] {
+            assert!(!is_local(remote, "vm.cluster.local", &addrs), "{remote}");
+        }
+        let args = ["--mca", "plm_rsh_args", "-p 2222 -i key"].map(String::from);
+        assert_eq!(
+            remote_agent(&args, &[]),
+            [
+                "ssh",
+                "-o",
+                "BatchMode=yes",
+                "-o",
+                "ConnectTimeout=10",
+                "-p",
+                "2222",
+                "-i",
+                "key"
+            ]
+        );
+        let env = [("OMPI_MCA_plm_rsh_args".to_string(), "-p 2200".to_string())];
+        assert_eq!(remote_agent(&[], &env)[5..], ["-p", "2200"]);
     }
 
     #[test]

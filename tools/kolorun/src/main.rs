@@ -279,9 +279,9 @@ fn from_slurm(args: &mut Args) {
     let alloc = match slurm::allocation(&|k| std::env::var(k).ok(), &slurm::scontrol_hostnames) {
         Ok(Some(a)) => a,
         Ok(None) => return,
-        // Inside an allocation kolorun cannot read: only -np is missing for sure.
-        Err(e) if args.np.is_none() => fail(&e),
-        Err(_) => return,
+        // Inside an allocation kolorun cannot read: mpirun would place the ranks on its
+        // nodes while kolorun kept traffic on this machine; say why instead.
+        Err(e) => fail(&e),
     };
     let mut took = Vec::new();
     if args.np.is_none() {
@@ -446,7 +446,7 @@ fn reach_hosts(
 ) -> Vec<String> {
     let mut names: Vec<String> = hosts.iter().map(|(name, _)| name.clone()).collect();
     names.dedup();
-    if names.is_empty() {
+    if names.is_empty() || args.no_host_check {
         return Vec::new();
     }
     let timeout = std::time::Duration::from_secs(args.start_timeout.unwrap_or(30).into());

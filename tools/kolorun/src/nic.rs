@@ -21,7 +21,8 @@ pub(crate) struct NcclInterfaces {
 /// name the interface for NCCL instead.
 ///
 /// # Errors
-/// An entry with `/` that is not a subnet (`10.0.0.0/33`, `eth0/24`), naming it.
+/// An entry with `/` that is not a subnet (`10.0.0.0/33`, `eth0/24`), or one that is
+/// not an interface name (`eth0;rm`, `-x`), naming it.
 pub(crate) fn nccl_interfaces(
     nics: &str,
     local: &[(String, IpAddr)],
@@ -30,6 +31,20 @@ pub(crate) fn nccl_interfaces(
     let mut notes = Vec::new();
     for entry in nics.split(',').filter(|e| !e.is_empty()) {
         let Some((addr, prefix)) = entry.split_once('/') else {
+            // An interface name as Linux allows it (at most 15 bytes, no `/`, space or
+            // shell character): it reaches mpirun's and the remote ranks' command lines.
+            let ok = entry.len() <= 15
+                && entry
+                    .chars()
+                    .all(|c| c.is_ascii_alphanumeric() || "-_.:@".contains(c))
+                && !entry.starts_with('-');
+            if !ok {
+                return Err(format!(
+                    "--network-interface entry {entry:?}: not an interface name (letters, \
+                     digits, -, _, ., :, @; at most 15 characters) nor a subnet (e.g. \
+                     10.0.0.0/24)"
+                ));
+            }
             if !names.iter().any(|n| n == entry) {
                 names.push(entry.to_string());
             }
@@ -149,6 +164,12 @@ mod tests {
 
     #[test]
     fn issue31_a_subnet_becomes_this_machines_interface_for_nccl() {
+        // Issue 53 item 17: names that are no interface never reach a command line.
+        for bad in ["eth0;rm", "-x", "eth 0", "a$(b)", "averyveryverylongname0"] {
+            let e = nccl_interfaces(bad, &local()).map(|_| ()).unwrap_err();
+            assert!(e.contains("not an interface name"), "{bad}: {e}");
+        }
+        assert!(nccl_interfaces("eth0,ib0.8001,enp3s0f1", &local()).is_ok());
         let n = nccl_interfaces("10.0.0.0/24", &local()).unwrap();
         assert_eq!(n.ifname.as_deref(), Some("eth1"));
         assert!(

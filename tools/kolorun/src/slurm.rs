@@ -25,31 +25,44 @@ pub(crate) fn allocation(
     let Some(job) = var("SLURM_JOB_ID").or_else(|| var("SLURM_JOBID")) else {
         return Ok(None);
     };
-    let Some(ntasks) = var("SLURM_NTASKS").or_else(|| var("SLURM_NPROCS")) else {
-        return Err(format!(
-            "inside Slurm job {job} without a task count (SLURM_NTASKS): allocate with -n N \
-             (salloc -n 4 …), or give -np"
-        ));
-    };
-    let ntasks: u32 = ntasks
-        .trim()
-        .parse()
-        .ok()
-        .filter(|&n| n > 0)
-        .ok_or_else(|| format!("SLURM_NTASKS={ntasks:?} is not a positive number"))?;
     let list = var("SLURM_JOB_NODELIST")
         .or_else(|| var("SLURM_NODELIST"))
         .ok_or_else(|| format!("inside Slurm job {job} without SLURM_JOB_NODELIST: give -H"))?;
     let names = expand(&list)?;
-    let per_node = match var("SLURM_TASKS_PER_NODE") {
-        Some(t) => tasks_per_node(&t)?,
+    let given = var("SLURM_NTASKS").or_else(|| var("SLURM_NPROCS"));
+    let ntasks: Option<u32> = given
+        .map(|n| {
+            n.trim()
+                .parse()
+                .ok()
+                .filter(|&n| n > 0)
+                .ok_or_else(|| format!("SLURM_NTASKS={n:?} is not a positive number"))
+        })
+        .transpose()?;
+    // Each node's slots as mpirun counts them: its tasks, else (an allocation made
+    // without a task count) its CPUs.
+    let per_node = match (var("SLURM_TASKS_PER_NODE"), ntasks) {
+        (Some(t), _) => tasks_per_node(&t)?,
         // One node, all tasks on it.
-        None if names.len() == 1 => vec![ntasks as usize],
-        None => {
-            return Err(format!(
-                "inside Slurm job {job} without SLURM_TASKS_PER_NODE: give -H"
-            ))
-        }
+        (None, Some(n)) if names.len() == 1 => vec![n as usize],
+        (None, _) => match var("SLURM_JOB_CPUS_PER_NODE") {
+            Some(c) => tasks_per_node(&c)
+                .map_err(|e| e.replace("SLURM_TASKS_PER_NODE", "SLURM_JOB_CPUS_PER_NODE"))?,
+            None => {
+                return Err(format!(
+                    "inside Slurm job {job} on nodes {list:?} without a task count \
+                     (SLURM_NTASKS, SLURM_TASKS_PER_NODE) or CPUs per node: kolorun cannot \
+                     tell how many ranks each node takes; allocate with -n N, or give -np and -H"
+                ))
+            }
+        },
+    };
+    let ntasks = match ntasks {
+        Some(n) => n,
+        None => u32::try_from(per_node.iter().sum::<usize>())
+            .ok()
+            .filter(|&n| n > 0)
+            .ok_or_else(|| format!("inside Slurm job {job}: no slots on its nodes"))?,
     };
     if per_node.len() != names.len() {
         return Err(format!(
@@ -81,6 +94,10 @@ pub(crate) fn tasks_per_node(s: &str) -> Result<Vec<usize>, String> {
     Ok(out)
 }
 
+/// The most nodes a node list may name (Slurm's largest clusters have tens of
+/// thousands; a bigger list is a typo that would fill memory).
+const MAX_NODES: usize = 1 << 20;
+
 /// A Slurm node list (`node[01-03,07],gpu5`) as host names, without `scontrol`: ranges
 /// keep their zero padding; one bracket per name, as Slurm writes lists for jobs.
 pub(crate) fn expand_nodelist(s: &str) -> Result<Vec<String>, String> {
@@ -104,10 +121,16 @@ pub(crate) fn expand_nodelist(s: &str) -> Result<Vec<String>, String> {
     items.push(&s[start..]);
     for item in items.into_iter().map(str::trim).filter(|i| !i.is_empty()) {
         let Some(open) = item.find('[') else {
+            if item.contains(']') {
+                return Err(bad("a \"]\" without its \"[\""));
+            }
             out.push(item.to_string());
             continue;
         };
-        let close = item.rfind(']').ok_or_else(|| bad("an unclosed \"[\""))?;
+        let close = item
+            .rfind(']')
+            .filter(|&c| c > open)
+            .ok_or_else(|| bad("an unclosed \"[\""))?;
         let (prefix, suffix) = (&item[..open], &item[close + 1..]);
         for range in item[open + 1..close].split(',') {
             let (a, b) = range.split_once('-').unwrap_or((range, range));
@@ -118,6 +141,9 @@ pub(crate) fn expand_nodelist(s: &str) -> Result<Vec<String>, String> {
             );
             if hi < lo {
                 return Err(bad("a range that runs backwards"));
+            }
+            if hi - lo >= MAX_NODES as u64 || out.len() + (hi - lo) as usize > MAX_NODES {
+                return Err(bad(&format!("more than {MAX_NODES} nodes")));
             }
             for n in lo..=hi {
                 out.push(format!("{prefix}{n:0width$}{suffix}"));
@@ -171,6 +197,19 @@ mod tests {
         assert_eq!(expand_nodelist("r[8-10]x").unwrap(), ["r8x", "r9x", "r10x"]);
         assert!(expand_nodelist("n[3-1]").is_err());
         assert!(expand_nodelist("n[1-2").is_err());
+        // Issue 53 item 17: malformed lists are errors, never a panic.
+        for bad in [
+            "x][",
+            "]x[",
+            "x[]",
+            "n[0-99999999999]",
+            "[",
+            "]",
+            "n[a-b]",
+            "n[1-]",
+        ] {
+            assert!(expand_nodelist(bad).is_err(), "{bad:?}");
+        }
     }
 
     #[test]
@@ -194,7 +233,27 @@ mod tests {
             None
         );
         let e = allocation(&env(&vars[..1]), &|l| expand_nodelist(l)).unwrap_err();
-        assert!(e.contains("SLURM_NTASKS"), "{e}");
+        assert!(e.contains("SLURM_JOB_NODELIST"), "{e}");
+        // Issue 53 item 16: without task counts, the nodes' CPUs are their slots (as
+        // mpirun counts them), not this machine alone; without those either, an error
+        // that says why.
+        let cpus = [
+            ("SLURM_JOB_ID", "43"),
+            ("SLURM_JOB_NODELIST", "n[1-2]"),
+            ("SLURM_JOB_CPUS_PER_NODE", "4(x2)"),
+        ];
+        let a = allocation(&env(&cpus), &|l| expand_nodelist(l))
+            .unwrap()
+            .unwrap();
+        assert_eq!(
+            (a.ntasks, a.hosts),
+            (8, vec![("n1".into(), 4), ("n2".into(), 4)])
+        );
+        let e = allocation(&env(&cpus[..2]), &|l| expand_nodelist(l)).unwrap_err();
+        assert!(
+            e.contains("cannot tell how many ranks each node takes"),
+            "{e}"
+        );
         let wrong = [
             ("SLURM_JOB_ID", "42"),
             ("SLURM_NTASKS", "5"),

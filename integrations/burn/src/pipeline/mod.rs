@@ -417,8 +417,11 @@ impl Pipeline {
             match self.micro_rows(input.as_ref()) {
                 Ok(rows) => rows,
                 Err(e) => {
-                    self.pass_failure(&self.act_key(step, 0), &e.to_string())?;
-                    return Err(e);
+                    let e = match self.pass_failure(&self.act_key(step, 0), &e.to_string()) {
+                        Ok(()) => e,
+                        Err(sent) => sent,
+                    };
+                    return Err(self.fail_step(model, e));
                 }
             }
         } else {
@@ -435,16 +438,27 @@ impl Pipeline {
             accumulated: GradientsAccumulator::new(),
             loss_sum: 0.0,
         };
-        for pass in passes(self.schedule, self.stages, self.stage, self.micro) {
-            match pass {
-                Pass::Forward(m) => {
-                    self.forward_pass(&mut state, m, model, input.as_ref(), &forward, &mut loss)?
+        let passed = (|| -> Result<()> {
+            for pass in passes(self.schedule, self.stages, self.stage, self.micro) {
+                match pass {
+                    Pass::Forward(m) => self.forward_pass(
+                        &mut state,
+                        m,
+                        model,
+                        input.as_ref(),
+                        &forward,
+                        &mut loss,
+                    )?,
+                    Pass::Backward(m) => self.backward_pass(&mut state, m, model)?,
                 }
-                Pass::Backward(m) => self.backward_pass(&mut state, m, model)?,
             }
-        }
-        for h in state.sends.drain(..) {
-            h.wait()?;
+            for h in state.sends.drain(..) {
+                h.wait()?;
+            }
+            Ok(())
+        })();
+        if let Err(e) = passed {
+            return Err(self.fail_step(model, e));
         }
         let grads = state.accumulated.grads();
         let grads = match &self.reducer {
@@ -455,6 +469,17 @@ impl Pipeline {
             grads,
             loss: self.is_last().then_some(state.loss_sum),
         })
+    }
+
+    /// Ends a step that failed on this rank with `e`: with replicas, this stage still
+    /// takes part in the replicas' reduction (zeros, its failure flagged), so that
+    /// every replica of the stage fails this step too instead of averaging its
+    /// gradients with the next step's.
+    fn fail_step<M: Module>(&self, model: &M, e: Error) -> Error {
+        match &self.reducer {
+            Some(r) => r.reduce_failed(model, e),
+            None => e,
+        }
     }
 
     /// The rows of each micro-batch of the first stage's `input`.
@@ -700,10 +725,29 @@ impl Pipeline {
                 Some(self.failure(e.to_string()).to_string())
             }
         };
-        let all: Vec<Option<String>> = self
+        // The schedule and micro-batches too: stages that disagree on them would
+        // wait for sends that never come after this check.
+        let plan = (self.micro, format!("{:?}", self.schedule));
+        let all: Vec<((usize, String), Option<String>)> = self
             .kolo
-            .allgather_object("kolo_burn.pipeline.checked", mine)?;
-        match all.into_iter().flatten().next() {
+            .allgather_object("kolo_burn.pipeline.checked", (plan, mine))?;
+        let differ = all.iter().any(|(p, _)| *p != all[0].0);
+        let why = all.iter().find_map(|(_, m)| m.clone()).or_else(|| {
+            differ.then(|| {
+                let each: Vec<String> = all
+                    .iter()
+                    .enumerate()
+                    .map(|(r, ((m, s), _))| format!("rank {r}: {m} micro-batches, {s}"))
+                    .collect();
+                format!(
+                    "the ranks' pipelines differ in micro-batches or schedule ({}); every \
+                     rank must build it with the same Pipeline::micro_batches and \
+                     Pipeline::schedule",
+                    each.join("; ")
+                )
+            })
+        });
+        match why {
             None => Ok(()),
             Some(why) => Err(Error::InvalidArgument {
                 what: "kolo_burn::Pipeline::step (first step's check)",

@@ -950,6 +950,16 @@ const CASES: &[(&str, Case, &[usize])] = &[
     ("pipeline_equivalence", pipeline::equivalence, &[2, 4]),
     ("pipeline_bad_input", pipeline::bad_input, &[2, 4]),
     ("pipeline_checkpoint", pipeline::checkpoint, &[2, 4]),
+    (
+        "issue53_pipeline_uneven_shards",
+        pipeline::uneven_shards,
+        &[4],
+    ),
+    (
+        "issue53_pipeline_plans_differ",
+        pipeline::plans_differ,
+        &[2, 4],
+    ),
 ];
 
 /// The digits example (`examples/train_digits.rs`) as a user runs it, with the accuracy

@@ -291,3 +291,69 @@ pub(crate) fn checkpoint(k: &Kolo) -> Result<()> {
     }
     Ok(())
 }
+
+/// Issue 53 item 7: at np 4 with 2 stages × 2 replicas, replica 1's batch cannot be
+/// cut into the micro-batches at step 1 (uneven shards): every rank's step 1 fails
+/// (replica 1 with the batch error, replica 0 naming a rank of replica 1), nobody
+/// hangs, and the steps after it keep the replicas in step: each stage's parameters
+/// are bit-identical on both replicas.
+pub(crate) fn uneven_shards(k: &Kolo) -> Result<()> {
+    let device = Device::flex().autodiff();
+    device.seed(57);
+    let mut pipe = Pipeline::new(k, 2)?.micro_batches(4);
+    let whole = broadcast_parameters(k, Layers::new(&device), 0)?;
+    let mut part = pipe.broadcast_parameters(whole.part(stage_layers(pipe.stage(), 2)))?;
+    let mut optim = SgdConfig::new().init();
+    for step in 0..4 {
+        let rows = if step == 1 && pipe.replica() == 1 {
+            6
+        } else {
+            8
+        };
+        let base = step * 100 + pipe.replica() * 10;
+        let r = step_on(&mut pipe, &part, base..base + rows, &device);
+        match (step, r) {
+            (1, Err(e)) => {
+                let e = e.to_string();
+                let want = if pipe.replica() == 1 {
+                    "a batch of 6 rows cannot be cut into 4 equal micro-batches"
+                } else {
+                    "could not hand its gradients to the reduction"
+                };
+                ensure!(e.contains(want), "rank {}: step 1: {e}", k.rank());
+            }
+            (1, Ok(_)) => anyhow::bail!("rank {}: step 1 went through", k.rank()),
+            (_, Ok(out)) => part = optim.step(0.05, part, out.grads),
+            (_, Err(e)) => anyhow::bail!("rank {}: step {step}: {e}", k.rank()),
+        }
+    }
+    let bits: Vec<u32> = params(&part).iter().map(|x| x.to_bits()).collect();
+    let all: Vec<Vec<u32>> = k.allgather_object("uneven.params", bits)?;
+    for stage in 0..2 {
+        ensure!(
+            all[stage] == all[stage + 2],
+            "stage {stage}: its replicas hold different parameters after the failed step"
+        );
+    }
+    Ok(())
+}
+
+/// Issue 53 item 19: stages built with different micro-batches fail the first step on
+/// every rank, naming each rank's count, instead of waiting for sends that never come.
+pub(crate) fn plans_differ(k: &Kolo) -> Result<()> {
+    let device = Device::flex().autodiff();
+    let micro = if k.rank() == k.size() - 1 { 2 } else { 4 };
+    let mut pipe = Pipeline::new(k, k.size())?.micro_batches(micro);
+    let model = Layers::new(&device).part(stage_layers(pipe.stage(), k.size()));
+    let e = step_on(&mut pipe, &model, 0..8, &device)
+        .map(|_| ())
+        .map_err(|e| e.to_string());
+    ensure!(
+        e.as_ref()
+            .is_err_and(|m| m.contains("differ in micro-batches or schedule")
+                && m.contains(&format!("rank {}: 2 micro-batches", k.size() - 1))),
+        "rank {}: {e:?}",
+        k.rank()
+    );
+    Ok(())
+}
