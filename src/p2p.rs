@@ -15,9 +15,12 @@ impl Kolo {
     /// Sends `tensor` to rank `dest`, which receives it with [`Kolo::recv`] under the
     /// same name. Matched by name between the two ranks only: other ranks take no
     /// part, and the same name may be in use between other pairs at the same time.
-    /// The engine runs the pair at the same place of its order on both ranks, so
-    /// sends, receives and collectives never deadlock whatever order they are
-    /// submitted in.
+    /// Neither side takes part in the engine's agreement on the order of collectives:
+    /// the send's header (and a small tensor inline) leaves as soon as the engine
+    /// takes the send in, its bytes follow, and the receive takes the tensors of its
+    /// name from that rank in the order they were sent. So sends, receives and
+    /// collectives never wait for each other whatever order they are submitted in; a
+    /// large send completes once the receiving rank's engine has taken its bytes.
     ///
     /// A CUDA tensor (feature `nccl`) travels through host memory: it is copied there
     /// when the send is posted (waiting for the copy), sent over MPI, and
@@ -106,7 +109,9 @@ impl<'k> SendBuilder<'k> {
     /// Submits and waits.
     ///
     /// # Errors
-    /// Submit-time errors, and a receiver that left or stalled.
+    /// Submit-time errors, and a receiver whose rank left (shut down or died). A
+    /// receiver that never receives is no error: a large send waits for it (the stall
+    /// inspector does not watch point to point).
     pub fn wait(mut self) -> Result<()> {
         // While the engine is idle, this thread posts the send itself (no queue, no
         // handle): a small send costs little more than its MPI call.
@@ -160,7 +165,9 @@ impl<'k> RecvBuilder<'k> {
     /// Submits and waits for the tensor.
     ///
     /// # Errors
-    /// Submit-time errors, and a sender that left or stalled.
+    /// Submit-time errors, and a sender whose rank left (shut down or died). A sender
+    /// that never sends is no error: the receive waits for it (the stall inspector
+    /// does not watch point to point).
     pub fn wait(self) -> Result<Tensor> {
         // As a send: on this thread while the engine is idle.
         if self.refused.is_none() {

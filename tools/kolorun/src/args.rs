@@ -40,6 +40,14 @@ pub(crate) struct Args {
     #[arg(long, value_name = "SECONDS", value_parser = clap::value_parser!(u32).range(1..))]
     pub(crate) start_timeout: Option<u32>,
 
+    /// Forward this variable to every rank (repeatable; `NAME` with this shell's value,
+    /// or `NAME=VALUE`), as mpirun's `-x`. Across hosts kolorun forwards only an
+    /// allow-list by itself (KOLO_*, HOROVOD_*, RUST_*, RAYON_*, NCCL_*, CUDA_* but
+    /// CUDA_VISIBLE_DEVICES, OMP_*, MKL_*, OPENBLAS_*, BURN_*, CUBECL_*, LC_*, PATH,
+    /// LD_LIBRARY_PATH, LANG, TZ, TMPDIR, PYTHONPATH): name anything else here.
+    #[arg(short = 'x', long = "env", value_name = "NAME[=VALUE]", action = clap::ArgAction::Append)]
+    pub(crate) env: Vec<String>,
+
     /// Do not check before the launch that every host answers through mpirun's agent
     /// (`agent host true`), e.g. where the agent cannot run such a command.
     #[arg(long)]

@@ -81,17 +81,46 @@ pub(crate) fn threads_per_rank(
     (cores / per_node.max(1)).max(1).to_string()
 }
 
-/// Variables never forwarded to remote ranks: OpenMPI's and PMIx's own (mpirun
-/// passes those it should), this shell's bookkeeping, and secrets (as horovodrun).
+/// Whether kolorun forwards variable `name` to remote ranks by itself: an allow-list
+/// of what a training job reads (kolo's and Horovod's settings, Rust's, the thread
+/// pools', NCCL's and CUDA's, locale and search paths). Everything else — credentials
+/// (`AWS_*`, tokens), `SSH_AUTH_SOCK`, this launcher's `CUDA_VISIBLE_DEVICES` (each
+/// host has its own devices), OpenMPI's own — stays here unless named with `-x`.
 pub(crate) fn forwardable(name: &str) -> bool {
-    let own = ["OMPI_", "PMIX_", "OPAL_", "ORTE_", "BASH_FUNC_"];
-    let shell = ["HOSTNAME", "PWD", "OLDPWD", "SHLVL", "_", "PS1", "TERM"];
+    const PREFIXES: [&str; 11] = [
+        "KOLO_",
+        "HOROVOD_",
+        "RUST_",
+        "RAYON_",
+        "NCCL_",
+        "CUDA_",
+        "OMP_",
+        "MKL_",
+        "OPENBLAS_",
+        "BURN_",
+        "CUBECL_",
+    ];
+    const NAMES: [&str; 6] = [
+        "PATH",
+        "LD_LIBRARY_PATH",
+        "LANG",
+        "TZ",
+        "TMPDIR",
+        "PYTHONPATH",
+    ];
+    valid_name(name)
+        && name != "CUDA_VISIBLE_DEVICES"
+        && (PREFIXES.iter().any(|p| name.starts_with(p))
+            || name.starts_with("LC_")
+            || NAMES.contains(&name))
+}
+
+/// A variable name a shell and mpirun's `-x` take: letters, digits and `_`, not a
+/// digit first.
+pub(crate) fn valid_name(name: &str) -> bool {
     !name.is_empty()
         && name.chars().all(|c| c.is_ascii_alphanumeric() || c == '_')
         && !name.starts_with(|c: char| c.is_ascii_digit())
-        && !own.iter().any(|p| name.starts_with(p))
-        && !shell.contains(&name)
-        && !name.ends_with("_SECRET_KEY")
 }
 
 /// An inherited OpenMPI setting that confines a job to one machine (what kolo's
@@ -171,6 +200,18 @@ pub(crate) fn plan(
         ours.push(("KOLO_START_TIMEOUT".into(), t.to_string()));
     }
     let mut named: BTreeSet<String> = ours.iter().map(|(k, _)| k.clone()).collect();
+    // The user's `-x` entries: forwarded as given, on one machine and across hosts.
+    let mut asked = Vec::new();
+    for e in &a.env {
+        let name = e.split_once('=').map_or(e.as_str(), |(n, _)| n);
+        if !valid_name(name) {
+            return Err(format!(
+                "-x {e:?}: {name:?} is not a variable name (letters, digits and _)"
+            ));
+        }
+        named.insert(name.to_string());
+        asked.push(e.clone());
+    }
     named.insert("RAYON_NUM_THREADS".into());
     if nccl_ifname.is_some() {
         named.insert("NCCL_SOCKET_IFNAME".into());
@@ -179,6 +220,9 @@ pub(crate) fn plan(
         v.extend(["-x".into(), format!("{k}={val}")]);
     }
     v.extend(["-x".into(), format!("RAYON_NUM_THREADS={threads}")]);
+    for e in asked {
+        v.extend(["-x".into(), e]);
+    }
     if spans_hosts {
         forward_env(&mut p, env, &named);
     }

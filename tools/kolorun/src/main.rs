@@ -633,6 +633,11 @@ mod tests {
             ("PATH", "/usr/bin"),
             ("HOSTNAME", "h1"),
             ("AWS_SECRET_KEY", "s"),
+            ("AWS_SESSION_TOKEN", "t"),
+            ("SSH_AUTH_SOCK", "/tmp/agent"),
+            ("CUDA_VISIBLE_DEVICES", "3"),
+            ("KOLO_TEST_CASE", "c"),
+            ("LC_ALL", "C.UTF-8"),
             ("BASH_FUNC_f%%", "() { :; }"),
             ("RAYON_NUM_THREADS", "7"),
         ]);
@@ -647,14 +652,19 @@ mod tests {
         for want in [
             "--mca btl_tcp_if_include eth0 --mca oob_tcp_if_include eth0 -x NCCL_SOCKET_IFNAME=eth0",
             "-x KOLO_START_TIMEOUT=12",
-            "-x DATA_DIR -x PATH",
+            "-x KOLO_TEST_CASE -x LC_ALL -x PATH",
             "-x RAYON_NUM_THREADS=1",
         ] {
             assert!(line.contains(want), "{want:?} missing from {line}");
         }
+        // Issue 53 item 17: an allow-list, not the whole environment.
         for never in [
             "-x HOSTNAME",
             "SECRET",
+            "AWS_SESSION_TOKEN",
+            "SSH_AUTH_SOCK",
+            "CUDA_VISIBLE_DEVICES",
+            "DATA_DIR",
             "BASH_FUNC",
             "-x OMPI",
             "-x RAYON_NUM_THREADS ",
@@ -667,6 +677,27 @@ mod tests {
             cmd.starts_with("env -u OMPI_MCA_btl -u OMPI_MCA_oob_tcp_if_include mpirun -np 4 "),
             "{cmd}"
         );
+        // Anything else is forwarded when named, as mpirun's -x.
+        let named = parse(&[
+            "-np",
+            "4",
+            "-H",
+            "h1:2,h2:2",
+            "-x",
+            "DATA_DIR",
+            "-x",
+            "MODE=fast",
+            "x",
+        ])
+        .unwrap();
+        let line = plan_here(&named, 4, false, "1", &e, &[]).argv.join(" ");
+        assert!(line.contains("-x DATA_DIR -x MODE=fast"), "{line}");
+        assert_eq!(line.matches("DATA_DIR").count(), 1, "{line}");
+        let bad = parse(&["-np", "2", "-x", "a b", "x"]).unwrap();
+        let e = plan(&bad, 2, false, "1", &[], &[], &[])
+            .map(|_| ())
+            .unwrap_err();
+        assert!(e.contains("is not a variable name"), "{e}");
         // The default start-up deadline across hosts is horovodrun's 30 s.
         let b = parse(&["-np", "2", "-H", "a,b", "x"]).unwrap();
         let line = plan_here(&b, 2, false, "1", &[], &[]).argv.join(" ");

@@ -393,7 +393,12 @@ impl Pipeline {
     ///   sent (naming the stage, its ranks and the panic's message; every rank of the
     ///   job then fails);
     /// - [`Error::Data`]: activations or gradients of a dtype kolo cannot carry;
-    /// - [`Error::Kolo`]: a send, receive or reduction failed (a rank that left, …).
+    /// - [`Error::Kolo`]: a send, receive or reduction failed (a rank that left, …);
+    /// - with several replicas, a step that fails on one replica (any of the above)
+    ///   fails on every replica: the failing stage still takes part in its replicas'
+    ///   gradient reduction, flagged, and the other replicas' ranks return
+    ///   [`Error::OtherRank`] naming it, so no replica steps alone and the next step
+    ///   starts in step everywhere. Every rank may call `step` again.
     pub fn step<M, const DI: usize, const DO: usize>(
         &mut self,
         model: &M,
