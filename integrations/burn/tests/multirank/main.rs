@@ -1041,15 +1041,16 @@ const GPU_CASES: &[(&str, Case, &[usize])] = &[
 const GPU_CASES: &[(&str, Case, &[usize])] = &[];
 
 /// Examples that need a Cube feature: the digits example on Burn's CubeCL CPU runtime
-/// through the Cube route, to the usual 95% at 2 ranks. Four epochs: here it reached
-/// 95.00% after three (about 6 min at np 2 on 2 cores, the first epoch 3.5 min of it
-/// while CubeCL compiles its kernels), so it gets [`CUBE_EXAMPLE_LIMIT`].
+/// through the Cube route (training, the reduction, evaluation), in every CI run
+/// (issue 53 item 30). One epoch, to 80%: here it reached 87.5% in 145 s at np 2 on 2
+/// cores, most of it CubeCL compiling its kernels (four epochs reached 95% in about 6
+/// min); it gets [`CUBE_EXAMPLE_LIMIT`].
 fn cube_examples() -> Vec<(&'static str, &'static [&'static str], &'static [usize])> {
     let mut v: Vec<(&'static str, &'static [&'static str], &'static [usize])> = Vec::new();
     if cfg!(feature = "cpu") {
         v.push((
             "cube_digits_example_cpu_device",
-            &["--epochs", "4", "--device", "cpu", "--min-accuracy", "0.95"],
+            &["--epochs", "1", "--device", "cpu", "--min-accuracy", "0.80"],
             &[2],
         ));
     }
