@@ -210,17 +210,12 @@ impl<O: Optimizer> DistributedOptimizer<O> {
         let mut failed: Option<Error> = None;
         for (i, (v, g)) in self.vars.iter().zip(local).enumerate() {
             present.push(g.is_some());
-            let t = match self.gradient(i, v, g) {
-                Ok(t) => t,
-                Err(e) => {
-                    failed.get_or_insert(e);
-                    match crate::convert::kolo_dtype(v.dtype()) {
-                        Some(d) => kolo::Tensor::zeros(d, v.dims()),
-                        // `new` refused such a variable: unreachable in practice.
-                        None => kolo::Tensor::zeros(kolo::DType::F32, v.dims()),
-                    }
-                }
-            };
+            let t = self.gradient(i, v, g).unwrap_or_else(|e| {
+                failed.get_or_insert(e);
+                // `new` refused a dtype kolo does not carry: F32 is never used.
+                let d = crate::convert::kolo_dtype(v.dtype()).unwrap_or(kolo::DType::F32);
+                kolo::Tensor::zeros(d, v.dims())
+            });
             let mut b = self
                 .kolo
                 .allreduce(format!("kolo_candle.grad.{i}"), t)
@@ -280,28 +275,35 @@ impl<O: Optimizer> DistributedOptimizer<O> {
             return Err(e);
         }
         if counts.get(1).is_some_and(|&f| f > 0.0) {
-            let mine: Vec<f32> = present.iter().map(|&p| f32::from(u8::from(p))).collect();
-            let n = mine.len();
-            let have = self
-                .kolo
-                .allreduce(
-                    "kolo_candle.grad.present",
-                    kolo::Tensor::from_vec(mine, &[n])?,
-                )
-                .op(ReduceOp::Sum)
-                .wait()?
-                .into_vec::<f32>()?;
-            for (slot, &count) in out.iter_mut().zip(&have) {
-                if count == 0.0 {
-                    *slot = None;
-                }
-            }
+            self.drop_absent(&mut out, &present)?;
         }
         let mut store = GradStore::default();
         for (v, g) in out.into_iter().flatten() {
             store.insert(v.as_tensor(), g);
         }
         Ok(store)
+    }
+
+    /// Drops the gradients no rank had (`present`: which this rank had): the ranks sum
+    /// how many had each.
+    fn drop_absent<T>(&self, out: &mut [Option<T>], present: &[bool]) -> Result<()> {
+        let mine: Vec<f32> = present.iter().map(|&p| f32::from(u8::from(p))).collect();
+        let n = mine.len();
+        let have = self
+            .kolo
+            .allreduce(
+                "kolo_candle.grad.present",
+                kolo::Tensor::from_vec(mine, &[n])?,
+            )
+            .op(ReduceOp::Sum)
+            .wait()?
+            .into_vec::<f32>()?;
+        for (slot, &count) in out.iter_mut().zip(&have) {
+            if count == 0.0 {
+                *slot = None;
+            }
+        }
+        Ok(())
     }
 
     /// Variable `i`'s gradient (zeros where this rank has none) as a kolo tensor.

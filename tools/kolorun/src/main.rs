@@ -200,37 +200,51 @@ fn main() {
             );
             std::process::exit(ended.code);
         }
-        let mut next = String::new();
-        // mpirun names the node of a rank that died; kolo's watchdog, the rank that
-        // stopped answering (a host cut off: mpirun never hears from it again).
-        let named = elastic::failed_host(&ended.cause)
-            .or_else(|| elastic::silent_host(&ended.watchdog, &hosts));
-        if let Some(named) = named {
-            let host = hosts
-                .iter()
-                .map(|(h, _)| h)
-                .find(|h| elastic::same_host(&named, h));
-            if let Some(h) = host.filter(|h| !left_out.contains(h)) {
-                let mut without = left_out.clone();
-                without.push(h.clone());
-                let rank0 = hosts.first().is_some_and(|(first, _)| first == h);
-                next = if rank0 && !args.shared_checkpoints {
-                    format!(
-                        "; keeping host {h}, rank 0's (its checkpoints may be on its own disk; \
-                         --shared-checkpoints lets kolorun leave it out)"
-                    )
-                } else if let Err(e) = elastic::next_layout(&hosts, &without, np, min_np) {
-                    format!("; relaunching on every host (leaving {h} out: {e})")
-                } else {
-                    left_out = without;
-                    format!("; leaving host {h} out")
-                };
-            }
-        }
+        let next = leave_out(&args, &ended, &hosts, &mut left_out, (np, min_np));
         eprintln!(
             "kolorun: attempt {attempt} of {attempts} failed (exit code {}){why}{next}; relaunching (KOLO_RESTART_COUNT={attempt})",
             ended.code
         );
+    }
+}
+
+/// After a failed attempt on `hosts`: leaves the failed host out of the next attempt
+/// (`left_out`) when it is named (mpirun names the node of a rank that died; kolo's
+/// watchdog, the rank that stopped answering: a host cut off), is not rank 0's (unless
+/// `--shared-checkpoints`) and enough ranks (`np`, at least `min_np`) remain. Returns
+/// what was done, for kolorun's line about the attempt.
+fn leave_out(
+    args: &Args,
+    ended: &supervise::Ended,
+    hosts: &[(String, usize)],
+    left_out: &mut Vec<String>,
+    (np, min_np): (u32, u32),
+) -> String {
+    let named =
+        elastic::failed_host(&ended.cause).or_else(|| elastic::silent_host(&ended.watchdog, hosts));
+    let Some(named) = named else {
+        return String::new();
+    };
+    let host = hosts
+        .iter()
+        .map(|(h, _)| h)
+        .find(|h| elastic::same_host(&named, h));
+    let Some(h) = host.filter(|h| !left_out.contains(h)) else {
+        return String::new();
+    };
+    let mut without = left_out.clone();
+    without.push(h.clone());
+    let rank0 = hosts.first().is_some_and(|(first, _)| first == h);
+    if rank0 && !args.shared_checkpoints {
+        format!(
+            "; keeping host {h}, rank 0's (its checkpoints may be on its own disk; \
+             --shared-checkpoints lets kolorun leave it out)"
+        )
+    } else if let Err(e) = elastic::next_layout(hosts, &without, np, min_np) {
+        format!("; relaunching on every host (leaving {h} out: {e})")
+    } else {
+        *left_out = without;
+        format!("; leaving host {h} out")
     }
 }
 

@@ -158,84 +158,96 @@ pub(crate) fn supervise_job(
     signals: &Signals,
 ) -> std::io::Result<Ended> {
     let mut child = cmd.stderr(std::process::Stdio::piped()).spawn()?;
-    let cause: Arc<Mutex<Vec<String>>> = Arc::default();
-    let failure: Arc<Mutex<Option<String>>> = Arc::default();
-    let rank_exit: Arc<std::sync::atomic::AtomicBool> = Arc::default();
-    let watchdog: Arc<Mutex<Vec<String>>> = Arc::default();
-    let aborted_at: Arc<Mutex<Option<Instant>>> = Arc::default();
+    let seen: Arc<Mutex<Seen>> = Arc::default();
     let (drained, copied) = std::sync::mpsc::channel::<()>();
     if let Some(stderr) = child.stderr.take() {
-        let aborted_at = aborted_at.clone();
-        let cause = cause.clone();
-        let watchdog = watchdog.clone();
-        let failure = failure.clone();
-        let rank_exit = rank_exit.clone();
-        let mut out = out;
+        let seen = Arc::clone(&seen);
         std::thread::spawn(move || {
-            for line in std::io::BufReader::new(stderr).split(b'\n') {
-                let Ok(line) = line else { break };
-                let _ = out.write_all(&line);
-                let _ = out.write_all(b"\n");
-                let text = String::from_utf8_lossy(&line);
-                if aborting(&text) {
-                    let mut at = aborted_at.lock().unwrap_or_else(|p| p.into_inner());
-                    at.get_or_insert_with(Instant::now);
-                }
-                if text.contains("has made no progress") {
-                    let mut w = watchdog.lock().unwrap_or_else(|p| p.into_inner());
-                    if w.len() < 1024 {
-                        w.push(text.trim().to_string());
-                    }
-                }
-                // mpirun's box for a rank that exited with a status of its own.
-                if text.trim_start().starts_with("Exit code:") {
-                    rank_exit.store(true, std::sync::atomic::Ordering::Relaxed);
-                }
-                if job_failure(&text) {
-                    let mut f = failure.lock().unwrap_or_else(|p| p.into_inner());
-                    f.get_or_insert_with(|| text.trim().to_string());
-                }
-                if names_failure(&text) {
-                    let mut c = cause.lock().unwrap_or_else(|p| p.into_inner());
-                    // The first three, and mpirun's line naming the failed node
-                    // wherever it comes (usually after the ranks' own reports).
-                    if c.len() < 3
-                        || (text.contains(" on node ")
-                            && !c.iter().any(|l| l.contains(" on node ")))
-                    {
-                        c.push(text.trim().to_string());
-                    }
-                }
-            }
-            let _ = out.flush();
+            copy_stderr(stderr, out, &seen);
             drop(drained);
         });
     }
-    let watched = watch(&mut child, grace, &aborted_at, signals)?;
+    let watched = watch(&mut child, grace, &seen, signals)?;
     // The copier ends at the end of the pipe (the sender is dropped, which
     // `recv_timeout` reports as disconnected), or the wait runs out.
     let _ = copied.recv_timeout(STDERR_DRAIN);
-    let cause = std::mem::take(&mut *cause.lock().unwrap_or_else(|p| p.into_inner()));
-    let watchdog = std::mem::take(&mut *watchdog.lock().unwrap_or_else(|p| p.into_inner()));
-    let job_failure = failure.lock().unwrap_or_else(|p| p.into_inner()).take();
+    let seen = std::mem::take(&mut *lock(&seen));
     let code = match watched.code {
         Some(code) => code,
         // Ended by kolorun after the abort: kolo's watchdog asked for the restartable
         // status (a host cut off); any other abort (a program error whose teardown
         // hung) is the program's failure.
-        None if !watchdog.is_empty() => kolo::RESTARTABLE_EXIT_CODE,
+        None if !seen.watchdog.is_empty() => kolo::RESTARTABLE_EXIT_CODE,
         None => 1,
     };
     Ok(Ended {
         code,
         signalled: watched.signalled,
-        job_failure,
+        job_failure: seen.failure,
         mpirun_signal: watched.mpirun_signal,
-        rank_exit_code: rank_exit.load(std::sync::atomic::Ordering::Relaxed),
+        rank_exit_code: seen.rank_exit,
         hung: watched.code.is_none(),
-        cause,
-        watchdog,
+        cause: seen.cause,
+        watchdog: seen.watchdog,
     })
+}
+
+/// What the job's stderr said so far.
+#[derive(Debug, Default)]
+struct Seen {
+    /// The first lines naming a failing rank or why ([`names_failure`]).
+    cause: Vec<String>,
+    /// mpirun's first line of a job failure ([`job_failure`]).
+    failure: Option<String>,
+    /// mpirun reported a rank's own exit status.
+    rank_exit: bool,
+    /// kolo's watchdog lines.
+    watchdog: Vec<String>,
+    /// When the job was first said to be aborting.
+    aborted_at: Option<Instant>,
+}
+
+impl Seen {
+    /// Notes what one line of the job's stderr says.
+    fn line(&mut self, text: &str) {
+        if aborting(text) {
+            self.aborted_at.get_or_insert_with(Instant::now);
+        }
+        if text.contains("has made no progress") && self.watchdog.len() < 1024 {
+            self.watchdog.push(text.trim().to_string());
+        }
+        // mpirun's box for a rank that exited with a status of its own.
+        if text.trim_start().starts_with("Exit code:") {
+            self.rank_exit = true;
+        }
+        if job_failure(text) {
+            self.failure.get_or_insert_with(|| text.trim().to_string());
+        }
+        // The first three, and mpirun's line naming the failed node wherever it
+        // comes (usually after the ranks' own reports).
+        if names_failure(text)
+            && (self.cause.len() < 3
+                || (text.contains(" on node ")
+                    && !self.cause.iter().any(|l| l.contains(" on node "))))
+        {
+            self.cause.push(text.trim().to_string());
+        }
+    }
+}
+
+fn lock(seen: &Mutex<Seen>) -> std::sync::MutexGuard<'_, Seen> {
+    seen.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// Passes the job's stderr through to `out` line by line, noting what each says.
+fn copy_stderr(stderr: impl std::io::Read, mut out: impl Write, seen: &Mutex<Seen>) {
+    for line in std::io::BufReader::new(stderr).split(b'\n') {
+        let Ok(line) = line else { break };
+        let _ = out.write_all(&line);
+        let _ = out.write_all(b"\n");
+        lock(seen).line(&String::from_utf8_lossy(&line));
+    }
+    let _ = out.flush();
 }
 
 /// What [`watch`] saw.
@@ -250,7 +262,7 @@ struct Watched {
 fn watch(
     child: &mut Child,
     grace: Duration,
-    aborted_at: &Mutex<Option<Instant>>,
+    seen: &Mutex<Seen>,
     signals: &Signals,
 ) -> std::io::Result<Watched> {
     use std::os::unix::process::ExitStatusExt;
@@ -292,7 +304,7 @@ fn watch(
             kill_job(child);
             return Ok(ended_by(signal));
         }
-        let since = *aborted_at.lock().unwrap_or_else(|p| p.into_inner());
+        let since = lock(seen).aborted_at;
         if since.is_some_and(|at| at.elapsed() > grace) {
             eprintln!(
                 "kolorun: mpirun has not ended the job {} s after it was aborted: a host's \
