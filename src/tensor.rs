@@ -697,14 +697,19 @@ impl Tensor {
         }
     }
 
+    /// Whether this tensor's memory can serve as another tensor's: a vector of its own
+    /// on the host (not another framework's buffer, which goes back to it, not a
+    /// device's). Point to point reuses a sent tensor's memory for the next receive,
+    /// so that a receive does not fault in fresh pages, and keeps only such tensors.
+    pub(crate) fn reusable(&self) -> bool {
+        self.external.is_none() && self.device() == Device::Cpu
+    }
+
     /// Makes this tensor one of `dtype` and `shape` (old contents left in place) when
-    /// it holds exactly that many elements of that dtype in a vector of its own (not
-    /// another framework's buffer, not a device); false, unchanged, otherwise. Point
-    /// to point reuses a sent tensor's memory for the next receive this way, so that
-    /// a receive does not fault in fresh pages.
+    /// it is [`reusable`](Self::reusable) and holds exactly that many elements of that
+    /// dtype; false, unchanged, otherwise.
     pub(crate) fn reuse_as(&mut self, dtype: DType, shape: &[usize]) -> bool {
-        let fits = self.external.is_none()
-            && self.device() == Device::Cpu
+        let fits = self.reusable()
             && self.dtype() == dtype
             && checked_len(shape, dtype).is_ok_and(|n| n == self.len());
         if fits {

@@ -82,6 +82,8 @@ fn host_buffer_is_used_in_place_and_given_back() {
     assert_eq!(t.clone().into_vec::<f32>().unwrap(), [1.0, 2.0, 3.0, 4.0]);
     assert_eq!(t.clone(), t);
     assert!(t.as_slice::<f64>().is_err());
+    // Issue 53 item 24: another framework's buffer is never kept for reuse.
+    assert!(!t.reusable() && Tensor::zeros(DType::F32, &[4]).reusable());
     let back: Foreign = t.into_host_buffer().unwrap();
     assert_eq!(back.0.as_ptr() as usize, ptr);
     assert_eq!(

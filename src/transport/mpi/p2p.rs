@@ -300,9 +300,11 @@ impl P2p {
         posted.map(|()| id)
     }
 
-    /// Keeps a sent tensor's memory for a later receive (the oldest goes first).
+    /// Keeps a sent tensor's memory for a later receive (the oldest goes first). Memory
+    /// no receive can take (another framework's buffer, Burn's lent gradients and
+    /// activations: the pipeline's sends) is let go at once instead of held.
     fn keep_spare(&mut self, t: Tensor) {
-        if t.num_bytes() == 0 || t.num_bytes() > SPARE_BYTES {
+        if t.num_bytes() == 0 || t.num_bytes() > SPARE_BYTES || !t.reusable() {
             return;
         }
         self.spare.push(t);
