@@ -305,13 +305,27 @@ pub fn resume<M: Module>(
 ) -> Result<Option<Restored<M>>> {
     let restored = load_checkpoint(kolo, dir, model, optim)?;
     let found = restored.as_ref().map(|r| r.run.as_deref());
+    Ok(match goes_on(kolo, dir, found, asked)? {
+        true => restored,
+        false => None,
+    })
+}
+
+/// [`resume`]'s decision on every rank of `kolo` alike, from the run of the commit
+/// rank 0 found (`found`; see [`kolo::resume_decision`]) and whether rank 0 finds the
+/// directory marked by this run. Starting from scratch (`false`), rank 0 marks it, so
+/// that a relaunch before the first commit starts over instead of failing.
+pub(crate) fn goes_on(
+    kolo: &Kolo,
+    dir: &Path,
+    found: Option<Option<&str>>,
+    asked: bool,
+) -> Result<bool> {
     let started = kolo.rank() == 0 && kolo::run_started_in(dir);
     let started = kolo.broadcast_object("kolo_burn.resume.started", started, 0)?;
     if kolo::resume_decision(dir, found, asked, started)? {
-        return Ok(restored);
+        return Ok(true);
     }
-    // Starting from scratch: rank 0 marks the directory as this run's, so that a
-    // relaunch before the first commit starts over instead of failing.
     let marked = match kolo.rank() {
         0 => kolo::mark_run_started(dir).err().map(|e| e.to_string()),
         _ => None,
@@ -321,6 +335,6 @@ pub fn resume<M: Module>(
             path: dir.to_path_buf(),
             message: format!("rank 0 cannot mark the directory as this run's: {message}"),
         }),
-        None => Ok(None),
+        None => Ok(false),
     }
 }

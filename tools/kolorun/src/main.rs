@@ -96,7 +96,7 @@ fn main() {
         Signals::catch().unwrap_or_else(|e| fail(&format!("cannot install signal handlers: {e}")));
     // Hosts left out of later attempts: their ranks died, or they did not answer.
     let mut left_out: Vec<String> = Vec::new();
-    let run_id = run_identity(&env);
+    let run_id = run_identity();
     // At most 1 000 001 (--max-restarts is bounded): no overflow.
     let attempts = args.max_restarts + 1;
     let mut attempt = 0u32;
@@ -249,24 +249,17 @@ fn leave_out(
 }
 
 /// The run's identity, the same for every attempt, which each rank writes into its
-/// commits (`kolo::run_id`): the user's `KOLO_RUN_ID`, else the Slurm job's (a requeued
-/// job keeps its id), else made here from this host, kolorun's pid and the time.
-fn run_identity(env: &[(String, String)]) -> String {
-    let get = |k: &str| {
-        env.iter()
-            .find(|(n, v)| n == k && !v.trim().is_empty())
-            .map(|(_, v)| v.trim().to_string())
-    };
-    get("KOLO_RUN_ID")
-        .or_else(|| get("SLURM_JOB_ID").map(|id| format!("slurm-{id}")))
-        .unwrap_or_else(|| {
-            let secs = std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .map_or(0, |d| d.as_secs());
-            let host = hosts::this_host();
-            let host = if host.is_empty() { "host".into() } else { host };
-            format!("kolorun-{host}-{}-{secs}", std::process::id())
-        })
+/// commits: `kolo::run_id` (the user's `KOLO_RUN_ID`, else the Slurm job's, which a
+/// requeued job keeps), else made here from this host, kolorun's pid and the time.
+fn run_identity() -> String {
+    kolo::run_id().unwrap_or_else(|| {
+        let secs = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_secs());
+        let host = hosts::this_host();
+        let host = if host.is_empty() { "host".into() } else { host };
+        format!("kolorun-{host}-{}-{secs}", std::process::id())
+    })
 }
 
 /// Ends kolorun with 128 + the signal when one that ends the job arrived while no

@@ -15,7 +15,9 @@ use burn::optim::ModuleOptimizer;
 use kolo::Progress;
 
 use super::Pipeline;
-use crate::checkpoint::{load_checkpoint, write_checkpoint, write_named_atomically, Restored};
+use crate::checkpoint::{
+    goes_on, load_checkpoint, write_checkpoint, write_named_atomically, Restored,
+};
 use crate::error::{Error, Result};
 
 const LATEST: &str = "pipeline.latest";
@@ -187,27 +189,11 @@ impl Pipeline {
         let found = self
             .kolo
             .broadcast_object("kolo_burn.pipeline.resume.found", found, 0)?;
-        let started = self.kolo.rank() == 0 && kolo::run_started_in(dir);
-        let started =
-            self.kolo
-                .broadcast_object("kolo_burn.pipeline.resume.started", started, 0)?;
-        if kolo::resume_decision(dir, found.as_ref().map(Option::as_deref), asked, started)? {
-            return Ok(restored);
-        }
-        let marked = match self.kolo.rank() {
-            0 => kolo::mark_run_started(dir).err().map(|e| e.to_string()),
-            _ => None,
-        };
-        match self
-            .kolo
-            .broadcast_object("kolo_burn.pipeline.resume.marked", marked, 0)?
-        {
-            Some(message) => Err(Error::Checkpoint {
-                path: dir.to_path_buf(),
-                message: format!("rank 0 cannot mark the directory as this run's: {message}"),
-            }),
-            None => Ok(None),
-        }
+        let found = found.as_ref().map(Option::as_deref);
+        Ok(match goes_on(&self.kolo, dir, found, asked)? {
+            true => restored,
+            false => None,
+        })
     }
 }
 

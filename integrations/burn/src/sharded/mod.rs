@@ -466,7 +466,10 @@ impl ShardedOptimizer {
         let device = first_device(&model)?;
         // The reducer's settling makes a rank that cannot hand over a gradient fail the
         // step on every rank (it still takes part, with zeros), so that none waits.
-        let reduced = match grads {
+        // A block is `None` where no rank had a gradient for its parameter this step:
+        // the wrapped optimizer gets none for it and leaves it (and its state) alone,
+        // as plain Burn does.
+        let mut mine = match grads {
             Gradients::Local(g) => {
                 self.reducer_for(plan, false)?
                     .reduce_slots(&model, g)?
@@ -474,10 +477,6 @@ impl ShardedOptimizer {
             }
             Gradients::Overlapped(sync, g) => sync.settle(&model, g)?.0,
         };
-        // A block is `None` where no rank had a gradient for its parameter this step:
-        // the wrapped optimizer gets none for it and leaves it (and its state) alone,
-        // as plain Burn does.
-        let mut mine = reduced;
         let values = blocks(&model, plan);
         if mine.len() != plan.sizes.len() {
             return Err(Error::Kolo(kolo::Error::Internal(format!(
