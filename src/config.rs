@@ -79,6 +79,10 @@ pub struct Config {
     pub(crate) rejected: Option<(String, String, String)>,
     /// `HOROVOD_*` variables set in the environment that kolo does not know.
     pub(crate) unknown_horovod: Vec<String>,
+    /// A process set's engine: this process's local rank in the whole job, which
+    /// picks the CUDA device a received tensor lands on (`Kolo::cuda_device`); the
+    /// set's own topology numbers its ranks within the set.
+    pub(crate) job_local_rank: Option<usize>,
 }
 
 impl Default for Config {
@@ -116,6 +120,7 @@ impl Default for Config {
             simulated_collective_cost: Duration::ZERO,
             rejected: None,
             unknown_horovod: Vec::new(),
+            job_local_rank: None,
         }
     }
 }

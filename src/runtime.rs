@@ -506,6 +506,7 @@ impl Kolo {
         config.autotune = false;
         config.autotune_log = None;
         config.unknown_horovod.clear();
+        config.job_local_rank = Some(self.local_rank());
         let set = spawn_engine(
             config,
             format!("kolo-engine-set{id}"),

@@ -165,8 +165,9 @@ impl Engine {
             let rank = self.inbox.rank;
             let why = "this rank shut down before the op completed";
             self.inbox.fail_all(|m| stopped(m, rank, why));
-            self.p2p
-                .fail_all(|op, name| Error::engine_stopped(op, name, rank, why));
+            self.p2p.fail_all_with(&mut self.inbox.p2p, |op, name| {
+                Error::engine_stopped(op, name, rank, why)
+            });
         }
         let leaving = self.inbox.shutting_down;
         match self.cycle(now) {
@@ -183,15 +184,19 @@ impl Engine {
         let rank = self.inbox.rank;
         match &end {
             End::Left => {}
-            End::RankLeft(left) => self.p2p.fail_all(|op, name| Error::RankLeft {
-                op,
-                name: name.to_string(),
-                rank: *left,
-            }),
+            End::RankLeft(left) => {
+                self.p2p
+                    .fail_all_with(&mut self.inbox.p2p, |op, name| Error::RankLeft {
+                        op,
+                        name: name.to_string(),
+                        rank: *left,
+                    })
+            }
             End::Failed(e) => {
                 let why = e.to_string();
-                self.p2p
-                    .fail_all(|op, name| Error::engine_stopped(op, name, rank, &why));
+                self.p2p.fail_all_with(&mut self.inbox.p2p, |op, name| {
+                    Error::engine_stopped(op, name, rank, &why)
+                });
             }
         }
         match end {
@@ -277,9 +282,10 @@ impl Engine {
         self.p2p
             .progress(&mut self.inbox.p2p, &mut self.exec.timeline);
         if stalls && self.p2p.busy() && !self.config.stall_check_disable {
-            self.p2p.warn_stalled(
+            self.p2p.check_stalled(
                 self.inbox.rank,
                 self.config.stall_check_time,
+                self.config.stall_shutdown_time,
                 Instant::now(),
             );
         }
@@ -306,9 +312,16 @@ impl Engine {
                 // Short ops finish within microseconds: look again at once.
                 std::thread::yield_now();
                 self.inbox.drain();
+            } else if self.p2p.busy() {
+                self.inbox
+                    .wait_for_work(GPU_POLL.min(self.p2p.poll_interval()));
             } else {
                 self.inbox.wait_for_work(GPU_POLL);
             }
+            // Sends and receives taken in meanwhile are posted, and those waiting
+            // polled, as between cycles (issue 53 item 21): they never wait for the
+            // device's ops.
+            self.poll_p2p(false);
             self.exec.gpu.poll();
         }
         false

@@ -69,8 +69,10 @@ pub(super) struct P2pLane {
     /// Tensors that arrived before their receive was posted, by (source, name), in the
     /// order they were sent.
     arrived: FxHashMap<(usize, String), VecDeque<Arrived>>,
-    /// This rank's place on its machine: a tensor sent from a device lands on the
-    /// device it picks (`Kolo::cuda_device`).
+    /// This rank (of the transport's communicator).
+    rank: usize,
+    /// This process's place on its machine in the whole job: a tensor sent from a
+    /// device lands on the device it picks (`Kolo::cuda_device`).
     local_rank: usize,
     events: Vec<P2pEvent>,
     /// When a send or receive last completed (or was taken in): the polling interval
@@ -92,10 +94,12 @@ fn name_of(req: &Request) -> String {
 }
 
 impl P2pLane {
-    /// The lane over `port`, on a rank with local rank `local_rank`.
-    pub(super) fn new(port: Option<Box<dyn P2pPort>>, local_rank: usize) -> Self {
+    /// The lane over `port`, on rank `rank`, whose process has local rank
+    /// `local_rank` in the job.
+    pub(super) fn new(port: Option<Box<dyn P2pPort>>, rank: usize, local_rank: usize) -> Self {
         P2pLane {
             port,
+            rank,
             local_rank,
             drain: true,
             ..P2pLane::default()
@@ -169,6 +173,17 @@ impl P2pLane {
             }
             _ => {
                 let key = (peer, name);
+                if self.recvs.contains_key(&key) {
+                    // Two receives of one name from one source at once: the tensor
+                    // could go to either (issue 53 item 25). The first one posted
+                    // keeps the name; this one is refused.
+                    req.done.complete(Err(Error::DuplicateName {
+                        op: "recv",
+                        name: format!("{} from rank {peer}", key.1),
+                        rank: self.rank,
+                    }));
+                    return;
+                }
                 if let Some(got) = self.take_arrived(&key) {
                     let args = timeline_args(timeline, &got.tensor, peer);
                     trace(timeline, "RECV", &key.1, req.submitted, args);
@@ -397,6 +412,25 @@ impl P2pLane {
         }
     }
 
+    /// Fails every send and receive waiting with `error(op, name)`, and those taken
+    /// off the queue but not yet handed to the lane (`untaken`).
+    pub(super) fn fail_all_with(
+        &mut self,
+        untaken: &mut Vec<Request>,
+        error: impl Fn(&'static str, &str) -> Error,
+    ) {
+        for req in untaken.drain(..) {
+            let op = if req.meta.kind == OpKind::Send {
+                "send"
+            } else {
+                "recv"
+            };
+            let e = error(op, &name_of(&req));
+            req.done.complete(Err(e));
+        }
+        self.fail_all(error);
+    }
+
     /// Fails every send and receive waiting with `error(op, name)`.
     pub(super) fn fail_all(&mut self, error: impl Fn(&'static str, &str) -> Error) {
         for (_, w) in self.sends.drain() {
@@ -409,10 +443,23 @@ impl P2pLane {
         }
     }
 
-    /// Warns, naming both ranks and the name, about each receive (and send) that has
-    /// waited longer than `after` (again every `after`), as the stall inspector does
-    /// for collectives.
-    pub(super) fn warn_stalled(&mut self, rank: usize, after: Duration, now: Instant) {
+    /// Fails each receive (and send) that has waited `fail_after` or longer (not
+    /// when it is zero), as the stall shutdown time does for collectives (issue 53
+    /// item 20): a peer that failed or never sends no longer leaves it waiting for
+    /// ever. The engine goes on: other pairs' traffic and collectives are unaffected.
+    /// Then warns, naming both ranks and the name, about each one that has waited
+    /// longer than `after` (again every `after`), as the stall inspector does for
+    /// collectives.
+    pub(super) fn check_stalled(
+        &mut self,
+        rank: usize,
+        after: Duration,
+        fail_after: Duration,
+        now: Instant,
+    ) {
+        if !fail_after.is_zero() {
+            self.fail_stalled(rank, fail_after, now);
+        }
         if after.is_zero() {
             return;
         }
@@ -442,6 +489,49 @@ impl P2pLane {
                 now.duration_since(w.submitted),
                 w.peer
             );
+        }
+    }
+}
+
+impl P2pLane {
+    /// Fails the sends and receives that have waited `fail_after` or longer.
+    fn fail_stalled(&mut self, rank: usize, fail_after: Duration, now: Instant) {
+        let late = |w: &Waiting| now.duration_since(w.submitted) >= fail_after;
+        let secs = fail_after.as_secs_f64();
+        let recvs: Vec<(usize, String)> = self
+            .recvs
+            .iter()
+            .filter(|(_, w)| late(w))
+            .map(|(k, _)| k.clone())
+            .collect();
+        for key in recvs {
+            if let Some(w) = self.recvs.remove(&key) {
+                let report = format!(
+                    "recv {:?} on rank {rank}: rank {} has not sent it within {secs:.0} s \
+                     (KOLO_STALL_SHUTDOWN_TIME_SECONDS); it may have failed, or sends under \
+                     another name",
+                    w.name, w.peer
+                );
+                tracing::error!(rank, from = w.peer, name = %w.name, "{report}");
+                w.done.complete(Err(Error::Stalled { report }));
+            }
+        }
+        let sends: Vec<u64> = self
+            .sends
+            .iter()
+            .filter(|(_, w)| late(w))
+            .map(|(&id, _)| id)
+            .collect();
+        for id in sends {
+            if let Some(w) = self.sends.remove(&id) {
+                let report = format!(
+                    "send {:?} on rank {rank}: rank {} has not received it within {secs:.0} s \
+                     (KOLO_STALL_SHUTDOWN_TIME_SECONDS)",
+                    w.name, w.peer
+                );
+                tracing::error!(rank, to = w.peer, name = %w.name, "{report}");
+                w.done.complete(Err(Error::Stalled { report }));
+            }
         }
     }
 }
@@ -503,9 +593,9 @@ mod tests {
 
     #[test]
     fn a_waiting_caller_yields_as_long_as_the_bytes_moving_take_at_1_gb_per_s() {
-        let lane = |bytes| P2pLane::new(Some(Box::new(Moving(bytes))), 0);
+        let lane = |bytes| P2pLane::new(Some(Box::new(Moving(bytes))), 0, 0);
         let ms = Duration::from_millis;
-        assert_eq!(P2pLane::new(None, 0).yield_for(), ms(1));
+        assert_eq!(P2pLane::new(None, 0, 0).yield_for(), ms(1));
         assert_eq!(lane(0).yield_for(), ms(1));
         assert_eq!(lane(4 << 10).yield_for(), ms(1));
         assert_eq!(lane(2 << 20).yield_for(), ms(2));

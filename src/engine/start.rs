@@ -115,6 +115,7 @@ impl Engine {
         let config_timeout = config.collective_timeout;
         let simulated_cost = config.simulated_collective_cost;
         let awaited = transport.awaited();
+        let device_local_rank = device_local_rank(&config, &topology);
         #[allow(unused_mut)]
         let mut engine = Engine {
             inbox: Inbox::new(queue, topology.rank),
@@ -141,7 +142,7 @@ impl Engine {
                 ),
                 awaited,
             ),
-            p2p: super::p2p::P2pLane::new(port, topology.local_rank),
+            p2p: super::p2p::P2pLane::new(port, topology.rank, device_local_rank),
             last_cycle: Instant::now(),
             heartbeat_handed_back: false,
             #[cfg(feature = "fault-injection")]
@@ -198,6 +199,13 @@ fn serve_or_abort(engine: Engine, driver: &Driver) {
             }
         }
     }
+}
+
+/// The local rank that picks the CUDA device a received tensor lands on: the job's
+/// (as `Kolo::cuda_device`), also on a process set's engine, whose own topology
+/// numbers the ranks within the set (issue 53 item 22).
+fn device_local_rank(config: &Config, topology: &Topology) -> usize {
+    config.job_local_rank.unwrap_or(topology.local_rank)
 }
 
 /// Closes the queue when the engine thread ends, also by a panic: later submits then

@@ -73,6 +73,7 @@ const CASES: &[(&str, Case, usize)] = &[
     ("p2p_dtypes_sizes_in_flight", p2p::dtypes_sizes_in_flight, 2),
     ("p2p_waiting_recv_sleeps", p2p::waiting_recv_sleeps, 2),
     ("p2p_in_process_set", p2p::in_process_set, 3),
+    ("p2p_racing_receives", p2p::racing_receives, 2),
     ("p2p_pair_alone", p2p::pair_alone, 3),
     (
         "p2p_pair_alone_past_heartbeats",
@@ -117,6 +118,9 @@ const VARIANT_ONLY: &[(&str, Case)] = &[
     ("stall_shutdown", faults::stall_shutdown),
     ("p2p_stalled_recv", p2p::stalled_recv),
     ("p2p_async_send_unwaited", p2p::async_send_unwaited),
+    ("p2p_stalled_recv_fails", p2p::stalled_recv_fails),
+    #[cfg(feature = "fault-injection")]
+    ("p2p_broken_stream", p2p::broken_stream),
     ("timeline", timeline::trace),
     ("autotune_grid_point", autotune::grid_point),
     ("autotune_tune", autotune::tune),
@@ -312,6 +316,27 @@ const VARIANTS: &[Variant] = &[
         &[2],
         &[("KOLO_STALL_CHECK_TIME_SECONDS", "1")],
         Some("stalled recv: rank 1 has waited"),
+    ),
+    // Issue 53 item 20: a receive whose sender never sends fails after the stall
+    // shutdown time.
+    (
+        "p2p_stalled_recv_fails",
+        "p2p_stalled_recv_fails",
+        &[2, 3],
+        &[("KOLO_STALL_SHUTDOWN_TIME_SECONDS", "2")],
+        Some("P2P_STALL_FAILED_AND_WENT_ON"),
+    ),
+    // Issue 53 item 18: a send that fails after its header breaks that destination.
+    #[cfg(feature = "fault-injection")]
+    (
+        "p2p_broken_stream",
+        "p2p_broken_stream",
+        &[2, 3],
+        &[
+            ("KOLO_FAULT_P2P_DATA_FAIL", "broken.a"),
+            ("KOLO_STALL_SHUTDOWN_TIME_SECONDS", "2"),
+        ],
+        Some("P2P_BROKEN_STREAM_REFUSED"),
     ),
     (
         "p2p_async_send_unwaited",

@@ -643,3 +643,136 @@ pub(crate) fn device_flag_without_gpu(k: &Kolo) -> Result<()> {
     ensure!(sum == [k.size() as f32], "allreduce after gave {sum:?}");
     Ok(())
 }
+
+/// Issue 53 item 25: two threads of rank 1 receive the same name from rank 0 at once,
+/// 20 times: in each round exactly one gets the tensor and the other is refused as a
+/// duplicate (it got "the engine stopped" when the second receive replaced the first
+/// in the engine).
+pub(crate) fn racing_receives(k: &Kolo) -> Result<()> {
+    for round in 0..20 {
+        let name = format!("race.{round}");
+        match k.rank() {
+            0 => {
+                std::thread::sleep(Duration::from_millis(5 + (round % 4) * 10));
+                let t = Tensor::from_vec(vec![round as i32; 3], &[3])?;
+                k.send(name.as_str(), t, 1).wait()?;
+            }
+            1 => {
+                let (a, b) = std::thread::scope(|s| {
+                    let a = s.spawn(|| k.recv(name.as_str(), 0).wait());
+                    let b = s.spawn(|| k.recv(name.as_str(), 0).wait());
+                    (a.join(), b.join())
+                });
+                let (Ok(a), Ok(b)) = (a, b) else {
+                    anyhow::bail!("a receiving thread panicked");
+                };
+                let (got, refused) = match (a, b) {
+                    (Ok(t), Err(e)) | (Err(e), Ok(t)) => (t, e.to_string()),
+                    (Ok(_), Ok(_)) => anyhow::bail!("round {round}: both receives got a tensor"),
+                    (Err(a), Err(b)) => anyhow::bail!("round {round}: both failed: {a}; {b}"),
+                };
+                ensure!(
+                    got.as_slice::<i32>()? == [round as i32; 3],
+                    "round {round}: {got:?}"
+                );
+                ensure!(
+                    refused.contains("already pending on rank 1"),
+                    "round {round}: the second receive: {refused:?}"
+                );
+            }
+            _ => {}
+        }
+    }
+    k.barrier()?;
+    Ok(())
+}
+
+/// Issue 53 item 20 (with `KOLO_STALL_SHUTDOWN_TIME_SECONDS=2`): a receive whose
+/// sender never sends fails after the stall shutdown time, naming both ranks and the
+/// name, instead of waiting for ever; point to point and collectives go on after it.
+pub(crate) fn stalled_recv_fails(k: &Kolo) -> Result<()> {
+    // The other ranks reach the next collective soon after rank 1's receive fails:
+    // a collective awaited for 2 s would trip the same shutdown time.
+    match k.rank() {
+        1 => {
+            let start = Instant::now();
+            let e = error_text(k.recv("never.sent", 0).wait());
+            let took = start.elapsed();
+            ensure!(
+                e.contains("recv \"never.sent\" on rank 1: rank 0 has not sent it within 2 s"),
+                "{e:?}"
+            );
+            ensure!(
+                took >= Duration::from_millis(1900) && took < Duration::from_secs(10),
+                "failed after {took:?}"
+            );
+        }
+        _ => std::thread::sleep(Duration::from_millis(2300)),
+    }
+    let t = k.allreduce("after.stall", Tensor::from_vec(vec![1.0f32], &[1])?);
+    let sum = t.op(ReduceOp::Sum).wait()?;
+    ensure!(sum.as_slice::<f32>()? == [k.size() as f32], "{sum:?}");
+    match k.rank() {
+        0 => k
+            .send("after", Tensor::from_vec(vec![9u8], &[1])?, 1)
+            .wait()?,
+        1 => {
+            let t = k.recv("after", 0).wait()?;
+            ensure!(t.as_slice::<u8>()? == [9], "{t:?}");
+        }
+        _ => {}
+    }
+    k.barrier()?;
+    println!("P2P_STALL_FAILED_AND_WENT_ON");
+    Ok(())
+}
+
+/// Issue 53 item 18 (fault-injection: `KOLO_FAULT_P2P_DATA_FAIL=broken.a`, and
+/// `KOLO_STALL_SHUTDOWN_TIME_SECONDS=2`): rank 0's send of `broken.a` fails after its
+/// header went out. Its next send to rank 1 fails too, naming the broken stream,
+/// instead of going out and being taken by rank 1 as `broken.a`'s bytes; rank 1's
+/// receive of `broken.a` never completes with the wrong tensor (it fails after the
+/// stall shutdown time). Sends to other ranks and collectives are unaffected.
+#[cfg(feature = "fault-injection")]
+pub(crate) fn broken_stream(k: &Kolo) -> Result<()> {
+    let (rank, size) = (k.rank(), k.size());
+    let big = |v: f32| Tensor::from_vec(vec![v; 16 << 10], &[16 << 10]);
+    match rank {
+        0 => {
+            let e = error_text(k.send("broken.a", big(1.0)?, 1).wait());
+            ensure!(e.contains("KOLO_FAULT_P2P_DATA_FAIL"), "broken.a: {e:?}");
+            let e = error_text(k.send("broken.b", big(2.0)?, 1).wait());
+            ensure!(
+                e.contains("point to point to rank 1 broke at an earlier send"),
+                "broken.b: {e:?}"
+            );
+            if size > 2 {
+                k.send("fine", big(3.0)?, 2).wait()?;
+            }
+        }
+        1 => {
+            let r = k.recv("broken.a", 0).wait();
+            ensure!(
+                r.is_err(),
+                "rank 1 received a tensor as \"broken.a\" (the next send's bytes): {:?}",
+                r.ok()
+                    .map(|t| t.as_slice::<f32>().map(|s| s[0]).unwrap_or(f32::NAN))
+            );
+            let e = error_text(r);
+            ensure!(e.contains("has not sent it within 2 s"), "{e:?}");
+        }
+        2 => {
+            let t = k.recv("fine", 0).wait()?;
+            ensure!(t == big(3.0)?, "fine: wrong data");
+        }
+        _ => {}
+    }
+    // Near rank 1, whose receive fails after 2 s: a collective awaited for 2 s would
+    // trip the same shutdown time.
+    if rank != 1 {
+        std::thread::sleep(Duration::from_millis(2300));
+    }
+    k.barrier()?;
+    println!("P2P_BROKEN_STREAM_REFUSED");
+    Ok(())
+}

@@ -223,30 +223,6 @@ impl GradientReducer {
         }
     }
 
-    /// Takes part in a step this rank cannot finish (`why`): zeros for every gradient
-    /// and its failure flagged, so that every rank's reduction of this step fails (the
-    /// others with [`Error::OtherRank`] naming this rank) and none averages this step
-    /// with another. Returns `why`, or the reduction's own error.
-    pub(crate) fn reduce_failed<M: Module>(&self, module: &M, why: Error) -> Error {
-        let layout = match self.layout_of(module) {
-            Ok(l) => l,
-            Err(e) => return e,
-        };
-        let tensors = layout
-            .slots
-            .iter()
-            .zip(&layout.wires)
-            .map(|(s, w)| Some(w.zeros(s)))
-            .collect();
-        let present = vec![false; layout.slots.len()];
-        match self.allreduce(&layout, tensors, Some(why), &present) {
-            Err(e) => e,
-            Ok(_) => Error::Kolo(kolo::Error::Internal(
-                "a step that failed on this rank was reduced".into(),
-            )),
-        }
-    }
-
     /// The largest bucket, in bytes.
     pub(crate) fn bucket_bytes(&self) -> usize {
         self.bucket_bytes

@@ -83,6 +83,14 @@ pub(super) struct P2p {
     /// receiving side's handling of it.
     #[cfg(feature = "fault-injection")]
     fault_as_device: bool,
+    /// Test-only (feature fault-injection, `KOLO_FAULT_P2P_DATA_FAIL=<name>`): the
+    /// send of that name fails after its header went out.
+    #[cfg(feature = "fault-injection")]
+    fault_data_fail: Option<String>,
+    /// Destinations whose message stream broke: a send failed after its header went
+    /// out, so the receiver would take the next send's bytes as that header's. Every
+    /// later send there fails with why (issue 53 item 18).
+    broken_to: Vec<(usize, String)>,
 }
 
 /// How many sent tensors [`P2p::spare`] keeps, and how many bytes in all.
@@ -102,6 +110,9 @@ impl P2p {
             header_buf: Vec::new(),
             #[cfg(feature = "fault-injection")]
             fault_as_device: std::env::var("KOLO_FAULT_P2P_AS_DEVICE").is_ok_and(|v| v == "1"),
+            #[cfg(feature = "fault-injection")]
+            fault_data_fail: std::env::var("KOLO_FAULT_P2P_DATA_FAIL").ok(),
+            broken_to: Vec::new(),
         }
     }
 
@@ -225,6 +236,16 @@ impl P2p {
     /// may still read it).
     pub(super) fn post_send(&mut self, dest: usize, name: &str, tensor: Tensor) -> Result<u64> {
         let call = "MPI_Isend (send)";
+        if let Some((_, why)) = self.broken_to.iter().find(|(d, _)| *d == dest) {
+            return Err(Error::Transport {
+                call: "send",
+                message: format!(
+                    "{name:?} to rank {dest}: point to point to rank {dest} broke at an earlier \
+                     send, which failed after its header went out ({why}); rank {dest} would \
+                     take this send's bytes for that one, so nothing more is sent there"
+                ),
+            });
+        }
         let device = tensor.device().is_cuda();
         #[cfg(feature = "fault-injection")]
         let device = device || self.fault_as_device;
@@ -277,14 +298,18 @@ impl P2p {
                     ffi::MPI_Isend(p.cast(), n, ffi::RSMPI_UINT8_T, peer, HEADER_TAG, comm, r)
                 }
             },
-        )
-        .and_then(|()| {
-            post_pieces(call, base, len, &mut reqs, |p, n, r| {
-                // SAFETY: the tensor's heap bytes stay in `Outgoing` (moving the tensor
-                // does not move them) until the request completes; MPI only reads them.
-                unsafe { ffi::MPI_Isend(p.cast(), n, ffi::RSMPI_UINT8_T, peer, DATA_TAG, comm, r) }
-            })
-        });
+        );
+        let posted = match posted {
+            Ok(()) => {
+                let data = self.post_data(name, base, len, peer, &mut reqs);
+                if let Err(e) = &data {
+                    // The header is out: this stream is out of step for good.
+                    self.broken_to.push((dest, e.to_string()));
+                }
+                data
+            }
+            Err(e) => Err(e),
+        };
         let id = if posted.is_ok() {
             self.next_id
         } else {
@@ -298,6 +323,32 @@ impl P2p {
             tensor,
         });
         posted.map(|()| id)
+    }
+
+    /// Posts the `len` bytes at `base` that follow a header to `peer`.
+    fn post_data(
+        &self,
+        name: &str,
+        base: *mut u8,
+        len: usize,
+        peer: c_int,
+        reqs: &mut Vec<ffi::MPI_Request>,
+    ) -> Result<()> {
+        let call = "MPI_Isend (send)";
+        #[cfg(feature = "fault-injection")]
+        if len > 0 && self.fault_data_fail.as_deref() == Some(name) {
+            return Err(Error::Transport {
+                call,
+                message: "injected failure after the header (KOLO_FAULT_P2P_DATA_FAIL)".into(),
+            });
+        }
+        let _ = name;
+        let comm = self.raw();
+        post_pieces(call, base, len, reqs, |p, n, r| {
+            // SAFETY: the tensor's heap bytes stay in `Outgoing` (moving the tensor does
+            // not move them) until the request completes; MPI only reads them.
+            unsafe { ffi::MPI_Isend(p.cast(), n, ffi::RSMPI_UINT8_T, peer, DATA_TAG, comm, r) }
+        })
     }
 
     /// Keeps a sent tensor's memory for a later receive (the oldest goes first). Memory

@@ -362,7 +362,14 @@ impl Pipeline {
             }
         } else {
             let t = self.receive(&key, me - 1)?;
-            self.as_burn::<DI>(&key, t, &device, "activations")?
+            match self.as_burn::<DI>(&key, t, &device, "activations") {
+                Ok(x) => x,
+                Err(e) => {
+                    // The stages after this one wait for this key: tell them.
+                    self.pass_failure(&key, &e.to_string())?;
+                    return Err(e);
+                }
+            }
         };
         let out = forward(model, x).detach();
         if self.is_last() {
@@ -395,11 +402,14 @@ impl Pipeline {
     ///   job then fails);
     /// - [`Error::Data`]: activations or gradients of a dtype kolo cannot carry;
     /// - [`Error::Kolo`]: a send, receive or reduction failed (a rank that left, …);
-    /// - with several replicas, a step that fails on one replica (any of the above)
-    ///   fails on every replica: the failing stage still takes part in its replicas'
-    ///   gradient reduction, flagged, and the other replicas' ranks return
-    ///   [`Error::OtherRank`] naming it, so no replica steps alone and the next step
-    ///   starts in step everywhere. Every rank may call `step` again.
+    /// - a step that fails on one rank (any of the above, on any stage or replica)
+    ///   fails on every rank of the job: a failing stage passes its error to the
+    ///   neighbours that wait for it (in place of the activations or gradients they
+    ///   would receive), and before any replica reduces, the ranks agree whether the
+    ///   step went through; the ranks that did not fail themselves return
+    ///   [`Error::OtherRank`] naming the first that did. No stage or replica steps
+    ///   alone, and the next step starts in step everywhere: every rank may call
+    ///   `step` again.
     pub fn step<M, const DI: usize, const DO: usize>(
         &mut self,
         model: &M,
@@ -427,7 +437,9 @@ impl Pipeline {
                         Ok(()) => e,
                         Err(sent) => sent,
                     };
-                    return Err(self.fail_step(model, e));
+                    return Err(self.agree_step(step, Err(e)).err().unwrap_or_else(|| {
+                        Error::Kolo(kolo::Error::Internal("a failed step was agreed".into()))
+                    }));
                 }
             }
         } else {
@@ -443,6 +455,10 @@ impl Pipeline {
             sends: Vec::new(),
             accumulated: GradientsAccumulator::new(),
             loss_sum: 0.0,
+            acts_sent: 0,
+            grads_sent: 0,
+            failed_from: None,
+            passed_on: None,
         };
         let passed = (|| -> Result<()> {
             for pass in passes(self.schedule, self.stages, self.stage, self.micro) {
@@ -463,9 +479,11 @@ impl Pipeline {
             }
             Ok(())
         })();
-        if let Err(e) = passed {
-            return Err(self.fail_step(model, e));
+        if let Err(e) = &passed {
+            let why = state.passed_on.take().unwrap_or_else(|| e.to_string());
+            self.tell_neighbours(&state, &why);
         }
+        self.agree_step(step, passed)?;
         let grads = state.accumulated.grads();
         let grads = match &self.reducer {
             Some(r) => r.reduce(model, grads)?,
@@ -477,15 +495,57 @@ impl Pipeline {
         })
     }
 
-    /// Ends a step that failed on this rank with `e`: with replicas, this stage still
-    /// takes part in the replicas' reduction (zeros, its failure flagged), so that
-    /// every replica of the stage fails this step too instead of averaging its
-    /// gradients with the next step's.
-    fn fail_step<M: Module>(&self, model: &M, e: Error) -> Error {
-        match &self.reducer {
-            Some(r) => r.reduce_failed(model, e),
-            None => e,
+    /// Whether step `step` went through on every rank of the job (`passed` here): a
+    /// step that failed on any stage of any replica fails on every rank — the failing
+    /// ones with their own error, the others with [`Error::OtherRank`] naming the
+    /// first that failed — before any replica reduces, so that no stage or replica
+    /// steps alone (a stage after a failure that had all its activations would
+    /// otherwise finish the step) and the next step starts in step everywhere. One
+    /// allreduce of one value per step; the failures' texts are gathered only when
+    /// one failed.
+    fn agree_step(&self, step: u64, passed: Result<()>) -> Result<()> {
+        let size = self.kolo.size();
+        let mine = if passed.is_err() {
+            self.kolo.rank()
+        } else {
+            size
+        };
+        let first = self
+            .kolo
+            .allreduce(
+                "kolo_burn.pipeline.step_failed",
+                kolo::Tensor::from_vec(vec![mine as f64], &[1])?,
+            )
+            .op(kolo::ReduceOp::Min)
+            .wait()
+            .and_then(|t| t.into_vec::<f64>().map_err(|e| e.into_parts().0));
+        let first = match (first, &passed) {
+            (Ok(v), _) => v.first().map_or(size, |&r| r as usize),
+            (Err(e), Ok(())) => return Err(e.into()),
+            // This rank's own failure says more than the agreement's.
+            (Err(_), Err(_)) => return passed,
+        };
+        if first >= size {
+            return passed;
         }
+        let text = passed.as_ref().err().map(ToString::to_string);
+        let texts: Vec<Option<String>> = self
+            .kolo
+            .allgather_object("kolo_burn.pipeline.step_failures", text)?;
+        passed?;
+        Err(Error::OtherRank {
+            rank: first,
+            what: if step == 0 {
+                "finish the pipeline's first step"
+            } else {
+                "finish this pipeline step"
+            },
+            message: texts
+                .get(first)
+                .cloned()
+                .flatten()
+                .unwrap_or_else(|| "(no message)".into()),
+        })
     }
 
     /// The rows of each micro-batch of the first stage's `input`.
@@ -533,6 +593,62 @@ impl Pipeline {
         let marker = kolo::Tensor::from_vec(why.as_bytes().to_vec(), &[why.len()])?;
         self.kolo.send(key, marker, self.kolo.rank() + 1).wait()?;
         Ok(())
+    }
+
+    /// After this stage's step failed with `why` (its own error, or one a neighbour
+    /// passed on): tells each neighbour that may still wait for this stage — in place
+    /// of the next tensor it would receive from here (activations, in micro-batch
+    /// order, for the next stage; gradients for the previous one) — so that no stage
+    /// is left in a receive (issue 53 item 20). The side a failure came from is not
+    /// told again; each stage passes it on away from where it came.
+    fn tell_neighbours<M, I, O>(&self, state: &StepState<M, I, O>, why: &str) {
+        let me = self.kolo.rank();
+        let tell = |key: String, to: usize| {
+            let sent = kolo::Tensor::from_vec(why.as_bytes().to_vec(), &[why.len()])
+                .and_then(|marker| self.kolo.send(key.as_str(), marker, to).wait());
+            if let Err(e) = sent {
+                tracing::warn!(stage = self.stage, to, "could not pass a failure on: {e}");
+            }
+        };
+        if !self.is_last() && state.failed_from != Some(Side::Next) && state.acts_sent < self.micro
+        {
+            tell(self.act_key(state.step, state.acts_sent), me + 1);
+        }
+        if !self.is_first()
+            && state.failed_from != Some(Side::Prev)
+            && state.grads_sent < self.micro
+        {
+            tell(self.grad_key(state.step, state.grads_sent), me - 1);
+        }
+    }
+
+    /// Receives activations (from the previous stage) or gradients (from the next)
+    /// `key` during a step: a failure a neighbour passed on (a byte tensor) is this
+    /// stage's error too; the step's end passes it on to the other side.
+    fn receive_in_step<M, I, O>(
+        &self,
+        state: &mut StepState<M, I, O>,
+        key: &str,
+        side: Side,
+    ) -> Result<kolo::Tensor> {
+        let me = self.kolo.rank();
+        let from = match side {
+            Side::Prev => me - 1,
+            Side::Next => me + 1,
+        };
+        let t = self.kolo.recv(key, from).wait()?;
+        if t.dtype() != kolo::DType::U8 {
+            return Ok(t);
+        }
+        let why = String::from_utf8_lossy(t.as_bytes()?).into_owned();
+        let which = match side {
+            Side::Prev => "an earlier",
+            Side::Next => "a later",
+        };
+        let e = self.failure(format!("{which} stage failed: {why}"));
+        state.failed_from = Some(side);
+        state.passed_on = Some(why);
+        Err(e)
     }
 
     /// Receives activations or gradients `key` from `from`: a failure passed on by an
@@ -594,7 +710,7 @@ impl Pipeline {
             Some(x) => x.clone().narrow(0, m * state.rows, state.rows),
             None => {
                 let key = self.act_key(state.step, m);
-                let t = self.receive(&key, me - 1)?;
+                let t = self.receive_in_step(state, &key, Side::Prev)?;
                 let x = self.as_burn::<DI>(&key, t, &state.device, "activations")?;
                 let x = x.require_grad();
                 state.inputs[m] = Some(x.clone());
@@ -610,6 +726,7 @@ impl Pipeline {
         } else {
             let key = self.act_key(state.step, m);
             self.send_tensor(&mut state.sends, key, out.clone().detach(), me + 1)?;
+            state.acts_sent = m + 1;
             state.outputs[m] = Some(out);
         }
         Ok(())
@@ -630,7 +747,7 @@ impl Pipeline {
                 .take()
                 .ok_or_else(|| missing("output", m))?;
             let key = self.grad_key(state.step, m);
-            let g = self.kolo.recv(&key, me + 1).wait()?;
+            let g = self.receive_in_step(state, &key, Side::Next)?;
             let g = self.as_burn::<DO>(&key, g, &state.device, "gradients")?;
             // d(sum(out · g))/dθ is gᵀ ∂out/∂θ: the received gradient pulled back.
             (out * g).sum().backward()
@@ -644,6 +761,7 @@ impl Pipeline {
             })?;
             let key = self.grad_key(state.step, m);
             self.send_tensor(&mut state.sends, key, gx, me - 1)?;
+            state.grads_sent = m + 1;
         }
         let grads = GradientsParams::from_grads(grads, model);
         state.accumulated.accumulate(model, grads);
@@ -666,6 +784,23 @@ struct StepState<M, I, O> {
     sends: Vec<Handle<()>>,
     accumulated: GradientsAccumulator<M>,
     loss_sum: f64,
+    /// Activations sent to the next stage (micro-batches `0..acts_sent`, in order).
+    acts_sent: usize,
+    /// Gradients sent back to the previous stage (`0..grads_sent`, in order).
+    grads_sent: usize,
+    /// The neighbour whose failure this step received, if any.
+    failed_from: Option<Side>,
+    /// That failure's text, passed on unchanged.
+    passed_on: Option<String>,
+}
+
+/// A neighbouring stage.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Side {
+    /// The previous stage (activations come from it).
+    Prev,
+    /// The next stage (gradients come from it).
+    Next,
 }
 
 fn missing(what: &str, m: usize) -> Error {

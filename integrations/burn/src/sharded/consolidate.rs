@@ -15,6 +15,7 @@
 
 use std::collections::BTreeMap;
 
+use burn::grad_clipping::GradientClipping;
 use burn::module::Module;
 use burn::optim::ModuleOptimizer;
 use burn_pack::{Bytes, DType, Reader, Scalar, Writer};
@@ -28,7 +29,8 @@ const RANK_KEY: &str = "__rank";
 /// What a rank holds of one field for one block: (parameter index, field, dtype, shape).
 type HeldField = (usize, String, String, Vec<usize>);
 
-/// A state tensor: its dtype, shape and values (f32 only; empty for other dtypes).
+/// A state tensor: its dtype, shape and values (f32, f16 and bf16 as f32; empty for
+/// other dtypes).
 type StateTensor = (DType, Vec<usize>, Vec<f32>);
 
 /// One optimizer record, read apart: tensors by (parameter id, field), and scalars.
@@ -37,14 +39,62 @@ struct Parts {
     scalars: BTreeMap<String, Scalar>,
 }
 
+/// The state dtypes the element ranges carry (as f32 on the wire: exact for all).
+fn element_wise(dtype: DType) -> bool {
+    matches!(dtype, DType::F32 | DType::F16 | DType::BF16)
+}
+
+/// `bytes` of `dtype` as f32 values (empty for a dtype not [`element_wise`]).
+fn to_f32(dtype: DType, bytes: &[u8]) -> Vec<f32> {
+    match dtype {
+        DType::F32 => bytemuck::pod_collect_to_vec::<u8, f32>(bytes),
+        DType::F16 => bytemuck::pod_collect_to_vec::<u8, half::f16>(bytes)
+            .into_iter()
+            .map(half::f16::to_f32)
+            .collect(),
+        DType::BF16 => bytemuck::pod_collect_to_vec::<u8, half::bf16>(bytes)
+            .into_iter()
+            .map(half::bf16::to_f32)
+            .collect(),
+        _ => Vec::new(),
+    }
+}
+
+/// `values` as the bytes of `dtype` (f32, f16 or bf16).
+fn from_f32(dtype: DType, values: &[f32]) -> Vec<u8> {
+    match dtype {
+        DType::F16 => {
+            let v: Vec<half::f16> = values.iter().map(|&x| half::f16::from_f32(x)).collect();
+            bytemuck::cast_slice(&v).to_vec()
+        }
+        DType::BF16 => {
+            let v: Vec<half::bf16> = values.iter().map(|&x| half::bf16::from_f32(x)).collect();
+            bytemuck::cast_slice(&v).to_vec()
+        }
+        _ => bytemuck::cast_slice(values).to_vec(),
+    }
+}
+
+/// A dtype from its `Debug` name (as the ranks exchange it).
+fn dtype_named(name: &str) -> DType {
+    match name {
+        "F16" => DType::F16,
+        "BF16" => DType::BF16,
+        _ => DType::F32,
+    }
+}
+
 pub(super) fn record_error(what: &'static str) -> impl Fn(String) -> Error {
     move |message| Error::Record { what, message }
 }
 
-/// An optimizer record as burnpack holds it: its tensors and its scalars.
+/// An optimizer record as burnpack holds it: its tensors, its scalars, and each
+/// parameter's module path by id (Burn keeps them as metadata, to bind parameter
+/// groups again after a load: issue 53 item 3).
 pub(super) struct Record {
     pub(super) tensors: Vec<burn_pack::Tensor>,
     pub(super) scalars: BTreeMap<String, Scalar>,
+    pub(super) paths: BTreeMap<String, String>,
 }
 
 /// `optim`'s record, read through its burnpack bytes.
@@ -64,8 +114,13 @@ pub(super) fn read_bytes(bytes: Bytes, what: &'static str) -> Result<Record> {
     let err = record_error(what);
     let reader = Reader::from_bytes(bytes).map_err(|e| err(e.to_string()))?;
     let scalars = reader.scalars().clone();
+    let paths = reader.metadata().clone();
     let tensors = reader.into_tensors().map_err(|e| err(e.to_string()))?;
-    Ok(Record { tensors, scalars })
+    Ok(Record {
+        tensors,
+        scalars,
+        paths,
+    })
 }
 
 /// A `ModuleOptimizer` like `like` (same optimizer and settings) holding `record`.
@@ -79,10 +134,31 @@ pub(super) fn write(
     for (k, v) in &record.scalars {
         writer = writer.with_scalar(k, *v);
     }
+    for (k, v) in &record.paths {
+        writer = writer.with_metadata(k, v);
+    }
     let bytes = writer.into_bytes().map_err(|e| err(e.to_string()))?;
     like.clone()
         .from_bytes(bytes)
         .map_err(|e| err(e.to_string()))
+}
+
+/// Whether `optim` holds any state tensors.
+pub(super) fn has_state(optim: &ModuleOptimizer) -> bool {
+    !optim.to_record().is_empty()
+}
+
+/// An optimizer like `optim` (same optimizers, groups and settings) without state.
+pub(super) fn without_state(
+    optim: &ModuleOptimizer,
+    what: &'static str,
+) -> Result<ModuleOptimizer> {
+    let empty = Record {
+        tensors: Vec::new(),
+        scalars: BTreeMap::new(),
+        paths: BTreeMap::new(),
+    };
+    write(optim, empty, what)
 }
 
 /// `optim`'s state, read apart (through its burnpack bytes).
@@ -91,6 +167,7 @@ fn parts(optim: &ModuleOptimizer, what: &'static str) -> Result<Parts> {
     let Record {
         tensors: read_tensors,
         scalars,
+        ..
     } = read(optim, what)?;
     let mut tensors = BTreeMap::new();
     for t in read_tensors {
@@ -100,32 +177,49 @@ fn parts(optim: &ModuleOptimizer, what: &'static str) -> Result<Parts> {
             .strip_prefix(&format!("{id}."))
             .unwrap_or(&name)
             .to_string();
-        let values = if dtype == DType::F32 {
-            bytemuck::pod_collect_to_vec::<u8, f32>(&bytes)
-        } else {
-            Vec::new()
-        };
+        let values = to_f32(dtype, &bytes);
         tensors.insert((id, field), (dtype, shape.to_vec(), values));
     }
     Ok(Parts { tensors, scalars })
 }
 
-/// A `ModuleOptimizer` like `like` (same optimizer and settings) holding `tensors`
-/// (id, field, shape, values) and `scalars`.
+/// A state tensor to assemble: (parameter id, field, dtype, shape, values as f32).
+type Assembled = (u64, String, DType, Vec<usize>, Vec<f32>);
+
+/// A `ModuleOptimizer` like `like` (same optimizer and settings) holding `tensors`,
+/// `scalars` and the parameters' module paths `paths` (by id).
 fn assemble(
     like: &ModuleOptimizer,
-    tensors: Vec<(u64, String, Vec<usize>, Vec<f32>)>,
+    tensors: Vec<Assembled>,
     scalars: BTreeMap<String, Scalar>,
+    paths: BTreeMap<String, String>,
     what: &'static str,
 ) -> Result<ModuleOptimizer> {
     let tensors = tensors
         .into_iter()
-        .map(|(id, field, dims, values)| {
-            let bytes = Bytes::from_bytes_vec(bytemuck::cast_slice(&values).to_vec());
-            burn_pack::Tensor::new(format!("{id}.{field}"), DType::F32, dims, Some(id), bytes)
+        .map(|(id, field, dtype, dims, values)| {
+            let bytes = Bytes::from_bytes_vec(from_f32(dtype, &values));
+            burn_pack::Tensor::new(format!("{id}.{field}"), dtype, dims, Some(id), bytes)
         })
         .collect();
-    write(like, Record { tensors, scalars }, what)
+    write(
+        like,
+        Record {
+            tensors,
+            scalars,
+            paths,
+        },
+        what,
+    )
+}
+
+/// The module path of each of `plan`'s parameters, by id (as Burn's record keeps it).
+fn plan_paths(plan: &Plan) -> BTreeMap<String, String> {
+    plan.layout
+        .slots
+        .iter()
+        .map(|s| (s.id.val().to_string(), s.path.clone()))
+        .collect()
 }
 
 /// The scalars stored under `from.` renamed to `to.`, the parameter's rank set to
@@ -185,15 +279,18 @@ impl ShardedOptimizer {
         let all: Vec<Vec<HeldField>> = self
             .kolo
             .allgather_object(format!("{}.state.fields", self.prefix), fields)?;
-        let names = check_fields(&all, &plan, self.kolo.size())?;
+        let held = check_fields(&all, &plan, self.kolo.size())?;
         let slots = &plan.layout.slots;
         let mut tensors = Vec::new();
-        for field in &names {
-            let mut group = Vec::with_capacity(slots.len());
-            for (i, id) in plan.piece_ids.iter().enumerate() {
+        for field in &held.names {
+            // Only the parameters with state (every rank knows which): plain Burn keeps
+            // none for one that never had a gradient.
+            let stated: Vec<usize> = (0..slots.len()).filter(|&i| held.stated[i]).collect();
+            let mut group = Vec::with_capacity(stated.len());
+            for &i in &stated {
                 let values = mine
                     .tensors
-                    .remove(&(id.val(), field.clone()))
+                    .remove(&(plan.piece_ids[i].val(), field.clone()))
                     .map(|(_, _, v)| v)
                     .unwrap_or_default();
                 let len = values.len();
@@ -203,7 +300,8 @@ impl ShardedOptimizer {
                 ));
             }
             let wholes = self.kolo.grouped_allgather(group).wait()?;
-            for ((slot, whole), &n) in slots.iter().zip(wholes).zip(&plan.sizes) {
+            for (&i, whole) in stated.iter().zip(wholes) {
+                let (slot, n) = (&slots[i], plan.sizes[i]);
                 let whole = whole.into_vec::<f32>()?;
                 if whole.len() != n {
                     return Err(Error::Kolo(kolo::Error::Internal(format!(
@@ -212,24 +310,37 @@ impl ShardedOptimizer {
                         whole.len()
                     ))));
                 }
-                tensors.push((slot.id.val(), field.clone(), slot.dims.clone(), whole));
+                let dtype = held.dtype(i, field);
+                tensors.push((
+                    slot.id.val(),
+                    field.clone(),
+                    dtype,
+                    slot.dims.clone(),
+                    whole,
+                ));
             }
         }
-        // Each parameter gets its block's scalars (none before the first step); a
-        // parameter without a block here, those of this rank's first block (every block
-        // is stepped together).
+        // Each parameter with state gets its block's scalars; one without a block here,
+        // those of this rank's first block with state (every block is stepped
+        // together).
         let first = plan
             .piece_ids
             .iter()
             .zip(&plan.blocks)
-            .find(|(_, b)| !b.is_empty())
-            .map(|(id, _)| id.val());
+            .zip(&held.stated)
+            .find(|((_, b), &stated)| !b.is_empty() && stated)
+            .map(|((id, _), _)| id.val());
         let mut scalars = BTreeMap::new();
-        for ((slot, id), block) in slots.iter().zip(&plan.piece_ids).zip(&plan.blocks) {
-            let from = if block.is_empty() {
-                first
-            } else {
-                Some(id.val())
+        for (((slot, id), block), &stated) in slots
+            .iter()
+            .zip(&plan.piece_ids)
+            .zip(&plan.blocks)
+            .zip(&held.stated)
+        {
+            let from = match (stated, block.is_empty()) {
+                (false, _) => None,
+                (true, true) => first,
+                (true, false) => Some(id.val()),
             };
             if let Some(from) = from {
                 rename_scalars(
@@ -241,12 +352,20 @@ impl ShardedOptimizer {
                 );
             }
         }
-        assemble(
+        let whole = assemble(
             &self.inner,
             tensors,
             scalars,
+            plan_paths(&plan),
             "ShardedOptimizer::consolidate",
-        )
+        )?;
+        // The wrapped optimizer clips by an infinite value while this one clips each
+        // parameter by its norm across the shards: the plain optimizer gets its own
+        // clipping back (issue 53 item 27).
+        Ok(match self.param_norm {
+            Some(max) => whole.with_grad_clipping(GradientClipping::Norm(max)),
+            None => whole,
+        })
     }
 
     /// Takes this rank's share of `full`, the whole state as the plain optimizer holds
@@ -266,10 +385,15 @@ impl ShardedOptimizer {
         model: &M,
         full: &ModuleOptimizer,
     ) -> Result<()> {
-        const WHAT: &str = "ShardedOptimizer::load_consolidated";
         let plan = self.plan_for(model)?;
+        self.load_with(&plan, full)
+    }
+
+    /// [`load_consolidated`](Self::load_consolidated) for `plan`.
+    pub(super) fn load_with(&mut self, plan: &Plan, full: &ModuleOptimizer) -> Result<()> {
+        const WHAT: &str = "ShardedOptimizer::load_consolidated";
         if let Some(owners) = &plan.owners {
-            return self.load_by_tensors(&plan, owners, full);
+            return self.load_by_tensors(plan, owners, full);
         }
         let full = parts(full, WHAT)?;
         let slots = &plan.layout.slots;
@@ -290,10 +414,14 @@ impl ShardedOptimizer {
             .into_iter()
             .collect();
         // Every check looks at every parameter, so every rank reaches the same verdict.
+        // A parameter holds every field or none (plain Burn keeps none for one that
+        // never had a gradient); a state must hold some of this model's parameters.
+        let mut any = fields.is_empty();
         for slot in slots {
             let id = slot.id.val();
             let have: Vec<&String> = fields_of(id);
-            if have.iter().copied().ne(fields.iter()) {
+            any |= !have.is_empty();
+            if !have.is_empty() && have.iter().copied().ne(fields.iter()) {
                 return Err(Error::InvalidArgument {
                     what: WHAT,
                     message: format!(
@@ -306,18 +434,29 @@ impl ShardedOptimizer {
             }
             for f in &fields {
                 if let Some((dtype, dims, _)) = full.tensors.get(&(id, f.clone())) {
-                    if *dtype != DType::F32 || *dims != slot.dims {
+                    if !element_wise(*dtype) || *dims != slot.dims {
                         return Err(Error::InvalidArgument {
                             what: WHAT,
                             message: format!(
                                 "state {f:?} of parameter {:?} is {dtype:?} {dims:?}; the sharded optimizer \
-                                 takes f32 state of the parameter's shape {:?}",
+                                 takes f32, f16 or bf16 state of the parameter's shape {:?}",
                                 slot.path, slot.dims
                             ),
                         });
                     }
                 }
             }
+        }
+        if !any {
+            return Err(Error::InvalidArgument {
+                what: WHAT,
+                message: format!(
+                    "the optimizer state holds {fields:?} for no parameter of this model (the \
+                     first is {:?}): is it the state of this model (loaded with its ids, e.g. by \
+                     load_checkpoint)?",
+                    slots.first().map(|s| s.path.as_str()).unwrap_or_default()
+                ),
+            });
         }
         let mut tensors = Vec::new();
         let mut scalars = BTreeMap::new();
@@ -327,72 +466,126 @@ impl ShardedOptimizer {
             }
             let (id, piece) = (slot.id.val(), piece.val());
             for f in &fields {
-                if let Some((_, _, v)) = full.tensors.get(&(id, f.clone())) {
+                if let Some((dtype, _, v)) = full.tensors.get(&(id, f.clone())) {
                     let values = v.get(block.clone()).unwrap_or_default().to_vec();
-                    tensors.push((piece, f.clone(), vec![block.len()], values));
+                    tensors.push((piece, f.clone(), *dtype, vec![block.len()], values));
                 }
             }
             rename_scalars(&full.scalars, id, piece, 1, &mut scalars);
         }
-        self.inner = assemble(&self.inner, tensors, scalars, WHAT)?;
+        self.inner = assemble(&self.inner, tensors, scalars, plan_paths(plan), WHAT)?;
         Ok(())
     }
 }
 
-/// Every rank holds the same fields for each of its non-empty blocks, each f32 and one
-/// value per element of the block; the fields' names, in order.
-fn check_fields(all: &[Vec<HeldField>], plan: &Plan, size: usize) -> Result<Vec<String>> {
+/// What the ranks hold of the state: the fields' names (in order), which parameters
+/// have state, and each field's dtype per parameter.
+struct Held {
+    names: Vec<String>,
+    stated: Vec<bool>,
+    dtypes: BTreeMap<(usize, String), String>,
+}
+
+impl Held {
+    fn dtype(&self, i: usize, field: &str) -> DType {
+        self.dtypes
+            .get(&(i, field.to_string()))
+            .map_or(DType::F32, |d| dtype_named(d))
+    }
+}
+
+/// Every rank holds, for each of its non-empty blocks, either every field or none,
+/// and the ranks agree on which parameters have state; each field f32, f16 or bf16,
+/// one value per element of the block.
+fn check_fields(all: &[Vec<HeldField>], plan: &Plan, size: usize) -> Result<Held> {
     const WHAT: &str = "ShardedOptimizer::consolidate";
-    let names = |r: usize| {
-        all[r]
-            .iter()
-            .map(|(_, f, _, _)| f.clone())
-            .collect::<std::collections::BTreeSet<_>>()
-            .into_iter()
-            .collect::<Vec<_>>()
+    let names: Vec<String> = all
+        .iter()
+        .flatten()
+        .map(|(_, f, _, _)| f.clone())
+        .collect::<std::collections::BTreeSet<_>>()
+        .into_iter()
+        .collect();
+    let n = plan.sizes.len();
+    let block = |i: usize, rank: usize| {
+        plan.sizes
+            .get(i)
+            .map_or(0, |&n| super::range_of(n, size, rank).len())
     };
-    let first = names(0);
+    let mut stated: Vec<Option<(usize, bool)>> = vec![None; n];
+    let mut dtypes = BTreeMap::new();
     for (rank, fields) in all.iter().enumerate() {
-        if names(rank) != first {
+        if let Some((i, f, dtype, dims)) = fields.iter().find(|(i, _, dtype, dims)| {
+            !matches!(dtype.as_str(), "F32" | "F16" | "BF16") || *dims != [block(*i, rank)]
+        }) {
             return Err(Error::InvalidArgument {
                 what: WHAT,
                 message: format!(
-                    "rank 0 holds optimizer state {first:?}, rank {rank} {:?}: were the ranks stepped the same?",
-                    names(rank)
+                    "rank {rank} holds state {f:?} of parameter {:?} as {dtype} {dims:?}, not one \
+                     value (f32, f16 or bf16) per element of its block of {}: the wrapped \
+                     optimizer's state is not element-wise",
+                    plan.layout
+                        .slots
+                        .get(*i)
+                        .map(|s| s.path.as_str())
+                        .unwrap_or_default(),
+                    block(*i, rank)
                 ),
             });
         }
-        let block = |i: usize| {
-            plan.sizes
+        for (i, state) in stated.iter_mut().enumerate() {
+            if block(i, rank) == 0 {
+                continue;
+            }
+            let have: Vec<&String> = fields
+                .iter()
+                .filter(|(p, _, _, _)| *p == i)
+                .map(|(_, f, _, _)| f)
+                .collect();
+            let path = plan
+                .layout
+                .slots
                 .get(i)
-                .map_or(0, |&n| super::range_of(n, size, rank).len())
-        };
-        if let Some((i, f, dtype, dims)) = fields
-            .iter()
-            .find(|(i, _, dtype, dims)| dtype != "F32" || *dims != [block(*i)])
-        {
-            return Err(Error::InvalidArgument {
-                what: WHAT,
-                message: format!(
-                    "rank {rank} holds state {f:?} of parameter {:?} as {dtype} {dims:?}, not one f32 per \
-                     element of its block of {}: the wrapped optimizer's state is not element-wise",
-                    plan.layout.slots.get(*i).map(|s| s.path.as_str()).unwrap_or_default(),
-                    block(*i)
-                ),
-            });
+                .map(|s| s.path.as_str())
+                .unwrap_or_default();
+            if !have.is_empty() && have.iter().copied().ne(names.iter()) {
+                return Err(Error::InvalidArgument {
+                    what: WHAT,
+                    message: format!(
+                        "rank {rank} holds optimizer state {have:?} for parameter {path:?}, where \
+                         the ranks hold {names:?}: were the ranks stepped the same?"
+                    ),
+                });
+            }
+            let has = !have.is_empty();
+            match *state {
+                Some((other, had)) if had != has => {
+                    return Err(Error::InvalidArgument {
+                        what: WHAT,
+                        message: format!(
+                            "rank {other} holds {} optimizer state for parameter {path:?}, rank \
+                             {rank} {}: were the ranks stepped the same?",
+                            if had { "its" } else { "no" },
+                            if has { "does" } else { "none" }
+                        ),
+                    });
+                }
+                Some(_) => {}
+                None => *state = Some((rank, has)),
+            }
         }
-        let blocks = (0..plan.sizes.len()).filter(|&i| block(i) > 0).count();
-        if fields.len() != blocks * first.len() {
-            return Err(Error::InvalidArgument {
-                what: WHAT,
-                message: format!(
-                    "rank {rank} holds {} state tensors for {blocks} blocks of {} fields: \
-                     were all its blocks stepped?",
-                    fields.len(),
-                    first.len()
-                ),
-            });
+        for (i, f, dtype, _) in fields {
+            dtypes
+                .entry((*i, f.clone()))
+                .or_insert_with(|| dtype.clone());
         }
     }
-    Ok(first)
+    Ok(Held {
+        names,
+        stated: stated
+            .iter()
+            .map(|s| s.is_some_and(|(_, has)| has))
+            .collect(),
+        dtypes,
+    })
 }

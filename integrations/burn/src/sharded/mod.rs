@@ -15,9 +15,11 @@ use crate::layout::Layout;
 
 mod consolidate;
 mod flat;
+mod shard;
 mod tensors;
 
 use flat::{blocks, gathered, Flat, Gathered, WriteViews};
+use shard::{segments, Piece, Shard};
 
 /// A drop-in for Burn's `ModuleOptimizer` in a training loop that keeps only this
 /// rank's share of the optimizer state (DeepSpeed's ZeRO stage 1, and stage 2 for the
@@ -86,7 +88,22 @@ use flat::{blocks, gathered, Flat, Gathered, WriteViews};
 /// **Precision.** Parameters of one float type — f32, f16 or bf16 — are sharded in it:
 /// the shard, its gradients and the wrapped optimizer's state stay in the parameters'
 /// precision, as the plain optimizer keeps them. Mixed float types are refused at the
-/// first step; [`consolidate`](Self::consolidate) takes f32 state only.
+/// first step; [`consolidate`](Self::consolidate) takes f32, f16 and bf16 state.
+///
+/// **Parameter groups.** The wrapped optimizer sees each block under its parameter's
+/// id and module path, so `ModuleOptimizer::with_group` (e.g. no weight decay for
+/// biases), per-parameter learning rates and the paths its record keeps apply to the
+/// block as to the whole parameter. Norm clipping is taken over from the optimizer's
+/// own (first) clipping setting only: one set on a group clips each rank's block by
+/// the block's norm.
+///
+/// **The model may change between steps** (a frozen part unfrozen, parameters
+/// loaded with new ids): the partition is made again, and the state of the
+/// parameters that remain carries over, as in plain Burn. A wrapped optimizer
+/// passed in with state (a plain optimizer loaded from a checkpoint) is taken as the
+/// whole parameters' state, each rank keeping its share. Settings changed after the
+/// first step (`op`, `backward_passes_per_step`, `bucket_bytes`) apply from the next
+/// step; a process set must be chosen before the first one.
 ///
 /// **Checkpoints.** [`consolidate`](Self::consolidate) gives the whole state as the
 /// plain optimizer holds it (every rank's share gathered), which
@@ -173,7 +190,9 @@ struct Plan {
     total: usize,
     /// This rank's block of each parameter (empty by whole tensors).
     blocks: Vec<Range<usize>>,
-    /// The id under which the wrapped optimizer keeps each block's state.
+    /// The id under which the wrapped optimizer keeps each block's state: the
+    /// parameter's own, so that state, groups and learning rates bound to it apply to
+    /// its block, and state carries over when the plan is made again.
     piece_ids: Vec<ParamId>,
     /// The collective name of each parameter's gathered values.
     param_names: Vec<String>,
@@ -181,13 +200,6 @@ struct Plan {
     owners: Option<tensors::Owners>,
     /// The parameters' float type (by element ranges, all parameters share it).
     dtype: DType,
-}
-
-/// The wrapped optimizer's view of this rank's blocks: one 1-D parameter each
-/// (non-empty blocks only).
-#[derive(Module, Debug)]
-struct Shard {
-    pieces: Vec<Param<Tensor<1>>>,
 }
 
 impl ShardedOptimizer {
@@ -233,6 +245,17 @@ impl ShardedOptimizer {
     /// ranks holds 1/(set size) of the state, and Average divides by the set's size.
     /// On a rank outside the set, `step` fails naming the rank and the set.
     pub fn process_set(mut self, set: &kolo::ProcessSet) -> Self {
+        if self.plan.is_some() {
+            // The state is sharded among the first step's ranks: every rank refuses
+            // alike, rather than some moving to the set and others not.
+            self.refused = Some(
+                "a process set must be chosen before the first step: the state is sharded \
+                 among the ranks of the first step (consolidate it, make a new \
+                 ShardedOptimizer with the set and load_consolidated the state)"
+                    .into(),
+            );
+            return self;
+        }
         match crate::grads::in_set(&self.kolo, set, "step in it") {
             Ok(k) => self.kolo = k,
             Err(why) => self.refused = Some(why),
@@ -247,6 +270,7 @@ impl ShardedOptimizer {
     /// does.
     pub fn backward_passes_per_step(mut self, passes: usize) -> Self {
         self.passes = passes.max(1);
+        self.settings_changed();
         self
     }
 
@@ -267,13 +291,22 @@ impl ShardedOptimizer {
     /// whole tensors' in these. Set before the first step; 0 makes the step fail.
     pub fn bucket_bytes(mut self, bytes: usize) -> Self {
         self.bucket_bytes = Some(bytes);
+        self.settings_changed();
         self
     }
 
     /// [`ReduceOp::Average`] (default) or [`ReduceOp::Sum`] of the gradients.
     pub fn op(mut self, op: ReduceOp) -> Self {
         self.op = op;
+        self.settings_changed();
         self
+    }
+
+    /// A setting of the reduction changed (also after the first step: issue 53 item
+    /// 27): the reducers made with the old one are made again at the next step.
+    fn settings_changed(&mut self) {
+        self.reducer = None;
+        self.overlap_reducer = None;
     }
 
     /// The elements of each float parameter (flattened, in module order) whose
@@ -488,9 +521,17 @@ impl ShardedOptimizer {
         self.clip::<T>(&mut mine)?;
         let mut pieces = Vec::new();
         let mut shard_grads = GradientsParams::new();
-        for ((value, grad), &id) in values.into_iter().zip(mine).zip(&plan.piece_ids) {
+        for (((value, grad), &id), slot) in values
+            .into_iter()
+            .zip(mine)
+            .zip(&plan.piece_ids)
+            .zip(&plan.layout.slots)
+        {
             if let Some(value) = value {
-                pieces.push(Param::initialized(id, value));
+                pieces.push(Piece {
+                    path: segments(&slot.path),
+                    param: Param::initialized(id, value),
+                });
                 if let Some(grad) = grad {
                     shard_grads.register(
                         id,
@@ -524,7 +565,7 @@ impl ShardedOptimizer {
                 })?;
                 crate::convert::on_host(crate::convert::to_kolo(
                     "the updated shard",
-                    p.into_value(),
+                    p.param.into_value(),
                     &copied,
                 )?)?
             };
@@ -547,17 +588,39 @@ impl ShardedOptimizer {
                 message: message.clone(),
             });
         }
-        match &self.plan {
-            Some(p) if p.layout.fits(module, usize::MAX) => Ok(p.clone()),
-            _ => {
-                if !self.by_tensors {
-                    self.take_over_norm_clipping();
-                }
-                let plan = Arc::new(self.learn(module)?);
-                self.plan = Some(plan.clone());
-                Ok(plan)
-            }
+        let old = match &self.plan {
+            Some(p) if p.layout.fits(module, usize::MAX) => return Ok(p.clone()),
+            old => old.clone(),
+        };
+        if !self.by_tensors {
+            self.take_over_norm_clipping();
         }
+        // The model's parameters changed (another set trains, a load gave them new
+        // ids): the state of those that remain carries over, as in plain Burn (issue
+        // 53 item 27). By element ranges it is kept under each parameter's id, whose
+        // block depends only on its size; by whole tensors the owners are assigned
+        // again, so the state moves (gathered here, kept by its new owner).
+        let carried = match &old {
+            Some(p) if p.owners.is_some() => Some(self.consolidate_by_tensors()?),
+            _ => None,
+        };
+        // A wrapped optimizer that arrives with state (a plain optimizer loaded from a
+        // checkpoint, passed as `inner`) holds the whole parameters' state: each rank
+        // keeps its share instead of ignoring it.
+        let loaded = if old.is_none() && consolidate::has_state(&self.inner) {
+            let full = self.inner.clone();
+            self.inner = consolidate::without_state(&full, "ShardedOptimizer::new")?;
+            Some(full)
+        } else {
+            None
+        };
+        let plan = Arc::new(self.learn(module)?);
+        self.plan = Some(plan.clone());
+        self.settings_changed();
+        if let Some(full) = carried.as_ref().or(loaded.as_ref()) {
+            self.load_with(&plan, full)?;
+        }
+        Ok(plan)
     }
 
     /// A wrapped optimizer that clips each parameter's gradient by its norm would clip
@@ -682,7 +745,7 @@ impl ShardedOptimizer {
             sizes.iter().map(|&n| range_of(n, size, rank)).collect()
         };
         Ok(Plan {
-            piece_ids: sizes.iter().map(|_| ParamId::new()).collect(),
+            piece_ids: layout.slots.iter().map(|s| s.id).collect(),
             param_names: layout.names.iter().map(|n| format!("{n}.value")).collect(),
             layout,
             sizes,

@@ -216,11 +216,13 @@ impl ShardedOptimizer {
         let mut joined = Record {
             tensors: Vec::new(),
             scalars: BTreeMap::new(),
+            paths: BTreeMap::new(),
         };
         for bytes in all {
             let r = read_bytes(burn_pack::Bytes::from_bytes_vec(bytes), WHAT)?;
             joined.tensors.extend(r.tensors);
             joined.scalars.extend(r.scalars);
+            joined.paths.extend(r.paths);
         }
         write(&self.inner, joined, WHAT)
     }
@@ -237,19 +239,24 @@ impl ShardedOptimizer {
         let full = read(full, WHAT)?;
         let ids: Vec<u64> = plan.layout.slots.iter().map(|s| s.id.val()).collect();
         let held: BTreeSet<u64> = full.tensors.iter().filter_map(|t| t.param_id).collect();
-        // A state for some parameters must be one for every parameter of the model
-        // (checked on every rank alike, over all parameters).
-        if !held.is_empty() {
-            if let Some(i) = ids.iter().position(|id| !held.contains(id)) {
-                return Err(Error::InvalidArgument {
-                    what: WHAT,
-                    message: format!(
-                        "the optimizer state holds nothing for parameter {:?} (id {}): is it \
-                         the state of this model (loaded with its ids, e.g. by load_checkpoint)?",
-                        plan.layout.slots[i].path, ids[i]
-                    ),
-                });
-            }
+        // A state must be one for this model: some of its parameters (not necessarily
+        // all: plain Burn keeps none for a parameter that never had a gradient).
+        // Checked on every rank alike.
+        if !held.is_empty() && !ids.iter().any(|id| held.contains(id)) {
+            return Err(Error::InvalidArgument {
+                what: WHAT,
+                message: format!(
+                    "the optimizer state holds nothing for any parameter of this model (the \
+                     first is {:?}, id {}): is it the state of this model (loaded with its \
+                     ids, e.g. by load_checkpoint)?",
+                    plan.layout
+                        .slots
+                        .first()
+                        .map(|s| s.path.as_str())
+                        .unwrap_or_default(),
+                    ids.first().copied().unwrap_or_default()
+                ),
+            });
         }
         let rank = self.kolo.rank();
         let owned: BTreeSet<u64> = ids
@@ -268,6 +275,11 @@ impl ShardedOptimizer {
                 .scalars
                 .into_iter()
                 .filter(|(k, _)| scalar_id(k).is_some_and(|id| owned.contains(&id)))
+                .collect(),
+            paths: full
+                .paths
+                .into_iter()
+                .filter(|(k, _)| k.parse::<u64>().is_ok_and(|id| owned.contains(&id)))
                 .collect(),
         };
         self.inner = write(&self.inner, record, WHAT)?;

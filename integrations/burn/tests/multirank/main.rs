@@ -10,6 +10,7 @@ mod issue31;
 mod issue53;
 mod pipeline;
 mod sharded;
+mod sharded53;
 mod supervised;
 mod sync_bn;
 
@@ -959,6 +960,14 @@ const CASES: &[(&str, Case, &[usize])] = &[
         "issue53_pipeline_plans_differ",
         pipeline::plans_differ,
         &[2, 4],
+    ),
+    ("issue53_sharded_groups", sharded53::groups, &[2, 3]),
+    ("issue53_sharded_changes", sharded53::changes, &[2]),
+    ("issue53_sharded_half_state", sharded53::half_state, &[2]),
+    (
+        "issue53_pipeline_mid_step_failure",
+        pipeline::mid_step_failure,
+        &[3, 4],
     ),
 ];
 

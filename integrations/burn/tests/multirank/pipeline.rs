@@ -318,7 +318,7 @@ pub(crate) fn uneven_shards(k: &Kolo) -> Result<()> {
                 let want = if pipe.replica() == 1 {
                     "a batch of 6 rows cannot be cut into 4 equal micro-batches"
                 } else {
-                    "could not hand its gradients to the reduction"
+                    "could not finish this pipeline step: "
                 };
                 ensure!(e.contains(want), "rank {}: step 1: {e}", k.rank());
             }
@@ -355,5 +355,76 @@ pub(crate) fn plans_differ(k: &Kolo) -> Result<()> {
         "rank {}: {e:?}",
         k.rank()
     );
+    Ok(())
+}
+
+/// Issue 53 item 20: one stage per rank (3 or 4 stages, both schedules); at step 1
+/// stage 1's forward ignores its input, so its first backward pass fails ("its output
+/// does not depend on its input"). Every stage's step 1 fails within seconds — the
+/// stages before it told through the gradients they wait for, those after it through
+/// the activations or the step's agreement — naming that failure, and step 2 trains
+/// on every rank. (The stages before it waited for ever; after it, under fill-drain,
+/// the stages that had every activation finished the step alone.)
+pub(crate) fn mid_step_failure(k: &Kolo) -> Result<()> {
+    let device = Device::flex().autodiff();
+    device.seed(58);
+    let loss_fn = CrossEntropyLossConfig::new().init(&device);
+    // One pipeline for both schedules: its step numbers go on (a failed step leaves
+    // tensors a new pipeline's same-numbered step would take).
+    let mut pipe = Pipeline::new(k, k.size())?.micro_batches(4);
+    for schedule in [Schedule::OneFOneB, Schedule::FillDrain] {
+        pipe = pipe.schedule(schedule);
+        let whole = broadcast_parameters(k, Layers::new(&device), 0)?;
+        let mut part = whole.part(stage_layers(pipe.stage(), k.size()));
+        let mut optim = SgdConfig::new().init();
+        let ends = pipe.is_last();
+        for step in 0..3usize {
+            let (x, y) = samples(step * 8..step * 8 + 8, &device);
+            let breaks = step == 1 && pipe.stage() == 1;
+            let start = std::time::Instant::now();
+            let r = pipe.step(
+                &part,
+                pipe.is_first().then_some(x),
+                |m: &Layers, x: Tensor<2>| {
+                    let x = if breaks { x.detach() } else { x };
+                    m.forward(x, ends)
+                },
+                |out, rows| loss_fn.forward(out, y.clone().slice(rows)),
+            );
+            let took = start.elapsed();
+            match (step, r) {
+                (1, Err(e)) => {
+                    let e = e.to_string();
+                    ensure!(
+                        e.contains("its output does not depend on its input"),
+                        "rank {} ({schedule:?}): step 1 failed otherwise: {e}",
+                        k.rank()
+                    );
+                    // Rank 1 its own error; the others the one passed on to them, or,
+                    // where every tensor they needed had come, the step's agreement's.
+                    let told = match pipe.stage() {
+                        0 => e.contains("a later stage failed"),
+                        1 => e.contains("stage 1"),
+                        _ => {
+                            e.contains("an earlier stage failed")
+                                || e.contains("could not finish this pipeline step")
+                        }
+                    };
+                    ensure!(told, "rank {} ({schedule:?}): {e}", k.rank());
+                    ensure!(
+                        took < std::time::Duration::from_secs(20),
+                        "rank {}: step 1 failed after {took:?}",
+                        k.rank()
+                    );
+                }
+                (1, Ok(_)) => {
+                    anyhow::bail!("rank {} ({schedule:?}): step 1 went through", k.rank())
+                }
+                (_, Ok(out)) => part = optim.step(0.05, part, out.grads),
+                (_, Err(e)) => anyhow::bail!("rank {} ({schedule:?}): step {step}: {e}", k.rank()),
+            }
+        }
+        k.barrier()?;
+    }
     Ok(())
 }
