@@ -23,9 +23,9 @@ use burn::nn::{BatchNorm, BatchNormConfig};
 use burn::tensor::{DType, Device, FloatDType, Tensor, TensorCreationOptions, TensorData};
 use kolo::{Kolo, ProcessSet, ReduceOp};
 
-/// Numbers the layers of a process in the order they are made: the same model built
-/// by the same code gets the same numbers on every rank, which name the layer's
-/// allreduces.
+/// Numbers the layers of a process in the order they are made. The ranks agree on
+/// each layer's name at its first training forward pass (rank 0's), so a layer made
+/// on one rank only (an extra copy of a model) does not shift the others' names.
 static LAYERS: AtomicU64 = AtomicU64::new(0);
 
 /// `burn::nn::BatchNorm` with its batch statistics computed over every rank's samples.
@@ -50,8 +50,9 @@ static LAYERS: AtomicU64 = AtomicU64::new(0);
 /// there is no communication. f16 and bf16 inputs are normalized in f32 (statistics
 /// summed and reduced in f32, only the output cast back), f64 in f64. Every rank (of the process set, see
 /// [`process_set`](Self::process_set)) must run the layer's forward and backward
-/// passes alike. Layers are matched across ranks by the order they were made, so
-/// build the model with the same code on every rank.
+/// passes alike. Layers are matched across ranks by the order of their first
+/// training forward pass (one small allgather then, per layer): a layer with another
+/// number of channels there fails on every rank, naming each rank's layer.
 ///
 /// Like `BatchNorm::forward`, `forward` returns a tensor, not a `Result`: when the
 /// allreduce fails (a rank left) it panics naming the layer, and kolo's panic hook
@@ -87,6 +88,56 @@ struct Sync {
     name: String,
     /// Why this rank cannot synchronize (it is outside the layer's process set).
     refused: Option<String>,
+    /// The name the ranks agreed on at the layer's first training forward pass
+    /// (shared by the layer's clones).
+    agreed: std::sync::Arc<std::sync::OnceLock<String>>,
+}
+
+impl Sync {
+    /// This layer as its ranks agreed at its first training forward pass, with `c`
+    /// channels: under rank 0's name (issue 53 item 28: a process-wide counter made
+    /// the names differ when one rank made one more layer, and the job hung).
+    ///
+    /// # Panics
+    /// On every rank, when the ranks' layers at this pass have different channels,
+    /// or the allgather fails.
+    fn agreed(&self, c: usize) -> Sync {
+        if self.refused.is_some() {
+            return self.clone();
+        }
+        let name = self.agreed.get_or_init(|| {
+            let all: Vec<(String, usize)> = self
+                .kolo
+                .allgather_object("kolo_burn.sync_batch_norm.layers", (self.name.clone(), c))
+                .unwrap_or_else(|e| {
+                    panic!(
+                        "kolo_burn::SyncBatchNorm {}: agreeing on the layer with the other \
+                         ranks failed: {e}",
+                        self.name
+                    )
+                });
+            if all.iter().any(|(_, ch)| *ch != c) {
+                let each: Vec<String> = all
+                    .iter()
+                    .enumerate()
+                    .map(|(r, (n, ch))| format!("rank {r}: {n} with {ch} channels"))
+                    .collect();
+                panic!(
+                    "kolo_burn::SyncBatchNorm {}: the ranks run different layers at this \
+                     forward pass ({}); every rank must run the same SyncBatchNorm layers in \
+                     the same order",
+                    self.name,
+                    each.join(", ")
+                );
+            }
+            all.first()
+                .map_or_else(|| self.name.clone(), |(n, _)| n.clone())
+        });
+        Sync {
+            name: name.clone(),
+            ..self.clone()
+        }
+    }
 }
 
 impl SyncBatchNorm {
@@ -114,6 +165,7 @@ impl SyncBatchNorm {
                 kolo: kolo.clone(),
                 name: format!("kolo_burn.sync_batch_norm.{n}"),
                 refused: None,
+                agreed: Default::default(),
             }),
         }
     }
@@ -127,6 +179,8 @@ impl SyncBatchNorm {
                 Ok(k) => s.kolo = k,
                 Err(why) => s.refused = Some(why),
             }
+            // Agreed among the set's ranks, at the next training forward pass.
+            s.agreed = Default::default();
         }
         self
     }
@@ -161,7 +215,7 @@ impl SyncBatchNorm {
             &self.sync,
             input.device().is_autodiff() && self.training.is_enabled(),
         ) {
-            (Some(sync), true) => self.forward_train(sync, input, c),
+            (Some(sync), true) => self.forward_train(&sync.agreed(c), input, c),
             _ => self.forward_inference(input),
         }
     }

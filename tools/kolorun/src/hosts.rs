@@ -4,15 +4,17 @@
 use std::process::Command;
 
 /// Hosts and their slots in an OpenMPI hostfile: one host a line, then its settings
-/// (`node1 slots=4 max_slots=8`), `#` comments. A host without `slots=` counts 1.
-/// `cpu=`/`count=` are OpenMPI's older words for `slots=`; `max_slots=` (a limit for
-/// oversubscription, not the slots), `username=`, `boards=`, `sockets=` and `cores=`
-/// are checked and left to mpirun.
+/// (`node1 slots=4 max_slots=8`), `#` comments. `cpu=`/`count=` are OpenMPI's older
+/// words for `slots=`. As Open MPI counts them (4.1, measured, issue 53 item 13): a
+/// host with `max_slots=` but no `slots=` has `max_slots` slots; a host with neither
+/// has as many as it has cores — `None` here, for the caller to ask the host
+/// ([`cores_of`]). `username=`, `boards=`, `sockets=` and `cores=` are checked and
+/// left to mpirun.
 ///
 /// # Errors
 /// A line that is not of that form, or names a host kolorun refuses (see
 /// [`check_host`]), gives a message naming the line's number and text.
-pub(crate) fn hostfile_hosts(text: &str) -> Result<Vec<(String, usize)>, String> {
+pub(crate) fn hostfile_hosts(text: &str) -> Result<Vec<(String, Option<usize>)>, String> {
     let mut hosts = Vec::new();
     for (i, line) in text.lines().enumerate() {
         let content = line.split('#').next().unwrap_or("");
@@ -25,6 +27,7 @@ pub(crate) fn hostfile_hosts(text: &str) -> Result<Vec<(String, usize)>, String>
             check_host(host).map_err(at)?;
         }
         let mut slots = None;
+        let mut max_slots = None;
         for word in words {
             let Some((key, value)) = word.split_once('=') else {
                 return Err(at(format!(
@@ -38,8 +41,10 @@ pub(crate) fn hostfile_hosts(text: &str) -> Result<Vec<(String, usize)>, String>
                     }
                     slots = Some(count(value).map_err(|why| at(format!("{word:?}: {why}")))?);
                 }
-                "max_slots" | "max-slots" | "slots_max" | "slots-max" | "boards" | "sockets"
-                | "cores" => {
+                "max_slots" | "max-slots" | "slots_max" | "slots-max" => {
+                    max_slots = Some(count(value).map_err(|why| at(format!("{word:?}: {why}")))?);
+                }
+                "boards" | "sockets" | "cores" => {
                     count(value).map_err(|why| at(format!("{word:?}: {why}")))?;
                 }
                 "username" | "user" | "user_name" | "user-name" => {
@@ -53,9 +58,157 @@ pub(crate) fn hostfile_hosts(text: &str) -> Result<Vec<(String, usize)>, String>
                 }
             }
         }
-        hosts.push((host.to_string(), slots.unwrap_or(1)));
+        hosts.push((host.to_string(), slots.or(max_slots)));
     }
     Ok(hosts)
+}
+
+/// The `username=` of each hostfile host that has one: mpirun logs in as that user
+/// there, and so do kolorun's own checks (issue 53 item 15). Lines the parser
+/// refuses are skipped here ([`hostfile_hosts`] reports them).
+pub(crate) fn hostfile_users(text: &str) -> Vec<(String, String)> {
+    let mut users = Vec::new();
+    for line in text.lines() {
+        let mut words = line.split('#').next().unwrap_or("").split_whitespace();
+        let Some(host) = words.next() else { continue };
+        for w in words {
+            if let Some((k, v)) = w.split_once('=') {
+                if matches!(k, "username" | "user" | "user_name" | "user-name")
+                    && check_user(v).is_ok()
+                {
+                    users.push((host.to_string(), v.to_string()));
+                }
+            }
+        }
+    }
+    users
+}
+
+/// How an agent reaches `host`: `user@host` where the hostfile gives its user
+/// (`users`), else the host as named.
+pub(crate) fn login(host: &str, users: &[(String, String)]) -> String {
+    match users.iter().find(|(h, _)| h == host) {
+        Some((_, u)) if !host.contains('@') => format!("{u}@{host}"),
+        _ => host.to_string(),
+    }
+}
+
+/// A copy of the hostfile `text` with only the lines of the hosts `kept` (comments
+/// and blank lines stay): a relaunch without some hosts keeps every other setting of
+/// the user's file (`username=`, `max_slots=`, …) and Open MPI's own slot counts,
+/// where rewriting it as `-H host:slots` lost them (issue 53 item 13).
+pub(crate) fn filtered_hostfile(text: &str, kept: &[String]) -> String {
+    let mut out = String::with_capacity(text.len());
+    for line in text.lines() {
+        let host = line
+            .split('#')
+            .next()
+            .unwrap_or("")
+            .split_whitespace()
+            .next();
+        if host.is_none_or(|h| kept.iter().any(|k| k == h)) {
+            out.push_str(line);
+            out.push('\n');
+        }
+    }
+    out
+}
+
+/// The cores `lscpu -p=Core,Socket` lists (one `core,socket` line per CPU, `#`
+/// comments: distinct pairs are cores, as Open MPI counts slots), or the one number
+/// `getconf _NPROCESSORS_ONLN` prints where lscpu is missing.
+pub(crate) fn count_cores(text: &str) -> Option<usize> {
+    let lines: Vec<&str> = text
+        .lines()
+        .map(str::trim)
+        .filter(|l| !l.is_empty() && !l.starts_with('#'))
+        .collect();
+    match lines.as_slice() {
+        [one] if !one.contains(',') => one.parse().ok().filter(|&n| n > 0),
+        _ if lines.iter().all(|l| l.contains(',')) => {
+            let cores: std::collections::BTreeSet<&str> = lines.iter().copied().collect();
+            (!cores.is_empty()).then_some(cores.len())
+        }
+        _ => None,
+    }
+}
+
+/// What asks a machine for its cores: the answer [`count_cores`] reads.
+const CORES_COMMAND: &str = "lscpu -p=Core,Socket 2>/dev/null || getconf _NPROCESSORS_ONLN";
+
+/// The cores of each of `hosts` (this machine's asked here, the others' through
+/// `agent`, in parallel, within `timeout`): the slots Open MPI gives a hostfile host
+/// without `slots=`.
+///
+/// # Errors
+/// One line per host that could not be asked or did not answer with a count.
+pub(crate) fn cores_of(
+    hosts: &[String],
+    agent: &[String],
+    timeout: std::time::Duration,
+) -> Result<Vec<usize>, String> {
+    let this = this_host();
+    let addresses: Vec<std::net::IpAddr> = crate::nic::local_addresses()
+        .into_iter()
+        .map(|(_, a)| a)
+        .collect();
+    let mut children = Vec::new();
+    for h in hosts {
+        let mut cmd = if is_local(h, &this, &addresses) {
+            let mut c = Command::new("sh");
+            c.args(["-c", CORES_COMMAND]);
+            c
+        } else {
+            let Some((program, first)) = agent.split_first() else {
+                return Err("no remote agent to ask the hosts for their cores with".into());
+            };
+            let mut c = Command::new(program);
+            c.args(first);
+            if std::path::Path::new(program).file_name() == Some("ssh".as_ref()) {
+                c.arg("--");
+            }
+            c.args([h.replace(['[', ']'], "").as_str(), CORES_COMMAND]);
+            c
+        };
+        cmd.stdin(std::process::Stdio::null())
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::null());
+        std::os::unix::process::CommandExt::process_group(&mut cmd, 0);
+        children.push((h, cmd.spawn()));
+    }
+    let start = std::time::Instant::now();
+    let mut cores = Vec::with_capacity(hosts.len());
+    let mut failed = Vec::new();
+    for (h, child) in children {
+        let answer = child.map_err(|e| e.to_string()).and_then(|mut child| {
+            loop {
+                match child.try_wait() {
+                    Ok(Some(_)) => break,
+                    Ok(None) if start.elapsed() < timeout => {
+                        std::thread::sleep(std::time::Duration::from_millis(20))
+                    }
+                    _ => {
+                        let group = nix::unistd::Pid::from_raw(child.id() as i32);
+                        let _ = nix::sys::signal::killpg(group, nix::sys::signal::Signal::SIGKILL);
+                        let _ = child.wait();
+                        return Err(format!("no answer within {:.0} s", timeout.as_secs_f64()));
+                    }
+                }
+            }
+            let out = child.wait_with_output().map_err(|e| e.to_string())?;
+            count_cores(&String::from_utf8_lossy(&out.stdout))
+                .ok_or_else(|| format!("`{CORES_COMMAND}` printed no core count"))
+        });
+        match answer {
+            Ok(n) => cores.push(n),
+            Err(why) => failed.push(format!("{h}: {why}")),
+        }
+    }
+    if failed.is_empty() {
+        Ok(cores)
+    } else {
+        Err(failed.join("\n  "))
+    }
 }
 
 /// Hosts and their slots in `-H host1:2,host2:2,[fe80::1]:2` (a host without `:N`
@@ -433,10 +586,16 @@ mod tests {
             let e = flag_hosts(flag).unwrap_err();
             assert!(e.starts_with(want), "{flag:?}: {e}");
         }
-        // max_slots is a limit, not the slots; IPv6 is split at the bracket.
+        // max_slots alone gives the slots (Open MPI 4.1, measured); neither: the
+        // host's cores (None, asked later); IPv6 is split at the bracket.
         assert_eq!(
-            hostfile_hosts("a slots=2 max_slots=8\nb max_slots=4\nfe80::1 slots=3 # v6\n"),
-            Ok(pairs(&[("a", 2), ("b", 1), ("fe80::1", 3)]))
+            hostfile_hosts("a slots=2 max_slots=8\nb max_slots=4\nc\nfe80::1 slots=3 # v6\n"),
+            Ok(vec![
+                ("a".to_string(), Some(2)),
+                ("b".to_string(), Some(4)),
+                ("c".to_string(), None),
+                ("fe80::1".to_string(), Some(3)),
+            ])
         );
         assert_eq!(
             flag_hosts("[fe80::1]:2,[::1],bob@h:3"),
@@ -490,13 +649,59 @@ mod tests {
             }).collect();
             let want: Vec<(String, usize)> =
                 hosts.iter().map(|(h, n)| (h.clone(), n.unwrap_or(1))).collect();
-            prop_assert_eq!(flag_hosts(&text.join(",")), Ok(want.clone()));
+            prop_assert_eq!(flag_hosts(&text.join(",")), Ok(want));
+            let want: Vec<(String, Option<usize>)> = hosts.clone();
             let file: String = text.iter().zip(&hosts).map(|(_, (h, n))| match n {
                 Some(n) => format!("{h} slots={n} # x\n"),
                 None => format!("{h}\n"),
             }).collect();
             prop_assert_eq!(hostfile_hosts(&file), Ok(want));
         }
+    }
+
+    #[test]
+    fn issue53_cores_are_counted_as_open_mpi_counts_slots() {
+        // lscpu's lines: 4 CPUs, 2 cores of 2 hyperthreads each on one socket.
+        assert_eq!(count_cores("# Core,Socket\n0,0\n1,0\n0,0\n1,0\n"), Some(2));
+        assert_eq!(count_cores("0,0\n0,1\n"), Some(2));
+        assert_eq!(count_cores("16\n"), Some(16));
+        assert_eq!(count_cores(""), None);
+        assert_eq!(count_cores("0\n"), None);
+        assert_eq!(count_cores("no\n"), None);
+        // This machine answers with at least one core.
+        let here = cores_of(
+            &["localhost".to_string()],
+            &[],
+            std::time::Duration::from_secs(10),
+        );
+        assert!(here.as_ref().is_ok_and(|c| c[0] >= 1), "{here:?}");
+        // A host that cannot be reached is named.
+        let agent = vec!["false".to_string()];
+        let e = cores_of(
+            &["node9".to_string()],
+            &agent,
+            std::time::Duration::from_secs(10),
+        );
+        assert!(e.as_ref().is_err_and(|e| e.starts_with("node9: ")), "{e:?}");
+    }
+
+    #[test]
+    fn issue53_the_checks_log_in_as_the_hostfiles_user() {
+        let users = hostfile_users("n1 slots=2 username=bob\nn2\nn3 user=eve # x\n");
+        assert_eq!(login("n1", &users), "bob@n1");
+        assert_eq!(login("n2", &users), "n2");
+        assert_eq!(login("n3", &users), "eve@n3");
+        assert_eq!(login("ann@n1", &users), "ann@n1");
+    }
+
+    #[test]
+    fn issue53_a_relaunch_keeps_the_hostfiles_other_settings() {
+        let text = "# cluster\nn1 slots=2 username=bob\nn2 max_slots=4 # old\n\nn3\n";
+        let kept = vec!["n1".to_string(), "n3".to_string()];
+        assert_eq!(
+            filtered_hostfile(text, &kept),
+            "# cluster\nn1 slots=2 username=bob\n\nn3\n"
+        );
     }
 
     #[test]

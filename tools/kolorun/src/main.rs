@@ -30,7 +30,10 @@ use clap::Parser;
 use args::{normalize, Args};
 use command::{command_line, plan, threads_per_rank};
 
-use hosts::{check_hosts, flag_hosts, hostfile_hosts, remote_agent};
+use hosts::{
+    check_hosts, cores_of, filtered_hostfile, flag_hosts, hostfile_hosts, hostfile_users, login,
+    remote_agent,
+};
 use signals::Signals;
 use supervise::{supervise_job, ABORT_GRACE};
 
@@ -104,8 +107,9 @@ fn main() {
     let mut last_code: Option<i32> = None;
     loop {
         stop_if_signalled(&signals);
+        let agent = remote_agent(&mpi_args, &env);
         let (run_args, run_np, hosts) =
-            attempt_layout(&args, np, min_np, &left_out, &signals, last_code);
+            attempt_layout(&args, np, min_np, &left_out, &signals, last_code, &agent);
         let per_host: Vec<usize> = hosts.iter().map(|&(_, slots)| slots).collect();
         let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
         let threads = threads_per_rank(
@@ -162,7 +166,14 @@ fn main() {
         for u in &plan.unset {
             cmd.env_remove(u);
         }
-        let ended = match supervise_job(cmd, ABORT_GRACE, std::io::stderr(), &signals) {
+        let ended = supervise_job(cmd, ABORT_GRACE, std::io::stderr(), &signals);
+        if run_args.hostfile != args.hostfile {
+            // The filtered copy made for this attempt.
+            if let Some(copy) = &run_args.hostfile {
+                let _ = std::fs::remove_file(copy);
+            }
+        }
+        let ended = match ended {
             Ok(e) => e,
             Err(e) => {
                 eprintln!(
@@ -318,6 +329,7 @@ fn from_slurm(args: &mut Args) {
 ///
 /// When no layout is left after a failed attempt, kolorun ends with that attempt's
 /// exit code (`last_code`), not a command-line error.
+#[allow(clippy::too_many_arguments)]
 fn attempt_layout(
     args: &Args,
     np: u32,
@@ -325,10 +337,11 @@ fn attempt_layout(
     left_out: &[String],
     signals: &Signals,
     last_code: Option<i32>,
+    agent: &[String],
 ) -> (Args, u32, Vec<(String, usize)>) {
     let hosts = match &args.host_discovery_script {
         Some(script) => discover(script, signals),
-        None => job_hosts(args),
+        None => job_hosts(args, agent),
     };
     if hosts.is_empty() || (left_out.is_empty() && args.host_discovery_script.is_none()) {
         if args.host_discovery_script.is_some() {
@@ -341,9 +354,26 @@ fn attempt_layout(
         std::process::exit(last_code.unwrap_or(2))
     });
     let mut a = args.clone();
-    a.hosts = Some(elastic::hosts_flag(&kept));
-    a.hostfile = None;
     a.host_discovery_script = None;
+    match (&args.hostfile, args.host_discovery_script.is_none()) {
+        // From a copy of the user's hostfile without the hosts left out: its other
+        // settings and Open MPI's own slot counts stay (issue 53 item 13).
+        (Some(f), true) => {
+            let names: Vec<String> = kept.iter().map(|(h, _)| h.clone()).collect();
+            let text = std::fs::read_to_string(f)
+                .unwrap_or_else(|e| fail(&format!("cannot read --hostfile {f}: {e}")));
+            let copy =
+                std::env::temp_dir().join(format!("kolorun-{}.hostfile", std::process::id()));
+            if let Err(e) = std::fs::write(&copy, filtered_hostfile(&text, &names)) {
+                fail(&format!("cannot write {}: {e}", copy.display()));
+            }
+            a.hostfile = Some(copy.display().to_string());
+        }
+        _ => {
+            a.hosts = Some(elastic::hosts_flag(&kept));
+            a.hostfile = None;
+        }
+    }
     (a, run_np, kept)
 }
 
@@ -422,23 +452,84 @@ fn discover(script: &str, signals: &Signals) -> Vec<(String, usize)> {
 }
 
 /// The hosts of `-H`, else of `--hostfile` (empty: this machine), or the end of
-/// kolorun with the reason.
-fn job_hosts(args: &Args) -> Vec<(String, usize)> {
-    let hostfile = args
-        .hostfile
+/// kolorun with the reason. A hostfile host without `slots=` (or `max_slots=`) has
+/// as many slots as cores, as Open MPI counts them: asked of the host (this machine
+/// directly, the others through `agent`) once per kolorun.
+fn job_hosts(args: &Args, agent: &[String]) -> Vec<(String, usize)> {
+    static RESOLVED: std::sync::OnceLock<Vec<(String, usize)>> = std::sync::OnceLock::new();
+    if args.hosts.is_none() && args.hostfile.is_some() {
+        return RESOLVED
+            .get_or_init(|| resolve_slots(args, hostfile_entries(args), agent))
+            .clone();
+    }
+    hosts_given(args)
+}
+
+/// The hostfile's hosts, slots unknown where it gives none (see [`job_hosts`]).
+fn hostfile_entries(args: &Args) -> Vec<(String, Option<usize>)> {
+    let Some(f) = &args.hostfile else {
+        return Vec::new();
+    };
+    match std::fs::read_to_string(f) {
+        Ok(text) => match hostfile_hosts(&text) {
+            Ok(hosts) if hosts.is_empty() => fail(&format!("--hostfile {f} names no host")),
+            Ok(hosts) => hosts,
+            Err(e) => fail(&format!("--hostfile {f}: {e}")),
+        },
+        Err(e) => fail(&format!("cannot read --hostfile {f}: {e}")),
+    }
+}
+
+/// `entries` with each unknown slot count replaced by the host's cores.
+fn resolve_slots(
+    args: &Args,
+    entries: Vec<(String, Option<usize>)>,
+    agent: &[String],
+) -> Vec<(String, usize)> {
+    let unknown: Vec<String> = entries
+        .iter()
+        .filter(|(_, s)| s.is_none())
+        .map(|(h, _)| h.clone())
+        .collect();
+    if unknown.is_empty() {
+        return entries
+            .into_iter()
+            .map(|(h, s)| (h, s.unwrap_or(1)))
+            .collect();
+    }
+    let timeout = std::time::Duration::from_secs(args.start_timeout.unwrap_or(30).into());
+    let users = hostfile_user_list(args);
+    let logins: Vec<String> = unknown.iter().map(|h| login(h, &users)).collect();
+    let cores = cores_of(&logins, agent, timeout).unwrap_or_else(|e| {
+        fail(&format!(
+            "a --hostfile host without slots= has as many slots as cores (as Open MPI counts \
+             them), and kolorun could not ask:\n  {e}\n(give each host slots=N)"
+        ))
+    });
+    let mut cores = cores.into_iter();
+    entries
+        .into_iter()
+        .map(|(h, s)| {
+            let n = s.or_else(|| cores.next()).unwrap_or(1);
+            (h, n)
+        })
+        .collect()
+}
+
+/// The `username=` settings of the `--hostfile` (none without one).
+fn hostfile_user_list(args: &Args) -> Vec<(String, String)> {
+    args.hostfile
         .as_ref()
-        .map(|f| match std::fs::read_to_string(f) {
-            Ok(text) => match hostfile_hosts(&text) {
-                Ok(hosts) if hosts.is_empty() => fail(&format!("--hostfile {f} names no host")),
-                Ok(hosts) => hosts,
-                Err(e) => fail(&format!("--hostfile {f}: {e}")),
-            },
-            Err(e) => fail(&format!("cannot read --hostfile {f}: {e}")),
-        });
-    match (&args.hosts, hostfile) {
-        (Some(h), _) => flag_hosts(h).unwrap_or_else(|e| fail(&e)),
-        (None, Some(hosts)) => hosts,
-        (None, None) => Vec::new(),
+        .and_then(|f| std::fs::read_to_string(f).ok())
+        .map(|t| hostfile_users(&t))
+        .unwrap_or_default()
+}
+
+/// The hosts of `-H` (empty: this machine).
+fn hosts_given(args: &Args) -> Vec<(String, usize)> {
+    match &args.hosts {
+        Some(h) => flag_hosts(h).unwrap_or_else(|e| fail(&e)),
+        None => Vec::new(),
     }
 }
 
@@ -457,7 +548,19 @@ fn reach_hosts(
         return Vec::new();
     }
     let timeout = std::time::Duration::from_secs(args.start_timeout.unwrap_or(30).into());
-    let failed = check_hosts(&names, &remote_agent(mpi_args, env), timeout);
+    // As mpirun logs in: as a hostfile's `username=` where it gives one.
+    let users = hostfile_user_list(args);
+    let logins: Vec<String> = names.iter().map(|h| login(h, &users)).collect();
+    let failed: Vec<String> = check_hosts(&logins, &remote_agent(mpi_args, env), timeout)
+        .into_iter()
+        .map(|l| match l.split_once(": ") {
+            Some((who, why)) => match logins.iter().position(|x| x == who) {
+                Some(i) => format!("{}: {why}", names[i]),
+                None => l,
+            },
+            None => l,
+        })
+        .collect();
     if failed.is_empty() {
         return Vec::new();
     }
@@ -583,7 +686,11 @@ mod tests {
         let text = "# cluster\nnode1 slots=4\n\nnode2 slots=2 # small\nnode3\n";
         assert_eq!(
             hostfile_hosts(text),
-            Ok(pairs(&[("node1", 4), ("node2", 2), ("node3", 1)]))
+            Ok(vec![
+                ("node1".to_string(), Some(4)),
+                ("node2".to_string(), Some(2)),
+                ("node3".to_string(), None),
+            ])
         );
         let a = parse(&["-np", "8", "--hostfile", "hosts.txt", "x"]).unwrap();
         assert_eq!(threads_per_rank(&a, 8, 16, &[4, 2, 1], None), "4");

@@ -430,3 +430,52 @@ fn discovered_hosts_set_each_attempts_ranks() {
     assert_eq!(status.code(), Some(143));
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// The threads each rank is given in `kolorun --dry-run -np 2 <hosts> ./x`.
+fn threads_for(hosts: &[&str]) -> String {
+    let out = run(kolorun()
+        .args(["-np", "2", "--dry-run"])
+        .args(hosts)
+        .arg("./x"));
+    let line = String::from_utf8_lossy(&out.stdout).into_owned();
+    line.split_whitespace()
+        .find_map(|w| w.strip_prefix("RAYON_NUM_THREADS="))
+        .unwrap_or_else(|| panic!("no RAYON_NUM_THREADS in {line:?}"))
+        .to_string()
+}
+
+/// Issue 53 item 13: a hostfile host without `slots=` has as many slots as cores, as
+/// Open MPI counts them (here: the cores `lscpu` lists), not 1: kolorun plans the job
+/// as for `-H localhost:<cores>`.
+#[test]
+fn issue53_a_hostfile_host_without_slots_has_its_cores() {
+    let lscpu = Command::new("sh")
+        .args([
+            "-c",
+            "lscpu -p=Core,Socket | grep -v '^#' | sort -u | wc -l",
+        ])
+        .output()
+        .expect("run lscpu");
+    let cores: usize = String::from_utf8_lossy(&lscpu.stdout)
+        .trim()
+        .parse()
+        .expect("a core count");
+    let dir = std::env::temp_dir().join(format!("kolorun-slots-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("temp dir");
+    let file = dir.join("hosts");
+    std::fs::write(&file, "localhost\n").expect("write hostfile");
+    let from_file = threads_for(&["--hostfile", file.to_str().expect("utf-8 path")]);
+    let given = threads_for(&["-H", &format!("localhost:{cores}")]);
+    let one = threads_for(&["-H", "localhost:1"]);
+    let _ = std::fs::remove_dir_all(&dir);
+    assert_eq!(
+        from_file, given,
+        "hostfile without slots vs -H localhost:{cores}"
+    );
+    if cores > 1 {
+        assert_ne!(
+            from_file, one,
+            "a hostfile host without slots counted 1 slot"
+        );
+    }
+}

@@ -895,6 +895,11 @@ const CASES: &[(&str, Case, &[usize])] = &[
     ("sync_bn_rank3", sync_bn::sync_bn_rank3, &[2, 4]),
     ("sync_bn_rank4", sync_bn::sync_bn_rank4, &[2, 4]),
     ("sync_bn_uneven", sync_bn::sync_bn_uneven, &[2, 3]),
+    (
+        "issue53_sync_bn_extra_layer_on_one_rank",
+        sync_bn::sync_bn_extra_layer_on_one_rank,
+        &[2, 3],
+    ),
     ("equivalence", equivalence, &[2, 3]),
     ("replica_consistency", replica_consistency, &[2, 4]),
     ("backward_passes_per_step", backward_passes, &[1, 2]),

@@ -204,3 +204,13 @@ pub(crate) fn sync_bn_uneven(kolo: &Kolo) -> Result<()> {
     let sizes: Vec<usize> = (1..=kolo.size()).collect();
     check::<4>(kolo, &[3, 2, 3], &sizes)
 }
+
+/// Issue 53 item 28: rank 1 makes one more `SyncBatchNorm` (never used) before the
+/// model's, so the process-wide numbers of the model's layer differ between the
+/// ranks; the layer still equals `BatchNorm` on the combined batch (its allreduces
+/// went under different names, and the job hung).
+pub(crate) fn sync_bn_extra_layer_on_one_rank(kolo: &Kolo) -> Result<()> {
+    let _extra = (kolo.rank() == 1)
+        .then(|| SyncBatchNorm::new(kolo, &BatchNormConfig::new(3), &Device::flex().autodiff()));
+    check::<3>(kolo, &[4, 5], &vec![3; kolo.size()])
+}
