@@ -105,8 +105,31 @@ pub(crate) fn names_failure(line: &str) -> bool {
         || line.contains("exited on signal")
         || line.contains("Process name:")
         || line.contains("Exit code:")
-        || line.contains("has shut down")
         || job_failure(line)
+}
+
+/// The rank and text of a line of mpirun's tagged output (`[1,R]<stderr>:text`).
+fn tagged(line: &str) -> Option<(usize, &str)> {
+    let rest = line.strip_prefix('[')?;
+    let (tag, text) = rest.split_once(']')?;
+    let rank = tag.split(',').nth(1)?.parse().ok()?;
+    let text = text
+        .strip_prefix("<stderr>:")
+        .or_else(|| text.strip_prefix("<stdout>:"))?;
+    Some((rank, text))
+}
+
+/// The rank mpirun's box names as the first to exit with a status of its own
+/// (`Process name: [[50001,1],0]`).
+fn process_name_rank(line: &str) -> Option<usize> {
+    let at = line.find("Process name:")?;
+    let name = line[at + "Process name:".len()..].trim();
+    name.trim_end_matches(']')
+        .rsplit(',')
+        .next()?
+        .trim()
+        .parse()
+        .ok()
 }
 
 /// The beginnings of mpirun's own lines (Open MPI 4's ORTE and 5's PRTE) for daemons
@@ -171,7 +194,7 @@ pub(crate) fn supervise_job(
     // The copier ends at the end of the pipe (the sender is dropped, which
     // `recv_timeout` reports as disconnected), or the wait runs out.
     let _ = copied.recv_timeout(STDERR_DRAIN);
-    let seen = std::mem::take(&mut *lock(&seen));
+    let mut seen = std::mem::take(&mut *lock(&seen));
     let code = match watched.code {
         Some(code) => code,
         // Ended by kolorun after the abort: kolo's watchdog asked for the restartable
@@ -180,15 +203,18 @@ pub(crate) fn supervise_job(
         None if !seen.watchdog.is_empty() => kolo::RESTARTABLE_EXIT_CODE,
         None => 1,
     };
+    let job_failure = seen.failure.take();
+    let rank_exit_code = seen.rank_exit;
+    let watchdog = std::mem::take(&mut seen.watchdog);
     Ok(Ended {
         code,
         signalled: watched.signalled,
-        job_failure: seen.failure,
+        job_failure,
         mpirun_signal: watched.mpirun_signal,
-        rank_exit_code: seen.rank_exit,
+        rank_exit_code,
         hung: watched.code.is_none(),
-        cause: seen.cause,
-        watchdog: seen.watchdog,
+        cause: seen.cause(),
+        watchdog,
     })
 }
 
@@ -205,6 +231,35 @@ struct Seen {
     watchdog: Vec<String>,
     /// When the job was first said to be aborting.
     aborted_at: Option<Instant>,
+    /// Each rank's last line on stderr: the failing rank's own error (issue 54: a
+    /// program's error, e.g. "train_digits: committing: No space left on device",
+    /// names no failure kolorun knows).
+    last_err: std::collections::BTreeMap<usize, String>,
+    /// The rank mpirun names as the first that exited with a status of its own.
+    exited: Option<usize>,
+    /// Lines that only echo another rank's failure ("rank 0 has shut down"): the
+    /// cause when nothing better is seen.
+    echoes: Vec<String>,
+}
+
+impl Seen {
+    /// The lines that say which rank failed and why: the rank that exited first with
+    /// its last line, then the first lines naming a failure; other ranks' echoes of
+    /// it only when there is nothing else.
+    fn cause(self) -> Vec<String> {
+        let mut cause = Vec::new();
+        if let Some((r, line)) = self
+            .exited
+            .and_then(|r| self.last_err.get(&r).map(|l| (r, l)))
+        {
+            cause.push(format!("rank {r}: {}", line.trim()));
+        }
+        cause.extend(self.cause);
+        if cause.is_empty() {
+            cause = self.echoes;
+        }
+        cause
+    }
 }
 
 impl Seen {
@@ -222,6 +277,20 @@ impl Seen {
         }
         if job_failure(text) {
             self.failure.get_or_insert_with(|| text.trim().to_string());
+        }
+        if let Some((rank, said)) = tagged(text) {
+            if !said.trim().is_empty() && text.contains("<stderr>:") {
+                self.last_err.insert(rank, said.to_string());
+            }
+        }
+        if let Some(r) = process_name_rank(text) {
+            self.exited.get_or_insert(r);
+        }
+        if text.contains("has shut down") {
+            if self.echoes.len() < 3 {
+                self.echoes.push(text.trim().to_string());
+            }
+            return;
         }
         // The first three, and mpirun's line naming the failed node wherever it
         // comes (usually after the ranks' own reports).
@@ -330,6 +399,37 @@ fn watch(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn issue54_the_cause_is_the_failing_ranks_own_last_line_not_the_others_echoes() {
+        let mut seen = Seen::default();
+        for l in [
+            "[1,0]<stdout>:epoch 3",
+            "[1,0]<stderr>:train_digits: committing: No space left on device (os error 28)",
+            "[1,1]<stderr>:[kolo rank 1] WARN kolo-engine rank 0 has shut down; collectives on this rank will fail",
+            "[1,2]<stderr>:[kolo rank 2] WARN kolo-engine rank 0 has shut down; collectives on this rank will fail",
+            "  Process name: [[50001,1],0]",
+            "  Exit code:    1",
+        ] {
+            seen.line(l);
+        }
+        let cause = seen.cause();
+        assert_eq!(
+            cause.first().map(String::as_str),
+            Some("rank 0: train_digits: committing: No space left on device (os error 28)"),
+            "{cause:?}"
+        );
+        assert!(
+            !cause.iter().any(|l| l.contains("has shut down")),
+            "{cause:?}"
+        );
+        // Only echoes: they are the cause.
+        let mut seen = Seen::default();
+        seen.line("[1,1]<stderr>:WARN rank 0 has shut down; collectives on this rank will fail");
+        assert_eq!(seen.cause().len(), 1);
+        assert_eq!(tagged("[1,12]<stderr>:x"), Some((12, "x")));
+        assert_eq!(process_name_rank("Process name: [[7,1],3]"), Some(3));
+    }
 
     #[test]
     fn an_aborted_job_that_does_not_end_is_ended() {
