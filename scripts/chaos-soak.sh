@@ -11,6 +11,10 @@
 #
 #   scripts/chaos-soak.sh [--minutes M] [--seed S] [--example train_digits|train_digits_cnn]
 #                         [--steps N] [--commit-every K] [--min-np 4|2]
+#                         [--interval A-B]   (seconds between faults, default 3-20)
+#
+# train_digits runs to step N (--steps) committing every K steps; train_digits_cnn
+# (a CNN with SyncBatchNorm) commits after every epoch and runs N epochs (--steps).
 #
 # --min-np (default 4, every rank): with 2, kolorun leaves h2 out after a rank there
 # is killed or its link is cut and trains on on h1's 2 ranks, as elastic training
@@ -33,6 +37,7 @@ example=train_digits
 steps=""
 every=200
 min_np=4
+interval=3-20
 while [ $# -gt 0 ]; do
     case "$1" in
         --minutes) minutes=$2; shift 2 ;;
@@ -41,15 +46,22 @@ while [ $# -gt 0 ]; do
         --steps) steps=$2; shift 2 ;;
         --commit-every) every=$2; shift 2 ;;
         --min-np) min_np=$2; shift 2 ;;
+        --interval) interval=$2; shift 2 ;;
         *) echo "chaos-soak: unknown argument $1" >&2; exit 2 ;;
     esac
 done
 source scripts/setup.sh
 set +e
 RANDOM=$seed
-# About 500 steps a second here at 4 ranks on the emulated hosts (1500 in 3 s): the
-# uninterrupted run takes half the fault window, so the faults cover all of training.
-[ -n "$steps" ] || steps=$(( minutes * 60 * 250 ))
+# About 680 steps a second here at 4 ranks on the emulated hosts (150 000 in 221 s):
+# the uninterrupted run takes about 0.8 of the fault window, and with the time the
+# faults cost the job outlasts it. The CNN: about 3 epochs a minute.
+if [ -z "$steps" ]; then
+    case "$example" in
+        train_digits_cnn) steps=$(( minutes * 3 )) ;;
+        *) steps=$(( minutes * 60 * 550 )) ;;
+    esac
+fi
 timeout_s=6
 
 cargo build --release --workspace --examples --bins >/dev/null 2>&1 \
@@ -83,12 +95,15 @@ job() { # $1: checkpoint dir; the rest: extra kolorun flags
         scripts/multinode/on-h1.sh "$PWD/target/release/kolorun" -np 4 -H h1:2,h2:2 \
         --network-interface eth0 "$@" \
         --mpi-args "--mca plm_rsh_agent $PWD/scripts/multinode/agent.sh --mca mpi_yield_when_idle 1 --mca mpi_event_tick_rate 1" \
-        "$exe" --epochs 100000 --seed "$seed" --checkpoint "$dir" --commit-every "$every" \
-        --max-steps "$steps"
+        "$exe" --seed "$seed" --checkpoint "$dir" "${length[@]}"
 }
-fingerprint() { grep -o 'parameters fingerprint [0-9a-f]* after step [0-9]*' "$1" | tail -1; }
+case "$example" in
+    train_digits_cnn) length=(--epochs "$steps") ;;
+    *) length=(--epochs 100000 --commit-every "$every" --max-steps "$steps") ;;
+esac
+fingerprint() { grep -oE 'parameters fingerprint [0-9a-f]+ after (step|epoch) [0-9]+' "$1" | tail -1; }
 
-echo "chaos-soak: seed $seed, $minutes min of faults, $example to step $steps, a commit every $every steps"
+echo "chaos-soak: seed $seed, $minutes min of faults, $example: ${length[*]}"
 t0=$(date +%s)
 job "$work/ref" > "$work/ref.log" 2>&1
 ref=$(fingerprint "$work/ref.log")
@@ -98,7 +113,8 @@ echo "chaos-soak: reference run: ${ref:-no fingerprint} ($(( $(date +%s) - t0 ))
 now() { date +%s.%N; }
 ranks() { pgrep -f "^$exe( |$)"; }
 rank_of() { tr '\0' '\n' < "/proc/$1/environ" 2>/dev/null | sed -n 's/^OMPI_COMM_WORLD_RANK=//p'; }
-resumed() { grep -c "resumed from the commit" "$work/chaos.log" 2>/dev/null; }
+# Training again: an attempt that resumed from a commit says so.
+resumed() { grep -cE "resumed from the commit|training a CNN with .* from epoch [1-9]" "$work/chaos.log" 2>/dev/null; }
 
 log=$work/faults.log
 : > "$log"
@@ -124,7 +140,7 @@ while :; do
         echo "chaos-soak: the job ended with $code" >&2
         break
     fi
-    wait_s=$(( 3 + RANDOM % 18 ))
+    wait_s=$(( ${interval%-*} + RANDOM % (${interval#*-} - ${interval%-*} + 1) ))
     sleep "$wait_s"
     [ "$(date +%s)" -lt "$end" ] || { sleep 1; continue; }
     kill -0 "$kolorun_pid" 2>/dev/null || continue

@@ -34,6 +34,8 @@ use digits::{load_digits, Digits};
 
 #[path = "common/cnn.rs"]
 mod cnn;
+#[path = "common/fingerprint.rs"]
+mod fingerprint;
 use cnn::{batch, Cnn};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
@@ -235,6 +237,15 @@ fn run() -> anyhow::Result<()> {
             "RESULT steps_per_s={:.4}",
             steps as f64 / secs.max(f64::MIN_POSITIVE)
         );
+        if !args.bench {
+            // Compared by the tests and scripts/chaos-soak.sh: a run resumed from its
+            // commits trains the same parameters as one that never stopped.
+            println!(
+                "parameters fingerprint {:016x} after epoch {}",
+                fingerprint::fingerprint(&model)?,
+                args.epochs
+            );
+        }
         println!(
             "trained {steps} steps per rank in {secs:.2} s on {size} ranks{}",
             if args.bench {

@@ -105,6 +105,8 @@ fn main() {
     let mut attempt = 0u32;
     // The last attempt's exit code: what kolorun ends with when it cannot relaunch.
     let mut last_code: Option<i32> = None;
+    // Attempts in a row that failed soon after they started (see `backoff`).
+    let mut quick_failures = 0u32;
     loop {
         stop_if_signalled(&signals);
         let agent = remote_agent(&mpi_args, &env);
@@ -161,39 +163,19 @@ fn main() {
             continue;
         }
         stop_if_signalled(&signals);
-        let mut cmd = Command::new("mpirun");
-        cmd.args(&plan.argv);
-        for u in &plan.unset {
-            cmd.env_remove(u);
-        }
-        let ended = supervise_job(cmd, ABORT_GRACE, std::io::stderr(), &signals);
+        let began = std::time::Instant::now();
+        let ended = run_attempt(&plan, &signals);
         if run_args.hostfile != args.hostfile {
             // The filtered copy made for this attempt.
             if let Some(copy) = &run_args.hostfile {
                 let _ = std::fs::remove_file(copy);
             }
         }
-        let ended = match ended {
-            Ok(e) => e,
-            Err(e) => {
-                eprintln!(
-                    "kolorun: cannot run mpirun: {e} (install OpenMPI: apt-get install openmpi-bin)"
-                );
-                std::process::exit(127);
-            }
-        };
         if ended.code == 0 || ended.signalled || args.max_restarts == 0 {
             std::process::exit(ended.code);
         }
         last_code = Some(ended.code);
-        let mut why = if ended.cause.is_empty() {
-            String::new()
-        } else {
-            format!(": {}", ended.cause.join(" | "))
-        };
-        if ended.hung {
-            why.push_str(" (mpirun did not end after the job was aborted; kolorun ended it)");
-        }
+        let why = why_failed(&ended);
         if !args.restart_on_error && elastic::relaunch_reason(&ended).is_none() {
             eprintln!(
                 "kolorun: attempt {} of {attempts} failed with the program's own error (exit code {}){why}; not relaunched (only ranks killed by a signal, kolo's exit status {}, lost or unstarted daemons are; --restart-on-error relaunches on any failure)",
@@ -212,11 +194,80 @@ fn main() {
             std::process::exit(ended.code);
         }
         let next = leave_out(&args, &ended, &hosts, &mut left_out, (np, min_np));
+        quick_failures = if began.elapsed() < QUICK_FAILURE {
+            quick_failures + 1
+        } else {
+            0
+        };
+        let wait = backoff(quick_failures);
+        let waiting = if wait.is_zero() {
+            String::new()
+        } else {
+            format!("; waiting {} s (it failed {quick_failures} times in a row within {} s of its start)", wait.as_secs(), QUICK_FAILURE.as_secs())
+        };
         eprintln!(
-            "kolorun: attempt {attempt} of {attempts} failed (exit code {}){why}{next}; relaunching (KOLO_RESTART_COUNT={attempt})",
+            "kolorun: attempt {attempt} of {attempts} failed (exit code {}){why}{next}{waiting}; relaunching (KOLO_RESTART_COUNT={attempt})",
             ended.code
         );
+        pause(wait, &signals);
     }
+}
+
+/// An attempt that ends within this long of its start failed quickly (daemons that
+/// cannot start while a host's link is down, a program that fails at once).
+const QUICK_FAILURE: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// How long kolorun waits before relaunching after `quick` attempts in a row failed
+/// quickly: at once after the first, then 1, 2, 4, 8 and at most 16 s (issue 54: a
+/// host cut off for 10 s made mpirun fail to start its daemons 26 times in a row,
+/// a quarter of `--max-restarts 100` gone in seconds).
+fn backoff(quick: u32) -> std::time::Duration {
+    match quick {
+        0 | 1 => std::time::Duration::ZERO,
+        n => std::time::Duration::from_secs(1 << (n - 2).min(4)),
+    }
+}
+
+/// Waits `wait`, acting on a signal meanwhile (as between attempts).
+fn pause(wait: std::time::Duration, signals: &Signals) {
+    let until = std::time::Instant::now() + wait;
+    while std::time::Instant::now() < until {
+        stop_if_signalled(signals);
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+}
+
+/// Runs one attempt's mpirun (`plan`) under supervision until it ends; ends kolorun
+/// with 127 when mpirun cannot be started.
+fn run_attempt(plan: &command::Plan, signals: &Signals) -> supervise::Ended {
+    let mut cmd = Command::new("mpirun");
+    cmd.args(&plan.argv);
+    for u in &plan.unset {
+        cmd.env_remove(u);
+    }
+    match supervise_job(cmd, ABORT_GRACE, std::io::stderr(), signals) {
+        Ok(e) => e,
+        Err(e) => {
+            eprintln!(
+                "kolorun: cannot run mpirun: {e} (install OpenMPI: apt-get install openmpi-bin)"
+            );
+            std::process::exit(127);
+        }
+    }
+}
+
+/// The end of kolorun's line about a failed attempt: the job's lines that say which
+/// rank failed and why, and whether kolorun had to end mpirun.
+fn why_failed(ended: &supervise::Ended) -> String {
+    let mut why = if ended.cause.is_empty() {
+        String::new()
+    } else {
+        format!(": {}", ended.cause.join(" | "))
+    };
+    if ended.hung {
+        why.push_str(" (mpirun did not end after the job was aborted; kolorun ended it)");
+    }
+    why
 }
 
 /// After a failed attempt on `hosts`: leaves the failed host out of the next attempt
@@ -612,6 +663,12 @@ mod tests {
             .iter()
             .map(|(k, v)| (k.to_string(), v.to_string()))
             .collect()
+    }
+
+    #[test]
+    fn issue54_quick_failures_in_a_row_back_off() {
+        let secs: Vec<u64> = (0..9).map(|n| backoff(n).as_secs()).collect();
+        assert_eq!(secs, [0, 0, 1, 2, 4, 8, 16, 16, 16]);
     }
 
     #[test]

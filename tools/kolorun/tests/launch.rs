@@ -433,7 +433,9 @@ fn discovered_hosts_set_each_attempts_ranks() {
 
 /// The threads each rank is given in `kolorun --dry-run -np 2 <hosts> ./x`.
 fn threads_for(hosts: &[&str]) -> String {
+    // The user's own setting would win over the slots.
     let out = run(kolorun()
+        .env_remove("RAYON_NUM_THREADS")
         .args(["-np", "2", "--dry-run"])
         .args(hosts)
         .arg("./x"));
