@@ -174,7 +174,9 @@ while :; do
     # the fault ended an attempt.
     ( for _ in $(seq 1 600); do
           sleep 0.1
-          if [ "$(resumed)" -gt "$before" ]; then echo "$(now) - $t" | bc >> "$work/lost"; break; fi
+          if [ "$(resumed)" -gt "$before" ]; then
+              printf '%s %s\n' "$(echo "$(now) - $t" | bc)" "${what%% *}" >> "$work/lost"; break
+          fi
       done ) &
 done
 wait 2>/dev/null
@@ -185,9 +187,15 @@ leftovers=$(( $(ranks | wc -l) + $(pgrep -c orted) + $(pgrep -fc "multinode/agen
 partial=$(find "$ckpt" -name '*.tmp-*' | wc -l)
 reduced=$(grep -c "leaving host .* out" "$work/chaos.log")
 median=0
+# The median of the first column of the lines of stdin (0 without any).
+median_of() { sort -n | awk '{a[NR]=$1} END {if (NR) printf "%.1f", a[int((NR+1)/2)]; else print 0}'; }
 if [ -s "$work/lost" ]; then
-    median=$(sort -n "$work/lost" | awk '{a[NR]=$1} END {m=a[int((NR+1)/2)]; printf "%.1f", m}')
-    worst=$(sort -n "$work/lost" | tail -1)
+    median=$(median_of < "$work/lost")
+    worst=$(sort -n "$work/lost" | tail -1 | cut -d' ' -f1)
+    for kind in sigkill sigstop cut fill sigterm; do
+        n=$(grep -c " $kind\$" "$work/lost")
+        [ "$n" -eq 0 ] || echo "chaos-soak: time lost after $kind: median $(grep " $kind\$" "$work/lost" | median_of) s over $n faults, worst $(grep " $kind\$" "$work/lost" | sort -n | tail -1 | cut -d' ' -f1) s"
+    done
 fi
 identical=no
 [ -n "$chaos" ] && [ "${chaos% after*}" = "${ref% after*}" ] && identical=yes
