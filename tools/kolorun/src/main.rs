@@ -194,7 +194,7 @@ fn main() {
             std::process::exit(ended.code);
         }
         let next = leave_out(&args, &ended, &hosts, &mut left_out, (np, min_np));
-        quick_failures = if began.elapsed() < QUICK_FAILURE {
+        quick_failures = if began.elapsed() < QUICK_FAILURE && supervise::daemons_failed(&ended) {
             quick_failures + 1
         } else {
             0
@@ -203,7 +203,10 @@ fn main() {
         let waiting = if wait.is_zero() {
             String::new()
         } else {
-            format!("; waiting {} s (it failed {quick_failures} times in a row within {} s of its start)", wait.as_secs(), QUICK_FAILURE.as_secs())
+            format!(
+                "; waiting {} s (mpirun could not start its daemons {quick_failures} times in a row)",
+                wait.as_secs()
+            )
         };
         eprintln!(
             "kolorun: attempt {attempt} of {attempts} failed (exit code {}){why}{next}{waiting}; relaunching (KOLO_RESTART_COUNT={attempt})",
@@ -213,14 +216,15 @@ fn main() {
     }
 }
 
-/// An attempt that ends within this long of its start failed quickly (daemons that
-/// cannot start while a host's link is down, a program that fails at once).
+/// An attempt whose daemons could not be started within this long of its start
+/// counts towards [`backoff`] (a host's link down; not a rank killed a moment after a
+/// relaunch, which is relaunched at once).
 const QUICK_FAILURE: std::time::Duration = std::time::Duration::from_secs(10);
 
-/// How long kolorun waits before relaunching after `quick` attempts in a row failed
-/// quickly: at once after the first, then 1, 2, 4, 8 and at most 16 s (issue 54: a
-/// host cut off for 10 s made mpirun fail to start its daemons 26 times in a row,
-/// a quarter of `--max-restarts 100` gone in seconds).
+/// How long kolorun waits before relaunching after `quick` attempts in a row whose
+/// daemons could not be started: at once after the first, then 1, 2, 4, 8 and at
+/// most 16 s (issue 54: a host cut off for 10 s made mpirun fail to start its daemons
+/// 26 times in a row, a quarter of `--max-restarts 100` gone in seconds).
 fn backoff(quick: u32) -> std::time::Duration {
     match quick {
         0 | 1 => std::time::Duration::ZERO,

@@ -145,6 +145,16 @@ const DAEMON_FAILURES: [&str; 8] = [
     "PRTE does not know how to route a message to the specified daemon",
 ];
 
+/// Whether the attempt `ended` failed because mpirun could not start its daemons (or
+/// lost them): no rank may have run at all (a host whose link is down).
+pub(crate) fn daemons_failed(ended: &Ended) -> bool {
+    ended.job_failure.as_deref().is_some_and(|l| {
+        DAEMON_FAILURES
+            .iter()
+            .any(|p| l.trim_start().starts_with(p))
+    })
+}
+
 /// Whether `line` is mpirun's own report of a job failure: a rank ended by a signal
 /// ("mpirun noticed that process rank 1 with PID 7 on node h2 exited on signal 9"), or
 /// daemons that could not be started or were lost ([`DAEMON_FAILURES`]). Anchored at
@@ -399,6 +409,21 @@ fn watch(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn issue54_only_daemons_that_did_not_start_count_towards_the_backoff() {
+        let ended = |line: &str| Ended {
+            job_failure: Some(line.to_string()),
+            ..Ended::default()
+        };
+        assert!(daemons_failed(&ended(
+            "ORTE was unable to reliably start one or more daemons."
+        )));
+        assert!(!daemons_failed(&ended(
+            "mpirun noticed that process rank 3 with PID 7 on node h2 exited on signal 9 (Killed)."
+        )));
+        assert!(!daemons_failed(&Ended::default()));
+    }
 
     #[test]
     fn issue54_the_cause_is_the_failing_ranks_own_last_line_not_the_others_echoes() {
