@@ -101,7 +101,9 @@ pub enum Error {
 
     /// Some ranks never submitted a request others were waiting for, for longer than
     /// the stall shutdown time (`KOLO_STALL_SHUTDOWN_TIME_SECONDS`); every pending op
-    /// on every rank fails with the report, and the engine stops.
+    /// on every rank fails with the report, and the engine stops. A send or receive
+    /// whose peer has not come within that time fails alone with this error (naming
+    /// both ranks and the name); the engine goes on.
     #[error("{report}")]
     Stalled {
         /// Which requests are missing from which ranks.

@@ -110,8 +110,10 @@ impl<'k> SendBuilder<'k> {
     ///
     /// # Errors
     /// Submit-time errors, and a receiver whose rank left (shut down or died). A
-    /// receiver that never receives is no error: a large send waits for it (the stall
-    /// inspector does not watch point to point).
+    /// receiver that never receives is no error by itself: a large send waits for it,
+    /// is warned about after the stall check time, and fails with
+    /// [`Error::Stalled`](crate::Error::Stalled) after
+    /// `KOLO_STALL_SHUTDOWN_TIME_SECONDS` when that is set.
     pub fn wait(mut self) -> Result<()> {
         // While the engine is idle, this thread posts the send itself (no queue, no
         // handle): a small send costs little more than its MPI call.
@@ -165,9 +167,12 @@ impl<'k> RecvBuilder<'k> {
     /// Submits and waits for the tensor.
     ///
     /// # Errors
-    /// Submit-time errors, and a sender whose rank left (shut down or died). A sender
-    /// that never sends is no error: the receive waits for it (the stall inspector
-    /// does not watch point to point).
+    /// Submit-time errors, and a sender whose rank left (shut down or died); a second
+    /// receive of a name already being received from the same rank
+    /// ([`Error::DuplicateName`](crate::Error::DuplicateName)). A sender that never
+    /// sends is no error by itself: the receive waits for it, is warned about after
+    /// the stall check time, and fails with [`Error::Stalled`](crate::Error::Stalled)
+    /// after `KOLO_STALL_SHUTDOWN_TIME_SECONDS` when that is set.
     pub fn wait(self) -> Result<Tensor> {
         // As a send: on this thread while the engine is idle.
         if self.refused.is_none() {
