@@ -47,7 +47,7 @@ pub(crate) fn hostfile_hosts(text: &str) -> Result<Vec<(String, Option<usize>)>,
                 "boards" | "sockets" | "cores" => {
                     count(value).map_err(|why| at(format!("{word:?}: {why}")))?;
                 }
-                "username" | "user" | "user_name" | "user-name" => {
+                k if USER_KEYS.contains(&k) => {
                     check_user(value).map_err(|why| at(format!("{word:?}: {why}")))?;
                 }
                 _ => {
@@ -63,6 +63,9 @@ pub(crate) fn hostfile_hosts(text: &str) -> Result<Vec<(String, Option<usize>)>,
     Ok(hosts)
 }
 
+/// A hostfile's words for a host's user (`username=` and Open MPI's variants).
+const USER_KEYS: [&str; 4] = ["username", "user", "user_name", "user-name"];
+
 /// The `username=` of each hostfile host that has one: mpirun logs in as that user
 /// there, and so do kolorun's own checks (issue 53 item 15). Lines the parser
 /// refuses are skipped here ([`hostfile_hosts`] reports them).
@@ -73,9 +76,7 @@ pub(crate) fn hostfile_users(text: &str) -> Vec<(String, String)> {
         let Some(host) = words.next() else { continue };
         for w in words {
             if let Some((k, v)) = w.split_once('=') {
-                if matches!(k, "username" | "user" | "user_name" | "user-name")
-                    && check_user(v).is_ok()
-                {
+                if USER_KEYS.contains(&k) && check_user(v).is_ok() {
                     users.push((host.to_string(), v.to_string()));
                 }
             }
@@ -147,53 +148,30 @@ pub(crate) fn cores_of(
     agent: &[String],
     timeout: std::time::Duration,
 ) -> Result<Vec<usize>, String> {
-    let this = this_host();
-    let addresses: Vec<std::net::IpAddr> = crate::nic::local_addresses()
-        .into_iter()
-        .map(|(_, a)| a)
-        .collect();
+    let local = locality();
     let mut children = Vec::new();
     for h in hosts {
-        let mut cmd = if is_local(h, &this, &addresses) {
+        let mut cmd = if local(h) {
             let mut c = Command::new("sh");
             c.args(["-c", CORES_COMMAND]);
+            own_group(&mut c);
             c
         } else {
             let Some((program, first)) = agent.split_first() else {
                 return Err("no remote agent to ask the hosts for their cores with".into());
             };
-            let mut c = Command::new(program);
-            c.args(first);
-            if std::path::Path::new(program).file_name() == Some("ssh".as_ref()) {
-                c.arg("--");
-            }
-            c.args([h.replace(['[', ']'], "").as_str(), CORES_COMMAND]);
-            c
+            through_agent(program, first, h, CORES_COMMAND)
         };
-        cmd.stdin(std::process::Stdio::null())
-            .stdout(std::process::Stdio::piped())
-            .stderr(std::process::Stdio::null());
-        std::os::unix::process::CommandExt::process_group(&mut cmd, 0);
+        cmd.stdout(std::process::Stdio::piped());
         children.push((h, cmd.spawn()));
     }
-    let start = std::time::Instant::now();
+    let deadline = std::time::Instant::now() + timeout;
     let mut cores = Vec::with_capacity(hosts.len());
     let mut failed = Vec::new();
     for (h, child) in children {
         let answer = child.map_err(|e| e.to_string()).and_then(|mut child| {
-            loop {
-                match child.try_wait() {
-                    Ok(Some(_)) => break,
-                    Ok(None) if start.elapsed() < timeout => {
-                        std::thread::sleep(std::time::Duration::from_millis(20))
-                    }
-                    _ => {
-                        let group = nix::unistd::Pid::from_raw(child.id() as i32);
-                        let _ = nix::sys::signal::killpg(group, nix::sys::signal::Signal::SIGKILL);
-                        let _ = child.wait();
-                        return Err(format!("no answer within {:.0} s", timeout.as_secs_f64()));
-                    }
-                }
+            if wait_until(&mut child, deadline).is_none() {
+                return Err(format!("no answer within {:.0} s", timeout.as_secs_f64()));
             }
             let out = child.wait_with_output().map_err(|e| e.to_string())?;
             count_cores(&String::from_utf8_lossy(&out.stdout))
@@ -411,6 +389,62 @@ pub(crate) fn is_local(host: &str, this: &str, addresses: &[std::net::IpAddr]) -
     name == "localhost" || (!this.is_empty() && short(name) == short(this))
 }
 
+/// Whether a host (as -H or a hostfile names it) is this machine ([`is_local`]),
+/// with this machine's names and addresses read once.
+fn locality() -> impl Fn(&str) -> bool {
+    let this = this_host();
+    let addresses: Vec<std::net::IpAddr> = crate::nic::local_addresses()
+        .into_iter()
+        .map(|(_, a)| a)
+        .collect();
+    move |h| is_local(h, &this, &addresses)
+}
+
+/// Puts `cmd`'s child in a process group of its own (killed whole past a deadline),
+/// with no stdin and its output dropped unless the caller asks for it.
+fn own_group(cmd: &mut Command) {
+    cmd.stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null());
+    std::os::unix::process::CommandExt::process_group(cmd, 0);
+}
+
+/// `command` on `host` through the agent `program first…`, as mpirun calls it: for
+/// ssh a `--` ends the options before the host (so that no host is ever read as
+/// one), and an IPv6 address goes without the brackets -H needs. See [`own_group`].
+fn through_agent(program: &str, first: &[String], host: &str, command: &str) -> Command {
+    let mut cmd = Command::new(program);
+    cmd.args(first);
+    if std::path::Path::new(program).file_name() == Some("ssh".as_ref()) {
+        cmd.arg("--");
+    }
+    cmd.args([host.replace(['[', ']'], "").as_str(), command]);
+    own_group(&mut cmd);
+    cmd
+}
+
+/// Waits for `child` until `deadline`; past it (or when it cannot be waited for),
+/// kills its process group and returns `None`.
+fn wait_until(
+    child: &mut std::process::Child,
+    deadline: std::time::Instant,
+) -> Option<std::process::ExitStatus> {
+    loop {
+        match child.try_wait() {
+            Ok(Some(status)) => return Some(status),
+            Ok(None) if std::time::Instant::now() < deadline => {
+                std::thread::sleep(std::time::Duration::from_millis(20))
+            }
+            Ok(None) | Err(_) => {
+                let group = nix::unistd::Pid::from_raw(child.id() as i32);
+                let _ = nix::sys::signal::killpg(group, nix::sys::signal::Signal::SIGKILL);
+                let _ = child.wait();
+                return None;
+            }
+        }
+    }
+}
+
 /// Runs `agent host true` on every host other than this one, in parallel, as
 /// horovodrun does before a launch: a host that does not answer within `timeout`
 /// would otherwise make mpirun wait for ever for its daemon. Returns one line per
@@ -421,64 +455,32 @@ pub(crate) fn check_hosts(
     agent: &[String],
     timeout: std::time::Duration,
 ) -> Vec<String> {
-    use std::time::Instant;
-    let this = this_host();
-    let addresses: Vec<std::net::IpAddr> = crate::nic::local_addresses()
-        .into_iter()
-        .map(|(_, a)| a)
-        .collect();
-    let local = |h: &str| is_local(h, &this, &addresses);
+    let local = locality();
     let Some((program, first)) = agent.split_first() else {
         return vec!["no remote agent to reach the hosts with".into()];
     };
-    // Other agents (a script in `plm_rsh_agent`) are called as mpirun calls them.
-    let is_ssh = std::path::Path::new(program).file_name() == Some("ssh".as_ref());
     let mut running = Vec::new();
     let mut failed = Vec::new();
     for h in hosts.iter().filter(|h| !local(h)) {
-        // ssh takes an IPv6 address without the brackets -H needs.
-        let target = h.replace(['[', ']'], "");
-        let mut cmd = Command::new(program);
-        cmd.args(first);
-        if is_ssh {
-            cmd.arg("--");
-        }
-        cmd.args([target.as_str(), "true"])
-            .stdin(std::process::Stdio::null())
-            .stdout(std::process::Stdio::null())
-            .stderr(std::process::Stdio::null());
-        std::os::unix::process::CommandExt::process_group(&mut cmd, 0);
-        match cmd.spawn() {
+        match through_agent(program, first, h, "true").spawn() {
             Ok(child) => running.push((h.clone(), child)),
             Err(e) => failed.push(format!("{h}: cannot run {program}: {e}")),
         }
     }
-    let start = Instant::now();
-    while !running.is_empty() {
-        running.retain_mut(|(h, child)| match child.try_wait() {
-            Ok(Some(status)) if status.success() => false,
-            Ok(Some(status)) => {
-                failed.push(format!(
-                    "{h}: `{} {h} true` failed ({status})",
-                    agent.join(" ")
-                ));
-                false
-            }
-            Ok(None) if start.elapsed() < timeout => true,
-            Ok(None) | Err(_) => {
-                failed.push(format!(
-                    "{h}: `{} {h} true` did not answer within {:.0} s",
-                    agent.join(" "),
-                    timeout.as_secs_f64()
-                ));
-                // The process group made for this child.
-                let group = nix::unistd::Pid::from_raw(child.id() as i32);
-                let _ = nix::sys::signal::killpg(group, nix::sys::signal::Signal::SIGKILL);
-                let _ = child.wait();
-                false
-            }
-        });
-        std::thread::sleep(std::time::Duration::from_millis(20));
+    let deadline = std::time::Instant::now() + timeout;
+    for (h, mut child) in running {
+        match wait_until(&mut child, deadline) {
+            Some(status) if status.success() => {}
+            Some(status) => failed.push(format!(
+                "{h}: `{} {h} true` failed ({status})",
+                agent.join(" ")
+            )),
+            None => failed.push(format!(
+                "{h}: `{} {h} true` did not answer within {:.0} s",
+                agent.join(" "),
+                timeout.as_secs_f64()
+            )),
+        }
     }
     failed
 }
