@@ -443,6 +443,31 @@ impl P2pLane {
         }
     }
 
+    /// Fails the sends and receives that have waited `fail_after` or longer.
+    fn fail_stalled(&mut self, rank: usize, fail_after: Duration, now: Instant) {
+        let late = |w: &Waiting| now.duration_since(w.submitted) >= fail_after;
+        let secs = fail_after.as_secs_f64();
+        for (_, w) in self.recvs.extract_if(|_, w| late(w)) {
+            let report = format!(
+                "recv {:?} on rank {rank}: rank {} has not sent it within {secs:.0} s \
+                 (KOLO_STALL_SHUTDOWN_TIME_SECONDS); it may have failed, or sends under \
+                 another name",
+                w.name, w.peer
+            );
+            tracing::error!(rank, from = w.peer, name = %w.name, "{report}");
+            w.done.complete(Err(Error::Stalled { report }));
+        }
+        for (_, w) in self.sends.extract_if(|_, w| late(w)) {
+            let report = format!(
+                "send {:?} on rank {rank}: rank {} has not received it within {secs:.0} s \
+                 (KOLO_STALL_SHUTDOWN_TIME_SECONDS)",
+                w.name, w.peer
+            );
+            tracing::error!(rank, to = w.peer, name = %w.name, "{report}");
+            w.done.complete(Err(Error::Stalled { report }));
+        }
+    }
+
     /// Fails each receive (and send) that has waited `fail_after` or longer (not
     /// when it is zero), as the stall shutdown time does for collectives (issue 53
     /// item 20): a peer that failed or never sends no longer leaves it waiting for
@@ -489,49 +514,6 @@ impl P2pLane {
                 now.duration_since(w.submitted),
                 w.peer
             );
-        }
-    }
-}
-
-impl P2pLane {
-    /// Fails the sends and receives that have waited `fail_after` or longer.
-    fn fail_stalled(&mut self, rank: usize, fail_after: Duration, now: Instant) {
-        let late = |w: &Waiting| now.duration_since(w.submitted) >= fail_after;
-        let secs = fail_after.as_secs_f64();
-        let recvs: Vec<(usize, String)> = self
-            .recvs
-            .iter()
-            .filter(|(_, w)| late(w))
-            .map(|(k, _)| k.clone())
-            .collect();
-        for key in recvs {
-            if let Some(w) = self.recvs.remove(&key) {
-                let report = format!(
-                    "recv {:?} on rank {rank}: rank {} has not sent it within {secs:.0} s \
-                     (KOLO_STALL_SHUTDOWN_TIME_SECONDS); it may have failed, or sends under \
-                     another name",
-                    w.name, w.peer
-                );
-                tracing::error!(rank, from = w.peer, name = %w.name, "{report}");
-                w.done.complete(Err(Error::Stalled { report }));
-            }
-        }
-        let sends: Vec<u64> = self
-            .sends
-            .iter()
-            .filter(|(_, w)| late(w))
-            .map(|(&id, _)| id)
-            .collect();
-        for id in sends {
-            if let Some(w) = self.sends.remove(&id) {
-                let report = format!(
-                    "send {:?} on rank {rank}: rank {} has not received it within {secs:.0} s \
-                     (KOLO_STALL_SHUTDOWN_TIME_SECONDS)",
-                    w.name, w.peer
-                );
-                tracing::error!(rank, to = w.peer, name = %w.name, "{report}");
-                w.done.complete(Err(Error::Stalled { report }));
-            }
         }
     }
 }
