@@ -320,38 +320,7 @@ impl ShardedOptimizer {
                 ));
             }
         }
-        // Each parameter with state gets its block's scalars; one without a block here,
-        // those of this rank's first block with state (every block is stepped
-        // together).
-        let first = plan
-            .piece_ids
-            .iter()
-            .zip(&plan.blocks)
-            .zip(&held.stated)
-            .find(|((_, b), &stated)| !b.is_empty() && stated)
-            .map(|((id, _), _)| id.val());
-        let mut scalars = BTreeMap::new();
-        for (((slot, id), block), &stated) in slots
-            .iter()
-            .zip(&plan.piece_ids)
-            .zip(&plan.blocks)
-            .zip(&held.stated)
-        {
-            let from = match (stated, block.is_empty()) {
-                (false, _) => None,
-                (true, true) => first,
-                (true, false) => Some(id.val()),
-            };
-            if let Some(from) = from {
-                rename_scalars(
-                    &mine.scalars,
-                    from,
-                    slot.id.val(),
-                    slot.dims.len(),
-                    &mut scalars,
-                );
-            }
-        }
+        let scalars = whole_scalars(&plan, &held, &mine.scalars);
         let whole = assemble(
             &self.inner,
             tensors,
@@ -476,6 +445,43 @@ impl ShardedOptimizer {
         self.inner = assemble(&self.inner, tensors, scalars, plan_paths(plan), WHAT)?;
         Ok(())
     }
+}
+
+/// The scalars of the whole state (a step count, each parameter's rank) from this
+/// rank's `mine`: each parameter with state gets its block's; one without a block
+/// here, those of this rank's first block with state (every block is stepped
+/// together).
+fn whole_scalars(
+    plan: &Plan,
+    held: &Held,
+    mine: &BTreeMap<String, Scalar>,
+) -> BTreeMap<String, Scalar> {
+    let first = plan
+        .piece_ids
+        .iter()
+        .zip(&plan.blocks)
+        .zip(&held.stated)
+        .find(|((_, b), &stated)| !b.is_empty() && stated)
+        .map(|((id, _), _)| id.val());
+    let mut scalars = BTreeMap::new();
+    for (((slot, id), block), &stated) in plan
+        .layout
+        .slots
+        .iter()
+        .zip(&plan.piece_ids)
+        .zip(&plan.blocks)
+        .zip(&held.stated)
+    {
+        let from = match (stated, block.is_empty()) {
+            (false, _) => None,
+            (true, true) => first,
+            (true, false) => Some(id.val()),
+        };
+        if let Some(from) = from {
+            rename_scalars(mine, from, slot.id.val(), slot.dims.len(), &mut scalars);
+        }
+    }
+    scalars
 }
 
 /// What the ranks hold of the state: the fields' names (in order), which parameters
