@@ -150,6 +150,20 @@ pub(crate) fn trains<const D: usize>(param: &Param<Tensor<D>>) -> bool {
     !t.device().is_autodiff() || t.is_require_grad()
 }
 
+/// Checks that every rank's `module` has the same float parameters (paths, shapes,
+/// dtypes, frozen state), in the same order: one allgather named `name`.
+///
+/// # Errors
+/// As [`agree`]; [`Error::Kolo`] when the allgather fails.
+pub(crate) fn agree_module<M: Module>(module: &M, kolo: &Kolo, name: &str) -> Result<()> {
+    let mut visit = Learn {
+        path: Vec::new(),
+        slots: Vec::new(),
+    };
+    module.visit(&mut visit);
+    agree(&visit.slots, kolo, name)
+}
+
 /// Checks that every rank has the same parameters, in the same order, with the same
 /// shapes, dtypes and frozen state (one allgather, when the layout is learned).
 ///

@@ -15,7 +15,7 @@ use crate::layout::Layout;
 
 mod consolidate;
 mod flat;
-mod shard;
+pub(crate) mod shard;
 mod tensors;
 
 use flat::{blocks, gathered, Flat, Gathered, WriteViews};
@@ -766,7 +766,7 @@ fn global_clip(max: f32, squares: f64) -> f64 {
 /// The elements rank `rank` of `size` holds of a parameter of `total`: contiguous, the
 /// first `total % size` ranks one more (kolo's reducescatter splits dim 0 the same
 /// way).
-fn range_of(total: usize, size: usize, rank: usize) -> Range<usize> {
+pub(crate) fn range_of(total: usize, size: usize, rank: usize) -> Range<usize> {
     let (base, extra) = (total / size, total % size);
     let start = rank * base + rank.min(extra);
     start..start + base + usize::from(rank < extra)

@@ -11,21 +11,21 @@ use burn::tensor::{Device, Tensor};
 
 /// This rank's block of one parameter.
 #[derive(Clone, Debug)]
-pub(super) struct Piece {
+pub(crate) struct Piece {
     /// The parameter's module path, by segment (`["fc1", "bias"]`).
-    pub(super) path: Vec<String>,
+    pub(crate) path: Vec<String>,
     /// The block, with the parameter's id.
-    pub(super) param: Param<Tensor<1>>,
+    pub(crate) param: Param<Tensor<1>>,
 }
 
 /// This rank's blocks, as one module.
 #[derive(Clone, Debug)]
-pub(super) struct Shard {
-    pub(super) pieces: Vec<Piece>,
+pub(crate) struct Shard {
+    pub(crate) pieces: Vec<Piece>,
 }
 
 /// A `Piece`'s path segments from a dotted module path.
-pub(super) fn segments(path: &str) -> Vec<String> {
+pub(crate) fn segments(path: &str) -> Vec<String> {
     path.split('.').map(str::to_string).collect()
 }
 

@@ -4,6 +4,7 @@
 #[cfg(any(feature = "cpu", feature = "cuda"))]
 mod cube;
 mod elastic;
+mod fsdp;
 #[path = "../../../../tests/collectives/harness.rs"]
 mod harness;
 mod issue31;
@@ -967,6 +968,7 @@ const CASES: &[(&str, Case, &[usize])] = &[
         &[2, 4],
     ),
     ("issue53_sharded_groups", sharded53::groups, &[2, 3]),
+    ("fsdp_equivalence", fsdp::equivalence, &[1, 2, 4]),
     ("issue53_sharded_changes", sharded53::changes, &[2]),
     ("issue53_sharded_half_state", sharded53::half_state, &[2]),
     (

@@ -1,0 +1,528 @@
+//! Fully sharded parameters (DeepSpeed's ZeRO stage 3, PyTorch's FSDP) for Burn: each
+//! rank keeps 1/N of every parameter of a wrapped sub-module, gathers the whole
+//! parameters just for that sub-module's forward (and again for its backward), and
+//! receives only its block of the averaged gradient.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
+
+use burn::module::{Devices, Module, ModuleMapper, ModuleVisitor, Param, ParamId};
+use burn::tensor::{DType, Device, Shape, Tensor, TensorData};
+use kolo::{Kolo, ReduceOp};
+
+use crate::convert;
+use crate::error::{Error, Result};
+use crate::layout::trains;
+use crate::sharded::range_of;
+use crate::sharded::shard::{Piece, Shard};
+
+mod op;
+mod record;
+
+pub use record::{consolidated_record, load_fully_sharded};
+
+/// Numbers the units of a process in the order they are made: every rank makes them
+/// in the same order (making one is collective), so the number names the unit's
+/// collectives alike everywhere.
+static UNITS: AtomicU64 = AtomicU64::new(0);
+
+/// A sub-module whose parameters are sharded across the ranks: FSDP's wrapping unit.
+///
+/// Each rank keeps block `rank` of every float parameter of the wrapped module,
+/// flattened (the same contiguous, element-balanced blocks as
+/// [`ShardedOptimizer`](crate::ShardedOptimizer): the first `n % N` ranks hold one
+/// element more), as a 1-D parameter **under the parameter's own id and module
+/// path**. A plain Burn optimizer steps these blocks, so its state is 1/N of the
+/// whole by construction, and a model made of units is trained by the usual loop:
+///
+/// ```no_run
+/// # use burn::module::Module;
+/// # use burn::nn::{Linear, LinearConfig, Relu};
+/// # use burn::tensor::{Device, Tensor};
+/// use kolo_burn::FullyShard;
+/// #[derive(Module, Debug)]
+/// struct Mlp {
+///     fc1: FullyShard<Linear>,
+///     fc2: FullyShard<Linear>,
+/// }
+/// impl Mlp {
+///     fn new(kolo: &kolo::Kolo, device: &Device) -> kolo_burn::Result<Self> {
+///         // Built unit by unit: no rank holds the whole model at once.
+///         Ok(Mlp {
+///             fc1: FullyShard::new(kolo, LinearConfig::new(784, 512).init(device))?,
+///             fc2: FullyShard::new(kolo, LinearConfig::new(512, 10).init(device))?,
+///         })
+///     }
+///     fn forward(&self, x: Tensor<2>) -> Tensor<2> {
+///         let h = self.fc1.forward(x, |l, x| l.forward(x));
+///         let h = Relu::new().forward(h);
+///         self.fc2.forward(h, |l, x| l.forward(x))
+///     }
+/// }
+/// // the loop is plain Burn: backward, GradientsParams::from_grads, optim.step
+/// ```
+///
+/// **Forward.** [`forward`](Self::forward) all-gathers the unit's blocks (one grouped
+/// collective), rebuilds the wrapped module with the whole parameters, runs the given
+/// function on it and drops the gathered copy (`reshard_after_forward`, the default).
+/// The unit is one autodiff op: its **backward** gathers the parameters again,
+/// recomputes the unit's forward under autodiff (the unit is checkpointed, so neither
+/// its gathered parameters nor its activations are held between forward and
+/// backward), takes the gradients of the parameters and of the input, and
+/// reduce-scatters the parameters' gradients as one group (Average by default): this
+/// rank's parameter blocks receive the averaged gradient of their elements, and the
+/// input's gradient flows on to the earlier units. With
+/// [`reshard_after_forward(false)`](Self::reshard_after_forward) the gathered
+/// parameters and the unit's autodiff graph are kept from forward to backward
+/// instead: no second gather and no recomputation, at the memory of an unsharded
+/// unit.
+///
+/// **Frozen parameters** (`require_grad = false`) are gathered and used, never
+/// reduced, and a plain optimizer does not step them. Gradients must not be reduced
+/// again (no [`GradientReducer`](crate::GradientReducer)): they arrive averaged.
+///
+/// **Start.** [`new`](Self::new) makes every rank's unit equal to rank 0's (as
+/// [`broadcast_parameters`](crate::broadcast_parameters)) and checks that the ranks'
+/// units have the same parameters, failing on every rank naming the first that
+/// differs.
+///
+/// **Checkpoints.** [`consolidated_record`] gives the whole model's record as a plain
+/// unsharded Burn model of the same structure holds it (each unit's parameters
+/// gathered), and [`load_fully_sharded`] loads such a record into a model of units at
+/// any number of ranks.
+///
+/// **Backends.** Training (an autodiff device) needs Burn's CPU backend (`Flex`) or,
+/// with the `cuda`/`cpu` feature, its CubeCL backend; on other backends
+/// [`try_forward`](Self::try_forward) fails saying so. Without autodiff (evaluation,
+/// `valid()`) every backend works: the parameters are gathered and the module run.
+///
+/// **Failures.** `forward` panics when a collective fails (a rank left), naming the
+/// unit; so does the backward pass, which cannot return an error (as
+/// [`SyncBatchNorm`](crate::SyncBatchNorm)); kolo's panic hook ends the job with the
+/// message. Use [`try_forward`](Self::try_forward) to handle a failed forward.
+pub struct FullyShard<M: Module> {
+    shard: Shard,
+    unit: Arc<Unit<M>>,
+    settings: Settings,
+}
+
+/// What every copy of a unit shares.
+struct Unit<M> {
+    kolo: Kolo,
+    /// The prefix of the unit's collective names: `kolo_burn.fsdp.<n>`.
+    name: String,
+    /// The wrapped module with each float parameter replaced by one element: its
+    /// structure, settings and non-float state, filled with whole parameters to run.
+    /// (A mutex: a module need not be `Sync`; it is only cloned.)
+    skeleton: Mutex<M>,
+    /// Each float parameter's whole shape and dtype, in module order.
+    params: Vec<Full>,
+}
+
+/// A parameter's whole shape and dtype.
+#[derive(Clone, Debug)]
+pub(crate) struct Full {
+    pub(crate) dims: Vec<usize>,
+    pub(crate) dtype: DType,
+}
+
+impl Full {
+    pub(crate) fn numel(&self) -> usize {
+        self.dims.iter().product()
+    }
+}
+
+/// How the unit runs.
+#[derive(Clone, Copy, Debug)]
+struct Settings {
+    /// Drop the gathered parameters after forward (gather again in backward).
+    reshard: bool,
+    /// Backward passes summed into a step's gradients (each reduce-scatter divides by it).
+    passes: usize,
+    op: ReduceOp,
+}
+
+impl<M: Module> Clone for FullyShard<M> {
+    fn clone(&self) -> Self {
+        FullyShard {
+            shard: self.shard.clone(),
+            unit: Arc::clone(&self.unit),
+            settings: self.settings,
+        }
+    }
+}
+
+impl<M: Module> std::fmt::Debug for FullyShard<M> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("FullyShard")
+            .field("unit", &self.unit.name)
+            .field("params", &self.unit.params)
+            .field("settings", &self.settings)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<M: Module> FullyShard<M> {
+    /// Shards `module` (the same module on every rank; rank 0's values are taken):
+    /// keeps this rank's block of each float parameter and drops the rest. Collective:
+    /// every rank makes the same units in the same order.
+    ///
+    /// # Errors
+    /// [`Error::ModelMismatch`] on every rank when the ranks' modules have different
+    /// parameters (naming the first); [`Error::InvalidArgument`] for a module without
+    /// float parameters; [`Error::Data`] for a parameter kolo cannot move (not a float
+    /// dtype); a failed broadcast ([`Error::Kolo`], [`Error::Record`]).
+    pub fn new(kolo: &Kolo, module: M) -> Result<Self> {
+        let n = UNITS.fetch_add(1, Ordering::Relaxed);
+        let name = format!("kolo_burn.fsdp.{n}");
+        crate::layout::agree_module(&module, kolo, &format!("{name}.layout"))?;
+        let module = crate::broadcast_parameters(kolo, module, 0)?;
+        let mut take = Take {
+            path: Vec::new(),
+            size: kolo.size(),
+            rank: kolo.rank(),
+            pieces: Vec::new(),
+            params: Vec::new(),
+            error: None,
+        };
+        let skeleton = module.map(&mut take);
+        if let Some(e) = take.error {
+            return Err(e);
+        }
+        if take.params.is_empty() {
+            return Err(Error::InvalidArgument {
+                what: "FullyShard::new",
+                message: "the module has no float parameters to shard".into(),
+            });
+        }
+        for (p, full) in take.pieces.iter().zip(&take.params) {
+            record::register(p.param.id, full.clone());
+        }
+        Ok(FullyShard {
+            shard: Shard {
+                pieces: take.pieces,
+            },
+            unit: Arc::new(Unit {
+                kolo: kolo.clone(),
+                name,
+                skeleton: Mutex::new(skeleton),
+                params: take.params,
+            }),
+            settings: Settings {
+                reshard: true,
+                passes: 1,
+                op: ReduceOp::Average,
+            },
+        })
+    }
+
+    /// Whether the gathered parameters are dropped after forward and gathered again
+    /// in backward (`true`, the default: the memory of the unit's block only between
+    /// forward and backward, at the cost of a second all-gather and of recomputing the
+    /// unit's forward) or kept until backward (`false`, FSDP's
+    /// `reshard_after_forward=False`).
+    pub fn reshard_after_forward(mut self, reshard: bool) -> Self {
+        self.settings.reshard = reshard;
+        self
+    }
+
+    /// The gradients of a step are the sum of `passes` backward passes (accumulated,
+    /// e.g. with Burn's `GradientsAccumulator`): each reduce-scatter divides by it, as
+    /// [`GradientReducer::backward_passes_per_step`](crate::GradientReducer::backward_passes_per_step).
+    pub fn backward_passes_per_step(mut self, passes: usize) -> Self {
+        self.settings.passes = passes.max(1);
+        self
+    }
+
+    /// [`ReduceOp::Average`] (default) or [`ReduceOp::Sum`] of the gradients.
+    pub fn op(mut self, op: ReduceOp) -> Self {
+        self.settings.op = op;
+        self
+    }
+
+    /// The elements of each float parameter (flattened, in module order) this rank
+    /// holds.
+    pub fn shard(&self) -> Vec<std::ops::Range<usize>> {
+        let (size, rank) = (self.unit.kolo.size(), self.unit.kolo.rank());
+        self.unit
+            .params
+            .iter()
+            .map(|p| range_of(p.numel(), size, rank))
+            .collect()
+    }
+
+    /// The wrapped module with its whole parameters, gathered from every rank (each
+    /// keeping its id): collective, every rank calls it.
+    ///
+    /// # Errors
+    /// The all-gather failed ([`Error::Kolo`]) or a block cannot be moved
+    /// ([`Error::Data`]).
+    pub fn gathered(&self) -> Result<M> {
+        let device = self.device();
+        let whole = self.gather(&device)?;
+        Ok(self.rebuild(whole))
+    }
+
+    /// Runs `f` on the wrapped module with its whole parameters and `input` (see the
+    /// type's docs); panics when a collective fails. `f` is called again in backward
+    /// (with autodiff) unless [`reshard_after_forward(false)`](Self::reshard_after_forward).
+    pub fn forward<const I: usize, const O: usize, F>(&self, input: Tensor<I>, f: F) -> Tensor<O>
+    where
+        F: Fn(&M, Tensor<I>) -> Tensor<O> + Send + Sync + 'static,
+        M: 'static,
+    {
+        match self.try_forward(input, f) {
+            Ok(t) => t,
+            Err(e) => panic!("kolo_burn::FullyShard {}: {e}", self.unit.name),
+        }
+    }
+
+    /// [`forward`](Self::forward), returning an error instead of panicking.
+    ///
+    /// # Errors
+    /// The all-gather failed ([`Error::Kolo`]); training on a backend the unit cannot
+    /// hook ([`Error::InvalidArgument`]).
+    pub fn try_forward<const I: usize, const O: usize, F>(
+        &self,
+        input: Tensor<I>,
+        f: F,
+    ) -> Result<Tensor<O>>
+    where
+        F: Fn(&M, Tensor<I>) -> Tensor<O> + Send + Sync + 'static,
+        M: 'static,
+    {
+        let device = self.device();
+        let trainable = self.trainable();
+        let tracked = input.is_autodiff() && input.is_tracked();
+        if !device.is_autodiff() || (trainable.is_empty() && !tracked) {
+            // Nothing to differentiate here: gather and run.
+            let whole = self.gather(&device)?;
+            return Ok(f(&self.rebuild(whole), input));
+        }
+        op::run(self, input, f, trainable)
+    }
+
+    /// Indices of the parameters that train (require a gradient).
+    fn trainable(&self) -> Vec<usize> {
+        self.shard
+            .pieces
+            .iter()
+            .enumerate()
+            .filter(|(_, p)| trains(&p.param) && p.param.val().device().is_autodiff())
+            .map(|(i, _)| i)
+            .collect()
+    }
+
+    /// The device of the blocks.
+    fn device(&self) -> Device {
+        self.shard.pieces[0].param.lazy_device()
+    }
+
+    /// Every parameter whole, flattened, on `device` without autodiff: one grouped
+    /// all-gather of this rank's blocks.
+    fn gather(&self, device: &Device) -> Result<Vec<Tensor<1>>> {
+        let unit = &self.unit;
+        let copied = convert::Copied::default();
+        let members = self
+            .shard
+            .pieces
+            .iter()
+            .enumerate()
+            .map(|(i, p)| {
+                let name = format!("{}.{i}.value", unit.name);
+                let t = convert::on_host(convert::to_kolo(&name, p.param.val().inner(), &copied)?)?;
+                Ok((name, t))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let all = unit.kolo.grouped_allgather(members).wait()?;
+        let inner = device.clone().inner();
+        all.into_iter()
+            .zip(&unit.params)
+            .enumerate()
+            .map(|(i, (t, full))| {
+                convert::to_burn::<1>(&format!("{}.{i}.value", unit.name), t, full.dtype, &inner)
+            })
+            .collect()
+    }
+
+    /// The wrapped module holding `whole` (flattened parameters, in module order),
+    /// each parameter under its block's id.
+    fn rebuild(&self, whole: Vec<Tensor<1>>) -> M {
+        let skeleton = self
+            .unit
+            .skeleton
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone();
+        skeleton.map(&mut Fill {
+            whole: whole.into_iter(),
+            params: &self.unit.params,
+            ids: self.shard.pieces.iter().map(|p| p.param.id).collect(),
+            next: 0,
+        })
+    }
+}
+
+/// Takes this rank's block of each float parameter and leaves a one-element
+/// placeholder in the module.
+struct Take {
+    path: Vec<String>,
+    size: usize,
+    rank: usize,
+    pieces: Vec<Piece>,
+    params: Vec<Full>,
+    error: Option<Error>,
+}
+
+impl ModuleMapper for Take {
+    fn enter_module(&mut self, name: &str, _container_type: &str) {
+        self.path.push(name.to_string());
+    }
+
+    fn exit_module(&mut self, _name: &str, _container_type: &str) {
+        self.path.pop();
+    }
+
+    fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
+        let trainable = trains(&param);
+        let (id, t, mapper) = param.consume();
+        let device = t.device();
+        let full = Full {
+            dims: t.dims().to_vec(),
+            dtype: t.dtype(),
+        };
+        if let Err(e) = convert::kolo_dtype(&self.path.join("."), full.dtype) {
+            self.error.get_or_insert(e);
+        }
+        let n = full.numel();
+        let range = range_of(n, self.size, self.rank);
+        // A copy of the block alone (a slice would keep the whole buffer alive).
+        let data: TensorData = t.clone().inner().reshape([n]).slice(range).into_data();
+        let block = Tensor::<1>::from_data(data, (&device, full.dtype));
+        let block = if device.is_autodiff() {
+            block.set_require_grad(trainable)
+        } else {
+            block
+        };
+        let mut piece = Param::initialized(id, block);
+        if !trainable {
+            piece = piece.set_require_grad(false);
+        }
+        self.pieces.push(Piece {
+            path: self.path.clone(),
+            param: piece,
+        });
+        self.params.push(full.clone());
+        let placeholder = Tensor::<D>::zeros([1; D], (&device, full.dtype));
+        Param::from_mapped_value(id, placeholder, mapper)
+    }
+}
+
+/// Puts whole parameters into the skeleton, in module order, under the blocks' ids.
+struct Fill<'a> {
+    whole: std::vec::IntoIter<Tensor<1>>,
+    params: &'a [Full],
+    ids: Vec<ParamId>,
+    next: usize,
+}
+
+impl ModuleMapper for Fill<'_> {
+    fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
+        let i = self.next;
+        self.next += 1;
+        let (Some(flat), Some(full)) = (self.whole.next(), self.params.get(i)) else {
+            return param;
+        };
+        let id = self.ids.get(i).copied().unwrap_or(param.id);
+        let (_, _, mapper) = param.consume();
+        Param::from_mapped_value(id, reshaped::<D>(flat, &full.dims), mapper)
+    }
+}
+
+/// Bytes of this rank's float parameters in `model` (a model of
+/// [`FullyShard`] units holds 1/N of each unit's parameters): what
+/// `train_big_mlp` reports beside the optimizer state.
+pub fn local_param_bytes<M: Module>(model: &M) -> usize {
+    struct Count(usize);
+    impl ModuleVisitor for Count {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            let t = param.val();
+            self.0 += t.shape().num_elements() * t.dtype().size();
+        }
+    }
+    let mut c = Count(0);
+    model.visit(&mut c);
+    c.0
+}
+
+impl<M: Module> Module for FullyShard<M> {
+    fn collect_devices(&self, devices: Devices) -> Devices {
+        self.shard.collect_devices(devices)
+    }
+
+    fn fork(self, device: &Device) -> Self {
+        self.with_shard(|s| s.fork(device))
+    }
+
+    fn to_device(self, device: &Device) -> Self {
+        self.with_shard(|s| s.to_device(device))
+    }
+
+    fn train(self) -> Self {
+        self.with_shard(Module::train)
+    }
+
+    fn valid(&self) -> Self {
+        self.clone().with_shard(|s| s.valid())
+    }
+
+    fn materialize(self) -> Self {
+        self.with_shard(Module::materialize)
+    }
+
+    fn visit<V: ModuleVisitor>(&self, visitor: &mut V) {
+        self.shard.visit(visitor);
+    }
+
+    fn map<Mapper: ModuleMapper>(self, mapper: &mut Mapper) -> Self {
+        self.with_shard(|s| s.map(mapper))
+    }
+}
+
+impl<M: Module> FullyShard<M> {
+    fn with_shard(self, f: impl FnOnce(Shard) -> Shard) -> Self {
+        let shard = f(self.shard);
+        // A mapping may give the blocks other ids (a record loaded with its own).
+        for (p, full) in shard.pieces.iter().zip(&self.unit.params) {
+            record::register(p.param.id, full.clone());
+        }
+        FullyShard {
+            shard,
+            unit: self.unit,
+            settings: self.settings,
+        }
+    }
+}
+
+/// `flat` reshaped to `dims` (a parameter's whole shape).
+pub(crate) fn reshaped<const D: usize>(flat: Tensor<1>, dims: &[usize]) -> Tensor<D> {
+    flat.reshape(Shape::from(dims.to_vec()))
+}
+
+impl<M: Module> burn::module::ModuleDisplayDefault for FullyShard<M> {
+    fn content(&self, content: burn::module::Content) -> Option<burn::module::Content> {
+        let shapes: Vec<&[usize]> = self.unit.params.iter().map(|p| &p.dims[..]).collect();
+        content
+            .add_single(&format!(
+                "FullyShard {{unit: {}, parameters: {shapes:?}}}",
+                self.unit.name
+            ))
+            .optional()
+    }
+
+    fn num_params(&self) -> usize {
+        self.unit.params.iter().map(Full::numel).sum()
+    }
+}
+
+impl<M: Module> burn::module::ModuleDisplay for FullyShard<M> {}

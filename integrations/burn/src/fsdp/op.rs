@@ -1,0 +1,356 @@
+//! A unit as one autodiff op. Its parents are the unit's input and its trainable
+//! blocks (concatenated by Burn's own differentiable `cat`, which hands each block its
+//! part of the gradient); its output is the wrapped module's output, computed without
+//! autodiff (or, keeping the graph, with a graph of its own). Its backward runs the
+//! wrapped module's forward and backward on whole parameters — a graph of its own,
+//! separate from the caller's, which Burn 0.22 allows inside a backward step — and
+//! reduce-scatters the parameters' gradients.
+
+use std::sync::{Arc, Mutex, PoisonError};
+
+use burn::backend::autodiff::checkpoint::base::Checkpointer;
+use burn::backend::autodiff::checkpoint::strategy::{BalancedCheckpointing, NoCheckpointing};
+use burn::backend::autodiff::grads::Gradients;
+use burn::backend::autodiff::ops::{Backward, Ops, OpsKind};
+use burn::backend::{Autodiff, Flex};
+use burn::module::Module;
+use burn::tensor::{Device, Tensor};
+
+use super::FullyShard;
+use crate::convert;
+use crate::error::{Error, Result};
+
+/// The unit's forward as an autodiff op: `f` on the whole parameters, the op attached
+/// to `input` and the trainable blocks.
+pub(super) fn run<M, const I: usize, const O: usize, F>(
+    unit: &FullyShard<M>,
+    input: Tensor<I>,
+    f: F,
+    trainable: Vec<usize>,
+) -> Result<Tensor<O>>
+where
+    M: Module + 'static,
+    F: Fn(&M, Tensor<I>) -> Tensor<O> + Send + Sync + 'static,
+{
+    let device = unit.device();
+    let f = Arc::new(f);
+    let need_x = input.is_autodiff() && input.is_tracked();
+    let x_inner = input.clone().inner();
+    let whole = unit.gather(&device)?;
+    let (y, kept) = if unit.settings.reshard {
+        // Whole parameters and the input without autodiff: nothing of the unit is
+        // held for backward but its input.
+        (f(&unit.rebuild(whole), x_inner.clone()), None)
+    } else {
+        let graph = Graph::build(unit, whole, &x_inner, need_x, &trainable, &*f);
+        (graph.y.clone().inner(), Some(graph))
+    };
+    let flat = if trainable.is_empty() {
+        Tensor::<1>::zeros([0], &device)
+    } else {
+        Tensor::cat(
+            trainable
+                .iter()
+                .map(|&i| unit.shard.pieces[i].param.val())
+                .collect(),
+            0,
+        )
+    };
+    let pending: Box<dyn Pending<I, O> + Send> = Box::new(Recompute {
+        unit: unit.clone(),
+        f,
+        x_inner,
+        need_x,
+        trainable,
+        kept,
+    });
+    let job = Job(Arc::new(Mutex::new(Some(pending))));
+    attach(input, flat, y, job).ok_or_else(|| Error::InvalidArgument {
+        what: "FullyShard::forward",
+        message: "training a fully sharded unit needs Burn's CPU backend (flex) or, with \
+                  kolo-burn's cuda/cpu feature, its CubeCL backend, with autodiff"
+            .into(),
+    })
+}
+
+/// `y` as the output of the unit op whose parents are `input` and `flat`; `None` when
+/// the tensors are not Flex (or, with the `cuda`/`cpu` feature, Cube) autodiff
+/// tensors.
+fn attach<const I: usize, const O: usize>(
+    input: Tensor<I>,
+    flat: Tensor<1>,
+    y: Tensor<O>,
+    job: Job<I, O>,
+) -> Option<Tensor<O>> {
+    // One copy per checkpointing strategy: Burn's conversion is implemented for each
+    // concrete strategy only.
+    macro_rules! with {
+        ($name:ident, $B:ty, $C:ty) => {
+            fn $name<const I: usize, const O: usize>(
+                input: Tensor<I>,
+                flat: Tensor<1>,
+                y: Tensor<O>,
+                job: Job<I, O>,
+            ) -> Option<Tensor<O>> {
+                let x = input.try_into_primitive::<Autodiff<$B, $C>>().ok()?;
+                let flat = flat.try_into_primitive::<Autodiff<$B, $C>>().ok()?;
+                let y = y.try_into_primitive::<$B>().ok()?;
+                let out = match UnitOp::<I, O>
+                    .prepare::<$C>([x.node(), flat.node()])
+                    .compute_bound()
+                    .stateful()
+                {
+                    OpsKind::Tracked(prep) => prep.finish(job, y),
+                    OpsKind::UnTracked(prep) => prep.finish(y),
+                };
+                Some(Tensor::from_primitive::<Autodiff<$B, $C>>(out))
+            }
+        };
+    }
+    with!(plain, Flex, NoCheckpointing);
+    with!(balanced, Flex, BalancedCheckpointing);
+    let out = plain(input.clone(), flat.clone(), y.clone(), job.clone())
+        .or_else(|| balanced(input.clone(), flat.clone(), y.clone(), job.clone()));
+    #[cfg(any(feature = "cuda", feature = "cpu"))]
+    let out = out.or_else(|| {
+        use burn::backend::Cube;
+        with!(cube_plain, Cube, NoCheckpointing);
+        with!(cube_balanced, Cube, BalancedCheckpointing);
+        cube_plain(input.clone(), flat.clone(), y.clone(), job.clone())
+            .or_else(|| cube_balanced(input, flat, y, job))
+    });
+    out
+}
+
+/// What the op's backward runs, once.
+trait Pending<const I: usize, const O: usize> {
+    /// The unit's name, for messages.
+    fn name(&self) -> String;
+
+    /// From the output's gradient: the input's gradient (when it has a parent) and
+    /// this rank's trainable blocks' averaged gradient, concatenated (when they have
+    /// one).
+    fn run(
+        self: Box<Self>,
+        grad: Tensor<O>,
+        want_x: bool,
+        want_blocks: bool,
+    ) -> Result<(Option<Tensor<I>>, Option<Tensor<1>>)>;
+}
+
+/// The op's state: taken by the backward (the gathered parameters and graph, if kept,
+/// are freed with it).
+struct Job<const I: usize, const O: usize>(Arc<Mutex<Option<Box<dyn Pending<I, O> + Send>>>>);
+
+impl<const I: usize, const O: usize> Clone for Job<I, O> {
+    fn clone(&self) -> Self {
+        Job(Arc::clone(&self.0))
+    }
+}
+
+impl<const I: usize, const O: usize> std::fmt::Debug for Job<I, O> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("FullyShardJob")
+    }
+}
+
+impl<const I: usize, const O: usize> Job<I, O> {
+    fn take(&self) -> Option<Box<dyn Pending<I, O> + Send>> {
+        self.0.lock().unwrap_or_else(PoisonError::into_inner).take()
+    }
+}
+
+/// The wrapped module's forward under autodiff, on leaves of its own.
+struct Graph<const I: usize, const O: usize> {
+    y: Tensor<O>,
+    x: Option<Tensor<I>>,
+    /// The trainable parameters' leaves (flattened), in `trainable`'s order.
+    leaves: Vec<Tensor<1>>,
+}
+
+impl<const I: usize, const O: usize> Graph<I, O> {
+    fn build<M: Module>(
+        unit: &FullyShard<M>,
+        whole: Vec<Tensor<1>>,
+        x_inner: &Tensor<I>,
+        need_x: bool,
+        trainable: &[usize],
+        f: &dyn Fn(&M, Tensor<I>) -> Tensor<O>,
+    ) -> Self {
+        let mut leaves = Vec::with_capacity(trainable.len());
+        let whole = whole
+            .into_iter()
+            .enumerate()
+            .map(|(i, t)| {
+                let t = t.autodiff();
+                if trainable.contains(&i) {
+                    let t = t.require_grad();
+                    leaves.push(t.clone());
+                    t
+                } else {
+                    t
+                }
+            })
+            .collect();
+        let x = x_inner.clone().autodiff();
+        let x = if need_x { x.require_grad() } else { x };
+        let y = f(&unit.rebuild(whole), x.clone());
+        Graph {
+            y,
+            x: need_x.then_some(x),
+            leaves,
+        }
+    }
+}
+
+/// The backward of one use of a unit.
+struct Recompute<M: Module, F, const I: usize, const O: usize> {
+    unit: FullyShard<M>,
+    f: Arc<F>,
+    x_inner: Tensor<I>,
+    need_x: bool,
+    trainable: Vec<usize>,
+    /// The forward's graph, when the unit keeps it (`reshard_after_forward(false)`).
+    kept: Option<Graph<I, O>>,
+}
+
+impl<M, F, const I: usize, const O: usize> Pending<I, O> for Recompute<M, F, I, O>
+where
+    M: Module,
+    F: Fn(&M, Tensor<I>) -> Tensor<O> + Send + Sync,
+{
+    fn name(&self) -> String {
+        self.unit.unit.name.clone()
+    }
+
+    fn run(
+        self: Box<Self>,
+        grad: Tensor<O>,
+        want_x: bool,
+        want_blocks: bool,
+    ) -> Result<(Option<Tensor<I>>, Option<Tensor<1>>)> {
+        let this = *self;
+        let device = this.unit.device();
+        let graph = match this.kept {
+            Some(g) => g,
+            None => {
+                let whole = this.unit.gather(&device)?;
+                Graph::build(
+                    &this.unit,
+                    whole,
+                    &this.x_inner,
+                    this.need_x,
+                    &this.trainable,
+                    &*this.f,
+                )
+            }
+        };
+        let grads = graph
+            .y
+            .is_tracked()
+            .then(|| (graph.y * grad.autodiff()).sum().backward());
+        let gx = match (&grads, graph.x, want_x) {
+            (Some(g), Some(x), true) => x.grad(g),
+            _ => None,
+        };
+        if this.trainable.is_empty() {
+            return Ok((gx, None));
+        }
+        // Every rank reduce-scatters, wanted here or not, so that none waits alone.
+        let whole_grads: Vec<Tensor<1>> = this
+            .trainable
+            .iter()
+            .zip(&graph.leaves)
+            .map(|(&i, leaf)| {
+                grads
+                    .as_ref()
+                    .and_then(|g| leaf.grad(g))
+                    .unwrap_or_else(|| {
+                        let full = &this.unit.unit.params[i];
+                        Tensor::zeros([full.numel()], (&device.clone().inner(), full.dtype))
+                    })
+            })
+            .collect();
+        let blocks = this
+            .unit
+            .reduce_scatter(&this.trainable, whole_grads, &device)?;
+        Ok((gx, want_blocks.then(|| Tensor::cat(blocks, 0))))
+    }
+}
+
+impl<M: Module> FullyShard<M> {
+    /// The trainable parameters' whole gradients (flattened) reduce-scattered as one
+    /// group: this rank's block of each, on `device` without autodiff.
+    fn reduce_scatter(
+        &self,
+        trainable: &[usize],
+        whole: Vec<Tensor<1>>,
+        device: &Device,
+    ) -> Result<Vec<Tensor<1>>> {
+        let unit = &self.unit;
+        let copied = convert::Copied::default();
+        let members = trainable
+            .iter()
+            .zip(whole)
+            .map(|(&i, g)| {
+                let name = format!("{}.{i}.grad", unit.name);
+                let t = convert::on_host(convert::to_kolo(&name, g, &copied)?)?;
+                Ok((name, t))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let mut rs = unit
+            .kolo
+            .grouped_reducescatter(members)
+            .op(self.settings.op);
+        if self.settings.passes > 1 {
+            rs = rs.postscale(1.0 / self.settings.passes as f64);
+        }
+        let blocks = rs.wait()?;
+        let inner = device.clone().inner();
+        blocks
+            .into_iter()
+            .zip(trainable)
+            .map(|(t, &i)| {
+                let name = format!("{}.{i}.grad", unit.name);
+                convert::to_burn::<1>(&name, t, unit.params[i].dtype, &inner)
+            })
+            .collect()
+    }
+}
+
+/// The unit op (see the module's docs).
+#[derive(Debug)]
+struct UnitOp<const I: usize, const O: usize>;
+
+impl<B: burn::backend::Backend, const I: usize, const O: usize> Backward<B, 2> for UnitOp<I, O>
+where
+    burn::backend::DispatchTensor: burn::backend::DispatchKindConversion<B>,
+{
+    type State = Job<I, O>;
+
+    fn backward(self, ops: Ops<Self::State, 2>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let grad = grads.consume::<B>(&ops.node);
+        let [px, pflat] = ops.parents;
+        let Some(pending) = ops.state.take() else {
+            return;
+        };
+        let name = pending.name();
+        let grad = Tensor::<O>::from_primitive::<B>(grad);
+        let (gx, gflat) = match pending.run(grad, px.is_some(), pflat.is_some()) {
+            Ok(g) => g,
+            Err(e) => panic!("kolo_burn::FullyShard {name}: backward: {e}"),
+        };
+        if let (Some(p), Some(g)) = (px, gx) {
+            match g.try_into_primitive::<B>() {
+                Ok(g) => grads.register::<B>(p.id, g),
+                Err(e) => panic!("kolo_burn::FullyShard {name}: the input's gradient: {e:?}"),
+            }
+        }
+        if let (Some(p), Some(g)) = (pflat, gflat) {
+            match g.try_into_primitive::<B>() {
+                Ok(g) => grads.register::<B>(p.id, g),
+                Err(e) => panic!("kolo_burn::FullyShard {name}: the blocks' gradient: {e:?}"),
+            }
+        }
+    }
+}
