@@ -133,24 +133,43 @@ pub(crate) fn write_checkpoint<M: Module>(
     step: u64,
     progress: Option<Progress>,
 ) -> Result<()> {
-    if kolo.rank() == 0 {
+    let parts = (kolo.rank() == 0).then(|| {
         let record = |e: burn::store::RecordError, what| Error::Record {
             what,
             message: e.to_string(),
         };
-        let ckpt = Checkpoint {
-            magic: MAGIC.into(),
-            step,
-            model: model
+        Ok((
+            model
                 .clone()
                 .into_record()
                 .into_bytes()
                 .map_err(|e| record(e, "serialising the model"))?
                 .to_vec(),
-            optim: optim
+            optim
                 .into_bytes()
                 .map_err(|e| record(e, "serialising the optimizer"))?
                 .to_vec(),
+        ))
+    });
+    write_parts(kolo, dir, parts, step, progress)
+}
+
+/// Writes a checkpoint of the serialised model and optimizer `parts` (rank 0's; `None`
+/// on the other ranks) and waits on every rank until it is in place.
+pub(crate) fn write_parts(
+    kolo: &Kolo,
+    dir: &Path,
+    parts: Option<Result<(Vec<u8>, Vec<u8>)>>,
+    step: u64,
+    progress: Option<Progress>,
+) -> Result<()> {
+    if let Some(parts) = parts {
+        let (model, optim) = parts?;
+        let ckpt = Checkpoint {
+            magic: MAGIC.into(),
+            step,
+            model,
+            optim,
             progress,
             run: kolo::run_id(),
         };
@@ -208,6 +227,56 @@ pub fn load_checkpoint<M: Module>(
     model: M,
     optim: ModuleOptimizer,
 ) -> Result<Option<Restored<M>>> {
+    let Some(raw) = read_parts(kolo, dir)? else {
+        return Ok(None);
+    };
+    let model = model.load_record(raw.model_record()?);
+    let optim = raw.optimizer(optim)?;
+    Ok(Some(raw.restored(model, optim)))
+}
+
+/// A checkpoint as read, before its parts are applied.
+pub(crate) struct Raw {
+    path: PathBuf,
+    ckpt: Checkpoint,
+}
+
+impl Raw {
+    fn bad(&self, message: String) -> Error {
+        Error::Checkpoint {
+            path: self.path.clone(),
+            message,
+        }
+    }
+
+    /// The model's record.
+    pub(crate) fn model_record(&self) -> Result<ModuleRecord> {
+        ModuleRecord::from_bytes(Bytes::from_bytes_vec(self.ckpt.model.clone()))
+            .map_err(|e| self.bad(e.to_string()))
+    }
+
+    /// `optim` holding the checkpoint's optimizer state.
+    pub(crate) fn optimizer(&self, optim: ModuleOptimizer) -> Result<ModuleOptimizer> {
+        optim
+            .from_bytes(Bytes::from_bytes_vec(self.ckpt.optim.clone()))
+            .map_err(|e| self.bad(e.to_string()))
+    }
+
+    /// What [`load_checkpoint`] returns, with `model` and `optim` restored.
+    pub(crate) fn restored<M>(self, model: M, optim: ModuleOptimizer) -> Restored<M> {
+        Restored {
+            model,
+            optim,
+            step: self.ckpt.step,
+            progress: self.ckpt.progress,
+            run: self.ckpt.run,
+        }
+    }
+}
+
+/// `dir`'s checkpoint, read on rank 0 and broadcast; `None` on every rank when rank 0
+/// has none.
+pub(crate) fn read_parts(kolo: &Kolo, dir: &Path) -> Result<Option<Raw>> {
     let path = checkpoint_path(dir);
     // Rank 0 sends Ok(bytes), Ok(empty) for "no checkpoint", or its error message.
     let mine: std::result::Result<Vec<u8>, String> = if kolo.rank() == 0 {
@@ -227,24 +296,11 @@ pub fn load_checkpoint<M: Module>(
     if bytes.is_empty() {
         return Ok(None);
     }
-    let bad = |message: String| Error::Checkpoint {
+    let ckpt = decode(&bytes).map_err(|message| Error::Checkpoint {
         path: path.clone(),
         message,
-    };
-    let ckpt = decode(&bytes).map_err(bad)?;
-    let record = ModuleRecord::from_bytes(Bytes::from_bytes_vec(ckpt.model))
-        .map_err(|e| bad(e.to_string()))?;
-    let model = model.load_record(record);
-    let optim = optim
-        .from_bytes(Bytes::from_bytes_vec(ckpt.optim))
-        .map_err(|e| bad(e.to_string()))?;
-    Ok(Some(Restored {
-        model,
-        optim,
-        step: ckpt.step,
-        progress: ckpt.progress,
-        run: ckpt.run,
-    }))
+    })?;
+    Ok(Some(Raw { path, ckpt }))
 }
 
 /// A checkpoint file's contents, in any format kolo-burn has written.

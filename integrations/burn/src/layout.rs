@@ -129,6 +129,29 @@ impl Layout {
         })
     }
 
+    /// The layout of parameters already agreed by every rank (`slots`, trainable
+    /// ones, in module order), all in one bucket; nothing is communicated.
+    ///
+    /// # Errors
+    /// [`Error::Data`]: a parameter of a dtype kolo cannot reduce.
+    pub(crate) fn given(slots: Vec<Slot>, prefix: &str) -> Result<Layout> {
+        let wires = slots
+            .iter()
+            .map(|s| convert::kolo_dtype(&s.path, s.dtype).map(|dtype| Wire { dtype }))
+            .collect::<Result<Vec<_>>>()?;
+        let names = slots
+            .iter()
+            .map(|s| format!("{prefix}.{}", s.path))
+            .collect();
+        Ok(Layout {
+            buckets: vec![(0..slots.len()).rev().collect()],
+            slots,
+            names,
+            wires,
+            bucket_bytes: usize::MAX,
+        })
+    }
+
     /// Whether `module` still has exactly these parameters and this layout fits
     /// `bucket_bytes` (cheap: no names are built).
     pub(crate) fn fits<M: Module>(&self, module: &M, bucket_bytes: usize) -> bool {

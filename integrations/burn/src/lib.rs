@@ -58,7 +58,10 @@ pub use broadcast::{broadcast_optimizer_state, broadcast_parameters};
 pub use checkpoint::{checkpoint_path, commit, load_checkpoint, resume, save_checkpoint, Restored};
 pub use device::{cuda_device, Backend};
 pub use error::{Error, Result};
-pub use fsdp::{consolidated_record, load_fully_sharded, local_param_bytes, FullyShard};
+pub use fsdp::{
+    consolidated_record, load_fully_sharded, load_fully_sharded_checkpoint, local_param_bytes,
+    save_fully_sharded, FullyShard,
+};
 pub use grads::GradientReducer;
 pub use kolo::DistributedSampler;
 pub use kolo::{restart_count, Progress};

@@ -16,9 +16,11 @@ use crate::layout::trains;
 use crate::sharded::range_of;
 use crate::sharded::shard::{Piece, Shard};
 
+mod checkpoint;
 mod op;
 mod record;
 
+pub use checkpoint::{load_fully_sharded_checkpoint, save_fully_sharded};
 pub use record::{consolidated_record, load_fully_sharded};
 
 /// Numbers the units of a process in the order they are made: every rank makes them

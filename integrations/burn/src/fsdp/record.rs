@@ -33,7 +33,7 @@ pub(super) fn register(id: ParamId, full: Full) {
 /// The whole parameter that a parameter with `id` and shape `dims` is this rank's
 /// block of, if it is one (a plain model may share a unit's ids: its parameters are
 /// not 1-D blocks of this rank's length).
-fn block_of(id: ParamId, dims: &[usize], size: usize, rank: usize) -> Option<Full> {
+pub(super) fn block_of(id: ParamId, dims: &[usize], size: usize, rank: usize) -> Option<Full> {
     let full = BLOCKS
         .lock()
         .unwrap_or_else(PoisonError::into_inner)
@@ -237,7 +237,9 @@ impl ModuleMapper for Load {
                     ));
                     return param;
                 }
-                let flat = Tensor::<1>::from_data(data, &device.clone().inner());
+                let (bytes, _, recorded_dtype) = data.into_parts();
+                let flat = TensorData::from_bytes(bytes, [n], recorded_dtype);
+                let flat = Tensor::<1>::from_data(flat, &device.clone().inner());
                 flat.slice(range).into_data()
             }
             Some(full) => {

@@ -261,6 +261,31 @@ impl ShardedOptimizer {
     /// collective.
     pub fn consolidate<M: Module>(&mut self, model: &M) -> Result<ModuleOptimizer> {
         let plan = self.plan_for(model)?;
+        self.consolidate_plan(&plan)
+    }
+
+    /// [`consolidate`](Self::consolidate) of the blocks of
+    /// [`over_blocks`](Self::over_blocks).
+    pub(crate) fn consolidate_blocks(&mut self) -> Result<ModuleOptimizer> {
+        let plan = self.plan.clone().ok_or_else(|| Error::InvalidArgument {
+            what: "ShardedOptimizer::consolidate",
+            message: "no parameters".into(),
+        })?;
+        self.consolidate_plan(&plan)
+    }
+
+    /// This rank's blocks of `full`, the whole state of the parameters of
+    /// [`over_blocks`](Self::over_blocks): the optimizer for units at this rank count.
+    pub(crate) fn load_blocks(mut self, full: &ModuleOptimizer) -> Result<ModuleOptimizer> {
+        let plan = self.plan.clone().ok_or_else(|| Error::InvalidArgument {
+            what: "ShardedOptimizer::load_consolidated",
+            message: "no parameters".into(),
+        })?;
+        self.load_with(&plan, full)?;
+        Ok(self.inner)
+    }
+
+    fn consolidate_plan(&mut self, plan: &Plan) -> Result<ModuleOptimizer> {
         if plan.owners.is_some() {
             return self.consolidate_by_tensors();
         }

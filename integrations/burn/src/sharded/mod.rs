@@ -689,6 +689,26 @@ impl ShardedOptimizer {
 
     fn learn<M: Module>(&self, module: &M) -> Result<Plan> {
         let layout = Layout::learn(module, &self.kolo, &self.prefix, usize::MAX)?;
+        self.plan_of(layout)
+    }
+
+    /// A sharded optimizer around `inner`, which already holds this rank's block of
+    /// the state of each parameter of `slots` (whole shapes, agreed by every rank),
+    /// keyed by the parameter's id: the state of [`FullyShard`](crate::FullyShard)
+    /// units, which [`consolidate_blocks`](Self::consolidate_blocks) gathers.
+    pub(crate) fn over_blocks(
+        kolo: &Kolo,
+        inner: ModuleOptimizer,
+        slots: Vec<crate::layout::Slot>,
+    ) -> Result<Self> {
+        let mut s = Self::new(kolo, inner);
+        let layout = Layout::given(slots, &s.prefix)?;
+        s.plan = Some(Arc::new(s.plan_of(layout)?));
+        Ok(s)
+    }
+
+    /// The partition of the parameters of `layout`.
+    fn plan_of(&self, layout: Layout) -> Result<Plan> {
         // One float type for the flat sequence: the first parameter's.
         let dtype = layout.slots.first().map_or(DType::F32, |s| s.dtype);
         let supported = matches!(dtype, DType::F32 | DType::F16 | DType::BF16);

@@ -157,3 +157,104 @@ pub(crate) fn equivalence(k: &Kolo) -> Result<()> {
     }
     Ok(())
 }
+
+/// Samples per global step in the resharding launches (divisible by 1, 2 and 4).
+const GLOBAL: usize = 8;
+
+/// This rank's gradients of global step `step` (a contiguous share of `GLOBAL`).
+fn step_grads(model: &Sharded, step: usize, k: &Kolo, device: &Device) -> GradientsParams {
+    let b = GLOBAL / k.size();
+    let base = step * GLOBAL + k.rank() * b;
+    let (x, y) = samples(base..base + b, device);
+    let loss = loss_of(model.forward(x), y, device);
+    GradientsParams::from_grads(loss.backward(), model)
+}
+
+/// The scratch directory the chained launches share (`KOLO_TEST_DIR`).
+fn scratch() -> Result<std::path::PathBuf> {
+    std::env::var_os("KOLO_TEST_DIR")
+        .map(std::path::PathBuf::from)
+        .ok_or_else(|| anyhow::anyhow!("KOLO_TEST_DIR is not set"))
+}
+
+/// First launch (np 4): five Adam steps of units, `save_fully_sharded`, then the step
+/// an uninterrupted run takes next, whose gathered parameters rank 0 writes down.
+pub(crate) fn reshard_save(k: &Kolo) -> Result<()> {
+    let dir = scratch()?;
+    let device = Device::flex().autodiff();
+    device.seed(56);
+    let plain = broadcast_parameters(k, Plain::new(&device), 0)?;
+    let mut model = Sharded::from_plain(k, &plain, |u| u)?;
+    let mut optim = AdamConfig::new().init();
+    for step in 0..5 {
+        let grads = step_grads(&model, step, k, &device);
+        model = optim.step(0.02, model, grads);
+    }
+    kolo_burn::save_fully_sharded(k, &dir, &model, &optim, 5)?;
+    let grads = step_grads(&model, 5, k, &device);
+    let model = optim.step(0.02, model, grads);
+    let after = params(&model.gathered()?);
+    if k.rank() == 0 {
+        let bits: Vec<String> = after.iter().map(|x| x.to_bits().to_string()).collect();
+        std::fs::write(dir.join("after"), bits.join(" "))?;
+    }
+    Ok(())
+}
+
+/// Later launches (np 2, np 1): the checkpoint resumes in units at this rank count
+/// and (at np 1) in the plain model with the plain optimizer, and both take the
+/// uninterrupted run's next step (1e-6).
+pub(crate) fn reshard_load(k: &Kolo) -> Result<()> {
+    let dir = scratch()?;
+    let device = Device::flex().autodiff();
+    let want: Vec<f32> = std::fs::read_to_string(dir.join("after"))?
+        .split_whitespace()
+        .map(|b| b.parse::<u32>().map(f32::from_bits))
+        .collect::<Result<_, _>>()?;
+    // Fresh units (other values, other ids): the checkpoint replaces both.
+    let fresh = Sharded::from_plain(k, &Plain::new(&device), |u| u)?;
+    let r = kolo_burn::load_fully_sharded_checkpoint(k, &dir, fresh, AdamConfig::new().init())?
+        .ok_or_else(|| anyhow::anyhow!("no checkpoint in {}", dir.display()))?;
+    ensure!(r.step == 5, "checkpoint of step {}", r.step);
+    let mut optim = r.optim;
+    let grads = step_grads(&r.model, 5, k, &device);
+    let model = optim.step(0.02, r.model, grads);
+    let what = format!("units saved at np 4, resumed at np {}", k.size());
+    assert_close(&what, &params(&model.gathered()?), &want, 1e-6)?;
+    if k.size() == 1 {
+        let r = kolo_burn::load_checkpoint(k, &dir, Plain::new(&device), AdamConfig::new().init())?
+            .ok_or_else(|| anyhow::anyhow!("no checkpoint in {}", dir.display()))?;
+        let (x, y) = samples(5 * GLOBAL..6 * GLOBAL, &device);
+        let loss = loss_of(r.model.forward(x), y, &device);
+        let grads = GradientsParams::from_grads(loss.backward(), &r.model);
+        let mut optim = r.optim;
+        let plain = optim.step(0.02, r.model, grads);
+        assert_close(
+            "plain Burn from the units' checkpoint",
+            &params(&plain),
+            &want,
+            1e-6,
+        )?;
+    }
+    Ok(())
+}
+
+/// The chained launches: saved at np 4, resumed at np 2 and at np 1.
+pub(crate) fn reshard_trial() -> Result<(), String> {
+    let dir = std::env::temp_dir().join(format!("kolo-fsdp-reshard-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).map_err(|e| e.to_string())?;
+    let d = dir.display().to_string();
+    let env = [("KOLO_TEST_DIR", d.as_str()), ("RAYON_NUM_THREADS", "1")];
+    let limit = std::time::Duration::from_secs(180);
+    let result = (|| {
+        super::harness::mpirun("fsdp_reshard_save", 4, limit, &env)?.succeeded("saving at np 4")?;
+        for np in [2, 1] {
+            super::harness::mpirun("fsdp_reshard_load", np, limit, &env)?
+                .succeeded(&format!("resuming at np {np}"))?;
+        }
+        Ok(())
+    })();
+    let _ = std::fs::remove_dir_all(&dir);
+    result
+}

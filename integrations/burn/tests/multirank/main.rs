@@ -969,6 +969,9 @@ const CASES: &[(&str, Case, &[usize])] = &[
     ),
     ("issue53_sharded_groups", sharded53::groups, &[2, 3]),
     ("fsdp_equivalence", fsdp::equivalence, &[1, 2, 4]),
+    // Launched in turn by `fsdp_checkpoint_reshard` (no trials of their own).
+    ("fsdp_reshard_save", fsdp::reshard_save, &[]),
+    ("fsdp_reshard_load", fsdp::reshard_load, &[]),
     ("issue53_sharded_changes", sharded53::changes, &[2]),
     ("issue53_sharded_half_state", sharded53::half_state, &[2]),
     (
@@ -1144,6 +1147,9 @@ fn main() {
         "sharded_checkpoint_reshard/np4-np2-np1",
         || Ok(sharded::reshard_trial()?),
     ));
+    trials.push(Trial::test("fsdp_checkpoint_reshard/np4-np2-np1", || {
+        Ok(fsdp::reshard_trial()?)
+    }));
     trials.extend(harness::gpu_trials(
         GPU_CASES,
         Duration::from_secs(300),
