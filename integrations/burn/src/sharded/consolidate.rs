@@ -304,7 +304,7 @@ impl ShardedOptimizer {
         let all: Vec<Vec<HeldField>> = self
             .kolo
             .allgather_object(format!("{}.state.fields", self.prefix), fields)?;
-        let held = check_fields(&all, &plan, self.kolo.size())?;
+        let held = check_fields(&all, plan, self.kolo.size())?;
         let slots = &plan.layout.slots;
         let mut tensors = Vec::new();
         for field in &held.names {
@@ -345,12 +345,12 @@ impl ShardedOptimizer {
                 ));
             }
         }
-        let scalars = whole_scalars(&plan, &held, &mine.scalars);
+        let scalars = whole_scalars(plan, &held, &mine.scalars);
         let whole = assemble(
             &self.inner,
             tensors,
             scalars,
-            plan_paths(&plan),
+            plan_paths(plan),
             "ShardedOptimizer::consolidate",
         )?;
         // The wrapped optimizer clips by an infinite value while this one clips each
