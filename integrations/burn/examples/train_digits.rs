@@ -30,6 +30,10 @@
 //! fill-drain), and with more ranks than stages the pipeline is replicated (ranks
 //! `r·S … r·S + S − 1` are replica `r`), each stage's gradients averaged over its
 //! replicas. With `--scale-lr` the learning rate scales with the replicas.
+//!
+//! `--fully-sharded` makes each layer a `kolo_burn::FullyShard` unit (ZeRO stage 3):
+//! every rank holds 1/N of each layer's parameters and Adam state, and
+//! `--precision bf16|f16` computes the layers in that type over f32 master weights.
 
 use std::path::PathBuf;
 use std::time::Instant;
@@ -118,6 +122,14 @@ struct Args {
     /// micro-batches kept per stage) or gpipe (fill-drain).
     #[arg(long, default_value = "1f1b")]
     pipeline_schedule: kolo_burn::Schedule,
+    /// Shard each layer's parameters, gradients and Adam state across the ranks
+    /// (ZeRO stage 3: kolo_burn::FullyShard), each rank holding 1/N of them.
+    #[arg(long, conflicts_with_all = ["sharded_optimizer", "pipeline_stages", "checkpoint"])]
+    fully_sharded: bool,
+    /// With --fully-sharded: the float type the layers compute in (f32, bf16, f16);
+    /// the sharded weights and Adam's state stay f32.
+    #[arg(long, value_enum, default_value = "f32", requires = "fully_sharded")]
+    precision: fully_sharded_digits::Precision,
 }
 
 #[derive(Module, Debug)]
@@ -145,6 +157,8 @@ impl Mlp {
 mod digits;
 #[path = "common/fingerprint.rs"]
 mod fingerprint;
+#[path = "common/fully_sharded_digits.rs"]
+mod fully_sharded_digits;
 use digits::{load_digits, Digits};
 use fingerprint::fingerprint;
 
@@ -254,6 +268,11 @@ fn run() -> anyhow::Result<()> {
         }
     };
     let data = load_digits(args.seed);
+    if args.fully_sharded {
+        let acc = fully_sharded_digits::train(&args, &kolo, &device, &data)?;
+        kolo.shutdown()?;
+        return check_accuracy(&args, acc);
+    }
     if let Some(stages) = args.pipeline_stages {
         let acc = train_pipeline(&args, &kolo, &device, &data, stages)?;
         kolo.shutdown()?;

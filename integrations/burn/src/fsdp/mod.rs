@@ -7,7 +7,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 
 use burn::module::{Devices, Module, ModuleMapper, ModuleVisitor, Param, ParamId};
-use burn::tensor::{DType, Device, Shape, Tensor, TensorData};
+use burn::tensor::{DType, Device, FloatDType, Shape, Tensor, TensorData};
 use kolo::{Kolo, ReduceOp};
 
 use crate::convert;
@@ -142,6 +142,9 @@ struct Settings {
     /// Backward passes summed into a step's gradients (each reduce-scatter divides by it).
     passes: usize,
     op: ReduceOp,
+    /// The float type the wrapped module computes in (its parameters and input cast
+    /// to it; its output cast back); `None`: the parameters' own.
+    compute: Option<FloatDType>,
 }
 
 impl<M: Module> Clone for FullyShard<M> {
@@ -214,6 +217,7 @@ impl<M: Module> FullyShard<M> {
                 reshard: true,
                 passes: 1,
                 op: ReduceOp::Average,
+                compute: None,
             },
         })
     }
@@ -239,6 +243,18 @@ impl<M: Module> FullyShard<M> {
     /// [`ReduceOp::Average`] (default) or [`ReduceOp::Sum`] of the gradients.
     pub fn op(mut self, op: ReduceOp) -> Self {
         self.settings.op = op;
+        self
+    }
+
+    /// Mixed precision: the wrapped module computes in `dtype` (bf16 or f16; f32 to
+    /// turn it off) — the gathered parameters and the input are cast to it and the
+    /// output back to the input's type — while the blocks (the master weights the
+    /// optimizer steps, and its state) stay in the parameters' own type, and the
+    /// gradients are reduce-scattered in it (f32 for f32 parameters). f16 gradients
+    /// can underflow: scale the loss (e.g. by 2^16, dividing the learning rate or the
+    /// gradients back) or prefer bf16.
+    pub fn compute_dtype(mut self, dtype: FloatDType) -> Self {
+        self.settings.compute = Some(dtype);
         self
     }
 
@@ -299,7 +315,7 @@ impl<M: Module> FullyShard<M> {
         if !device.is_autodiff() || (trainable.is_empty() && !tracked) {
             // Nothing to differentiate here: gather and run.
             let whole = self.gather(&device)?;
-            return Ok(f(&self.rebuild(whole), input));
+            return Ok(self.apply(&f, whole, input));
         }
         op::run(self, input, f, trainable)
     }
@@ -345,6 +361,24 @@ impl<M: Module> FullyShard<M> {
                 convert::to_burn::<1>(&format!("{}.{i}.value", unit.name), t, full.dtype, &inner)
             })
             .collect()
+    }
+
+    /// `f` on the wrapped module holding `whole` and on `x`, in the compute dtype (see
+    /// [`compute_dtype`](Self::compute_dtype)).
+    fn apply<const I: usize, const O: usize>(
+        &self,
+        f: &dyn Fn(&M, Tensor<I>) -> Tensor<O>,
+        whole: Vec<Tensor<1>>,
+        x: Tensor<I>,
+    ) -> Tensor<O> {
+        match self.settings.compute {
+            Some(dtype) => {
+                let back = x.dtype();
+                let whole = whole.into_iter().map(|t| t.cast(dtype)).collect();
+                f(&self.rebuild(whole), x.cast(dtype)).cast(back)
+            }
+            None => f(&self.rebuild(whole), x),
+        }
     }
 
     /// The wrapped module holding `whole` (flattened parameters, in module order),

@@ -40,13 +40,23 @@ where
     let (y, kept) = if unit.settings.reshard {
         // Whole parameters and the input without autodiff: nothing of the unit is
         // held for backward but its input.
-        (f(&unit.rebuild(whole), x_inner.clone()), None)
+        (unit.apply(&*f, whole, x_inner.clone()), None)
     } else {
         let graph = Graph::build(unit, whole, &x_inner, need_x, &trainable, &*f);
         (graph.y.clone().inner(), Some(graph))
     };
+    let held: usize = trainable
+        .iter()
+        .map(|&i| unit.shard.pieces[i].param.lazy_shape().num_elements())
+        .sum();
+    // A rank that holds no element of the trainable parameters (a unit smaller than
+    // the ranks) still runs the op's backward, which every rank's reduce-scatter
+    // needs: a one-element leaf stands in for its blocks.
+    let stand_in = !trainable.is_empty() && held == 0;
     let flat = if trainable.is_empty() {
         Tensor::<1>::zeros([0], &device)
+    } else if stand_in {
+        Tensor::<1>::zeros([1], &device).require_grad()
     } else {
         Tensor::cat(
             trainable
@@ -63,6 +73,7 @@ where
         need_x,
         trainable,
         kept,
+        stand_in,
     });
     let job = Job(Arc::new(Mutex::new(Some(pending))));
     attach(input, flat, y, job).ok_or_else(|| Error::InvalidArgument {
@@ -194,7 +205,7 @@ impl<const I: usize, const O: usize> Graph<I, O> {
             .collect();
         let x = x_inner.clone().autodiff();
         let x = if need_x { x.require_grad() } else { x };
-        let y = f(&unit.rebuild(whole), x.clone());
+        let y = unit.apply(f, whole, x.clone());
         Graph {
             y,
             x: need_x.then_some(x),
@@ -212,6 +223,8 @@ struct Recompute<M: Module, F, const I: usize, const O: usize> {
     trainable: Vec<usize>,
     /// The forward's graph, when the unit keeps it (`reshard_after_forward(false)`).
     kept: Option<Graph<I, O>>,
+    /// The op's second parent is a one-element stand-in (this rank holds nothing).
+    stand_in: bool,
 }
 
 impl<M, F, const I: usize, const O: usize> Pending<I, O> for Recompute<M, F, I, O>
@@ -274,7 +287,12 @@ where
         let blocks = this
             .unit
             .reduce_scatter(&this.trainable, whole_grads, &device)?;
-        Ok((gx, want_blocks.then(|| Tensor::cat(blocks, 0))))
+        let gflat = if this.stand_in {
+            Tensor::zeros([1], &device.inner())
+        } else {
+            Tensor::cat(blocks, 0)
+        };
+        Ok((gx, want_blocks.then_some(gflat)))
     }
 }
 

@@ -258,3 +258,95 @@ pub(crate) fn reshard_trial() -> Result<(), String> {
     let _ = std::fs::remove_dir_all(&dir);
     result
 }
+
+/// Issue 55's memory bound: per rank, the parameters and Adam state held between
+/// steps are at most 1.1 × the unsharded model's / N + the largest unit's gathered
+/// parameters (the unsharded model and plain Adam measured on this rank after the same
+/// steps).
+pub(crate) fn memory(k: &Kolo) -> Result<()> {
+    let size = k.size();
+    let device = Device::flex().autodiff();
+    device.seed(57);
+    let layers = [(64, 256), (256, 256), (256, 8)];
+    let mut plain: Vec<Linear> = layers
+        .iter()
+        .map(|&(i, o)| LinearConfig::new(i, o).init(&device))
+        .collect();
+    plain = broadcast_parameters(k, plain, 0)?;
+    let mut units = plain
+        .iter()
+        .map(|l| FullyShard::new(k, l.clone()))
+        .collect::<kolo_burn::Result<Vec<_>>>()?;
+    let (mut opt_plain, mut opt_units) = (AdamConfig::new().init(), AdamConfig::new().init());
+    let reducer = GradientReducer::new(k);
+    for step in 0..2 {
+        let x = Tensor::<2>::ones([4, 64], &device) * (step as f32 + 1.0);
+        let y = plain.iter().fold(x.clone(), |x, l| l.forward(x));
+        let grads = reducer.reduce(
+            &plain,
+            GradientsParams::from_grads(y.sum().backward(), &plain),
+        )?;
+        plain = opt_plain.step(0.01, plain, grads);
+        let y = units
+            .iter()
+            .fold(x, |x, u| u.forward(x, |l, x| l.forward(x)));
+        let grads = GradientsParams::from_grads(y.sum().backward(), &units);
+        units = opt_units.step(0.01, units, grads);
+    }
+    let bytes = |o: &burn::optim::ModuleOptimizer| -> Result<usize> {
+        Ok(o.to_record()
+            .into_bytes()
+            .map_err(|e| anyhow::anyhow!("{e}"))?
+            .len())
+    };
+    let whole = kolo_burn::local_param_bytes(&plain) + bytes(&opt_plain)?;
+    let mine = kolo_burn::local_param_bytes(&units) + bytes(&opt_units)?;
+    let largest = 4 * (256 * 256 + 256);
+    let bound = 1.1 * whole as f64 / size as f64 + largest as f64;
+    ensure!(
+        mine as f64 <= bound,
+        "np {size}: this rank holds {mine} bytes of parameters and Adam state, over \
+         1.1 × {whole} / {size} + {largest} = {bound:.0}"
+    );
+    // And it is a share: at np N, under half the whole for N > 2.
+    if size > 2 {
+        ensure!(2 * mine < whole, "np {size}: {mine} of {whole} bytes");
+    }
+    Ok(())
+}
+
+/// Bad input: a unit whose parameters differ across ranks fails on every rank naming
+/// the parameter; a unit with fewer elements than ranks (some ranks hold nothing of
+/// it) trains as the plain layer does.
+pub(crate) fn bad_input(k: &Kolo) -> Result<()> {
+    let device = Device::flex().autodiff();
+    let out = if k.rank() == 1 { 17 } else { 16 };
+    match FullyShard::new(k, LinearConfig::new(8, out).init(&device)) {
+        Ok(_) => anyhow::bail!("units of different shapes on the ranks were accepted"),
+        Err(e) => {
+            let msg = e.to_string();
+            ensure!(msg.contains("weight") && msg.contains("rank 1"), "{msg}");
+        }
+    }
+    // One weight and one bias element: at np 2 and 4, rank 1 and up hold nothing.
+    let tiny = broadcast_parameters(k, LinearConfig::new(1, 1).init(&device), 0)?;
+    let mut unit = FullyShard::new(k, tiny.clone())?;
+    let mut plain = tiny;
+    let (mut oa, mut ob) = (AdamConfig::new().init(), AdamConfig::new().init());
+    let reducer = GradientReducer::new(k);
+    for step in 0..5 {
+        let x = Tensor::<2>::ones([2, 1], &device) * (k.rank() + step) as f32;
+        let g = GradientsParams::from_grads(plain.forward(x.clone()).sum().backward(), &plain);
+        let g = reducer.reduce(&plain, g)?;
+        plain = oa.step(0.1, plain, g);
+        let y = unit.forward(x, |l, x| l.forward(x));
+        let g = GradientsParams::from_grads(y.sum().backward(), &unit);
+        unit = ob.step(0.1, unit, g);
+    }
+    assert_close(
+        "a unit smaller than the ranks",
+        &params(&unit.gathered()?),
+        &params(&plain),
+        1e-5,
+    )
+}

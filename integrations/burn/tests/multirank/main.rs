@@ -969,6 +969,8 @@ const CASES: &[(&str, Case, &[usize])] = &[
     ),
     ("issue53_sharded_groups", sharded53::groups, &[2, 3]),
     ("fsdp_equivalence", fsdp::equivalence, &[1, 2, 4]),
+    ("fsdp_memory", fsdp::memory, &[1, 2, 4]),
+    ("fsdp_bad_input", fsdp::bad_input, &[2, 4]),
     // Launched in turn by `fsdp_checkpoint_reshard` (no trials of their own).
     ("fsdp_reshard_save", fsdp::reshard_save, &[]),
     ("fsdp_reshard_load", fsdp::reshard_load, &[]),
@@ -1002,6 +1004,32 @@ const EXAMPLES: &[(&str, &[&str], &[usize])] = &[
             "--epochs",
             "10",
             "--sharded-optimizer",
+            "--min-accuracy",
+            "0.95",
+        ],
+        &[2],
+    ),
+    // Issue 55: every layer a FullyShard unit; bf16 compute over f32 master weights.
+    (
+        "digits_example_fully_sharded",
+        &[
+            "--epochs",
+            "10",
+            "--scale-lr",
+            "--fully-sharded",
+            "--min-accuracy",
+            "0.95",
+        ],
+        &[2, 4],
+    ),
+    (
+        "digits_example_fully_sharded_bf16",
+        &[
+            "--epochs",
+            "10",
+            "--fully-sharded",
+            "--precision",
+            "bf16",
             "--min-accuracy",
             "0.95",
         ],

@@ -1,0 +1,143 @@
+//! `train_digits --fully-sharded [--precision bf16|f16]`: the digits MLP with each
+//! layer a `kolo_burn::FullyShard` unit (ZeRO stage 3): every rank holds 1/N of each
+//! layer's parameters and of Adam's state, gathers a layer's parameters for its
+//! forward and backward, and receives its block of the averaged gradient. The loop is
+//! plain Burn: backward, `GradientsParams::from_grads`, the plain optimizer's step.
+
+use std::time::Instant;
+
+use burn::module::Module;
+use burn::nn::loss::{CrossEntropyLoss, CrossEntropyLossConfig};
+use burn::nn::Linear;
+use burn::optim::{AdamConfig, GradientsParams};
+use burn::tensor::{Device, FloatDType, Tensor};
+use kolo_burn::{average_metrics, local_param_bytes, DistributedSampler, FullyShard};
+
+use super::{batch, count_correct, learning_rate, scalar, Args, Digits, Mlp};
+
+/// The float type the layers compute in (`--precision`).
+#[derive(Clone, Copy, Debug, clap::ValueEnum)]
+pub(crate) enum Precision {
+    F32,
+    Bf16,
+    F16,
+}
+
+/// The MLP of the other paths, each layer a unit.
+#[derive(Module, Debug)]
+struct Units {
+    fc1: FullyShard<Linear>,
+    fc2: FullyShard<Linear>,
+}
+
+impl Units {
+    fn forward(&self, x: Tensor<2>) -> Tensor<2> {
+        let h = self.fc1.forward(x, |l, x| l.forward(x));
+        let h = burn::tensor::activation::relu(h);
+        self.fc2.forward(h, |l, x| l.forward(x))
+    }
+}
+
+/// Trains with fully sharded layers; the final test accuracy (None when nothing was
+/// evaluated).
+pub(crate) fn train(
+    args: &Args,
+    kolo: &kolo::Kolo,
+    device: &Device,
+    data: &Digits,
+) -> anyhow::Result<Option<f64>> {
+    let (rank, size) = (kolo.rank(), kolo.size());
+    // The same initial weights as the other paths (rank 0's, drawn from --seed).
+    device.seed(args.seed);
+    let whole = Mlp::new(args.hidden, device);
+    let whole_bytes = local_param_bytes(&whole);
+    let tune = |u: FullyShard<Linear>| match args.precision {
+        Precision::F32 => u,
+        Precision::Bf16 => u.compute_dtype(FloatDType::BF16),
+        Precision::F16 => u.compute_dtype(FloatDType::F16),
+    };
+    let mut model = Units {
+        fc1: tune(FullyShard::new(kolo, whole.fc1)?),
+        fc2: tune(FullyShard::new(kolo, whole.fc2)?),
+    };
+    let mut optim = AdamConfig::new().init();
+    let held: Vec<usize> = kolo.allgather_object("digits.held", local_param_bytes(&model))?;
+    if rank == 0 {
+        println!(
+            "kolo-burn: training a 64-{}-10 MLP fully sharded on {size} ranks ({:?} compute), \
+             batch {}/rank; parameter bytes per rank {held:?} of {whole_bytes}",
+            args.hidden, args.precision, args.batch_size
+        );
+    }
+    let loss_fn: CrossEntropyLoss = CrossEntropyLossConfig::new().init(device);
+    let sampler = DistributedSampler::new(data.train.len(), rank, size, args.seed);
+    let test_shard = DistributedSampler::new(data.test.len(), rank, size, 0).without_shuffle();
+    let started = Instant::now();
+    let (mut samples, mut step, mut last_acc) = (0usize, 0u64, None);
+    'epochs: for epoch in 0..args.epochs {
+        let shard = sampler.indices(epoch);
+        let steps = sampler.num_samples().div_ceil(args.batch_size);
+        let mut loss_sum = 0.0;
+        for (i, idx) in shard.chunks(args.batch_size).enumerate() {
+            let lr = learning_rate(args, size, epoch as f64 + i as f64 / steps as f64);
+            let ids: Vec<usize> = idx.iter().map(|&i| data.train[i]).collect();
+            let (x, y) = batch(data, &ids, device);
+            let loss = loss_fn.forward(model.forward(x), y);
+            loss_sum += scalar(loss.clone())? * ids.len() as f64;
+            let grads = GradientsParams::from_grads(loss.backward(), &model);
+            model = optim.step(lr, model, grads);
+            samples += ids.len();
+            step += 1;
+            if args.max_steps.is_some_and(|m| step >= m) {
+                break 'epochs;
+            }
+        }
+        if args.bench {
+            continue;
+        }
+        // Evaluation without autodiff: the units gather and run, nothing is recorded.
+        let eval = model.valid();
+        let mut correct = 0;
+        let test = test_shard.indices(0);
+        for idx in test.chunks(256) {
+            let ids: Vec<usize> = idx.iter().map(|&i| data.test[i]).collect();
+            let (x, _) = batch(data, &ids, &device.clone().inner());
+            correct += count_correct(eval.forward(x), &ids, data)?;
+        }
+        let avg = average_metrics(
+            kolo,
+            "epoch",
+            &[
+                loss_sum / shard.len().max(1) as f64,
+                correct as f64 / test.len().max(1) as f64,
+            ],
+            test.len() as f64,
+        )?;
+        last_acc = Some(avg[1]);
+        if rank == 0 {
+            println!(
+                "epoch {:3}/{}: loss {:.4}  test accuracy {:.2}%",
+                epoch + 1,
+                args.epochs,
+                avg[0],
+                100.0 * avg[1]
+            );
+        }
+    }
+    let secs = started.elapsed().as_secs_f64();
+    let total: usize = kolo
+        .allgather_object("samples", samples)?
+        .iter()
+        .sum::<usize>();
+    if rank == 0 {
+        println!(
+            "trained {total} samples in {secs:.2} s: {:.0} samples/s on {size} ranks{}",
+            total as f64 / secs,
+            last_acc.map_or(String::new(), |a| format!(
+                "; final test accuracy {:.2}%",
+                100.0 * a
+            ))
+        );
+    }
+    Ok(last_acc)
+}
