@@ -49,14 +49,45 @@ use bench::{show, PLAIN_MALLOC};
 #[allow(dead_code)]
 mod harness;
 
-const PATHS: [&str; 6] = [
+const PATHS: [&str; 8] = [
     "reducer",
     "overlapped",
     "optimizer",
     "sharded",
     "sharded-ov",
+    "fsdp",
+    "fsdp-keep",
     "pipeline",
 ];
+
+/// The MLP with each layer a fully sharded unit (`fsdp`: gathered again and
+/// recomputed in backward; `fsdp-keep`: the gathered layer and its graph kept until
+/// backward).
+#[derive(burn::module::Module, Debug)]
+struct Units {
+    layers: Vec<kolo_burn::FullyShard<burn::nn::Linear>>,
+}
+
+/// The gradients of one step of `m` on `(x, y)` (each unit's averaged block).
+fn unit_grads(
+    m: &Units,
+    x: &burn::tensor::Tensor<2>,
+    y: &burn::tensor::Tensor<1, burn::tensor::Int>,
+    device: &burn::tensor::Device,
+) -> GradientsParams {
+    let last = m.layers.len() - 1;
+    let mut h = x.clone();
+    for (i, unit) in m.layers.iter().enumerate() {
+        h = unit.forward(h, |l, x| l.forward(x));
+        if i < last {
+            h = burn::tensor::activation::relu(h);
+        }
+    }
+    let loss = CrossEntropyLossConfig::new()
+        .init(device)
+        .forward(h, y.clone());
+    GradientsParams::from_grads(loss.backward(), m)
+}
 
 /// The gradients of one step on `(x, y)` with every layer of `m` passed through
 /// `sync`'s hook (reduced during backward).
@@ -232,6 +263,24 @@ fn worker(
                 bail!("overlapped sharded step failed: {e}");
             }
             t
+        }
+        "fsdp" | "fsdp-keep" => {
+            let keep = path == "fsdp-keep";
+            let layers = start
+                .layers
+                .iter()
+                .map(|l| {
+                    kolo_burn::FullyShard::new(&kolo, l.clone())
+                        .map(|u| u.reshard_after_forward(!keep))
+                })
+                .collect::<kolo_burn::Result<Vec<_>>>()?;
+            let mut optim = SgdConfig::new().init();
+            // The gathers and reduce-scatters run inside forward and backward: no
+            // separate communication share.
+            mlp::time_steps(Units { layers }, &device, warmup, steps, |m| {
+                let g = unit_grads(&m, &x, &y, &device);
+                (optim.step(mlp::LR, m, g), Duration::ZERO)
+            })
         }
         "pipeline" => {
             // S = the ranks, one replica; M = 8 micro-batches.

@@ -124,12 +124,12 @@ pub(crate) struct Timing {
 /// clock stops: on an asynchronous device (CUDA) the steps' kernels may still be
 /// queued when `step` returns, and a plain loop that never waits would otherwise be
 /// timed by how fast it queues work, not how fast the device runs it.
-pub(crate) fn time_steps(
-    mut model: Mlp,
+pub(crate) fn time_steps<M>(
+    mut model: M,
     device: &Device,
     warmup: usize,
     steps: usize,
-    mut step: impl FnMut(Mlp) -> (Mlp, Duration),
+    mut step: impl FnMut(M) -> (M, Duration),
 ) -> Timing {
     for _ in 0..warmup {
         model = step(model).0;

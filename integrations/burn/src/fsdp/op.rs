@@ -12,6 +12,7 @@ use burn::backend::autodiff::checkpoint::base::Checkpointer;
 use burn::backend::autodiff::checkpoint::strategy::{BalancedCheckpointing, NoCheckpointing};
 use burn::backend::autodiff::grads::Gradients;
 use burn::backend::autodiff::ops::{Backward, Ops, OpsKind};
+use burn::backend::autodiff::NodeId;
 use burn::backend::{Autodiff, Flex};
 use burn::module::Module;
 use burn::tensor::{Device, Tensor};
@@ -49,22 +50,25 @@ where
         .iter()
         .map(|&i| unit.shard.pieces[i].param.lazy_shape().num_elements())
         .sum();
-    // A rank that holds no element of the trainable parameters (a unit smaller than
-    // the ranks) still runs the op's backward, which every rank's reduce-scatter
-    // needs: a one-element leaf stands in for its blocks.
-    let stand_in = !trainable.is_empty() && held == 0;
-    let flat = if trainable.is_empty() {
+    // The blocks' gradients are registered on their leaves directly (no concatenated
+    // copy); one of them is the op's second parent, which makes the op tracked when
+    // the input is not (the first unit). A rank that holds no element of the
+    // trainable parameters (a unit smaller than the ranks) still runs the op's
+    // backward, which every rank's reduce-scatter needs: a one-element leaf stands in.
+    let blocks: Vec<Tensor<1>> = trainable
+        .iter()
+        .map(|&i| unit.shard.pieces[i].param.val())
+        .collect();
+    let anchor = if trainable.is_empty() {
         Tensor::<1>::zeros([0], &device)
-    } else if stand_in {
+    } else if held == 0 {
         Tensor::<1>::zeros([1], &device).require_grad()
     } else {
-        Tensor::cat(
-            trainable
-                .iter()
-                .map(|&i| unit.shard.pieces[i].param.val())
-                .collect(),
-            0,
-        )
+        trainable
+            .iter()
+            .zip(&blocks)
+            .find(|(&i, _)| unit.shard.pieces[i].param.lazy_shape().num_elements() > 0)
+            .map_or_else(|| Tensor::zeros([0], &device), |(_, b)| b.clone())
     };
     let pending: Box<dyn Pending<I, O> + Send> = Box::new(Recompute {
         unit: unit.clone(),
@@ -73,10 +77,8 @@ where
         need_x,
         trainable,
         kept,
-        stand_in,
     });
-    let job = Job(Arc::new(Mutex::new(Some(pending))));
-    attach(input, flat, y, job).ok_or_else(|| Error::InvalidArgument {
+    attach(input, anchor, blocks, y, pending).ok_or_else(|| Error::InvalidArgument {
         what: "FullyShard::forward",
         message: "training a fully sharded unit needs Burn's CPU backend (flex) or, with \
                   kolo-burn's cuda/cpu feature, its CubeCL backend, with autodiff"
@@ -84,30 +86,45 @@ where
     })
 }
 
-/// `y` as the output of the unit op whose parents are `input` and `flat`; `None` when
-/// the tensors are not Flex (or, with the `cuda`/`cpu` feature, Cube) autodiff
-/// tensors.
+/// `y` as the output of the unit op whose parents are `input` and `anchor`, whose
+/// backward gives `blocks` their gradients; `None` when the tensors are not Flex (or,
+/// with the `cuda`/`cpu` feature, Cube) autodiff tensors.
 fn attach<const I: usize, const O: usize>(
     input: Tensor<I>,
-    flat: Tensor<1>,
+    anchor: Tensor<1>,
+    blocks: Vec<Tensor<1>>,
     y: Tensor<O>,
-    job: Job<I, O>,
+    pending: Box<dyn Pending<I, O> + Send>,
 ) -> Option<Tensor<O>> {
     // One copy per checkpointing strategy: Burn's conversion is implemented for each
     // concrete strategy only.
     macro_rules! with {
         ($name:ident, $B:ty, $C:ty) => {
             fn $name<const I: usize, const O: usize>(
-                input: Tensor<I>,
-                flat: Tensor<1>,
-                y: Tensor<O>,
-                job: Job<I, O>,
+                input: &Tensor<I>,
+                anchor: &Tensor<1>,
+                blocks: &[Tensor<1>],
+                y: &Tensor<O>,
+                pending: &Job<I, O>,
             ) -> Option<Tensor<O>> {
-                let x = input.try_into_primitive::<Autodiff<$B, $C>>().ok()?;
-                let flat = flat.try_into_primitive::<Autodiff<$B, $C>>().ok()?;
-                let y = y.try_into_primitive::<$B>().ok()?;
+                let x = input.clone().try_into_primitive::<Autodiff<$B, $C>>().ok()?;
+                let anchor = anchor.clone().try_into_primitive::<Autodiff<$B, $C>>().ok()?;
+                let targets = blocks
+                    .iter()
+                    .map(|b| {
+                        b.clone()
+                            .try_into_primitive::<Autodiff<$B, $C>>()
+                            .ok()
+                            .map(|p| p.id())
+                    })
+                    .collect::<Option<Vec<_>>>()?;
+                let y = y.clone().try_into_primitive::<$B>().ok()?;
+                let job = Job {
+                    pending: Arc::clone(&pending.pending),
+                    targets: Arc::new(targets),
+                };
                 let out = match UnitOp::<I, O>
-                    .prepare::<$C>([x.node(), flat.node()])
+                    .prepare::<$C>([x.node(), anchor.node()])
                     .compute_bound()
                     .stateful()
                 {
@@ -120,15 +137,20 @@ fn attach<const I: usize, const O: usize>(
     }
     with!(plain, Flex, NoCheckpointing);
     with!(balanced, Flex, BalancedCheckpointing);
-    let out = plain(input.clone(), flat.clone(), y.clone(), job.clone())
-        .or_else(|| balanced(input.clone(), flat.clone(), y.clone(), job.clone()));
+    let job = Job {
+        pending: Arc::new(Mutex::new(Some(pending))),
+        targets: Arc::new(Vec::new()),
+    };
+    let args = (&input, &anchor, &blocks[..], &y, &job);
+    let out = plain(args.0, args.1, args.2, args.3, args.4)
+        .or_else(|| balanced(args.0, args.1, args.2, args.3, args.4));
     #[cfg(any(feature = "cuda", feature = "cpu"))]
     let out = out.or_else(|| {
         use burn::backend::Cube;
         with!(cube_plain, Cube, NoCheckpointing);
         with!(cube_balanced, Cube, BalancedCheckpointing);
-        cube_plain(input.clone(), flat.clone(), y.clone(), job.clone())
-            .or_else(|| cube_balanced(input, flat, y, job))
+        cube_plain(args.0, args.1, args.2, args.3, args.4)
+            .or_else(|| cube_balanced(args.0, args.1, args.2, args.3, args.4))
     });
     out
 }
@@ -138,24 +160,24 @@ trait Pending<const I: usize, const O: usize> {
     /// The unit's name, for messages.
     fn name(&self) -> String;
 
-    /// From the output's gradient: the input's gradient (when it has a parent) and
-    /// this rank's trainable blocks' averaged gradient, concatenated (when they have
-    /// one).
-    fn run(
-        self: Box<Self>,
-        grad: Tensor<O>,
-        want_x: bool,
-        want_blocks: bool,
-    ) -> Result<(Option<Tensor<I>>, Option<Tensor<1>>)>;
+    /// From the output's gradient: the input's gradient (when `want_x`) and the
+    /// averaged gradient of this rank's block of each trainable parameter.
+    fn run(self: Box<Self>, grad: Tensor<O>, want_x: bool) -> Result<(Option<Tensor<I>>, Vec<Tensor<1>>)>;
 }
 
-/// The op's state: taken by the backward (the gathered parameters and graph, if kept,
-/// are freed with it).
-struct Job<const I: usize, const O: usize>(Arc<Mutex<Option<Box<dyn Pending<I, O> + Send>>>>);
+/// The op's state: what the backward runs (taken by it: the gathered parameters and
+/// graph, if kept, are freed with it) and the blocks' autodiff nodes.
+struct Job<const I: usize, const O: usize> {
+    pending: Arc<Mutex<Option<Box<dyn Pending<I, O> + Send>>>>,
+    targets: Arc<Vec<NodeId>>,
+}
 
 impl<const I: usize, const O: usize> Clone for Job<I, O> {
     fn clone(&self) -> Self {
-        Job(Arc::clone(&self.0))
+        Job {
+            pending: Arc::clone(&self.pending),
+            targets: Arc::clone(&self.targets),
+        }
     }
 }
 
@@ -167,7 +189,10 @@ impl<const I: usize, const O: usize> std::fmt::Debug for Job<I, O> {
 
 impl<const I: usize, const O: usize> Job<I, O> {
     fn take(&self) -> Option<Box<dyn Pending<I, O> + Send>> {
-        self.0.lock().unwrap_or_else(PoisonError::into_inner).take()
+        self.pending
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .take()
     }
 }
 
@@ -223,8 +248,6 @@ struct Recompute<M: Module, F, const I: usize, const O: usize> {
     trainable: Vec<usize>,
     /// The forward's graph, when the unit keeps it (`reshard_after_forward(false)`).
     kept: Option<Graph<I, O>>,
-    /// The op's second parent is a one-element stand-in (this rank holds nothing).
-    stand_in: bool,
 }
 
 impl<M, F, const I: usize, const O: usize> Pending<I, O> for Recompute<M, F, I, O>
@@ -236,12 +259,7 @@ where
         self.unit.unit.name.clone()
     }
 
-    fn run(
-        self: Box<Self>,
-        grad: Tensor<O>,
-        want_x: bool,
-        want_blocks: bool,
-    ) -> Result<(Option<Tensor<I>>, Option<Tensor<1>>)> {
+    fn run(self: Box<Self>, grad: Tensor<O>, want_x: bool) -> Result<(Option<Tensor<I>>, Vec<Tensor<1>>)> {
         let this = *self;
         let device = this.unit.device();
         let graph = match this.kept {
@@ -262,12 +280,13 @@ where
             .y
             .is_tracked()
             .then(|| (graph.y * grad.autodiff()).sum().backward());
-        let gx = match (&grads, graph.x, want_x) {
-            (Some(g), Some(x), true) => x.grad(g),
+        let mut grads = grads;
+        let gx = match (&mut grads, graph.x, want_x) {
+            (Some(g), Some(x), true) => x.grad_remove(g),
             _ => None,
         };
         if this.trainable.is_empty() {
-            return Ok((gx, None));
+            return Ok((gx, Vec::new()));
         }
         // Every rank reduce-scatters, wanted here or not, so that none waits alone.
         let whole_grads: Vec<Tensor<1>> = this
@@ -275,9 +294,10 @@ where
             .iter()
             .zip(&graph.leaves)
             .map(|(&i, leaf)| {
+                // Taken out, so that its buffer is lent to the reduce-scatter as it is.
                 grads
-                    .as_ref()
-                    .and_then(|g| leaf.grad(g))
+                    .as_mut()
+                    .and_then(|g| leaf.grad_remove(g))
                     .unwrap_or_else(|| {
                         let full = &this.unit.unit.params[i];
                         Tensor::zeros([full.numel()], (&device.clone().inner(), full.dtype))
@@ -287,12 +307,7 @@ where
         let blocks = this
             .unit
             .reduce_scatter(&this.trainable, whole_grads, &device)?;
-        let gflat = if this.stand_in {
-            Tensor::zeros([1], &device.inner())
-        } else {
-            Tensor::cat(blocks, 0)
-        };
-        Ok((gx, want_blocks.then_some(gflat)))
+        Ok((gx, blocks))
     }
 }
 
@@ -348,13 +363,13 @@ where
 
     fn backward(self, ops: Ops<Self::State, 2>, grads: &mut Gradients, _: &mut Checkpointer) {
         let grad = grads.consume::<B>(&ops.node);
-        let [px, pflat] = ops.parents;
+        let [px, _anchor] = ops.parents;
         let Some(pending) = ops.state.take() else {
             return;
         };
         let name = pending.name();
         let grad = Tensor::<O>::from_primitive::<B>(grad);
-        let (gx, gflat) = match pending.run(grad, px.is_some(), pflat.is_some()) {
+        let (gx, blocks) = match pending.run(grad, px.is_some()) {
             Ok(g) => g,
             Err(e) => panic!("kolo_burn::FullyShard {name}: backward: {e}"),
         };
@@ -364,10 +379,12 @@ where
                 Err(e) => panic!("kolo_burn::FullyShard {name}: the input's gradient: {e:?}"),
             }
         }
-        if let (Some(p), Some(g)) = (pflat, gflat) {
+        // Each block's gradient straight onto the block's leaf (the second parent, one
+        // of them or a stand-in, only made the op tracked).
+        for (&id, g) in ops.state.targets.iter().zip(blocks) {
             match g.try_into_primitive::<B>() {
-                Ok(g) => grads.register::<B>(p.id, g),
-                Err(e) => panic!("kolo_burn::FullyShard {name}: the blocks' gradient: {e:?}"),
+                Ok(g) => grads.register::<B>(id, g),
+                Err(e) => panic!("kolo_burn::FullyShard {name}: a block's gradient: {e:?}"),
             }
         }
     }
