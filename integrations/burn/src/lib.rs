@@ -45,6 +45,7 @@ mod error;
 mod fsdp;
 mod grads;
 mod layout;
+mod loss_scale;
 mod metrics;
 mod optim;
 mod overlap;
@@ -65,6 +66,7 @@ pub use fsdp::{
 pub use grads::GradientReducer;
 pub use kolo::DistributedSampler;
 pub use kolo::{restart_count, Progress};
+pub use loss_scale::LossScaler;
 pub use metrics::average_metrics;
 pub use optim::{DistributedOptimizer, DistributedState};
 pub use overlap::Overlap;

@@ -61,6 +61,10 @@ pub(crate) fn train(
         fc2: tune(FullyShard::new(kolo, whole.fc2)?),
     };
     let mut optim = AdamConfig::new().init();
+    // f16 gradients underflow without it: DeepSpeed's dynamic loss scaling, the same
+    // steps skipped on every rank.
+    let mut scaler =
+        matches!(args.precision, Precision::F16).then(|| kolo_burn::LossScaler::dynamic(kolo));
     let held: Vec<usize> = kolo.allgather_object("digits.held", local_param_bytes(&model))?;
     if rank == 0 {
         println!(
@@ -84,8 +88,20 @@ pub(crate) fn train(
             let (x, y) = batch(data, &ids, device);
             let loss = loss_fn.forward(model.forward(x), y);
             loss_sum += scalar(loss.clone())? * ids.len() as f64;
-            let grads = GradientsParams::from_grads(loss.backward(), &model);
-            model = optim.step(lr, model, grads);
+            model = match &mut scaler {
+                Some(scaler) => {
+                    let scaled = scaler.scale_loss(loss);
+                    let grads = GradientsParams::from_grads(scaled.backward(), &model);
+                    match scaler.unscale(&model, grads)? {
+                        Some(grads) => optim.step(lr, model, grads),
+                        None => model,
+                    }
+                }
+                None => {
+                    let grads = GradientsParams::from_grads(loss.backward(), &model);
+                    optim.step(lr, model, grads)
+                }
+            };
             samples += ids.len();
             step += 1;
             if args.max_steps.is_some_and(|m| step >= m) {
@@ -123,6 +139,13 @@ pub(crate) fn train(
                 100.0 * avg[1]
             );
         }
+    }
+    if let (Some(s), 0) = (&scaler, rank) {
+        println!(
+            "loss scale {} after {} skipped steps",
+            s.scale(),
+            s.skipped_steps()
+        );
     }
     let secs = started.elapsed().as_secs_f64();
     let total: usize = kolo

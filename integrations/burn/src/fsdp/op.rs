@@ -1,10 +1,11 @@
-//! A unit as one autodiff op. Its parents are the unit's input and its trainable
-//! blocks (concatenated by Burn's own differentiable `cat`, which hands each block its
-//! part of the gradient); its output is the wrapped module's output, computed without
-//! autodiff (or, keeping the graph, with a graph of its own). Its backward runs the
-//! wrapped module's forward and backward on whole parameters — a graph of its own,
-//! separate from the caller's, which Burn 0.22 allows inside a backward step — and
-//! reduce-scatters the parameters' gradients.
+//! A unit as one autodiff op. Its parents are the unit's input and one of its
+//! trainable blocks (or a one-element stand-in: the op must be tracked on every rank,
+//! also where the input is not); its output is the wrapped module's output, computed
+//! without autodiff (or, keeping the graph, with a graph of its own). Its backward runs
+//! the wrapped module's forward and backward on whole parameters — a graph of its own,
+//! separate from the caller's, which Burn 0.22 allows inside a backward step —,
+//! reduce-scatters the parameters' gradients and registers each block's part on the
+//! block's own leaf, and the input's gradient on the input.
 
 use std::sync::{Arc, Mutex, PoisonError};
 
@@ -107,8 +108,14 @@ fn attach<const I: usize, const O: usize>(
                 y: &Tensor<O>,
                 pending: &Job<I, O>,
             ) -> Option<Tensor<O>> {
-                let x = input.clone().try_into_primitive::<Autodiff<$B, $C>>().ok()?;
-                let anchor = anchor.clone().try_into_primitive::<Autodiff<$B, $C>>().ok()?;
+                let x = input
+                    .clone()
+                    .try_into_primitive::<Autodiff<$B, $C>>()
+                    .ok()?;
+                let anchor = anchor
+                    .clone()
+                    .try_into_primitive::<Autodiff<$B, $C>>()
+                    .ok()?;
                 let targets = blocks
                     .iter()
                     .map(|b| {
@@ -162,7 +169,11 @@ trait Pending<const I: usize, const O: usize> {
 
     /// From the output's gradient: the input's gradient (when `want_x`) and the
     /// averaged gradient of this rank's block of each trainable parameter.
-    fn run(self: Box<Self>, grad: Tensor<O>, want_x: bool) -> Result<(Option<Tensor<I>>, Vec<Tensor<1>>)>;
+    fn run(
+        self: Box<Self>,
+        grad: Tensor<O>,
+        want_x: bool,
+    ) -> Result<(Option<Tensor<I>>, Vec<Tensor<1>>)>;
 }
 
 /// The op's state: what the backward runs (taken by it: the gathered parameters and
@@ -259,7 +270,11 @@ where
         self.unit.unit.name.clone()
     }
 
-    fn run(self: Box<Self>, grad: Tensor<O>, want_x: bool) -> Result<(Option<Tensor<I>>, Vec<Tensor<1>>)> {
+    fn run(
+        self: Box<Self>,
+        grad: Tensor<O>,
+        want_x: bool,
+    ) -> Result<(Option<Tensor<I>>, Vec<Tensor<1>>)> {
         let this = *self;
         let device = this.unit.device();
         let graph = match this.kept {

@@ -350,3 +350,50 @@ pub(crate) fn bad_input(k: &Kolo) -> Result<()> {
         1e-5,
     )
 }
+
+/// Issue 55's loss scaler: an inf gradient on one rank (injected at step 2, unscaled
+/// before the reduction, so only that rank sees it) skips that step on every rank, the
+/// scale halves (hysteresis 1) and doubles after two clean steps, and training goes
+/// on.
+pub(crate) fn loss_scaler(k: &Kolo) -> Result<()> {
+    let device = Device::flex().autodiff();
+    device.seed(58);
+    let mut model = broadcast_parameters(k, LinearConfig::new(4, 2).init(&device), 0)?;
+    let mut scaler = kolo_burn::LossScaler::dynamic(k)
+        .initial_scale_power(4)
+        .loss_scale_window(2)
+        .hysteresis(1);
+    let reducer = GradientReducer::new(k);
+    let mut optim = AdamConfig::new().init();
+    let mut scales = Vec::new();
+    for step in 0..5 {
+        let before = params(&model);
+        let x = Tensor::<2>::ones([3, 4], &device) * (1.0 + k.rank() as f32);
+        let mut loss = model.forward(x).sum();
+        if step == 2 && k.rank() == 1 {
+            loss = loss * f32::INFINITY;
+        }
+        let grads = GradientsParams::from_grads(scaler.scale_loss(loss).backward(), &model);
+        let applied = match scaler.unscale(&model, grads)? {
+            Some(g) => {
+                let g = reducer.reduce(&model, g)?;
+                model = optim.step(0.01, model, g);
+                true
+            }
+            None => false,
+        };
+        scales.push(scaler.scale());
+        let moved = params(&model) != before;
+        ensure!(
+            moved == (step != 2) && applied == moved,
+            "step {step} on rank {}: applied {applied}, parameters moved {moved}",
+            k.rank()
+        );
+    }
+    ensure!(
+        scales == [16.0, 32.0, 16.0, 16.0, 32.0] && scaler.skipped_steps() == 1,
+        "scales {scales:?}, {} skipped",
+        scaler.skipped_steps()
+    );
+    Ok(())
+}

@@ -971,6 +971,7 @@ const CASES: &[(&str, Case, &[usize])] = &[
     ("fsdp_equivalence", fsdp::equivalence, &[1, 2, 4]),
     ("fsdp_memory", fsdp::memory, &[1, 2, 4]),
     ("fsdp_bad_input", fsdp::bad_input, &[2, 4]),
+    ("fsdp_loss_scaler", fsdp::loss_scaler, &[2]),
     // Launched in turn by `fsdp_checkpoint_reshard` (no trials of their own).
     ("fsdp_reshard_save", fsdp::reshard_save, &[]),
     ("fsdp_reshard_load", fsdp::reshard_load, &[]),
@@ -1030,6 +1031,20 @@ const EXAMPLES: &[(&str, &[&str], &[usize])] = &[
             "--fully-sharded",
             "--precision",
             "bf16",
+            "--min-accuracy",
+            "0.95",
+        ],
+        &[2],
+    ),
+    // f16 compute with DeepSpeed's dynamic loss scaling.
+    (
+        "digits_example_fully_sharded_f16",
+        &[
+            "--epochs",
+            "10",
+            "--fully-sharded",
+            "--precision",
+            "f16",
             "--min-accuracy",
             "0.95",
         ],
