@@ -183,7 +183,7 @@ impl Schedule {
             self.last_overflow = self.iter as i64;
         } else if self.dynamic {
             let since = self.iter as i64 - self.last_overflow;
-            if since > 0 && since as u64 % self.window == 0 {
+            if since > 0 && (since as u64).is_multiple_of(self.window) {
                 self.left = self.hysteresis;
                 self.scale *= 2.0;
             }
