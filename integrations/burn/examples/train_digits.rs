@@ -124,7 +124,7 @@ struct Args {
     pipeline_schedule: kolo_burn::Schedule,
     /// Shard each layer's parameters, gradients and Adam state across the ranks
     /// (ZeRO stage 3: kolo_burn::FullyShard), each rank holding 1/N of them.
-    #[arg(long, conflicts_with_all = ["sharded_optimizer", "pipeline_stages", "checkpoint"])]
+    #[arg(long, conflicts_with_all = ["sharded_optimizer", "pipeline_stages"])]
     fully_sharded: bool,
     /// With --fully-sharded: the float type the layers compute in (f32, bf16, f16);
     /// the sharded weights and Adam's state stay f32.

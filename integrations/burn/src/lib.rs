@@ -60,8 +60,8 @@ pub use checkpoint::{checkpoint_path, commit, load_checkpoint, resume, save_chec
 pub use device::{cuda_device, Backend};
 pub use error::{Error, Result};
 pub use fsdp::{
-    consolidated_record, load_fully_sharded, load_fully_sharded_checkpoint, local_param_bytes,
-    save_fully_sharded, FullyShard,
+    commit_fully_sharded, consolidated_record, load_fully_sharded, load_fully_sharded_checkpoint,
+    local_param_bytes, resume_fully_sharded, save_fully_sharded, FullyShard,
 };
 pub use grads::GradientReducer;
 pub use kolo::DistributedSampler;

@@ -13,7 +13,10 @@ use burn::optim::{AdamConfig, GradientsParams};
 use burn::tensor::{Device, FloatDType, Tensor};
 use kolo_burn::{average_metrics, local_param_bytes, DistributedSampler, FullyShard};
 
-use super::{batch, count_correct, learning_rate, scalar, Args, Digits, Mlp};
+use super::{
+    batch, count_correct, fingerprint, learning_rate, progress_at, scalar, start_from, Args,
+    Digits, Mlp,
+};
 
 /// The float type the layers compute in (`--precision`).
 #[derive(Clone, Copy, Debug, clap::ValueEnum)]
@@ -56,11 +59,21 @@ pub(crate) fn train(
         Precision::Bf16 => u.compute_dtype(FloatDType::BF16),
         Precision::F16 => u.compute_dtype(FloatDType::F16),
     };
-    let mut model = Units {
+    let model = Units {
         fc1: tune(FullyShard::new(kolo, whole.fc1)?),
         fc2: tune(FullyShard::new(kolo, whole.fc2)?),
     };
-    let mut optim = AdamConfig::new().init();
+    let optim = AdamConfig::new().init();
+    // This run's commit if there is one, any with --resume: whole-model files, so the
+    // job resumes at any number of ranks.
+    let restored = match &args.checkpoint {
+        Some(dir) => {
+            kolo_burn::resume_fully_sharded(kolo, dir, model.clone(), optim.clone(), args.resume)?
+        }
+        None => None,
+    };
+    let (mut model, mut optim, progress) = start_from(kolo, restored, model, optim);
+    let start = progress.epoch;
     // f16 gradients underflow without it: DeepSpeed's dynamic loss scaling, the same
     // steps skipped on every rank.
     let mut scaler =
@@ -77,13 +90,24 @@ pub(crate) fn train(
     let sampler = DistributedSampler::new(data.train.len(), rank, size, args.seed);
     let test_shard = DistributedSampler::new(data.test.len(), rank, size, 0).without_shuffle();
     let started = Instant::now();
-    let (mut samples, mut step, mut last_acc) = (0usize, 0u64, None);
-    'epochs: for epoch in 0..args.epochs {
-        let shard = sampler.indices(epoch);
+    let (mut samples, mut step, mut last_acc) = (0usize, progress.step, None);
+    let at = |epoch, skip, steps_in, step| {
+        progress_at(args, &sampler, size, epoch, skip, steps_in, step)
+    };
+    let mut stopped = false;
+    'epochs: for epoch in start..args.epochs {
+        // The epoch's samples, past those consumed before the commit resumed.
+        let skip = if epoch == start {
+            progress.consumed as usize
+        } else {
+            0
+        };
+        let shard = sampler.indices_from(epoch, skip);
         let steps = sampler.num_samples().div_ceil(args.batch_size);
+        let done = skip / (args.batch_size * size);
         let mut loss_sum = 0.0;
         for (i, idx) in shard.chunks(args.batch_size).enumerate() {
-            let lr = learning_rate(args, size, epoch as f64 + i as f64 / steps as f64);
+            let lr = learning_rate(args, size, epoch as f64 + (done + i) as f64 / steps as f64);
             let ids: Vec<usize> = idx.iter().map(|&i| data.train[i]).collect();
             let (x, y) = batch(data, &ids, device);
             let loss = loss_fn.forward(model.forward(x), y);
@@ -104,7 +128,18 @@ pub(crate) fn train(
             };
             samples += ids.len();
             step += 1;
-            if args.max_steps.is_some_and(|m| step >= m) {
+            let stop = args.max_steps.is_some_and(|m| step >= m);
+            if let Some(dir) = &args.checkpoint {
+                if stop || args.commit_every.is_some_and(|k| k > 0 && step % k == 0) {
+                    let p = at(epoch, skip, i + 1, step);
+                    kolo_burn::commit_fully_sharded(kolo, dir, &model, &optim, &p)?;
+                }
+            }
+            if stop {
+                if rank == 0 {
+                    println!("stopped after step {step} (--max-steps)");
+                }
+                stopped = true;
                 break 'epochs;
             }
         }
@@ -139,6 +174,10 @@ pub(crate) fn train(
                 100.0 * avg[1]
             );
         }
+        if let Some(dir) = &args.checkpoint {
+            let p = at(epoch + 1, 0, 0, step);
+            kolo_burn::commit_fully_sharded(kolo, dir, &model, &optim, &p)?;
+        }
     }
     if let (Some(s), 0) = (&scaler, rank) {
         println!(
@@ -152,15 +191,29 @@ pub(crate) fn train(
         .allgather_object("samples", samples)?
         .iter()
         .sum::<usize>();
+    // Bit-for-bit the same parameters print the same line (resume tests): the whole
+    // model's, gathered.
+    let whole = Mlp {
+        fc1: model.fc1.gathered()?,
+        fc2: model.fc2.gathered()?,
+        act: burn::nn::Relu::new(),
+    };
+    let print = fingerprint(&whole)?;
+    let result = if stopped || start >= args.epochs {
+        None
+    } else {
+        last_acc
+    };
     if rank == 0 {
         println!(
             "trained {total} samples in {secs:.2} s: {:.0} samples/s on {size} ranks{}",
             total as f64 / secs,
-            last_acc.map_or(String::new(), |a| format!(
+            result.map_or(String::new(), |a| format!(
                 "; final test accuracy {:.2}%",
                 100.0 * a
             ))
         );
+        println!("parameters fingerprint {print:016x} after step {step}");
     }
-    Ok(last_acc)
+    Ok(result)
 }

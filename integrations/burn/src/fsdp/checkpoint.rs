@@ -9,10 +9,10 @@ use std::path::Path;
 use burn::module::{Module, ModuleVisitor, Param};
 use burn::optim::ModuleOptimizer;
 use burn::tensor::Tensor;
-use kolo::Kolo;
+use kolo::{Kolo, Progress};
 
 use super::record::{block_of, consolidated_record, load_fully_sharded};
-use crate::checkpoint::{read_parts, write_parts, Restored};
+use crate::checkpoint::{goes_on, read_parts, write_parts, Restored};
 use crate::error::{Error, Result};
 use crate::layout::{trains, Slot};
 use crate::ShardedOptimizer;
@@ -36,6 +36,54 @@ pub fn save_fully_sharded<M: Module>(
     optim: &ModuleOptimizer,
     step: u64,
 ) -> Result<()> {
+    write_fully_sharded(kolo, dir, model, optim, step, None)
+}
+
+/// [`commit`](crate::commit) for a model made of units: [`save_fully_sharded`] with
+/// where training stands, which [`resume_fully_sharded`] gives back at any number of
+/// ranks.
+///
+/// # Errors
+/// As [`save_fully_sharded`].
+pub fn commit_fully_sharded<M: Module>(
+    kolo: &Kolo,
+    dir: &Path,
+    model: &M,
+    optim: &ModuleOptimizer,
+    progress: &Progress,
+) -> Result<()> {
+    write_fully_sharded(kolo, dir, model, optim, progress.step, Some(*progress))
+}
+
+/// [`resume`](crate::resume) for a model made of units: this run's commit (any with
+/// `asked`), loaded as [`load_fully_sharded_checkpoint`] does, or `None` to start
+/// fresh, decided alike on every rank.
+///
+/// # Errors
+/// As [`resume`](crate::resume) and [`load_fully_sharded_checkpoint`].
+pub fn resume_fully_sharded<M: Module>(
+    kolo: &Kolo,
+    dir: &Path,
+    model: M,
+    optim: ModuleOptimizer,
+    asked: bool,
+) -> Result<Option<Restored<M>>> {
+    let restored = load_fully_sharded_checkpoint(kolo, dir, model, optim)?;
+    let found = restored.as_ref().map(|r| r.run.as_deref());
+    Ok(match goes_on(kolo, dir, found, asked)? {
+        true => restored,
+        false => None,
+    })
+}
+
+fn write_fully_sharded<M: Module>(
+    kolo: &Kolo,
+    dir: &Path,
+    model: &M,
+    optim: &ModuleOptimizer,
+    step: u64,
+    progress: Option<Progress>,
+) -> Result<()> {
     let slots = slots_of(kolo, model)?;
     let record = consolidated_record(kolo, model)?;
     let whole = ShardedOptimizer::over_blocks(kolo, optim.clone(), slots)?.consolidate_blocks()?;
@@ -57,7 +105,7 @@ pub fn save_fully_sharded<M: Module>(
                 .to_vec(),
         ))
     });
-    write_parts(kolo, dir, parts, step, None)
+    write_parts(kolo, dir, parts, step, progress)
 }
 
 /// Loads `dir/checkpoint.kolo` (written by [`save_fully_sharded`] at any number of

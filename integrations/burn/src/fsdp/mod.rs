@@ -20,7 +20,9 @@ mod checkpoint;
 mod op;
 mod record;
 
-pub use checkpoint::{load_fully_sharded_checkpoint, save_fully_sharded};
+pub use checkpoint::{
+    commit_fully_sharded, load_fully_sharded_checkpoint, resume_fully_sharded, save_fully_sharded,
+};
 pub use record::{consolidated_record, load_fully_sharded};
 
 /// Numbers the units of a process in the order they are made: every rank makes them

@@ -580,6 +580,9 @@ pub(crate) fn trials() -> Vec<Trial> {
         Trial::test("digits_resume_exact_sharded/np2", || {
             Ok(resume_is_exact(2, &["--sharded-optimizer"])?)
         }),
+        Trial::test("digits_resume_exact_fully_sharded/np2", || {
+            Ok(resume_is_exact(2, &["--fully-sharded"])?)
+        }),
         Trial::test("digits_resume_exact_pipeline/np2", || {
             Ok(resume_is_exact(2, &["--pipeline-stages", "2"])?)
         }),
