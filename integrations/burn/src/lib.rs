@@ -14,6 +14,11 @@
 //! - [`ShardedOptimizer`] (ZeRO stages 1 and 2) keeps each rank's 1/N share of the
 //!   optimizer state: gradients reduce-scattered, the share stepped, parameters
 //!   all-gathered; the same results as [`GradientReducer`] with the plain optimizer.
+//! - [`FullyShard`] (ZeRO stage 3, FSDP) wraps a sub-module so that each rank keeps
+//!   1/N of its parameters, gathered for its forward and backward, its gradients
+//!   reduce-scattered: models bigger than one rank, trained by a plain optimizer
+//!   (with offloading to the host, bf16/f16 compute and [`LossScaler`]), checkpointed
+//!   whole ([`save_fully_sharded`], [`resume_fully_sharded`]) at any rank count.
 //! - [`DistributedSampler`] shards a dataset per rank and epoch; [`average_metrics`]
 //!   averages loss and accuracy for logging; [`save_checkpoint`] / [`load_checkpoint`]
 //!   write crash-safe rank-0 checkpoints and resume every rank from them.

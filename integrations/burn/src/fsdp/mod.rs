@@ -95,6 +95,11 @@ static UNITS: AtomicU64 = AtomicU64::new(0);
 /// gathered), and [`load_fully_sharded`] loads such a record into a model of units at
 /// any number of ranks.
 ///
+/// **Mixed precision and offload.** [`compute_dtype`](Self::compute_dtype) computes
+/// the unit in bf16 or f16 over f32 blocks; [`offload`](Self::offload) keeps the
+/// blocks and the optimizer's state on the host while the unit computes on its
+/// device.
+///
 /// **Backends.** Training (an autodiff device) needs Burn's CPU backend (`Flex`) or,
 /// with the `cuda`/`cpu` feature, its CubeCL backend; on other backends
 /// [`try_forward`](Self::try_forward) fails saying so. Without autodiff (evaluation,
@@ -137,7 +142,7 @@ impl Full {
 }
 
 /// How the unit runs.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Debug)]
 struct Settings {
     /// Drop the gathered parameters after forward (gather again in backward).
     reshard: bool,
@@ -147,6 +152,9 @@ struct Settings {
     /// The float type the wrapped module computes in (its parameters and input cast
     /// to it; its output cast back); `None`: the parameters' own.
     compute: Option<FloatDType>,
+    /// Where the unit computes when its blocks are offloaded to another device
+    /// ([`FullyShard::offload`]); `None`: on the blocks' device.
+    compute_device: Option<Device>,
 }
 
 impl<M: Module> Clone for FullyShard<M> {
@@ -154,7 +162,7 @@ impl<M: Module> Clone for FullyShard<M> {
         FullyShard {
             shard: self.shard.clone(),
             unit: Arc::clone(&self.unit),
-            settings: self.settings,
+            settings: self.settings.clone(),
         }
     }
 }
@@ -220,6 +228,7 @@ impl<M: Module> FullyShard<M> {
                 passes: 1,
                 op: ReduceOp::Average,
                 compute: None,
+                compute_device: None,
             },
         })
     }
@@ -260,6 +269,26 @@ impl<M: Module> FullyShard<M> {
         self
     }
 
+    /// Offloading (DeepSpeed's `offload_param` and `offload_optimizer`, ZeRO-Offload):
+    /// keeps this rank's blocks — and so the optimizer's state for them, and its step —
+    /// on `host` (e.g. `Device::flex()`, Burn's CPU backend; made an autodiff device
+    /// when the unit trains), while the unit computes on the device it was made on
+    /// (e.g. a GPU): the gathered parameters are made there for each forward and
+    /// backward, and the blocks' averaged gradients come back to `host`. Call it after
+    /// moving the model (`to_device` moves the blocks).
+    pub fn offload(mut self, host: &Device) -> Self {
+        let compute = self.compute_device();
+        let host = if compute.is_autodiff() {
+            host.clone().autodiff()
+        } else {
+            host.clone()
+        };
+        // A fresh leaf on the host, still requiring its gradient.
+        self.shard = self.shard.fork(&host);
+        self.settings.compute_device = (host != compute).then_some(compute);
+        self
+    }
+
     /// The elements of each float parameter (flattened, in module order) this rank
     /// holds.
     pub fn shard(&self) -> Vec<std::ops::Range<usize>> {
@@ -278,7 +307,7 @@ impl<M: Module> FullyShard<M> {
     /// The all-gather failed ([`Error::Kolo`]) or a block cannot be moved
     /// ([`Error::Data`]).
     pub fn gathered(&self) -> Result<M> {
-        let device = self.device();
+        let device = self.compute_device();
         let whole = self.gather(&device)?;
         Ok(self.rebuild(whole))
     }
@@ -311,7 +340,7 @@ impl<M: Module> FullyShard<M> {
         F: Fn(&M, Tensor<I>) -> Tensor<O> + Send + Sync + 'static,
         M: 'static,
     {
-        let device = self.device();
+        let device = self.compute_device();
         let trainable = self.trainable();
         let tracked = input.is_autodiff() && input.is_tracked();
         if !device.is_autodiff() || (trainable.is_empty() && !tracked) {
@@ -338,6 +367,14 @@ impl<M: Module> FullyShard<M> {
         self.shard.pieces[0].param.lazy_device()
     }
 
+    /// The device the unit computes on: the blocks', unless they are offloaded.
+    fn compute_device(&self) -> Device {
+        self.settings
+            .compute_device
+            .clone()
+            .unwrap_or_else(|| self.device())
+    }
+
     /// Every parameter whole, flattened, on `device` without autodiff: one grouped
     /// all-gather of this rank's blocks.
     fn gather(&self, device: &Device) -> Result<Vec<Tensor<1>>> {
@@ -360,7 +397,8 @@ impl<M: Module> FullyShard<M> {
             .zip(&unit.params)
             .enumerate()
             .map(|(i, (t, full))| {
-                convert::to_burn::<1>(&format!("{}.{i}.value", unit.name), t, full.dtype, &inner)
+                let name = format!("{}.{i}.value", unit.name);
+                convert::to_burn::<1>(&name, t, full.dtype, &inner).map(|t| on(t, &inner))
             })
             .collect()
     }
@@ -539,6 +577,16 @@ impl<M: Module> FullyShard<M> {
             unit: self.unit,
             settings: self.settings,
         }
+    }
+}
+
+/// `t` on `device`: a collective's output can come back in the memory of the tensor
+/// lent to it (a block of a unit offloaded elsewhere, at np 1).
+pub(crate) fn on(t: Tensor<1>, device: &Device) -> Tensor<1> {
+    if t.device() == *device {
+        t
+    } else {
+        t.to_device(device)
     }
 }
 

@@ -34,7 +34,7 @@ where
     M: Module + 'static,
     F: Fn(&M, Tensor<I>) -> Tensor<O> + Send + Sync + 'static,
 {
-    let device = unit.device();
+    let device = unit.compute_device();
     let f = Arc::new(f);
     let need_x = input.is_autodiff() && input.is_tracked();
     let x_inner = input.clone().inner();
@@ -60,9 +60,11 @@ where
         .iter()
         .map(|&i| unit.shard.pieces[i].param.val())
         .collect();
+    // Offloaded blocks live on another backend than the op: a stand-in too.
+    let offloaded = unit.settings.compute_device.is_some();
     let anchor = if trainable.is_empty() {
         Tensor::<1>::zeros([0], &device)
-    } else if held == 0 {
+    } else if held == 0 || offloaded {
         Tensor::<1>::zeros([1], &device).require_grad()
     } else {
         trainable
@@ -116,15 +118,7 @@ fn attach<const I: usize, const O: usize>(
                     .clone()
                     .try_into_primitive::<Autodiff<$B, $C>>()
                     .ok()?;
-                let targets = blocks
-                    .iter()
-                    .map(|b| {
-                        b.clone()
-                            .try_into_primitive::<Autodiff<$B, $C>>()
-                            .ok()
-                            .map(|p| p.id())
-                    })
-                    .collect::<Option<Vec<_>>>()?;
+                let targets = blocks.iter().map(node_id).collect::<Option<Vec<_>>>()?;
                 let y = y.clone().try_into_primitive::<$B>().ok()?;
                 let job = Job {
                     pending: Arc::clone(&pending.pending),
@@ -160,6 +154,52 @@ fn attach<const I: usize, const O: usize>(
             .or_else(|| cube_balanced(args.0, args.1, args.2, args.3, args.4))
     });
     out
+}
+
+/// The autodiff node of a block on any hooked backend (an offloaded block is on
+/// another backend than its unit's op).
+fn node_id(t: &Tensor<1>) -> Option<NodeId> {
+    macro_rules! try_as {
+        ($B:ty, $C:ty) => {
+            if let Ok(p) = t.clone().try_into_primitive::<Autodiff<$B, $C>>() {
+                return Some(p.id());
+            }
+        };
+    }
+    try_as!(Flex, NoCheckpointing);
+    try_as!(Flex, BalancedCheckpointing);
+    #[cfg(any(feature = "cuda", feature = "cpu"))]
+    {
+        use burn::backend::Cube;
+        try_as!(Cube, NoCheckpointing);
+        try_as!(Cube, BalancedCheckpointing);
+    }
+    None
+}
+
+/// Registers `g` as the gradient of node `id`, in `B`'s primitive or, for a block on
+/// another backend (offloaded), in that backend's; `false` when none takes it.
+fn register<B: burn::backend::Backend>(grads: &mut Gradients, id: NodeId, g: Tensor<1>) -> bool
+where
+    burn::backend::DispatchTensor: burn::backend::DispatchKindConversion<B>,
+{
+    // A failed conversion consumes the tensor: each try takes a clone (a handle).
+    if let Ok(p) = g.clone().try_into_primitive::<B>() {
+        grads.register::<B>(id, p);
+        return true;
+    }
+    #[cfg(any(feature = "cuda", feature = "cpu"))]
+    if let Ok(p) = g.clone().try_into_primitive::<burn::backend::Cube>() {
+        grads.register::<burn::backend::Cube>(id, p);
+        return true;
+    }
+    match g.try_into_primitive::<Flex>() {
+        Ok(p) => {
+            grads.register::<Flex>(id, p);
+            true
+        }
+        Err(_) => false,
+    }
 }
 
 /// What the op's backward runs, once.
@@ -276,7 +316,7 @@ where
         want_x: bool,
     ) -> Result<(Option<Tensor<I>>, Vec<Tensor<1>>)> {
         let this = *self;
-        let device = this.unit.device();
+        let device = this.unit.compute_device();
         let graph = match this.kept {
             Some(g) => g,
             None => {
@@ -319,9 +359,10 @@ where
                     })
             })
             .collect();
+        // Each block's gradient where the block is (the host, when offloaded).
         let blocks = this
             .unit
-            .reduce_scatter(&this.trainable, whole_grads, &device)?;
+            .reduce_scatter(&this.trainable, whole_grads, &this.unit.device())?;
         Ok((gx, blocks))
     }
 }
@@ -361,6 +402,7 @@ impl<M: Module> FullyShard<M> {
             .map(|(t, &i)| {
                 let name = format!("{}.{i}.grad", unit.name);
                 convert::to_burn::<1>(&name, t, unit.params[i].dtype, &inner)
+                    .map(|t| super::on(t, &inner))
             })
             .collect()
     }
@@ -397,9 +439,8 @@ where
         // Each block's gradient straight onto the block's leaf (the second parent, one
         // of them or a stand-in, only made the op tracked).
         for (&id, g) in ops.state.targets.iter().zip(blocks) {
-            match g.try_into_primitive::<B>() {
-                Ok(g) => grads.register::<B>(id, g),
-                Err(e) => panic!("kolo_burn::FullyShard {name}: a block's gradient: {e:?}"),
+            if !register::<B>(grads, id, g) {
+                panic!("kolo_burn::FullyShard {name}: a block's gradient is on no hooked backend");
             }
         }
     }

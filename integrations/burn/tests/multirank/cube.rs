@@ -284,3 +284,74 @@ pub(crate) fn driver_missing() -> bool {
         Err(e) if e.to_string().contains("CUDA driver library not found")
     )
 }
+
+/// `Small` with each layer a fully sharded unit.
+#[derive(Module, Debug)]
+struct SmallUnits {
+    fc1: kolo_burn::FullyShard<burn::nn::Linear>,
+    fc2: kolo_burn::FullyShard<burn::nn::Linear>,
+}
+
+impl SmallUnits {
+    fn new(k: &Kolo, m: &Small, offload: bool) -> kolo_burn::Result<Self> {
+        let unit = |l: &burn::nn::Linear| -> kolo_burn::Result<_> {
+            let u = kolo_burn::FullyShard::new(k, l.clone())?;
+            Ok(if offload {
+                u.offload(&Device::flex())
+            } else {
+                u
+            })
+        };
+        Ok(SmallUnits {
+            fc1: unit(&m.fc1)?,
+            fc2: unit(&m.fc2)?,
+        })
+    }
+
+    fn step_grads(
+        &self,
+        ids: std::ops::Range<usize>,
+        device: &Device,
+    ) -> burn::optim::GradientsParams {
+        let (x, y) = super::samples(ids, device);
+        let h = burn::tensor::activation::relu(self.fc1.forward(x, |l, x| l.forward(x)));
+        let out = self.fc2.forward(h, |l, x| l.forward(x));
+        let loss = burn::nn::loss::CrossEntropyLossConfig::new()
+            .init(device)
+            .forward(out, y);
+        burn::optim::GradientsParams::from_grads(loss.backward(), self)
+    }
+}
+
+/// Issue 55 item 4, offload: units made on the CubeCL CPU runtime with their blocks
+/// (and so Adam's state and step) offloaded to Burn's CPU backend train as the same
+/// units kept on the runtime, within 1e-5; the blocks are on the host device.
+pub(crate) fn cpu_fsdp_offload(k: &Kolo) -> Result<()> {
+    use burn::optim::AdamConfig;
+    let (rank, size) = (k.rank(), k.size());
+    let flex = Device::flex().autodiff();
+    flex.seed(59);
+    let cube = Backend::Cpu.device(k)?.autodiff();
+    let start = broadcast_parameters(k, Small::new(&flex), 0)?.fork(&cube);
+    let mut off = SmallUnits::new(k, &start, true)?;
+    let mut on = SmallUnits::new(k, &start, false)?;
+    let devices = off.devices();
+    ensure!(
+        devices.iter().all(|d| *d == flex),
+        "offloaded blocks on {devices:?}, not {flex:?}"
+    );
+    let (mut oa, mut ob) = (AdamConfig::new().init(), AdamConfig::new().init());
+    for step in 0..5 {
+        let ids = (step * size + rank) * 4..(step * size + rank + 1) * 4;
+        let g = off.step_grads(ids.clone(), &cube);
+        off = oa.step(0.01, off, g);
+        let g = on.step_grads(ids, &cube);
+        on = ob.step(0.01, on, g);
+    }
+    let whole = |u: &SmallUnits| -> kolo_burn::Result<Vec<f32>> {
+        let mut v = params(&u.fc1.gathered()?);
+        v.extend(params(&u.fc2.gathered()?));
+        Ok(v)
+    };
+    super::assert_close("offloaded units", &whole(&off)?, &whole(&on)?, 1e-5)
+}

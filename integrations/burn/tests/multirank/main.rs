@@ -1085,6 +1085,7 @@ const CUBE_CASES: &[(&str, Case, &[usize])] = &[
     ("cube_cpu_equivalence_f32", cube::cpu_f32, &[1, 2]),
     ("cube_cpu_equivalence_f16", cube::cpu_f16, &[1, 2]),
     ("cube_cpu_sharded", cube::cpu_sharded, &[1, 2]),
+    ("cube_cpu_fsdp_offload", cube::cpu_fsdp_offload, &[1, 2]),
 ];
 #[cfg(not(feature = "cpu"))]
 const CUBE_CASES: &[(&str, Case, &[usize])] = &[];
