@@ -397,3 +397,78 @@ pub(crate) fn loss_scaler(k: &Kolo) -> Result<()> {
     );
     Ok(())
 }
+
+/// Casts every float parameter to `dtype` inside the graph (gradients flow back to the
+/// f32 parameters), as a unit's compute dtype does.
+struct CastParams(burn::tensor::FloatDType);
+
+impl burn::module::ModuleMapper for CastParams {
+    fn map_float<const D: usize>(
+        &mut self,
+        param: burn::module::Param<Tensor<D>>,
+    ) -> burn::module::Param<Tensor<D>> {
+        let dtype = self.0;
+        param.map(|t| t.cast(dtype))
+    }
+}
+
+/// Issue 55's mixed precision: units computing in bf16 over f32 blocks, 10 Adam steps
+/// at np N, stay within bf16 rounding of the same computation in one process on the
+/// whole global batch (each layer's parameters and input cast to bf16, the output
+/// back), and differ from the f32 run by more than that.
+pub(crate) fn bf16(k: &Kolo) -> Result<()> {
+    use burn::tensor::FloatDType;
+    let (rank, size) = (k.rank(), k.size());
+    let device = Device::flex().autodiff();
+    device.seed(60);
+    let start = broadcast_parameters(k, Plain::new(&device), 0)?;
+    let run = |dtype: Option<FloatDType>| -> Result<Vec<f32>> {
+        let mut units = Sharded::from_plain(k, &start, |u| match dtype {
+            Some(d) => u.compute_dtype(d),
+            None => u,
+        })?;
+        let mut optim = AdamConfig::new().init();
+        for step in 0..10 {
+            let (x, y) = samples(ids(step, 0, rank, size), &device);
+            let loss = loss_of(units.forward(x), y, &device);
+            let g = GradientsParams::from_grads(loss.backward(), &units);
+            units = optim.step(0.02, units, g);
+        }
+        Ok(params(&units.gathered()?))
+    };
+    let sharded = run(Some(FloatDType::BF16))?;
+    let f32_run = run(None)?;
+    // One process, the global batch of every step.
+    let mut plain = start.clone();
+    let mut optim = AdamConfig::new().init();
+    for step in 0..10 {
+        let first = ids(step, 0, 0, size).start;
+        let (x, y) = samples(first..first + BATCH * size, &device);
+        let cast = plain.clone().map(&mut CastParams(FloatDType::BF16));
+        let h =
+            |l: &Linear, x: Tensor<2>| l.forward(x.cast(FloatDType::BF16)).cast(FloatDType::F32);
+        let x = Relu::new().forward(h(&cast.fc1, x));
+        let x = Relu::new().forward(h(&cast.fc2, x));
+        let x = Relu::new().forward(h(&cast.fc3, x));
+        let out = h(&cast.fc4, x);
+        let loss = loss_of(out, y, &device);
+        let g = GradientsParams::from_grads(loss.backward(), &plain);
+        plain = optim.step(0.02, plain, g);
+    }
+    assert_close(
+        "bf16 units against one bf16 process",
+        &sharded,
+        &params(&plain),
+        3e-3,
+    )?;
+    if std::env::var_os("KOLO_TEST_SHOW").is_some() {
+        let _ = assert_close("bf16 vs one process", &sharded, &params(&plain), 0.0)
+            .map_err(|e| eprintln!("{e}"));
+        let _ = assert_close("bf16 vs f32", &sharded, &f32_run, 0.0).map_err(|e| eprintln!("{e}"));
+    }
+    ensure!(
+        assert_close("bf16 against f32", &sharded, &f32_run, 3e-3).is_err(),
+        "bf16 compute trained within 3e-3 of f32: the check cannot tell them apart"
+    );
+    Ok(())
+}

@@ -972,6 +972,7 @@ const CASES: &[(&str, Case, &[usize])] = &[
     ("fsdp_memory", fsdp::memory, &[1, 2, 4]),
     ("fsdp_bad_input", fsdp::bad_input, &[2, 4]),
     ("fsdp_loss_scaler", fsdp::loss_scaler, &[2]),
+    ("fsdp_bf16", fsdp::bf16, &[1, 2, 4]),
     // Launched in turn by `fsdp_checkpoint_reshard` (no trials of their own).
     ("fsdp_reshard_save", fsdp::reshard_save, &[]),
     ("fsdp_reshard_load", fsdp::reshard_load, &[]),
