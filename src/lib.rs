@@ -39,6 +39,7 @@
 //! Run it with `mpirun -np 4 target/release/my-program`.
 
 mod config;
+pub mod deepspeed;
 mod dtype;
 mod engine;
 mod error;
