@@ -76,6 +76,8 @@ pub(super) const OPTIMIZER_PARAMS: Section = Section {
         "momentum",
         "adam_w_mode",
         "amsgrad",
+        "nesterov",
+        "dampening",
     ],
     inert: &[
         "torch_adam",
@@ -83,8 +85,6 @@ pub(super) const OPTIMIZER_PARAMS: Section = Section {
         "max_grad_norm",
         "max_coeff",
         "min_coeff",
-        "nesterov",
-        "dampening",
         "fused",
     ],
 };

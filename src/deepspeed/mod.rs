@@ -106,6 +106,12 @@ pub struct OptimizerConfig {
     pub momentum: f64,
     /// `adam_w_mode` (Adam; default true: decoupled weight decay).
     pub adam_w_mode: bool,
+    /// `amsgrad` (Adam, AdamW; default false).
+    pub amsgrad: bool,
+    /// `nesterov` (SGD; default false).
+    pub nesterov: bool,
+    /// `dampening` (SGD; default 0, as PyTorch's).
+    pub dampening: f64,
 }
 
 /// `fp16`.
@@ -430,12 +436,6 @@ fn optimizer(v: &Value, warnings: &mut Vec<String>) -> Result<OptimizerConfig, C
             ))
         }
     };
-    if opt_bool(p, "amsgrad", "optimizer.params.amsgrad")? == Some(true) {
-        return Err(ConfigError::Unsupported {
-            key: "optimizer.params.amsgrad".into(),
-            message: "Burn's Adam has no AMSGrad; set it to false".into(),
-        });
-    }
     Ok(OptimizerConfig {
         kind,
         lr: opt_f64(p, "lr", "optimizer.params.lr")?.unwrap_or(1e-3),
@@ -444,6 +444,9 @@ fn optimizer(v: &Value, warnings: &mut Vec<String>) -> Result<OptimizerConfig, C
         weight_decay: opt_f64(p, "weight_decay", "optimizer.params.weight_decay")?.unwrap_or(0.0),
         momentum: opt_f64(p, "momentum", "optimizer.params.momentum")?.unwrap_or(0.0),
         adam_w_mode: opt_bool(p, "adam_w_mode", "optimizer.params.adam_w_mode")?.unwrap_or(true),
+        amsgrad: opt_bool(p, "amsgrad", "optimizer.params.amsgrad")?.unwrap_or(false),
+        nesterov: opt_bool(p, "nesterov", "optimizer.params.nesterov")?.unwrap_or(false),
+        dampening: opt_f64(p, "dampening", "optimizer.params.dampening")?.unwrap_or(0.0),
     })
 }
 

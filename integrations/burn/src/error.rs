@@ -10,6 +10,10 @@ pub enum Error {
     #[error(transparent)]
     Kolo(#[from] kolo::Error),
 
+    /// A DeepSpeed config that cannot be used ([`crate::Engine`]).
+    #[error("DeepSpeed config: {0}")]
+    Config(#[from] kolo::deepspeed::ConfigError),
+
     /// Burn could not (de)serialise a module or optimizer record.
     #[error("{what}: {message}")]
     Record {

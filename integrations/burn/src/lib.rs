@@ -46,6 +46,7 @@ mod convert;
 #[cfg(any(feature = "cuda", feature = "cpu"))]
 mod cube;
 mod device;
+mod engine;
 mod error;
 mod fsdp;
 mod grads;
@@ -63,6 +64,7 @@ pub mod train;
 pub use broadcast::{broadcast_optimizer_state, broadcast_parameters};
 pub use checkpoint::{checkpoint_path, commit, load_checkpoint, resume, save_checkpoint, Restored};
 pub use device::{cuda_device, Backend};
+pub use engine::Engine;
 pub use error::{Error, Result};
 pub use fsdp::{
     commit_fully_sharded, consolidated_record, load_fully_sharded, load_fully_sharded_checkpoint,

@@ -4,6 +4,7 @@
 #[cfg(any(feature = "cpu", feature = "cuda"))]
 mod cube;
 mod elastic;
+mod engine;
 mod fsdp;
 #[path = "../../../../tests/collectives/harness.rs"]
 mod harness;
@@ -973,6 +974,8 @@ const CASES: &[(&str, Case, &[usize])] = &[
     ("fsdp_bad_input", fsdp::bad_input, &[2, 4]),
     ("fsdp_loss_scaler", fsdp::loss_scaler, &[2]),
     ("fsdp_bf16", fsdp::bf16, &[1, 2, 4]),
+    ("engine_stages", engine::stages, &[1, 2, 4]),
+    ("engine_fp16_skip", engine::fp16_skip, &[2]),
     // Launched in turn by `fsdp_checkpoint_reshard` (no trials of their own).
     ("fsdp_reshard_save", fsdp::reshard_save, &[]),
     ("fsdp_reshard_load", fsdp::reshard_load, &[]),
