@@ -45,8 +45,8 @@ pub(super) fn sum<M: Module>(
     grads
 }
 
-/// Clips `grads` to the global norm `max` (PyTorch's `clip_grad_norm_`: `max / (norm
-/// + 1e-6)` when above): the norm of all of `model`'s gradients together, summed over
+/// Clips `grads` to the global norm `max` (PyTorch's `clip_grad_norm_`: times
+/// `max / (norm + 1e-6)` when above): the norm of all of `model`'s gradients together, summed over
 /// the ranks when `shared` (each rank holds a share: fully sharded units), this rank's
 /// when the gradients are already the same everywhere.
 pub(super) fn clip_global<M: Module>(

@@ -93,7 +93,7 @@ impl<M: Module> std::fmt::Debug for Engine<M> {
 /// The model as the stage holds it.
 enum Held<M: Module> {
     Whole(M),
-    Unit(FullyShard<M>),
+    Unit(Box<FullyShard<M>>),
 }
 
 /// How the stage steps.
@@ -208,7 +208,7 @@ impl<M: Module + 'static> Engine<M> {
                 if zero.offload_param || zero.offload_optimizer {
                     unit = unit.offload(&Device::flex());
                 }
-                (Held::Unit(unit), Optim::Units(optim), None)
+                (Held::Unit(Box::new(unit)), Optim::Units(optim), None)
             }
         };
         if zero.overlap_comm {
@@ -295,8 +295,8 @@ impl<M: Module + 'static> Engine<M> {
                 grads::sum(m, earlier, g)
             }
             Held::Unit(u) => {
-                let g = GradientsParams::from_grads(raw, u);
-                grads::sum(u, earlier, g)
+                let g = GradientsParams::from_grads(raw, &**u);
+                grads::sum(&**u, earlier, g)
             }
         };
         self.acc = Some(grads);
@@ -326,12 +326,12 @@ impl<M: Module + 'static> Engine<M> {
             return Ok(false);
         }
         let started = Instant::now();
-        let grads = self.acc.take().unwrap_or_else(GradientsParams::new);
+        let grads = self.acc.take().unwrap_or_default();
         let lr = self.lr();
         self.steps += 1;
         let grads = match (&mut self.scaler, self.held.as_ref()) {
             (Some(s), Some(Held::Whole(m))) => s.unscale(m, grads)?,
-            (Some(s), Some(Held::Unit(u))) => s.unscale(u, grads)?,
+            (Some(s), Some(Held::Unit(u))) => s.unscale(&**u, grads)?,
             _ => Some(grads),
         };
         let Some(grads) = grads else {
@@ -361,11 +361,11 @@ impl<M: Module + 'static> Engine<M> {
             },
             (Held::Unit(u), Optim::Units(optim)) => {
                 let g = match clip > 0.0 {
-                    true => grads::clip_global(kolo, &u, grads, clip, true),
+                    true => grads::clip_global(kolo, &*u, grads, clip, true),
                     false => Ok(grads),
                 };
                 match g {
-                    Ok(g) => (Held::Unit(optim.step(lr, u, g)), Ok(())),
+                    Ok(g) => (Held::Unit(Box::new(optim.step(lr, *u, g))), Ok(())),
                     Err(e) => (Held::Unit(u), Err(e)),
                 }
             }
@@ -381,7 +381,7 @@ impl<M: Module + 'static> Engine<M> {
     /// Prints the step, learning rate, loss scale and (with `wall_clock_breakdown`) the
     /// time per phase, every `steps_per_print` steps on rank 0.
     fn report(&mut self, lr: f64) {
-        if self.steps % self.config.steps_per_print != 0 {
+        if !self.steps.is_multiple_of(self.config.steps_per_print) {
             return;
         }
         if self.kolo.rank() == 0 {
