@@ -1054,6 +1054,22 @@ const EXAMPLES: &[(&str, &[&str], &[usize])] = &[
         ],
         &[2],
     ),
+    // Issue 56: the engine from the seed-style DeepSpeed config (Adam betas
+    // [0.8, 0.999], WarmupLR, fp16 dynamic scaling, ZeRO-3 with both offloads,
+    // activation checkpointing).
+    (
+        "deepspeed_digits_example",
+        &[
+            "--deepspeed_config",
+            concat!(
+                env!("CARGO_MANIFEST_DIR"),
+                "/examples/configs/ds_digits.json"
+            ),
+            "--min-accuracy",
+            "0.95",
+        ],
+        &[2, 4],
+    ),
     // The CNN example (issue 39): 8 samples per rank, SyncBatchNorm.
     (
         "cnn_digits_example",
@@ -1135,6 +1151,8 @@ fn exec_example(case: &str, args: &[&str]) -> ! {
     // `cnn_…` cases run the CNN example, the others the MLP one.
     let name = if case.starts_with("cnn_") {
         "train_digits_cnn"
+    } else if case.starts_with("deepspeed_") {
+        "train_digits_deepspeed"
     } else {
         "train_digits"
     };
