@@ -73,7 +73,7 @@ pub use fsdp::{
 pub use grads::GradientReducer;
 pub use kolo::DistributedSampler;
 pub use kolo::{restart_count, Progress};
-pub use loss_scale::LossScaler;
+pub use loss_scale::{LossScaler, LossScalerState};
 pub use metrics::average_metrics;
 pub use optim::{DistributedOptimizer, DistributedState};
 pub use overlap::Overlap;

@@ -43,6 +43,22 @@ pub struct LossScaler {
     skipped: u64,
 }
 
+/// Where a [`LossScaler`] stands: what a checkpoint keeps of it
+/// ([`LossScaler::state`], [`LossScaler::restore`]).
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct LossScalerState {
+    /// The current scale.
+    pub scale: f64,
+    /// Overflowing steps left before the scale halves.
+    pub left: u32,
+    /// Steps seen.
+    pub iter: u64,
+    /// The step of the last overflow (−1: none).
+    pub last_overflow: i64,
+    /// Steps skipped.
+    pub skipped: u64,
+}
+
 /// The scale and how it moves.
 #[derive(Debug, Clone)]
 struct Schedule {
@@ -125,6 +141,27 @@ impl LossScaler {
     /// Steps skipped so far for overflow.
     pub fn skipped_steps(&self) -> u64 {
         self.skipped
+    }
+
+    /// Where the scaler stands (for a checkpoint).
+    pub fn state(&self) -> LossScalerState {
+        LossScalerState {
+            scale: self.schedule.scale,
+            left: self.schedule.left,
+            iter: self.schedule.iter,
+            last_overflow: self.schedule.last_overflow,
+            skipped: self.skipped,
+        }
+    }
+
+    /// Goes on from `state` (its settings — window, hysteresis, minimum — stay this
+    /// scaler's).
+    pub fn restore(&mut self, state: &LossScalerState) {
+        self.schedule.scale = state.scale;
+        self.schedule.left = state.left;
+        self.schedule.iter = state.iter;
+        self.schedule.last_overflow = state.last_overflow;
+        self.skipped = state.skipped;
     }
 
     /// `loss` times the scale: call `backward` on it.

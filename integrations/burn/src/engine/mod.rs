@@ -16,6 +16,7 @@ use kolo::Kolo;
 use crate::error::{Error, Result};
 use crate::{FullyShard, GradientReducer, LossScaler, ShardedOptimizer};
 
+mod checkpoint;
 mod grads;
 
 /// DeepSpeed's engine for a Burn model: the loop is `engine.forward(..)`,

@@ -119,3 +119,120 @@ pub(crate) fn fp16_skip(k: &Kolo) -> Result<()> {
     );
     Ok(())
 }
+
+/// Samples per optimizer step in the resume launches (the accumulation follows the
+/// ranks: 16 = 2 per micro-step × accumulation × ranks).
+const GLOBAL: usize = 16;
+
+fn resume_config(stage: u8, world: usize) -> Result<DeepSpeedConfig> {
+    let text = format!(
+        r#"{{"train_batch_size": {GLOBAL}, "train_micro_batch_size_per_gpu": {MICRO},
+            "optimizer": {{"type": "Adam", "params": {{"lr": 0.01}}}},
+            "scheduler": {{"type": "WarmupLR", "params": {{"warmup_max_lr": 0.01,
+              "warmup_num_steps": 4, "warmup_type": "linear"}}}},
+            "gradient_clipping": 0.5,
+            "zero_optimization": {{"stage": {stage}}}}}"#
+    );
+    Ok(DeepSpeedConfig::from_json(&text, world as u64)?)
+}
+
+/// One optimizer step of global step `s`: this rank's micro-batches of the step's
+/// `GLOBAL` samples.
+fn engine_step(engine: &mut Engine<Small>, s: usize, k: &Kolo, device: &Device) -> Result<()> {
+    let acc = engine.config().gradient_accumulation_steps as usize;
+    for m in 0..acc {
+        let base = s * GLOBAL + (m * k.size() + k.rank()) * MICRO;
+        let (x, y) = samples(base..base + MICRO, device);
+        let out = engine.forward(x, |m: &Small, x| m.forward(x));
+        engine.backward(loss(out, y, device))?;
+        engine.step()?;
+    }
+    Ok(())
+}
+
+fn scratch() -> Result<std::path::PathBuf> {
+    std::env::var_os("KOLO_TEST_DIR")
+        .map(std::path::PathBuf::from)
+        .ok_or_else(|| anyhow::anyhow!("KOLO_TEST_DIR is not set"))
+}
+
+/// First launch (np 4): for stages 0, 2 and 3, three steps, `save_checkpoint`, two
+/// more; rank 0 writes the parameters down.
+pub(crate) fn resume_save(k: &Kolo) -> Result<()> {
+    let dir = scratch()?;
+    let device = Device::flex().autodiff();
+    for stage in [0u8, 2, 3] {
+        device.seed(63);
+        let start = broadcast_parameters(k, Small::new(&device), 0)?;
+        let mut engine = Engine::new(k, start, resume_config(stage, k.size())?)?;
+        for s in 0..3 {
+            engine_step(&mut engine, s, k, &device)?;
+        }
+        let progress = kolo::Progress {
+            epoch: 1,
+            ..kolo::Progress::default()
+        };
+        engine.save_checkpoint(&dir.join(format!("stage{stage}")), "step3", &progress)?;
+        for s in 3..5 {
+            engine_step(&mut engine, s, k, &device)?;
+        }
+        let after = params(&engine.module()?);
+        if k.rank() == 0 {
+            let bits: Vec<String> = after.iter().map(|x| x.to_bits().to_string()).collect();
+            std::fs::write(dir.join(format!("after{stage}")), bits.join(" "))?;
+        }
+    }
+    Ok(())
+}
+
+/// Second launch (np 2): each stage's engine loads `latest` (step 3) and takes the
+/// same two steps: the parameters equal the uninterrupted run's (1e-6).
+pub(crate) fn resume_load(k: &Kolo) -> Result<()> {
+    let dir = scratch()?;
+    let device = Device::flex().autodiff();
+    for stage in [0u8, 2, 3] {
+        let want: Vec<f32> = std::fs::read_to_string(dir.join(format!("after{stage}")))?
+            .split_whitespace()
+            .map(|b| b.parse::<u32>().map(f32::from_bits))
+            .collect::<Result<_, _>>()?;
+        let mut engine = Engine::new(k, Small::new(&device), resume_config(stage, k.size())?)?;
+        let p = engine
+            .load_checkpoint(&dir.join(format!("stage{stage}")), None)?
+            .ok_or_else(|| anyhow::anyhow!("stage {stage}: no checkpoint"))?;
+        ensure!(
+            p.epoch == 1 && engine.global_steps() == 3,
+            "stage {stage}: resumed at {p:?}, step {}",
+            engine.global_steps()
+        );
+        for s in 3..5 {
+            engine_step(&mut engine, s, k, &device)?;
+        }
+        let got = params(&engine.module()?);
+        assert_close(
+            &format!("stage {stage} saved at np 4, resumed at np {}", k.size()),
+            &got,
+            &want,
+            1e-6,
+        )?;
+    }
+    Ok(())
+}
+
+/// The chained launches: saved at np 4, resumed at np 2.
+pub(crate) fn resume_trial() -> Result<(), String> {
+    let dir = std::env::temp_dir().join(format!("kolo-engine-resume-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).map_err(|e| e.to_string())?;
+    let d = dir.display().to_string();
+    let env = [("KOLO_TEST_DIR", d.as_str()), ("RAYON_NUM_THREADS", "1")];
+    let limit = std::time::Duration::from_secs(180);
+    let result = (|| {
+        super::harness::mpirun("engine_resume_save", 4, limit, &env)?
+            .succeeded("saving at np 4")?;
+        super::harness::mpirun("engine_resume_load", 2, limit, &env)?
+            .succeeded("resuming at np 2")?;
+        Ok(())
+    })();
+    let _ = std::fs::remove_dir_all(&dir);
+    result
+}

@@ -976,6 +976,9 @@ const CASES: &[(&str, Case, &[usize])] = &[
     ("fsdp_bf16", fsdp::bf16, &[1, 2, 4]),
     ("engine_stages", engine::stages, &[1, 2, 4]),
     ("engine_fp16_skip", engine::fp16_skip, &[2]),
+    // Launched in turn by `engine_checkpoint_resume` (no trials of their own).
+    ("engine_resume_save", engine::resume_save, &[]),
+    ("engine_resume_load", engine::resume_load, &[]),
     // Launched in turn by `fsdp_checkpoint_reshard` (no trials of their own).
     ("fsdp_reshard_save", fsdp::reshard_save, &[]),
     ("fsdp_reshard_load", fsdp::reshard_load, &[]),
@@ -1213,6 +1216,9 @@ fn main() {
         "sharded_checkpoint_reshard/np4-np2-np1",
         || Ok(sharded::reshard_trial()?),
     ));
+    trials.push(Trial::test("engine_checkpoint_resume/np4-np2", || {
+        Ok(engine::resume_trial()?)
+    }));
     trials.push(Trial::test("fsdp_checkpoint_reshard/np4-np2-np1", || {
         Ok(fsdp::reshard_trial()?)
     }));
