@@ -59,6 +59,9 @@ impl<M: Module + 'static> Engine<M> {
             (Held::Unit(u), Optim::Units(optim)) => {
                 crate::commit_fully_sharded(&self.kolo, &at, &**u, optim, &progress)?
             }
+            (Held::Whole(m), Optim::Units(optim)) => {
+                crate::commit_fully_sharded(&self.kolo, &at, m, optim, &progress)?
+            }
             _ => {}
         }
         if self.kolo.rank() == 0 {
@@ -176,6 +179,16 @@ impl<M: Module + 'static> Engine<M> {
                     }
                     Ok(None) => (Held::Unit(u), Ok(None)),
                     Err(e) => (Held::Unit(u), Err(e)),
+                }
+            }
+            (Held::Whole(m), Optim::Units(optim)) => {
+                match crate::load_fully_sharded_checkpoint(&kolo, at, m.clone(), optim.clone()) {
+                    Ok(Some(r)) => {
+                        *optim = r.optim;
+                        (Held::Whole(r.model), Ok(Some(progress(r.progress, r.step))))
+                    }
+                    Ok(None) => (Held::Whole(m), Ok(None)),
+                    Err(e) => (Held::Whole(m), Err(e)),
                 }
             }
             (held, _) => (held, Ok(None)),

@@ -45,8 +45,8 @@ mod grads;
 /// its share); 3: the whole model one [`FullyShard`] unit (each rank holds 1/N of the
 /// parameters, gathered for forward and backward), with `offload_param` /
 /// `offload_optimizer` keeping the blocks and the optimizer's state on the host.
-/// (A model made of its own units gets stage 3's memory layer by layer; give it at
-/// stage 0 with its units, whose gradients arrive averaged.)
+/// A model made of its own [`FullyShard`] units (stage 3 layer by layer, so that no
+/// rank ever holds the whole model) is taken as it is at stage 3.
 ///
 /// **Precision.** `fp16` / `bf16`: the model computes in that type over f32 master
 /// weights (the parameters, the optimizer state and the reduction stay f32); fp16
@@ -156,7 +156,24 @@ impl<M: Module + 'static> Engine<M> {
         config: DeepSpeedConfig,
         optim: ModuleOptimizer,
     ) -> Result<Self> {
-        let mut model = crate::broadcast_parameters(kolo, model, 0)?;
+        // A model made of its own units is stage 3 already, layer by layer (its blocks
+        // differ per rank: they must not be broadcast or reduced as one model).
+        let own_units = crate::fsdp::has_units(kolo, &model);
+        if own_units && config.zero.stage != 3 {
+            return Err(Error::InvalidArgument {
+                what: "Engine::new",
+                message: format!(
+                    "the model is made of FullyShard units (fully sharded parameters): set \
+                     zero_optimization.stage to 3, not {}",
+                    config.zero.stage
+                ),
+            });
+        }
+        let mut model = if own_units {
+            model
+        } else {
+            crate::broadcast_parameters(kolo, model, 0)?
+        };
         let mut device = model
             .devices()
             .into_iter()
@@ -200,6 +217,16 @@ impl<M: Module + 'static> Engine<M> {
                     );
                 }
                 (Held::Whole(model), Optim::Sharded(sharded), half)
+            }
+            _ if own_units => {
+                if half.is_some() {
+                    warnings.push(
+                        "fp16/bf16: the model's own FullyShard units compute as they were set \
+                         (FullyShard::compute_dtype); the engine scales the loss for fp16"
+                            .into(),
+                    );
+                }
+                (Held::Whole(model), Optim::Units(optim), None)
             }
             _ => {
                 let mut unit = FullyShard::new(kolo, model)?;
@@ -351,6 +378,17 @@ impl<M: Module + 'static> Engine<M> {
                     true => grads::clip_global(kolo, &m, g, clip, false),
                     false => Ok(g),
                 });
+                match g {
+                    Ok(g) => (Held::Whole(optim.step(lr, m, g)), Ok(())),
+                    Err(e) => (Held::Whole(m), Err(e)),
+                }
+            }
+            (Held::Whole(m), Optim::Units(optim)) => {
+                // The model's own units: gradients arrive averaged, each rank's blocks.
+                let g = match clip > 0.0 {
+                    true => grads::clip_global(kolo, &m, grads, clip, true),
+                    false => Ok(grads),
+                };
                 match g {
                     Ok(g) => (Held::Whole(optim.step(lr, m, g)), Ok(())),
                     Err(e) => (Held::Whole(m), Err(e)),

@@ -515,6 +515,28 @@ impl ModuleMapper for Fill<'_> {
     }
 }
 
+/// Whether `model` holds blocks of [`FullyShard`] units (made in this process).
+pub(crate) fn has_units<M: Module>(kolo: &Kolo, model: &M) -> bool {
+    struct Find {
+        size: usize,
+        rank: usize,
+        found: bool,
+    }
+    impl ModuleVisitor for Find {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            let dims = param.lazy_shape().to_vec();
+            self.found |= record::block_of(param.id, &dims, self.size, self.rank).is_some();
+        }
+    }
+    let mut f = Find {
+        size: kolo.size(),
+        rank: kolo.rank(),
+        found: false,
+    };
+    model.visit(&mut f);
+    f.found
+}
+
 /// Bytes of this rank's float parameters in `model` (a model of
 /// [`FullyShard`] units holds 1/N of each unit's parameters): what
 /// `train_big_mlp` reports beside the optimizer state.

@@ -78,7 +78,47 @@ pub(crate) fn stages(k: &Kolo) -> Result<()> {
         let got = params(&engine.module()?);
         assert_close(&format!("engine at stage {stage}"), &got, &want, 1e-5)?;
     }
-    Ok(())
+    // A model made of its own units: taken as it is at stage 3, refused at stage 1.
+    let units = || -> kolo_burn::Result<SmallUnits> {
+        Ok(SmallUnits {
+            fc1: kolo_burn::FullyShard::new(k, start.fc1.clone())?,
+            fc2: kolo_burn::FullyShard::new(k, start.fc2.clone())?,
+        })
+    };
+    match Engine::new(k, units()?, config(1, "", size)?) {
+        Ok(_) => anyhow::bail!("units at stage 1 were accepted"),
+        Err(e) => ensure!(
+            e.to_string().contains("set zero_optimization.stage to 3"),
+            "{e}"
+        ),
+    }
+    let mut engine = Engine::new(k, units()?, config(3, "", size)?)?;
+    for s in 0..STEPS {
+        for m in 0..ACC {
+            let (x, y) = samples(ids(s, m, rank, size), &device);
+            let out = engine.forward(x, |m: &SmallUnits, x| m.forward(x));
+            engine.backward(loss(out, y, &device))?;
+            engine.step()?;
+        }
+    }
+    let model = engine.module()?;
+    let mut got = params(&model.fc1.gathered()?);
+    got.extend(params(&model.fc2.gathered()?));
+    assert_close("engine with the model's own units", &got, &want, 1e-5)
+}
+
+/// `Small` with each layer a unit.
+#[derive(burn::module::Module, Debug)]
+struct SmallUnits {
+    fc1: kolo_burn::FullyShard<burn::nn::Linear>,
+    fc2: kolo_burn::FullyShard<burn::nn::Linear>,
+}
+
+impl SmallUnits {
+    fn forward(&self, x: Tensor<2>) -> Tensor<2> {
+        let h = burn::tensor::activation::relu(self.fc1.forward(x, |l, x| l.forward(x)));
+        self.fc2.forward(h, |l, x| l.forward(x))
+    }
 }
 
 /// fp16 with dynamic loss scaling: an inf loss on rank 1 in step 2 skips that step on
