@@ -110,9 +110,11 @@ impl<M: Module + 'static> Engine<M> {
         let Some(progress) = outcome? else {
             return Ok(None);
         };
-        let mine = (self.kolo.rank() == 0)
-            .then(|| std::fs::read(at.join(STATE)).map_err(|e| e.to_string()))
-            .unwrap_or_else(|| Ok(Vec::new()));
+        let mine = if self.kolo.rank() == 0 {
+            std::fs::read(at.join(STATE)).map_err(|e| e.to_string())
+        } else {
+            Ok(Vec::new())
+        };
         let bytes = self
             .kolo
             .broadcast_object("kolo_burn.engine.state", mine, 0)?
