@@ -144,17 +144,7 @@ pub(super) fn parse(v: &Value, warnings: &mut Vec<String>) -> Result<LrSchedule,
     let u = |k: &str, d: u64| -> Result<u64, ConfigError> {
         Ok(opt_u64(p, k, &format!("scheduler.params.{k}"))?.unwrap_or(d))
     };
-    let kind = match p.get("warmup_type") {
-        None => WarmupType::Log,
-        Some(Value::String(s)) if s == "log" => WarmupType::Log,
-        Some(Value::String(s)) if s == "linear" => WarmupType::Linear,
-        Some(v) => {
-            return Err(invalid(
-                "scheduler.params.warmup_type",
-                &format!("must be \"log\" or \"linear\", not {v}"),
-            ))
-        }
-    };
+    let kind = warmup_type(p)?;
     let t = m.get("type").and_then(Value::as_str).ok_or_else(|| {
         invalid(
             "scheduler.type",
@@ -208,4 +198,17 @@ pub(super) fn parse(v: &Value, warnings: &mut Vec<String>) -> Result<LrSchedule,
         }
     };
     Ok(schedule)
+}
+
+/// `warmup_type`: `log` (the default) or `linear`.
+fn warmup_type(p: &serde_json::Map<String, Value>) -> Result<WarmupType, ConfigError> {
+    match p.get("warmup_type") {
+        None => Ok(WarmupType::Log),
+        Some(Value::String(s)) if s == "log" => Ok(WarmupType::Log),
+        Some(Value::String(s)) if s == "linear" => Ok(WarmupType::Linear),
+        Some(v) => Err(invalid(
+            "scheduler.params.warmup_type",
+            &format!("must be \"log\" or \"linear\", not {v}"),
+        )),
+    }
 }

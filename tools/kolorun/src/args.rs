@@ -23,6 +23,20 @@ pub(crate) struct Args {
     )]
     pub(crate) hosts: Option<String>,
 
+    /// DeepSpeed's launcher: run on the first N hosts of -H/--hostfile.
+    #[arg(long = "num_nodes", visible_alias = "num-nodes", value_name = "N", value_parser = clap::value_parser!(u32).range(1..))]
+    pub(crate) num_nodes: Option<u32>,
+    /// DeepSpeed's launcher: N slots (ranks) on each host (this machine alone: N
+    /// ranks here).
+    #[arg(long = "num_gpus", visible_alias = "num-gpus", value_name = "N", value_parser = clap::value_parser!(u32).range(1..))]
+    pub(crate) num_gpus: Option<u32>,
+    /// DeepSpeed's launcher: only these hosts and slots, `host1@host2:0,2` (host2's
+    /// slots 0 and 2; a host alone: all its slots).
+    #[arg(long, value_name = "HOSTS")]
+    pub(crate) include: Option<String>,
+    /// DeepSpeed's launcher: all but these hosts or slots (`host1@host2:1`).
+    #[arg(long, value_name = "HOSTS")]
+    pub(crate) exclude: Option<String>,
     /// OpenMPI hostfile: one host per line, `host slots=N [max_slots=M]`, `#` comments.
     #[arg(long, value_name = "FILE")]
     pub(crate) hostfile: Option<String>,

@@ -16,6 +16,7 @@
 
 mod args;
 mod command;
+mod deepspeed;
 mod elastic;
 mod hosts;
 mod layout;
@@ -76,6 +77,7 @@ fn main() {
         return;
     }
     from_slurm(&mut args);
+    deepspeed::apply(&mut args);
     let Some(np) = args.np else {
         fail("-np is required (the number of processes; inside a Slurm allocation it is the task count)");
     };

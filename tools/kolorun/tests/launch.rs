@@ -481,3 +481,49 @@ fn issue53_a_hostfile_host_without_slots_has_its_cores() {
         );
     }
 }
+
+/// Issue 56: DeepSpeed's launcher flags pick the hosts and slots: `--num_gpus 3` runs
+/// three ranks here; a hostfile's host cut to two slots by `--num_gpus` (with
+/// `--num_nodes 1`) runs two; `--include` with `--num_gpus` is refused as DeepSpeed
+/// refuses it.
+#[test]
+fn issue56_deepspeed_launcher_flags() {
+    let ranks = |out: &Output| {
+        String::from_utf8_lossy(&out.stdout)
+            .matches("<stdout>:up")
+            .count()
+    };
+    let out = run(kolorun().args(["--num_gpus", "3", "--oversubscribe", "sh", "-c", "echo up"]));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(ranks(&out), 3);
+    let dir = std::env::temp_dir().join(format!("kolorun-ds-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("scratch");
+    let hostfile = dir.join("hostfile");
+    std::fs::write(&hostfile, "localhost slots=4\n").expect("hostfile");
+    let out = run(kolorun().arg("--hostfile").arg(&hostfile).args([
+        "--num_nodes",
+        "1",
+        "--num_gpus",
+        "2",
+        "sh",
+        "-c",
+        "echo up",
+    ]));
+    let _ = std::fs::remove_dir_all(&dir);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(ranks(&out), 2);
+    let out = run(kolorun().args(["--include", "localhost", "--num_gpus", "2", "true"]));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && err.contains("cannot be combined"),
+        "{err}"
+    );
+}

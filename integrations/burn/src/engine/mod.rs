@@ -195,50 +195,8 @@ impl<M: Module + 'static> Engine<M> {
         };
         let mut warnings = config.warnings.clone();
         let zero = &config.zero;
-        let bucket = zero.reduce_bucket_size.map(|n| n as usize * 4);
-        let (held, optim_kind, compute) = match zero.stage {
-            0 => {
-                let mut reducer = GradientReducer::new(kolo);
-                if let Some(b) = bucket {
-                    reducer = reducer.chunk_bytes(b);
-                }
-                (Held::Whole(model), Optim::Reduced(reducer, optim), half)
-            }
-            1 | 2 => {
-                let mut sharded = ShardedOptimizer::new(kolo, optim);
-                if config.gradient_clipping > 0.0 {
-                    sharded = sharded.clip_global_norm(config.gradient_clipping as f32);
-                }
-                if zero.offload_optimizer {
-                    warnings.push(
-                        "zero_optimization.offload_optimizer: no effect at stage 1 and 2 in \
-                         kolo (the shard's state stays with the parameters; stage 3 offloads)"
-                            .into(),
-                    );
-                }
-                (Held::Whole(model), Optim::Sharded(sharded), half)
-            }
-            _ if own_units => {
-                if half.is_some() {
-                    warnings.push(
-                        "fp16/bf16: the model's own FullyShard units compute as they were set \
-                         (FullyShard::compute_dtype); the engine scales the loss for fp16"
-                            .into(),
-                    );
-                }
-                (Held::Whole(model), Optim::Units(optim), None)
-            }
-            _ => {
-                let mut unit = FullyShard::new(kolo, model)?;
-                if let Some(dtype) = half {
-                    unit = unit.compute_dtype(dtype);
-                }
-                if zero.offload_param || zero.offload_optimizer {
-                    unit = unit.offload(&Device::flex());
-                }
-                (Held::Unit(Box::new(unit)), Optim::Units(optim), None)
-            }
-        };
+        let (held, optim_kind, compute) =
+            stage_parts(kolo, &config, model, optim, half, own_units, &mut warnings)?;
         if zero.overlap_comm {
             warnings.push(
                 "zero_optimization.overlap_comm: no effect in kolo's engine (gradients are \
@@ -254,17 +212,7 @@ impl<M: Module + 'static> Engine<M> {
                 tracing::warn!("kolo_burn::Engine: {w}");
             }
         }
-        let scaler = config.fp16.enabled.then(|| {
-            let f = &config.fp16;
-            let s = if f.loss_scale > 0.0 {
-                LossScaler::fixed(kolo, f.loss_scale)
-            } else {
-                LossScaler::dynamic(kolo).initial_scale_power(f.initial_scale_power)
-            };
-            s.loss_scale_window(f.loss_scale_window)
-                .hysteresis(f.hysteresis)
-                .min_loss_scale(f.min_loss_scale)
-        });
+        let scaler = loss_scaler(kolo, &config);
         Ok(Engine {
             kolo: kolo.clone(),
             config,
@@ -506,6 +454,81 @@ fn gone() -> Error {
         what: "Engine",
         message: "the model was lost in a step that panicked".into(),
     }
+}
+
+/// The model as the ZeRO stage holds it, the optimizer path and the stage-0–2 compute
+/// type (see [`Engine`]'s docs); warnings for settings without effect added to
+/// `warnings`.
+fn stage_parts<M: Module + 'static>(
+    kolo: &Kolo,
+    config: &DeepSpeedConfig,
+    model: M,
+    optim: ModuleOptimizer,
+    half: Option<FloatDType>,
+    own_units: bool,
+    warnings: &mut Vec<String>,
+) -> Result<(Held<M>, Optim, Option<FloatDType>)> {
+    let zero = &config.zero;
+    let bucket = zero.reduce_bucket_size.map(|n| n as usize * 4);
+    Ok(match zero.stage {
+        0 => {
+            let mut reducer = GradientReducer::new(kolo);
+            if let Some(b) = bucket {
+                reducer = reducer.chunk_bytes(b);
+            }
+            (Held::Whole(model), Optim::Reduced(reducer, optim), half)
+        }
+        1 | 2 => {
+            let mut sharded = ShardedOptimizer::new(kolo, optim);
+            if config.gradient_clipping > 0.0 {
+                sharded = sharded.clip_global_norm(config.gradient_clipping as f32);
+            }
+            if zero.offload_optimizer {
+                warnings.push(
+                    "zero_optimization.offload_optimizer: no effect at stage 1 and 2 in \
+                     kolo (the shard's state stays with the parameters; stage 3 offloads)"
+                        .into(),
+                );
+            }
+            (Held::Whole(model), Optim::Sharded(sharded), half)
+        }
+        _ if own_units => {
+            if half.is_some() {
+                warnings.push(
+                    "fp16/bf16: the model's own FullyShard units compute as they were set \
+                     (FullyShard::compute_dtype); the engine scales the loss for fp16"
+                        .into(),
+                );
+            }
+            (Held::Whole(model), Optim::Units(optim), None)
+        }
+        _ => {
+            let mut unit = FullyShard::new(kolo, model)?;
+            if let Some(dtype) = half {
+                unit = unit.compute_dtype(dtype);
+            }
+            if zero.offload_param || zero.offload_optimizer {
+                unit = unit.offload(&Device::flex());
+            }
+            (Held::Unit(Box::new(unit)), Optim::Units(optim), None)
+        }
+    })
+}
+
+/// fp16's loss scaler from the config (DeepSpeed's dynamic one unless `loss_scale` >
+/// 0); `None` without fp16.
+fn loss_scaler(kolo: &Kolo, config: &DeepSpeedConfig) -> Option<LossScaler> {
+    config.fp16.enabled.then(|| {
+        let f = &config.fp16;
+        let s = if f.loss_scale > 0.0 {
+            LossScaler::fixed(kolo, f.loss_scale)
+        } else {
+            LossScaler::dynamic(kolo).initial_scale_power(f.initial_scale_power)
+        };
+        s.loss_scale_window(f.loss_scale_window)
+            .hysteresis(f.hysteresis)
+            .min_loss_scale(f.min_loss_scale)
+    })
 }
 
 /// Casts every float parameter to the compute type inside the graph: gradients flow

@@ -13,8 +13,10 @@ use kolo::{Kolo, ReduceOp};
 use crate::error::{Error, Result};
 use crate::layout::Layout;
 
+mod blocks;
 mod consolidate;
 mod flat;
+mod record;
 pub(crate) mod shard;
 mod tensors;
 
@@ -607,9 +609,9 @@ impl ShardedOptimizer {
         // A wrapped optimizer that arrives with state (a plain optimizer loaded from a
         // checkpoint, passed as `inner`) holds the whole parameters' state: each rank
         // keeps its share instead of ignoring it.
-        let loaded = if old.is_none() && consolidate::has_state(&self.inner) {
+        let loaded = if old.is_none() && record::has_state(&self.inner) {
             let full = self.inner.clone();
-            self.inner = consolidate::without_state(&full, "ShardedOptimizer::new")?;
+            self.inner = record::without_state(&full, "ShardedOptimizer::new")?;
             Some(full)
         } else {
             None
@@ -690,21 +692,6 @@ impl ShardedOptimizer {
     fn learn<M: Module>(&self, module: &M) -> Result<Plan> {
         let layout = Layout::learn(module, &self.kolo, &self.prefix, usize::MAX)?;
         self.plan_of(layout)
-    }
-
-    /// A sharded optimizer around `inner`, which already holds this rank's block of
-    /// the state of each parameter of `slots` (whole shapes, agreed by every rank),
-    /// keyed by the parameter's id: the state of [`FullyShard`](crate::FullyShard)
-    /// units, which [`consolidate_blocks`](Self::consolidate_blocks) gathers.
-    pub(crate) fn over_blocks(
-        kolo: &Kolo,
-        inner: ModuleOptimizer,
-        slots: Vec<crate::layout::Slot>,
-    ) -> Result<Self> {
-        let mut s = Self::new(kolo, inner);
-        let layout = Layout::given(slots, &s.prefix)?;
-        s.plan = Some(Arc::new(s.plan_of(layout)?));
-        Ok(s)
     }
 
     /// The partition of the parameters of `layout`.

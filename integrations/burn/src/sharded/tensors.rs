@@ -7,7 +7,7 @@ use burn::module::{Module, ModuleVisitor, Param};
 use burn::optim::{GradientsParams, LearningRate, ModuleOptimizer};
 use burn::tensor::{DType, FloatDType, Tensor};
 
-use super::consolidate::{read, read_bytes, record_bytes, write, Record};
+use super::record::{read, read_bytes, record_bytes, write, Record};
 use super::{Flat, Gathered, Plan, ShardedOptimizer, WriteViews};
 use crate::error::{Error, Result};
 use crate::layout::trains;
