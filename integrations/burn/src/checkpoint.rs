@@ -133,25 +133,31 @@ pub(crate) fn write_checkpoint<M: Module>(
     step: u64,
     progress: Option<Progress>,
 ) -> Result<()> {
-    let parts = (kolo.rank() == 0).then(|| {
-        let record = |e: burn::store::RecordError, what| Error::Record {
+    let parts = (kolo.rank() == 0).then(|| serialised(model.clone().into_record(), optim));
+    write_parts(kolo, dir, parts, step, progress)
+}
+
+/// The model's record and the optimizer's state as a checkpoint stores them.
+pub(crate) fn serialised(
+    record: ModuleRecord,
+    optim: &ModuleOptimizer,
+) -> Result<(Vec<u8>, Vec<u8>)> {
+    let err = |what| {
+        move |e: burn::store::RecordError| Error::Record {
             what,
             message: e.to_string(),
-        };
-        Ok((
-            model
-                .clone()
-                .into_record()
-                .into_bytes()
-                .map_err(|e| record(e, "serialising the model"))?
-                .to_vec(),
-            optim
-                .into_bytes()
-                .map_err(|e| record(e, "serialising the optimizer"))?
-                .to_vec(),
-        ))
-    });
-    write_parts(kolo, dir, parts, step, progress)
+        }
+    };
+    Ok((
+        record
+            .into_bytes()
+            .map_err(err("serialising the model"))?
+            .to_vec(),
+        optim
+            .into_bytes()
+            .map_err(err("serialising the optimizer"))?
+            .to_vec(),
+    ))
 }
 
 /// Writes a checkpoint of the serialised model and optimizer `parts` (rank 0's; `None`

@@ -100,14 +100,7 @@ impl Layout {
                 },
             });
         }
-        let wires = slots
-            .iter()
-            .map(|s| convert::kolo_dtype(&s.path, s.dtype).map(|dtype| Wire { dtype }))
-            .collect::<Result<Vec<_>>>()?;
-        let names = slots
-            .iter()
-            .map(|s| format!("{prefix}.{}", s.path))
-            .collect();
+        let (wires, names) = wires_and_names(&slots, prefix)?;
         let mut buckets: Vec<Vec<usize>> = Vec::new();
         let mut filled = 0;
         for (i, slot) in slots.iter().enumerate().rev() {
@@ -135,14 +128,7 @@ impl Layout {
     /// # Errors
     /// [`Error::Data`]: a parameter of a dtype kolo cannot reduce.
     pub(crate) fn given(slots: Vec<Slot>, prefix: &str) -> Result<Layout> {
-        let wires = slots
-            .iter()
-            .map(|s| convert::kolo_dtype(&s.path, s.dtype).map(|dtype| Wire { dtype }))
-            .collect::<Result<Vec<_>>>()?;
-        let names = slots
-            .iter()
-            .map(|s| format!("{prefix}.{}", s.path))
-            .collect();
+        let (wires, names) = wires_and_names(&slots, prefix)?;
         Ok(Layout {
             buckets: vec![(0..slots.len()).rev().collect()],
             slots,
@@ -163,6 +149,22 @@ impl Layout {
         module.visit(&mut visit);
         visit.same && visit.next == self.slots.len() && bucket_bytes == self.bucket_bytes
     }
+}
+
+/// How each slot travels, and its collective name (`<prefix>.<path>`).
+///
+/// # Errors
+/// [`Error::Data`]: a parameter of a dtype kolo cannot reduce.
+fn wires_and_names(slots: &[Slot], prefix: &str) -> Result<(Vec<Wire>, Vec<String>)> {
+    let wires = slots
+        .iter()
+        .map(|s| convert::kolo_dtype(&s.path, s.dtype).map(|dtype| Wire { dtype }))
+        .collect::<Result<Vec<_>>>()?;
+    let names = slots
+        .iter()
+        .map(|s| format!("{prefix}.{}", s.path))
+        .collect();
+    Ok((wires, names))
 }
 
 /// Whether plain Burn would step `param`: it requires a gradient, or the model is on

@@ -12,7 +12,7 @@ use burn::tensor::Tensor;
 use kolo::{Kolo, Progress};
 
 use super::record::{block_of, consolidated_record, load_fully_sharded};
-use crate::checkpoint::{goes_on, read_parts, write_parts, Restored};
+use crate::checkpoint::{goes_on, read_parts, serialised, write_parts, Restored};
 use crate::error::{Error, Result};
 use crate::layout::{trains, Slot};
 use crate::ShardedOptimizer;
@@ -87,24 +87,7 @@ fn write_fully_sharded<M: Module>(
     let slots = slots_of(kolo, model)?;
     let record = consolidated_record(kolo, model)?;
     let whole = ShardedOptimizer::over_blocks(kolo, optim.clone(), slots)?.consolidate_blocks()?;
-    let parts = record.map(|record| {
-        let err = |what| {
-            move |e: burn::store::RecordError| Error::Record {
-                what,
-                message: e.to_string(),
-            }
-        };
-        Ok((
-            record
-                .into_bytes()
-                .map_err(err("serialising the model"))?
-                .to_vec(),
-            whole
-                .into_bytes()
-                .map_err(err("serialising the optimizer"))?
-                .to_vec(),
-        ))
-    });
+    let parts = record.map(|record| serialised(record, &whole));
     write_parts(kolo, dir, parts, step, progress)
 }
 

@@ -260,19 +260,11 @@ pub(crate) fn resume_load(k: &Kolo) -> Result<()> {
 
 /// The chained launches: saved at np 4, resumed at np 2.
 pub(crate) fn resume_trial() -> Result<(), String> {
-    let dir = std::env::temp_dir().join(format!("kolo-engine-resume-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).map_err(|e| e.to_string())?;
-    let d = dir.display().to_string();
-    let env = [("KOLO_TEST_DIR", d.as_str()), ("RAYON_NUM_THREADS", "1")];
-    let limit = std::time::Duration::from_secs(180);
-    let result = (|| {
-        super::harness::mpirun("engine_resume_save", 4, limit, &env)?
-            .succeeded("saving at np 4")?;
-        super::harness::mpirun("engine_resume_load", 2, limit, &env)?
-            .succeeded("resuming at np 2")?;
-        Ok(())
-    })();
-    let _ = std::fs::remove_dir_all(&dir);
-    result
+    super::chained(
+        "engine-resume",
+        &[
+            ("engine_resume_save", 4, "saving at np 4"),
+            ("engine_resume_load", 2, "resuming at np 2"),
+        ],
+    )
 }

@@ -1149,6 +1149,23 @@ const CUBE_EXAMPLE_LIMIT: Duration = Duration::from_secs(900);
 
 /// Worker side of an example case: becomes the example binary (built beside this test
 /// by `cargo test`), before MPI starts here, so that it is this rank.
+/// Launches `steps` (case, ranks, what it does) one after the other, sharing a scratch
+/// directory (`KOLO_TEST_DIR`, removed after): a checkpoint saved at one rank count
+/// and resumed at others.
+fn chained(label: &str, steps: &[(&str, usize, &str)]) -> Result<(), String> {
+    let dir = std::env::temp_dir().join(format!("kolo-{label}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).map_err(|e| e.to_string())?;
+    let d = dir.display().to_string();
+    let env = [("KOLO_TEST_DIR", d.as_str()), ("RAYON_NUM_THREADS", "1")];
+    let limit = Duration::from_secs(180);
+    let result = steps
+        .iter()
+        .try_for_each(|&(case, np, what)| harness::mpirun(case, np, limit, &env)?.succeeded(what));
+    let _ = std::fs::remove_dir_all(&dir);
+    result
+}
+
 fn exec_example(case: &str, args: &[&str]) -> ! {
     use std::os::unix::process::CommandExt;
     // `cnn_…` cases run the CNN example, the others the MLP one.

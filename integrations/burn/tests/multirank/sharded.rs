@@ -282,23 +282,14 @@ fn refuses_another_model(
 
 /// The chained launches: saved at np 4, resumed at np 2 and at np 1.
 pub(crate) fn reshard_trial() -> Result<(), String> {
-    let dir = std::env::temp_dir().join(format!("kolo-sharded-reshard-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).map_err(|e| e.to_string())?;
-    let d = dir.display().to_string();
-    let env = [("KOLO_TEST_DIR", d.as_str()), ("RAYON_NUM_THREADS", "1")];
-    let limit = std::time::Duration::from_secs(180);
-    let result = (|| {
-        super::harness::mpirun("sharded_reshard_save", 4, limit, &env)?
-            .succeeded("saving at np 4")?;
-        for np in [2, 1] {
-            super::harness::mpirun("sharded_reshard_load", np, limit, &env)?
-                .succeeded(&format!("resuming at np {np}"))?;
-        }
-        Ok(())
-    })();
-    let _ = std::fs::remove_dir_all(&dir);
-    result
+    super::chained(
+        "sharded-reshard",
+        &[
+            ("sharded_reshard_save", 4, "saving at np 4"),
+            ("sharded_reshard_load", 2, "resuming at np 2"),
+            ("sharded_reshard_load", 1, "resuming at np 1"),
+        ],
+    )
 }
 
 /// 20 steps of `sharded` and of `reference` (given this step's gradients, returns the
