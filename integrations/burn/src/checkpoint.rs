@@ -233,7 +233,7 @@ pub fn load_checkpoint<M: Module>(
     model: M,
     optim: ModuleOptimizer,
 ) -> Result<Option<Restored<M>>> {
-    let Some(raw) = read_parts(kolo, dir)? else {
+    let Some(mut raw) = read_parts(kolo, dir)? else {
         return Ok(None);
     };
     let model = model.load_record(raw.model_record()?);
@@ -255,16 +255,17 @@ impl Raw {
         }
     }
 
-    /// The model's record.
-    pub(crate) fn model_record(&self) -> Result<ModuleRecord> {
-        ModuleRecord::from_bytes(Bytes::from_bytes_vec(self.ckpt.model.clone()))
+    /// The model's record (its bytes taken out of the checkpoint, not copied).
+    pub(crate) fn model_record(&mut self) -> Result<ModuleRecord> {
+        ModuleRecord::from_bytes(Bytes::from_bytes_vec(std::mem::take(&mut self.ckpt.model)))
             .map_err(|e| self.bad(e.to_string()))
     }
 
-    /// `optim` holding the checkpoint's optimizer state.
-    pub(crate) fn optimizer(&self, optim: ModuleOptimizer) -> Result<ModuleOptimizer> {
+    /// `optim` holding the checkpoint's optimizer state (its bytes taken out, not
+    /// copied).
+    pub(crate) fn optimizer(&mut self, optim: ModuleOptimizer) -> Result<ModuleOptimizer> {
         optim
-            .from_bytes(Bytes::from_bytes_vec(self.ckpt.optim.clone()))
+            .from_bytes(Bytes::from_bytes_vec(std::mem::take(&mut self.ckpt.optim)))
             .map_err(|e| self.bad(e.to_string()))
     }
 

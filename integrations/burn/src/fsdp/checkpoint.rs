@@ -106,7 +106,7 @@ pub fn load_fully_sharded_checkpoint<M: Module>(
     model: M,
     optim: ModuleOptimizer,
 ) -> Result<Option<Restored<M>>> {
-    let Some(raw) = read_parts(kolo, dir)? else {
+    let Some(mut raw) = read_parts(kolo, dir)? else {
         return Ok(None);
     };
     let model = load_fully_sharded(kolo, model, raw.model_record()?)?;
