@@ -1,5 +1,5 @@
-//! The engine's gradient arithmetic over a module's trainable parameters: summing
-//! micro-steps, scaling, and the global norm (across ranks when each holds a share).
+//! The engine's gradient arithmetic over a module's parameters: scaling, and the
+//! global norm (across ranks when each holds a share).
 
 use burn::module::{Module, ModuleVisitor, Param};
 use burn::optim::GradientsParams;
@@ -7,43 +7,6 @@ use burn::tensor::Tensor;
 use kolo::{Kolo, ReduceOp};
 
 use crate::error::Result;
-use crate::layout::trains;
-
-/// `earlier + grads`, parameter by parameter (either may lack a parameter).
-pub(super) fn sum<M: Module>(
-    model: &M,
-    earlier: Option<GradientsParams>,
-    mut grads: GradientsParams,
-) -> GradientsParams {
-    let Some(mut earlier) = earlier else {
-        return grads;
-    };
-    struct Sum<'a> {
-        earlier: &'a mut GradientsParams,
-        grads: &'a mut GradientsParams,
-    }
-    impl ModuleVisitor for Sum<'_> {
-        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
-            if !trains(param) {
-                return;
-            }
-            let a = self.earlier.remove::<D>(param.id);
-            let g = self.grads.remove::<D>(param.id);
-            let s = match (a, g) {
-                (Some(a), Some(g)) => Some(a + g),
-                (a, g) => a.or(g),
-            };
-            if let Some(s) = s {
-                self.grads.register(param.id, s);
-            }
-        }
-    }
-    model.visit(&mut Sum {
-        earlier: &mut earlier,
-        grads: &mut grads,
-    });
-    grads
-}
 
 /// Clips `grads` to the global norm `max` (PyTorch's `clip_grad_norm_`: times
 /// `max / (norm + 1e-6)` when above): the norm of all of `model`'s gradients together, summed over
@@ -87,7 +50,7 @@ pub(super) fn clip_global<M: Module>(
             .copied()
             .unwrap_or(0.0);
     }
-    let coef = max / (squares.sqrt() + 1e-6);
+    let coef = crate::sharded::global_clip(max as f32, squares);
     if coef < 1.0 {
         grads = scale(model, grads, coef);
     }

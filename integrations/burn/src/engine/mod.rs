@@ -7,7 +7,8 @@ use burn::module::{Module, ModuleMapper, Param};
 use burn::optim::decay::WeightDecayConfig;
 use burn::optim::momentum::MomentumConfig;
 use burn::optim::{
-    AdamConfig, AdamWConfig, GradientsParams, LambConfig, ModuleOptimizer, SgdConfig,
+    AdamConfig, AdamWConfig, GradientsAccumulator, GradientsParams, LambConfig, ModuleOptimizer,
+    SgdConfig,
 };
 use burn::tensor::{Device, FloatDType, Tensor};
 use kolo::deepspeed::{DeepSpeedConfig, OptimizerConfig, OptimizerKind};
@@ -265,15 +266,22 @@ impl<M: Module + 'static> Engine<M> {
         }
         let raw = loss.backward();
         let earlier = self.acc.take();
+        // Burn's accumulator sums the window's micro-steps, parameter by parameter.
+        fn sum<N: Module>(
+            module: &N,
+            earlier: Option<GradientsParams>,
+            grads: GradientsParams,
+        ) -> GradientsParams {
+            let mut acc = GradientsAccumulator::<N>::new();
+            if let Some(e) = earlier {
+                acc.accumulate(module, e);
+            }
+            acc.accumulate(module, grads);
+            acc.grads()
+        }
         let grads = match self.held()? {
-            Held::Whole(m) => {
-                let g = GradientsParams::from_grads(raw, m);
-                grads::sum(m, earlier, g)
-            }
-            Held::Unit(u) => {
-                let g = GradientsParams::from_grads(raw, &**u);
-                grads::sum(&**u, earlier, g)
-            }
+            Held::Whole(m) => sum(m, earlier, GradientsParams::from_grads(raw, m)),
+            Held::Unit(u) => sum(&**u, earlier, GradientsParams::from_grads(raw, &**u)),
         };
         self.acc = Some(grads);
         self.micro += 1;

@@ -766,7 +766,7 @@ impl ShardedOptimizer {
 
 /// The factor that clips gradients of squared norm `squares` to the norm `max`, as
 /// PyTorch's `clip_grad_norm_`: `max / (norm + 1e-6)`, at most 1.
-fn global_clip(max: f32, squares: f64) -> f64 {
+pub(crate) fn global_clip(max: f32, squares: f64) -> f64 {
     (f64::from(max) / (squares.sqrt() + 1e-6)).min(1.0)
 }
 
