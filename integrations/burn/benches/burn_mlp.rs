@@ -24,7 +24,10 @@
 //! `KOLO_BENCH_PRESYNC=1` makes the reducer path wait for the backward pass before
 //! its communication clock starts (the share is then kolo's reduction alone), and
 //! `KOLO_BENCH_PLAIN_SYNC=1` makes the plain program wait once a step after backward,
-//! as a loop that reads its loss each step does.
+//! as a loop that reads its loss each step does. The `fsdp` rows chain their units
+//! directly (activations inside the units), so backward prefetch and deferred
+//! reduce-scatters apply, and turn forward prefetch on
+//! (`KOLO_BENCH_FSDP_FORWARD_PREFETCH=0` turns it off).
 //! Without `--bench` (as `cargo test --all-targets` runs it) it makes one short smoke
 //! run of the small model.
 
@@ -49,7 +52,7 @@ use bench::{show, PLAIN_MALLOC};
 #[allow(dead_code)]
 mod harness;
 
-const PATHS: [&str; 8] = [
+const PATHS: [&str; 9] = [
     "reducer",
     "overlapped",
     "optimizer",
@@ -57,31 +60,42 @@ const PATHS: [&str; 8] = [
     "sharded-ov",
     "fsdp",
     "fsdp-keep",
+    "fsdp-serial",
     "pipeline",
 ];
 
 /// The MLP with each layer a fully sharded unit (`fsdp`: gathered again and
 /// recomputed in backward; `fsdp-keep`: the gathered layer and its graph kept until
-/// backward).
+/// backward; `fsdp-serial`: as `fsdp-keep` with the activations outside the units
+/// and no forward prefetch, so nothing overlaps: each unit waits for its own
+/// collectives).
 #[derive(burn::module::Module, Debug)]
 struct Units {
     layers: Vec<kolo_burn::FullyShard<burn::nn::Linear>>,
 }
 
-/// The gradients of one step of `m` on `(x, y)` (each unit's averaged block).
+/// The gradients of one step of `m` on `(x, y)` (each unit's averaged block); with
+/// `chained`, each unit's activation runs inside it.
 fn unit_grads(
     m: &Units,
+    chained: bool,
     x: &burn::tensor::Tensor<2>,
     y: &burn::tensor::Tensor<1, burn::tensor::Int>,
     device: &burn::tensor::Device,
 ) -> GradientsParams {
+    // The activation inside each unit (but the last), so that units feed each other
+    // directly and their backward overlaps (a unit's gather prefetched, its
+    // reduce-scatter waited for by the next unit to run).
     let last = m.layers.len() - 1;
     let mut h = x.clone();
     for (i, unit) in m.layers.iter().enumerate() {
-        h = unit.forward(h, |l, x| l.forward(x));
-        if i < last {
-            h = burn::tensor::activation::relu(h);
-        }
+        h = if i < last && chained {
+            unit.forward(h, |l, x| burn::tensor::activation::relu(l.forward(x)))
+        } else if i < last {
+            burn::tensor::activation::relu(unit.forward(h, |l, x| l.forward(x)))
+        } else {
+            unit.forward(h, |l, x| l.forward(x))
+        };
     }
     let loss = CrossEntropyLossConfig::new()
         .init(device)
@@ -264,21 +278,27 @@ fn worker(
             }
             t
         }
-        "fsdp" | "fsdp-keep" => {
-            let keep = path == "fsdp-keep";
+        "fsdp" | "fsdp-keep" | "fsdp-serial" => {
+            let keep = path != "fsdp";
+            let chained = path != "fsdp-serial";
+            // Forward prefetch on unless KOLO_BENCH_FSDP_FORWARD_PREFETCH=0.
+            let forward_prefetch = chained
+                && std::env::var("KOLO_BENCH_FSDP_FORWARD_PREFETCH").map_or(true, |v| v != "0");
             let layers = start
                 .layers
                 .iter()
                 .map(|l| {
-                    kolo_burn::FullyShard::new(&kolo, l.clone())
-                        .map(|u| u.reshard_after_forward(!keep))
+                    kolo_burn::FullyShard::new(&kolo, l.clone()).map(|u| {
+                        u.reshard_after_forward(!keep)
+                            .forward_prefetch(forward_prefetch)
+                    })
                 })
                 .collect::<kolo_burn::Result<Vec<_>>>()?;
             let mut optim = SgdConfig::new().init();
             // The gathers and reduce-scatters run inside forward and backward: no
             // separate communication share.
             mlp::time_steps(Units { layers }, &device, warmup, steps, |m| {
-                let g = unit_grads(&m, &x, &y, &device);
+                let g = unit_grads(&m, chained, &x, &y, &device);
                 (optim.step(mlp::LR, m, g), Duration::ZERO)
             })
         }

@@ -16,9 +16,11 @@ use crate::layout::trains;
 use crate::sharded::range_of;
 use crate::sharded::shard::Shard;
 
+mod ahead;
 mod checkpoint;
 mod module;
 mod op;
+mod overlap;
 mod record;
 
 pub use module::local_param_bytes;
@@ -63,8 +65,9 @@ static UNITS: AtomicU64 = AtomicU64::new(0);
 ///         })
 ///     }
 ///     fn forward(&self, x: Tensor<2>) -> Tensor<2> {
-///         let h = self.fc1.forward(x, |l, x| l.forward(x));
-///         let h = Relu::new().forward(h);
+///         // The activation inside the unit: fc2 takes fc1's output as it is, so
+///         // their communication overlaps in backward (see Overlap below).
+///         let h = self.fc1.forward(x, |l, x| Relu::new().forward(l.forward(x)));
 ///         self.fc2.forward(h, |l, x| l.forward(x))
 ///     }
 /// }
@@ -85,6 +88,17 @@ static UNITS: AtomicU64 = AtomicU64::new(0);
 /// parameters and the unit's autodiff graph are kept from forward to backward
 /// instead: no second gather and no recomputation, at the memory of an unsharded
 /// unit.
+///
+/// **Overlap.** When a unit's output is the next unit's input as it is (a
+/// transformer's blocks; layers with their activation inside the closure, as
+/// `fc1.forward(x, |l, x| relu(l.forward(x)))`), the two are linked: the later
+/// unit's backward submits the earlier one's all-gather before recomputing (FSDP's
+/// backward prefetch, [`backward_prefetch`](Self::backward_prefetch)), and submits
+/// its own gradients' reduce-scatter without waiting for it: the earlier unit's
+/// backward, certain to run later in the same pass, waits for it after submitting its
+/// own. [`forward_prefetch`](Self::forward_prefetch) also submits the next unit's
+/// all-gather during a unit's forward. A unit whose input comes from anything else
+/// (an activation outside the units, a residual sum) waits for its own collectives.
 ///
 /// **Frozen parameters** (`require_grad = false`) are gathered and used, never
 /// reduced, and a plain optimizer does not step them. Gradients must not be reduced
@@ -116,6 +130,8 @@ static UNITS: AtomicU64 = AtomicU64::new(0);
 /// message. Use [`try_forward`](Self::try_forward) to handle a failed forward.
 pub struct FullyShard<M: Module> {
     shard: Shard,
+    /// The generation of `shard` (see `ahead`).
+    generation: u64,
     unit: Arc<Unit<M>>,
     settings: Settings,
 }
@@ -131,6 +147,38 @@ struct Unit<M> {
     skeleton: Mutex<M>,
     /// Each float parameter's whole shape and dtype, in module order.
     params: Vec<Full>,
+    /// Forward prefetch: the latest blocks, the next unit, what was prefetched.
+    ahead: ahead::Ahead,
+}
+
+impl<M> Unit<M> {
+    /// Submits the all-gather of `shard`'s blocks.
+    fn start_gather(&self, shard: &Shard) -> Result<kolo::Handle<Vec<kolo::Tensor>>> {
+        let copied = convert::Copied::default();
+        let members = shard
+            .pieces
+            .iter()
+            .enumerate()
+            .map(|(i, p)| {
+                let name = format!("{}.{i}.value", self.name);
+                let t = convert::on_host(convert::to_kolo(&name, p.param.val().inner(), &copied)?)?;
+                Ok((name, t))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(self.kolo.grouped_allgather(members).submit()?)
+    }
+}
+
+impl<M: Module> ahead::Prefetch for Unit<M> {
+    fn prefetch(&self) {
+        if let Some((generation, shard)) = self.ahead.to_prefetch() {
+            self.ahead.keep(generation, self.start_gather(&shard));
+        }
+    }
+
+    fn then(&self, next: std::sync::Weak<dyn ahead::Prefetch>) {
+        self.ahead.then(next);
+    }
 }
 
 /// A parameter's whole shape and dtype.
@@ -160,12 +208,17 @@ struct Settings {
     /// Where the unit computes when its blocks are offloaded to another device
     /// ([`FullyShard::offload`]); `None`: on the blocks' device.
     compute_device: Option<Device>,
+    /// Submit the next unit's all-gather during this unit's forward.
+    forward_prefetch: bool,
+    /// Let the next unit's backward submit this unit's all-gather.
+    backward_prefetch: bool,
 }
 
 impl<M: Module> Clone for FullyShard<M> {
     fn clone(&self) -> Self {
         FullyShard {
             shard: self.shard.clone(),
+            generation: self.generation,
             unit: Arc::clone(&self.unit),
             settings: self.settings.clone(),
         }
@@ -218,15 +271,20 @@ impl<M: Module> FullyShard<M> {
         for (p, full) in take.pieces.iter().zip(&take.params) {
             record::register(p.param.id, full.clone());
         }
+        let shard = Shard {
+            pieces: take.pieces,
+        };
+        let ahead = ahead::Ahead::default();
+        let generation = ahead.renew(&shard);
         Ok(FullyShard {
-            shard: Shard {
-                pieces: take.pieces,
-            },
+            shard,
+            generation,
             unit: Arc::new(Unit {
                 kolo: kolo.clone(),
                 name,
                 skeleton: Mutex::new(skeleton),
                 params: take.params,
+                ahead,
             }),
             settings: Settings {
                 reshard: true,
@@ -234,6 +292,8 @@ impl<M: Module> FullyShard<M> {
                 op: ReduceOp::Average,
                 compute: None,
                 compute_device: None,
+                forward_prefetch: false,
+                backward_prefetch: true,
             },
         })
     }
@@ -245,6 +305,25 @@ impl<M: Module> FullyShard<M> {
     /// `reshard_after_forward=False`).
     pub fn reshard_after_forward(mut self, reshard: bool) -> Self {
         self.settings.reshard = reshard;
+        self
+    }
+
+    /// Forward prefetch (FSDP's `forward_prefetch`; default off, as there): this
+    /// unit's forward submits the all-gather of the unit that ran after it in the
+    /// previous training step, which the engine then runs while this unit computes.
+    /// Costs the memory of that unit's gathered parameters for the time.
+    pub fn forward_prefetch(mut self, on: bool) -> Self {
+        self.settings.forward_prefetch = on;
+        self
+    }
+
+    /// Backward prefetch (FSDP's `BACKWARD_PRE`; default on): when this unit's output
+    /// is the next unit's input as it is, the next unit's backward submits this
+    /// unit's all-gather before recomputing, and this unit's backward finds it done.
+    /// (Either way the next unit's reduce-scatter is then waited for by this unit's
+    /// backward, not its own.) Off: one unit's parameters gathered at a time.
+    pub fn backward_prefetch(mut self, on: bool) -> Self {
+        self.settings.backward_prefetch = on;
         self
     }
 
@@ -290,6 +369,7 @@ impl<M: Module> FullyShard<M> {
         };
         // A fresh leaf on the host, still requiring its gradient.
         self.shard = self.shard.fork(&host);
+        self.generation = self.unit.ahead.renew(&self.shard);
         self.settings.compute_device = (host != compute).then_some(compute);
         self
     }
@@ -350,7 +430,7 @@ impl<M: Module> FullyShard<M> {
         let tracked = input.is_autodiff() && input.is_tracked();
         if !device.is_autodiff() || (trainable.is_empty() && !tracked) {
             // Nothing to differentiate here: gather and run.
-            let whole = self.gather(&device)?;
+            let whole = self.forward_gather(&device)?;
             return Ok(self.apply(&f, whole, input));
         }
         op::run(self, input, f, trainable)
@@ -383,26 +463,39 @@ impl<M: Module> FullyShard<M> {
     /// Every parameter whole, flattened, on `device` without autodiff: one grouped
     /// all-gather of this rank's blocks.
     fn gather(&self, device: &Device) -> Result<Vec<Tensor<1>>> {
-        let unit = &self.unit;
-        let copied = convert::Copied::default();
-        let members = self
-            .shard
-            .pieces
-            .iter()
-            .enumerate()
-            .map(|(i, p)| {
-                let name = format!("{}.{i}.value", unit.name);
-                let t = convert::on_host(convert::to_kolo(&name, p.param.val().inner(), &copied)?)?;
-                Ok((name, t))
-            })
-            .collect::<Result<Vec<_>>>()?;
-        let all = unit.kolo.grouped_allgather(members).wait()?;
+        let all = self.start_gather()?.wait()?;
+        self.finish_gather(all, device)
+    }
+
+    /// Submits the all-gather of this rank's blocks (their values now).
+    fn start_gather(&self) -> Result<kolo::Handle<Vec<kolo::Tensor>>> {
+        self.unit.start_gather(&self.shard)
+    }
+
+    /// [`gather`](Self::gather) in a forward pass: takes the all-gather prefetched
+    /// for these blocks, if any, and prefetches the next unit's.
+    fn forward_gather(&self, device: &Device) -> Result<Vec<Tensor<1>>> {
+        let own = match self.unit.ahead.take(self.generation) {
+            Some(gather) => gather?,
+            None => self.start_gather()?,
+        };
+        if self.settings.forward_prefetch {
+            if let Some(next) = self.unit.ahead.next() {
+                next.prefetch();
+            }
+        }
+        let all = own.wait()?;
+        self.finish_gather(all, device)
+    }
+
+    /// The whole parameters on `device` from a finished all-gather.
+    fn finish_gather(&self, all: Vec<kolo::Tensor>, device: &Device) -> Result<Vec<Tensor<1>>> {
         let inner = device.clone().inner();
         all.into_iter()
-            .zip(&unit.params)
+            .zip(&self.unit.params)
             .enumerate()
             .map(|(i, (t, full))| {
-                let name = format!("{}.{i}.value", unit.name);
+                let name = format!("{}.{i}.value", self.unit.name);
                 convert::to_burn::<1>(&name, t, full.dtype, &inner).map(|t| on(t, &inner))
             })
             .collect()

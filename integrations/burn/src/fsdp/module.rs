@@ -168,8 +168,10 @@ impl<M: Module> FullyShard<M> {
         for (p, full) in shard.pieces.iter().zip(&self.unit.params) {
             record::register(p.param.id, full.clone());
         }
+        let generation = self.unit.ahead.renew(&shard);
         FullyShard {
             shard,
+            generation,
             unit: self.unit,
             settings: self.settings,
         }

@@ -18,6 +18,8 @@ use burn::backend::{Autodiff, Flex};
 use burn::module::Module;
 use burn::tensor::{Device, Tensor};
 
+use super::ahead::Prefetch;
+use super::overlap::{self, Deferred, Link};
 use super::FullyShard;
 use crate::convert;
 use crate::error::{Error, Result};
@@ -38,7 +40,12 @@ where
     let f = Arc::new(f);
     let need_x = input.is_autodiff() && input.is_tracked();
     let x_inner = input.clone().inner();
-    let whole = unit.gather(&device)?;
+    // Learn the order of units for forward prefetch: this one runs after the last.
+    let me: Arc<dyn Prefetch> = unit.unit.clone();
+    if let Some(prev) = Link::last_unit() {
+        prev.then(Arc::downgrade(&me));
+    }
+    let whole = unit.forward_gather(&device)?;
     let (y, kept) = if unit.settings.reshard {
         // Whole parameters and the input without autodiff: nothing of the unit is
         // held for backward but its input.
@@ -47,32 +54,22 @@ where
         let graph = Graph::build(unit, whole, &x_inner, need_x, &trainable, &*f);
         (graph.y.clone().inner(), Some(graph))
     };
-    let held: usize = trainable
-        .iter()
-        .map(|&i| unit.shard.pieces[i].param.lazy_shape().num_elements())
-        .sum();
     // The blocks' gradients are registered on their leaves directly (no concatenated
-    // copy); one of them is the op's second parent, which makes the op tracked when
-    // the input is not (the first unit). A rank that holds no element of the
-    // trainable parameters (a unit smaller than the ranks) still runs the op's
-    // backward, which every rank's reduce-scatter needs: a one-element leaf stands in.
+    // copy).
     let blocks: Vec<Tensor<1>> = trainable
         .iter()
         .map(|&i| unit.shard.pieces[i].param.val())
         .collect();
-    // Offloaded blocks live on another backend than the op: a stand-in too.
-    let offloaded = unit.settings.compute_device.is_some();
-    let anchor = if trainable.is_empty() {
-        Tensor::<1>::zeros([0], &device)
-    } else if held == 0 || offloaded {
-        Tensor::<1>::zeros([1], &device).require_grad()
-    } else {
-        trainable
-            .iter()
-            .zip(&blocks)
-            .find(|(&i, _)| unit.shard.pieces[i].param.lazy_shape().num_elements() > 0)
-            .map_or_else(|| Tensor::zeros([0], &device), |(_, b)| b.clone())
-    };
+    let anchor = anchor(unit, &trainable, &blocks, &device);
+    // Overlap with the previous use when this one's input is its output (see
+    // `overlap`).
+    let prefetch = unit.settings.reshard && unit.settings.backward_prefetch;
+    let start: Option<overlap::Start> = prefetch.then(|| {
+        let unit = unit.clone();
+        Box::new(move || unit.start_gather()) as overlap::Start
+    });
+    let link = Link::new(me, start);
+    let prev = node_id(&input).and_then(Link::previous);
     let pending: Box<dyn Pending<I, O> + Send> = Box::new(Recompute {
         unit: unit.clone(),
         f,
@@ -80,13 +77,46 @@ where
         need_x,
         trainable,
         kept,
+        link: Arc::clone(&link),
+        prev,
     });
-    attach(input, anchor, blocks, y, pending).ok_or_else(|| Error::InvalidArgument {
+    let out = attach(input, anchor, blocks, y, pending);
+    if let Some(id) = out.as_ref().and_then(node_id) {
+        Link::made(&link, id);
+    }
+    out.ok_or_else(|| Error::InvalidArgument {
         what: "FullyShard::forward",
         message: "training a fully sharded unit needs Burn's CPU backend (flex) or, with \
                   kolo-burn's cuda/cpu feature, its CubeCL backend, with autodiff"
             .into(),
     })
+}
+
+/// The op's second parent: one of the trainable blocks, which makes the op tracked
+/// when the input is not (the first unit). A rank that holds no element of the
+/// trainable parameters (a unit smaller than the ranks) still runs the op's backward,
+/// which every rank's reduce-scatter needs: a one-element leaf stands in; so it does
+/// for offloaded blocks, which live on another backend than the op.
+fn anchor<M: Module>(
+    unit: &FullyShard<M>,
+    trainable: &[usize],
+    blocks: &[Tensor<1>],
+    device: &Device,
+) -> Tensor<1> {
+    let len = |i: usize| unit.shard.pieces[i].param.lazy_shape().num_elements();
+    let held: usize = trainable.iter().map(|&i| len(i)).sum();
+    let offloaded = unit.settings.compute_device.is_some();
+    if trainable.is_empty() {
+        Tensor::<1>::zeros([0], device)
+    } else if held == 0 || offloaded {
+        Tensor::<1>::zeros([1], device).require_grad()
+    } else {
+        trainable
+            .iter()
+            .zip(blocks)
+            .find(|(&i, _)| len(i) > 0)
+            .map_or_else(|| Tensor::zeros([0], device), |(_, b)| b.clone())
+    }
 }
 
 /// `y` as the output of the unit op whose parents are `input` and `anchor`, whose
@@ -156,9 +186,9 @@ fn attach<const I: usize, const O: usize>(
     out
 }
 
-/// The autodiff node of a block on any hooked backend (an offloaded block is on
+/// The autodiff node of a tensor on any hooked backend (an offloaded block is on
 /// another backend than its unit's op).
-fn node_id(t: &Tensor<1>) -> Option<NodeId> {
+fn node_id<const D: usize>(t: &Tensor<D>) -> Option<NodeId> {
     macro_rules! try_as {
         ($B:ty, $C:ty) => {
             if let Ok(p) = t.clone().try_into_primitive::<Autodiff<$B, $C>>() {
@@ -208,13 +238,20 @@ trait Pending<const I: usize, const O: usize> {
     fn name(&self) -> String;
 
     /// From the output's gradient: the input's gradient (when `want_x`) and the
-    /// averaged gradient of this rank's block of each trainable parameter.
+    /// averaged gradients of blocks to register: this use's (the blocks' nodes are
+    /// `targets`), unless handed to the previous use, and those of later uses
+    /// handed to this one.
     fn run(
         self: Box<Self>,
         grad: Tensor<O>,
         want_x: bool,
-    ) -> Result<(Option<Tensor<I>>, Vec<Tensor<1>>)>;
+        targets: &Arc<Vec<NodeId>>,
+    ) -> Result<Done<I>>;
 }
+
+/// What a use's backward computed: the input's gradient and blocks' gradients, each
+/// group with its blocks' nodes.
+type Done<const I: usize> = (Option<Tensor<I>>, Vec<(Arc<Vec<NodeId>>, Vec<Tensor<1>>)>);
 
 /// The op's state: what the backward runs (taken by it: the gathered parameters and
 /// graph, if kept, are freed with it) and the blocks' autodiff nodes.
@@ -299,11 +336,42 @@ struct Recompute<M: Module, F, const I: usize, const O: usize> {
     trainable: Vec<usize>,
     /// The forward's graph, when the unit keeps it (`reshard_after_forward(false)`).
     kept: Option<Graph<I, O>>,
+    /// This use, as the next one's backward sees it.
+    link: Arc<Link>,
+    /// The previous use, whose backward runs after this one's.
+    prev: Option<Arc<Link>>,
+}
+
+impl<M: Module, F, const I: usize, const O: usize> Recompute<M, F, I, O> {
+    /// The trainable parameters' whole gradients (flattened) out of `grads` (zeros
+    /// for one without), in `trainable`'s order. Every rank reduce-scatters, wanted
+    /// here or not, so that none waits alone.
+    fn take_grads(
+        &self,
+        mut grads: Option<&mut burn::tensor::Gradients>,
+        leaves: &[Tensor<1>],
+        device: &Device,
+    ) -> Vec<Tensor<1>> {
+        self.trainable
+            .iter()
+            .zip(leaves)
+            .map(|(&i, leaf)| {
+                // Taken out, so that its buffer is lent to the reduce-scatter as it is.
+                grads
+                    .as_deref_mut()
+                    .and_then(|g| leaf.grad_remove(g))
+                    .unwrap_or_else(|| {
+                        let full = &self.unit.unit.params[i];
+                        Tensor::zeros([full.numel()], (&device.clone().inner(), full.dtype))
+                    })
+            })
+            .collect()
+    }
 }
 
 impl<M, F, const I: usize, const O: usize> Pending<I, O> for Recompute<M, F, I, O>
 where
-    M: Module,
+    M: Module + 'static,
     F: Fn(&M, Tensor<I>) -> Tensor<O> + Send + Sync,
 {
     fn name(&self) -> String {
@@ -314,13 +382,27 @@ where
         self: Box<Self>,
         grad: Tensor<O>,
         want_x: bool,
-    ) -> Result<(Option<Tensor<I>>, Vec<Tensor<1>>)> {
-        let this = *self;
+        targets: &Arc<Vec<NodeId>>,
+    ) -> Result<Done<I>> {
+        let mut this = *self;
         let device = this.unit.compute_device();
-        let graph = match this.kept {
-            Some(g) => g,
-            None => {
-                let whole = this.unit.gather(&device)?;
+        // This use's all-gather (prefetched by the next use, or submitted now), then
+        // the previous use's, which runs while this one computes.
+        let prefetched = this.link.begin();
+        let own = match (&this.kept, prefetched) {
+            (Some(_), _) => None,
+            (None, Some(h)) => Some(h?),
+            (None, None) => Some(this.unit.start_gather()?),
+        };
+        if let Some(prev) = &this.prev {
+            tracing::debug!(unit = %this.unit.unit.name, "backward prefetches the previous unit's all-gather");
+            prev.prefetch();
+        }
+        let graph = match (this.kept.take(), own) {
+            (Some(g), _) => g,
+            (None, own) => {
+                let all = own.map_or_else(|| this.unit.start_gather(), Ok)?.wait()?;
+                let whole = this.unit.finish_gather(all, &device)?;
                 Graph::build(
                     &this.unit,
                     whole,
@@ -340,42 +422,43 @@ where
             (Some(g), Some(x), true) => x.grad_remove(g),
             _ => None,
         };
-        if this.trainable.is_empty() {
-            return Ok((gx, Vec::new()));
+        let mut done = Vec::new();
+        if !this.trainable.is_empty() {
+            let whole_grads = this.take_grads(grads.as_mut(), &graph.leaves, &device);
+            let mine = this
+                .unit
+                .start_reduce_scatter(&this.trainable, whole_grads)?;
+            let mine = Deferred {
+                targets: Arc::clone(targets),
+                ..mine
+            };
+            // Handed to the previous use's backward, which runs later in this pass;
+            // waited for here when there is none.
+            let mine = match &this.prev {
+                Some(prev) => prev.defer(mine),
+                None => Some(mine),
+            };
+            match mine {
+                Some(mine) => done.push(mine.wait()?),
+                None => tracing::debug!(
+                    unit = %this.unit.unit.name,
+                    "reduce-scatter handed to the previous unit's backward"
+                ),
+            }
         }
-        // Every rank reduce-scatters, wanted here or not, so that none waits alone.
-        let whole_grads: Vec<Tensor<1>> = this
-            .trainable
-            .iter()
-            .zip(&graph.leaves)
-            .map(|(&i, leaf)| {
-                // Taken out, so that its buffer is lent to the reduce-scatter as it is.
-                grads
-                    .as_mut()
-                    .and_then(|g| leaf.grad_remove(g))
-                    .unwrap_or_else(|| {
-                        let full = &this.unit.unit.params[i];
-                        Tensor::zeros([full.numel()], (&device.clone().inner(), full.dtype))
-                    })
-            })
-            .collect();
-        // Each block's gradient where the block is (the host, when offloaded).
-        let blocks = this
-            .unit
-            .reduce_scatter(&this.trainable, whole_grads, &this.unit.device())?;
-        Ok((gx, blocks))
+        // The later uses' gradients handed to this one.
+        for d in this.link.take_deferred() {
+            done.push(d.wait()?);
+        }
+        Ok((gx, done))
     }
 }
 
-impl<M: Module> FullyShard<M> {
-    /// The trainable parameters' whole gradients (flattened) reduce-scattered as one
-    /// group: this rank's block of each, on `device` without autodiff.
-    fn reduce_scatter(
-        &self,
-        trainable: &[usize],
-        whole: Vec<Tensor<1>>,
-        device: &Device,
-    ) -> Result<Vec<Tensor<1>>> {
+impl<M: Module + 'static> FullyShard<M> {
+    /// Submits the reduce-scatter of the trainable parameters' whole gradients
+    /// (flattened) as one group; the result, when finished, is this rank's block of
+    /// each, on the blocks' device without autodiff. (Its `targets` are left empty.)
+    fn start_reduce_scatter(&self, trainable: &[usize], whole: Vec<Tensor<1>>) -> Result<Deferred> {
         let unit = &self.unit;
         let copied = convert::Copied::default();
         let members = trainable
@@ -394,17 +477,29 @@ impl<M: Module> FullyShard<M> {
         if self.settings.passes > 1 {
             rs = rs.postscale(1.0 / self.settings.passes as f64);
         }
-        let blocks = rs.wait()?;
-        let inner = device.clone().inner();
-        blocks
-            .into_iter()
-            .zip(trainable)
-            .map(|(t, &i)| {
-                let name = format!("{}.{i}.grad", unit.name);
-                convert::to_burn::<1>(&name, t, unit.params[i].dtype, &inner)
-                    .map(|t| super::on(t, &inner))
-            })
-            .collect()
+        let handle = rs.submit()?;
+        // Each block's gradient where the block is (the host, when offloaded).
+        let this = self.clone();
+        let trainable = trainable.to_vec();
+        let finish: overlap::Finish = Box::new(move |blocks| {
+            let inner = this.device().inner();
+            let unit = &this.unit;
+            blocks
+                .into_iter()
+                .zip(&trainable)
+                .map(|(t, &i)| {
+                    let name = format!("{}.{i}.grad", unit.name);
+                    convert::to_burn::<1>(&name, t, unit.params[i].dtype, &inner)
+                        .map(|t| super::on(t, &inner))
+                })
+                .collect()
+        });
+        Ok(Deferred {
+            name: unit.name.clone(),
+            handle,
+            finish,
+            targets: Arc::new(Vec::new()),
+        })
     }
 }
 
@@ -426,7 +521,7 @@ where
         };
         let name = pending.name();
         let grad = Tensor::<O>::from_primitive::<B>(grad);
-        let (gx, blocks) = match pending.run(grad, px.is_some()) {
+        let (gx, blocks) = match pending.run(grad, px.is_some(), &ops.state.targets) {
             Ok(g) => g,
             Err(e) => panic!("kolo_burn::FullyShard {name}: backward: {e}"),
         };
@@ -438,9 +533,13 @@ where
         }
         // Each block's gradient straight onto the block's leaf (the second parent, one
         // of them or a stand-in, only made the op tracked).
-        for (&id, g) in ops.state.targets.iter().zip(blocks) {
-            if !register::<B>(grads, id, g) {
-                panic!("kolo_burn::FullyShard {name}: a block's gradient is on no hooked backend");
+        for (targets, blocks) in blocks {
+            for (&id, g) in targets.iter().zip(blocks) {
+                if !register::<B>(grads, id, g) {
+                    panic!(
+                        "kolo_burn::FullyShard {name}: a block's gradient is on no hooked backend"
+                    );
+                }
             }
         }
     }

@@ -64,10 +64,18 @@ impl Sharded {
         })
     }
 
+    /// The plain model's forward. fc1's and fc3's activations run inside their units,
+    /// so that fc2 and fc4 take their outputs as they are (the backward overlaps
+    /// them: fc1's all-gather prefetched in fc2's backward, fc2's reduce-scatter
+    /// handed to fc1's); fc2's runs outside (no overlap across fc2 → fc3).
     fn forward(&self, x: Tensor<2>) -> Tensor<2> {
-        let x = Relu::new().forward(self.fc1.forward(x, |l, x| l.forward(x)));
+        let x = self
+            .fc1
+            .forward(x, |l, x| Relu::new().forward(l.forward(x)));
         let x = Relu::new().forward(self.fc2.forward(x, |l, x| l.forward(x)));
-        let x = Relu::new().forward(self.fc3.forward(x, |l, x| l.forward(x)));
+        let x = self
+            .fc3
+            .forward(x, |l, x| Relu::new().forward(l.forward(x)));
         self.fc4.forward(x, |l, x| l.forward(x))
     }
 
@@ -96,7 +104,8 @@ fn ids(step: usize, m: usize, rank: usize, size: usize) -> std::ops::Range<usize
 }
 
 /// 20 Adam steps of two micro-steps each: the plain model through `GradientReducer`,
-/// the sharded one through its units; returns both models' parameters.
+/// the sharded one through its units (forward prefetch on; an evaluation pass every
+/// 7 steps); returns both models' parameters.
 fn train(k: &Kolo, reshard: bool, op: ReduceOp) -> Result<(Vec<f32>, Vec<f32>, Sharded)> {
     let (rank, size) = (k.rank(), k.size());
     let device = Device::flex().autodiff();
@@ -104,6 +113,7 @@ fn train(k: &Kolo, reshard: bool, op: ReduceOp) -> Result<(Vec<f32>, Vec<f32>, S
     let mut plain = broadcast_parameters(k, Plain::new(&device), 0)?;
     let mut sharded = Sharded::from_plain(k, &plain, |u| {
         u.reshard_after_forward(reshard)
+            .forward_prefetch(true)
             .backward_passes_per_step(MICRO)
             .op(op)
     })?;
@@ -124,6 +134,18 @@ fn train(k: &Kolo, reshard: bool, op: ReduceOp) -> Result<(Vec<f32>, Vec<f32>, S
         let grads = reducer.reduce(&plain, acc_a.grads())?;
         plain = opt_a.step(0.02, plain, grads);
         sharded = opt_b.step(0.02, sharded, acc_b.grads());
+        if step % 7 == 6 {
+            // An evaluation copy is the units' latest blocks now: the next step's
+            // forward prefetch gathers its blocks, which the training copy must not
+            // take (the results below would still agree; nothing may hang).
+            let (x, _) = samples(ids(step, 0, rank, size), &device);
+            let eval = sharded.valid().forward(x.inner());
+            ensure!(
+                eval.dims()[0] == BATCH,
+                "evaluation output {:?}",
+                eval.dims()
+            );
+        }
     }
     Ok((params(&plain), params(&sharded.gathered()?), sharded))
 }
