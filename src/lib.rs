@@ -38,6 +38,7 @@
 //!
 //! Run it with `mpirun -np 4 target/release/my-program`.
 
+pub mod algorithms;
 mod config;
 pub mod deepspeed;
 mod dtype;
@@ -64,6 +65,7 @@ mod transport;
 mod validate;
 mod vocab;
 
+pub use algorithms::Algorithm;
 pub use config::{Config, DEFAULT_FUSION_THRESHOLD};
 pub use engine::autotune::{AutotuneChange, AutotuneState};
 pub use error::{ConversionError, Error, Result, RESTARTABLE_EXIT_CODE};

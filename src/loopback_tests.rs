@@ -331,5 +331,6 @@ fn tuner_changes_apply_on_every_rank_in_the_same_cycle() {
     );
 }
 
+mod algorithms;
 mod driving;
 mod gpu;

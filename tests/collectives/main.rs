@@ -2,6 +2,7 @@
 //! `cargo test`, it launches itself under `mpirun -np N` (N = 1..=4) once per case;
 //! under mpirun (`KOLO_TEST_CASE` set) it runs that case on every rank.
 
+mod algorithms;
 mod allreduce;
 mod autotune;
 mod control;
@@ -74,6 +75,9 @@ const CASES: &[(&str, Case, usize)] = &[
     ("p2p_waiting_recv_sleeps", p2p::waiting_recv_sleeps, 2),
     ("p2p_in_process_set", p2p::in_process_set, 3),
     ("p2p_racing_receives", p2p::racing_receives, 2),
+    ("issue57_adasum", algorithms::adasum, 1),
+    ("issue57_decentralized", algorithms::decentralized, 1),
+    ("issue57_bytegrad", algorithms::bytegrad, 1),
     ("p2p_pair_alone", p2p::pair_alone, 3),
     (
         "p2p_pair_alone_past_heartbeats",

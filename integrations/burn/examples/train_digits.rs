@@ -130,6 +130,16 @@ struct Args {
     /// the sharded weights and Adam's state stay f32.
     #[arg(long, value_enum, default_value = "f32", requires = "fully_sharded")]
     precision: fully_sharded_digits::Precision,
+    /// How the ranks synchronise: allreduce (gradients, full precision), bytegrad
+    /// (gradients, 8-bit), decentralized (weights, with one peer after each step),
+    /// adasum (gradients, adaptive summation).
+    #[arg(
+        long,
+        default_value = "allreduce",
+        value_parser = |s: &str| s.parse::<kolo::Algorithm>().map_err(|e| e.to_string()),
+        conflicts_with_all = ["sharded_optimizer", "pipeline_stages", "fully_sharded"]
+    )]
+    algorithm: kolo::Algorithm,
 }
 
 #[derive(Module, Debug)]
@@ -316,7 +326,12 @@ fn run() -> anyhow::Result<()> {
             );
         }
     }
-    let reducer = GradientReducer::new(&kolo);
+    // Every rank must synchronise alike: checked before the first step.
+    args.algorithm.agree(&kolo, "train_digits.algorithm")?;
+    if rank == 0 && args.algorithm != kolo::Algorithm::Allreduce {
+        println!("synchronising with {} (--algorithm)", args.algorithm);
+    }
+    let reducer = GradientReducer::new(&kolo).algorithm(args.algorithm);
     let mut sharded = args
         .sharded_optimizer
         .then(|| ShardedOptimizer::new(&kolo, AdamConfig::new().init()));
@@ -368,6 +383,11 @@ fn run() -> anyhow::Result<()> {
             let grads = GradientsParams::from_grads(loss.backward(), &model);
             model = match &mut sharded {
                 Some(sharded) => sharded.step(lr, model, grads)?,
+                None if args.algorithm == kolo::Algorithm::Decentralized => {
+                    // This rank's own gradients, then its weights averaged with a peer.
+                    let stepped = optim.step(lr, model, grads);
+                    kolo_burn::decentralized_average(&kolo, stepped, step)?
+                }
                 None => {
                     let grads = reducer.reduce(&model, grads)?;
                     optim.step(lr, model, grads)

@@ -40,6 +40,7 @@
 //! # Ok(()) }
 //! ```
 
+mod algorithm;
 mod broadcast;
 mod checkpoint;
 mod convert;
@@ -61,6 +62,7 @@ mod sync_bn;
 #[cfg(feature = "train")]
 pub mod train;
 
+pub use algorithm::decentralized_average;
 pub use broadcast::{broadcast_optimizer_state, broadcast_parameters};
 pub use checkpoint::{checkpoint_path, commit, load_checkpoint, resume, save_checkpoint, Restored};
 pub use device::{cuda_device, Backend};
@@ -71,6 +73,7 @@ pub use fsdp::{
     local_param_bytes, resume_fully_sharded, save_fully_sharded, FullyShard,
 };
 pub use grads::GradientReducer;
+pub use kolo::Algorithm;
 pub use kolo::DistributedSampler;
 pub use kolo::{restart_count, Progress};
 pub use loss_scale::{LossScaler, LossScalerState};

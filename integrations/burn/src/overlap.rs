@@ -94,8 +94,20 @@ impl GradientReducer {
     ///
     /// # Errors
     /// As [`reduce`](Self::reduce) when the layout is learned (first step, changed
-    /// model): a bucket size of 0, no parameters, models that differ between ranks.
+    /// model): a bucket size of 0, no parameters, models that differ between ranks;
+    /// [`Error::InvalidArgument`] for a reducer with another
+    /// [`algorithm`](Self::algorithm) than allreduce (those run after backward, in
+    /// `reduce`).
     pub fn overlap<M: Module>(&self, model: &M) -> Result<Overlap> {
+        if self.algorithm != kolo::Algorithm::Allreduce {
+            return Err(Error::InvalidArgument {
+                what: "GradientReducer::overlap",
+                message: format!(
+                    "the {} algorithm reduces after backward, not during it: call reduce                      instead of overlap",
+                    self.algorithm
+                ),
+            });
+        }
         let layout = self.layout_of(model)?;
         let slot_of = layout
             .slots

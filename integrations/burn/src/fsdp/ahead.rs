@@ -15,7 +15,7 @@ use std::sync::{Mutex, MutexGuard, PoisonError, Weak};
 use crate::error::Result;
 use crate::sharded::shard::Shard;
 
-use super::overlap::Pending;
+use super::Pending;
 
 /// A unit that can be gathered ahead of its forward.
 pub(super) trait Prefetch: Send + Sync {

@@ -32,6 +32,9 @@ pub use checkpoint::{
 };
 pub use record::{consolidated_record, load_fully_sharded};
 
+/// A grouped collective's pending result.
+type Pending = kolo::Handle<Vec<kolo::Tensor>>;
+
 /// Numbers the units of a process in the order they are made: every rank makes them
 /// in the same order (making one is collective), so the number names the unit's
 /// collectives alike everywhere.

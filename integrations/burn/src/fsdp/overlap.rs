@@ -20,13 +20,10 @@ use std::sync::{Arc, Mutex, PoisonError, Weak};
 
 use burn::backend::autodiff::NodeId;
 use burn::tensor::Tensor;
-use kolo::Handle;
 
 use super::ahead::Prefetch;
+pub(super) use super::Pending;
 use crate::error::Result;
-
-/// A grouped collective's pending result.
-pub(super) type Pending = Handle<Vec<kolo::Tensor>>;
 
 /// Turns a finished reduce-scatter into this rank's blocks' gradients.
 pub(super) type Finish = Box<dyn FnOnce(Vec<kolo::Tensor>) -> Result<Vec<Tensor<1>>> + Send>;

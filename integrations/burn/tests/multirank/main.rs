@@ -1,6 +1,7 @@
 //! Multi-rank tests of kolo-burn: this binary launches itself under `mpirun -np N`
 //! once per case (see the core crate's `tests/collectives` for the pattern).
 
+mod algorithms;
 #[cfg(any(feature = "cpu", feature = "cuda"))]
 mod cube;
 mod elastic;
@@ -970,6 +971,17 @@ const CASES: &[(&str, Case, &[usize])] = &[
     ),
     ("issue53_sharded_groups", sharded53::groups, &[2, 3]),
     ("fsdp_equivalence", fsdp::equivalence, &[1, 2, 4]),
+    (
+        "issue57_reducer_algorithms",
+        algorithms::reducer_algorithms,
+        &[1, 2, 3, 4],
+    ),
+    ("issue57_disagreement", algorithms::disagreement, &[2, 3]),
+    (
+        "issue57_decentralized_weights",
+        algorithms::decentralized_weights,
+        &[2, 3, 4],
+    ),
     ("fsdp_memory", fsdp::memory, &[1, 2, 4]),
     ("fsdp_bad_input", fsdp::bad_input, &[2, 4]),
     ("fsdp_loss_scaler", fsdp::loss_scaler, &[2]),
@@ -1056,6 +1068,43 @@ const EXAMPLES: &[(&str, &[&str], &[usize])] = &[
             "0.95",
         ],
         &[2],
+    ),
+    // Issue 57: each synchronisation algorithm reaches 95% at 4 ranks in ten epochs.
+    (
+        "digits_example_bytegrad",
+        &[
+            "--epochs",
+            "10",
+            "--algorithm",
+            "bytegrad",
+            "--min-accuracy",
+            "0.95",
+        ],
+        &[4],
+    ),
+    (
+        "digits_example_adasum",
+        &[
+            "--epochs",
+            "10",
+            "--algorithm",
+            "adasum",
+            "--min-accuracy",
+            "0.95",
+        ],
+        &[4],
+    ),
+    (
+        "digits_example_decentralized",
+        &[
+            "--epochs",
+            "10",
+            "--algorithm",
+            "decentralized",
+            "--min-accuracy",
+            "0.95",
+        ],
+        &[4],
     ),
     // Issue 56: the engine from the seed-style DeepSpeed config (Adam betas
     // [0.8, 0.999], WarmupLR, fp16 dynamic scaling, ZeRO-3 with both offloads,

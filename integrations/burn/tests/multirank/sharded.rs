@@ -425,7 +425,7 @@ fn clip_global(m: &Small, g: GradientsParams, max: f32) -> (GradientsParams, boo
 }
 
 /// Every gradient of `m` in `g`, flattened in module order.
-fn g_values(m: &Small, g: &GradientsParams) -> Vec<f32> {
+pub(crate) fn g_values(m: &Small, g: &GradientsParams) -> Vec<f32> {
     struct Read<'a>(&'a GradientsParams, Vec<f32>);
     impl burn::module::ModuleVisitor for Read<'_> {
         fn visit_float<const D: usize>(&mut self, p: &burn::module::Param<Tensor<D>>) {

@@ -12,6 +12,8 @@ use crate::convert::{self, Copied};
 use crate::error::{Error, Result};
 use crate::layout::{trains, Layout};
 
+mod settle;
+
 /// Reduces all gradients of a step across ranks, then hands them back in a
 /// [`GradientsParams`] for Burn's optimizer.
 ///
@@ -60,6 +62,8 @@ pub struct GradientReducer {
     /// Reduce-scatters each gradient, flattened, instead of all-reducing it: this rank
     /// gets its block of every gradient (the sharded optimizer's overlap).
     scatter: bool,
+    /// How the buckets are reduced.
+    pub(crate) algorithm: kolo::Algorithm,
 }
 
 #[derive(Debug, Default)]
@@ -83,7 +87,21 @@ impl GradientReducer {
             shared: Arc::default(),
             refused: None,
             scatter: false,
+            algorithm: kolo::Algorithm::Allreduce,
         }
+    }
+
+    /// How gradients are reduced (issue 57): [`Algorithm::Allreduce`](kolo::Algorithm)
+    /// (the default), [`ByteGrad`](kolo::Algorithm::ByteGrad) (8-bit on the wire,
+    /// about a quarter of the bytes) or [`Adasum`](kolo::Algorithm::Adasum); each
+    /// bucket (f32 gradients) goes through kolo's algorithm as one flat buffer.
+    /// [`Decentralized`](kolo::Algorithm::Decentralized) exchanges weights, not
+    /// gradients: `reduce` then fails saying to use
+    /// [`decentralized_average`](crate::decentralized_average) after the step. The
+    /// ranks' choices are checked against each other when the layout is learned.
+    pub fn algorithm(mut self, algorithm: kolo::Algorithm) -> Self {
+        self.algorithm = algorithm;
+        self
     }
 
     /// A reducer that leaves each rank its block of every gradient, flattened (the
@@ -302,6 +320,8 @@ impl GradientReducer {
             &self.prefix,
             self.bucket_bytes,
         )?);
+        self.algorithm
+            .agree(&self.kolo, &format!("{}.algorithm", self.prefix))?;
         *slot = Some(Arc::clone(&layout));
         Ok(layout)
     }
@@ -314,127 +334,22 @@ impl GradientReducer {
         local: Option<Error>,
         present: &[bool],
     ) -> Result<Vec<Option<kolo::Tensor>>> {
+        if self.algorithm != kolo::Algorithm::Allreduce {
+            let results = crate::algorithm::Reduce {
+                kolo: &self.kolo,
+                algorithm: self.algorithm,
+                op: self.op,
+                passes: self.passes,
+                prefix: &self.prefix,
+            }
+            .buckets(layout, tensors)?;
+            let verdict = self.submit_verdict(local.is_some(), present);
+            return self.conclude(layout, verdict, results, local, present);
+        }
         let handles = (0..layout.buckets.len())
             .map(|b| self.submit_bucket(layout, b, &mut tensors))
             .collect::<Result<Vec<_>>>()?;
         self.settle(layout, handles, local, present)
-    }
-
-    /// Ends a step whose buckets are all submitted (one handle per bucket, in order):
-    /// waits for each and returns the results by slot, unless a rank failed. A slot
-    /// that no rank had a gradient for (`present` says which this rank had) is `None`.
-    ///
-    /// `local` is this rank's failure before the reduction (a gradient it could not
-    /// hand over, a wrong layer given to `Overlap`): such a rank has still submitted
-    /// every bucket, with zeros in place of what it could not provide, so that nobody
-    /// waits for it. Every rank then says whether it failed in one small collective
-    /// (the sum of a 0/1 flag) beside the buckets; when any did, they exchange their errors, the
-    /// failing ranks return their own and the others [`Error::OtherRank`], so the step
-    /// fails on every rank and no rank applies gradients the others threw away.
-    ///
-    /// The same collective counts the ranks that lack some gradient; only when one
-    /// does, the ranks sum which slots each has (one more small allreduce) and the
-    /// slots nobody has are dropped.
-    pub(crate) fn settle(
-        &self,
-        layout: &Layout,
-        handles: Vec<kolo::Handle<Vec<kolo::Tensor>>>,
-        local: Option<Error>,
-        present: &[bool],
-    ) -> Result<Vec<Option<kolo::Tensor>>> {
-        let lacks = present.iter().any(|&p| !p);
-        let flag = kolo::Tensor::from_vec(
-            vec![
-                if local.is_some() { 1.0f32 } else { 0.0 },
-                if lacks { 1.0 } else { 0.0 },
-            ],
-            &[2],
-        )?;
-        let verdict = self
-            .kolo
-            .allreduce(format!("{}.failed", self.prefix), flag)
-            // A Sum (the number of failing ranks), not a Max: a small cached f32 sum
-            // can ride in the engine's cycle agreement instead of running a
-            // collective of its own every step.
-            .op(ReduceOp::Sum)
-            .submit();
-        let mut slots: Vec<Option<kolo::Tensor>> = (0..layout.slots.len()).map(|_| None).collect();
-        let mut failed: Option<Error> = None;
-        for (bucket, h) in layout.buckets.iter().zip(handles) {
-            match h.wait() {
-                Ok(reduced) => {
-                    for (&i, t) in bucket.iter().zip(reduced) {
-                        slots[i] = Some(t);
-                    }
-                }
-                Err(e) => {
-                    failed.get_or_insert(e.into());
-                }
-            }
-        }
-        let (any_failed, any_lacks) = match verdict
-            .map_err(kolo::Error::from)
-            .and_then(|h| h.wait())
-            .and_then(|t| Ok(t.into_vec::<f32>()?))
-        {
-            Ok(v) => (
-                v.first().is_some_and(|&f| f > 0.0),
-                v.get(1).is_some_and(|&f| f > 0.0),
-            ),
-            Err(e) => return Err(local.or(failed).unwrap_or(e.into())),
-        };
-        if any_failed {
-            let mine = local.as_ref().map(ToString::to_string);
-            let all: Vec<Option<String>> = self
-                .kolo
-                .allgather_object(format!("{}.failures", self.prefix), mine)?;
-            return Err(local.unwrap_or_else(|| other_rank(all)));
-        }
-        if let Some(e) = failed {
-            return Err(e);
-        }
-        if any_lacks {
-            self.drop_absent(&mut slots, present)?;
-        }
-        Ok(slots)
-    }
-
-    /// Drops the slots that no rank had a gradient for: the ranks sum how many have
-    /// each (u8 would overflow past 255 ranks, so f32).
-    fn drop_absent(&self, slots: &mut [Option<kolo::Tensor>], present: &[bool]) -> Result<()> {
-        let mine: Vec<f32> = present.iter().map(|&p| f32::from(u8::from(p))).collect();
-        let n = mine.len();
-        let counts = self
-            .kolo
-            .allreduce(
-                format!("{}.present", self.prefix),
-                kolo::Tensor::from_vec(mine, &[n])?,
-            )
-            .op(ReduceOp::Sum)
-            .wait()?
-            .into_vec::<f32>()?;
-        for (slot, &count) in slots.iter_mut().zip(&counts) {
-            if count == 0.0 {
-                *slot = None;
-            }
-        }
-        Ok(())
-    }
-}
-
-/// The error of a rank whose own step went well while another failed: the first
-/// failing rank and its message.
-fn other_rank(all: Vec<Option<String>>) -> Error {
-    let (rank, message) = all
-        .into_iter()
-        .enumerate()
-        .find_map(|(rank, m)| Some((rank, m?)))
-        .unwrap_or((0, "(no message)".into()));
-    Error::OtherRank {
-        rank,
-        what: "hand its gradients to the reduction, so no rank has reduced gradients for \
-               this step",
-        message,
     }
 }
 
