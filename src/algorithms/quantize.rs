@@ -23,17 +23,18 @@ pub fn steps(x: &[f32]) -> Vec<f32> {
 
 /// The minimum and step of a chunk (NaN for both when it holds a non-finite value).
 fn range(c: &[f32]) -> (f32, f32) {
-    let mut lo = f32::INFINITY;
-    let mut hi = f32::NEG_INFINITY;
-    for &v in c {
-        if !v.is_finite() {
-            return (f32::NAN, f32::NAN);
-        }
-        lo = lo.min(v);
-        hi = hi.max(v);
-    }
     if c.is_empty() {
         return (0.0, 0.0);
+    }
+    // Branch-free, so that it vectorises: `v * 0` is NaN exactly for a non-finite v.
+    let (mut lo, mut hi, mut bad) = (c[0], c[0], 0.0f32);
+    for &v in c {
+        lo = if v < lo { v } else { lo };
+        hi = if v > hi { v } else { hi };
+        bad += v * 0.0;
+    }
+    if bad.is_nan() {
+        return (f32::NAN, f32::NAN);
     }
     (lo, (hi - lo) / 255.0)
 }
@@ -46,11 +47,9 @@ pub fn encode_into(x: &[f32], out: &mut Vec<u8>) {
         out.extend_from_slice(&lo.to_le_bytes());
         out.extend_from_slice(&step.to_le_bytes());
         let inv = if step > 0.0 { 1.0 / step } else { 0.0 };
-        out.extend(c.iter().map(|&v| {
-            // Finite here (a non-finite chunk has step NaN and codes 0).
-            let q = ((v - lo) * inv).round();
-            q.clamp(0.0, 255.0) as u8
-        }));
+        // Rounded to nearest by adding a half and truncating (`as` saturates to
+        // 0..=255, and makes NaN 0: a non-finite chunk has step NaN and codes 0).
+        out.extend(c.iter().map(|&v| ((v - lo) * inv + 0.5) as u8));
     }
 }
 

@@ -52,7 +52,7 @@ use bench::{show, PLAIN_MALLOC};
 #[allow(dead_code)]
 mod harness;
 
-const PATHS: [&str; 9] = [
+const PATHS: [&str; 12] = [
     "reducer",
     "overlapped",
     "optimizer",
@@ -61,6 +61,9 @@ const PATHS: [&str; 9] = [
     "fsdp",
     "fsdp-keep",
     "fsdp-serial",
+    "bytegrad",
+    "adasum",
+    "decentralized",
     "pipeline",
 ];
 
@@ -196,6 +199,45 @@ fn worker(
                 "the reducer copied {} bytes",
                 reducer.copied_bytes()
             );
+            t
+        }
+        "bytegrad" | "adasum" | "decentralized" => {
+            // Issue 57's algorithms: the reducer's (ByteGrad, Adasum) or, for
+            // decentralized, this rank's own gradients and then the weights averaged
+            // with one peer; the share is the exchange.
+            let algorithm: kolo::Algorithm = path.parse()?;
+            // KOLO_BENCH_FLAT=1: ByteGrad compresses on one host too.
+            let flat = std::env::var_os("KOLO_BENCH_FLAT").is_some_and(|v| v == "1");
+            let reducer = GradientReducer::new(&kolo)
+                .algorithm(algorithm)
+                .hierarchical(!flat);
+            let mut optim = SgdConfig::new().init();
+            let mut failed = None;
+            let mut count = 0u64;
+            let t = mlp::time_steps(start, &device, warmup, steps, |m| {
+                let g = mlp::grads(&m, x.clone(), y.clone());
+                count += 1;
+                if algorithm == kolo::Algorithm::Decentralized {
+                    let m = optim.step(mlp::LR, m, g);
+                    let at = Instant::now();
+                    let m = kolo_burn::decentralized_average(&kolo, m.clone(), count)
+                        .unwrap_or_else(|e| {
+                            failed.get_or_insert(e.to_string());
+                            m
+                        });
+                    return (m, at.elapsed());
+                }
+                let at = Instant::now();
+                let g = reducer.reduce(&m, g).unwrap_or_else(|e| {
+                    failed.get_or_insert(e.to_string());
+                    GradientsParams::new()
+                });
+                let comm = at.elapsed();
+                (optim.step(mlp::LR, m, g), comm)
+            });
+            if let Some(e) = failed {
+                bail!("{path} failed: {e}");
+            }
             t
         }
         "overlapped" => {

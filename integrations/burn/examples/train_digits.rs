@@ -140,6 +140,10 @@ struct Args {
         conflicts_with_all = ["sharded_optimizer", "pipeline_stages", "fully_sharded"]
     )]
     algorithm: kolo::Algorithm,
+    /// With --algorithm bytegrad: compress on one host too (by default ByteGrad, as
+    /// Bagua's hierarchical mode, compresses only what crosses hosts).
+    #[arg(long)]
+    compress_on_one_host: bool,
 }
 
 #[derive(Module, Debug)]
@@ -331,7 +335,9 @@ fn run() -> anyhow::Result<()> {
     if rank == 0 && args.algorithm != kolo::Algorithm::Allreduce {
         println!("synchronising with {} (--algorithm)", args.algorithm);
     }
-    let reducer = GradientReducer::new(&kolo).algorithm(args.algorithm);
+    let reducer = GradientReducer::new(&kolo)
+        .algorithm(args.algorithm)
+        .hierarchical(!args.compress_on_one_host);
     let mut sharded = args
         .sharded_optimizer
         .then(|| ShardedOptimizer::new(&kolo, AdamConfig::new().init()));

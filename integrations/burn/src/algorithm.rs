@@ -33,15 +33,7 @@ impl Reduce<'_> {
         mut tensors: Vec<Option<kolo::Tensor>>,
     ) -> Result<Vec<kolo::Result<Vec<kolo::Tensor>>>> {
         let algorithm = self.algorithm;
-        if !algorithm.reduces_gradients() {
-            return Err(Error::InvalidArgument {
-                what: "GradientReducer::algorithm",
-                message: format!(
-                    "{algorithm} exchanges weights, not gradients: step on this rank's own \
-                     gradients and call kolo_burn::decentralized_average after the step"
-                ),
-            });
-        }
+        reduces_gradients(algorithm)?;
         // Same layout on every rank: every rank refuses alike.
         if let Some(s) = layout.slots.iter().find(|s| s.dtype != DType::F32) {
             return Err(Error::InvalidArgument {
@@ -80,6 +72,20 @@ impl Reduce<'_> {
             })
             .collect()
     }
+}
+
+/// Refuses an algorithm that exchanges weights, not gradients, in a reducer.
+pub(crate) fn reduces_gradients(algorithm: Algorithm) -> Result<()> {
+    if algorithm.reduces_gradients() {
+        return Ok(());
+    }
+    Err(Error::InvalidArgument {
+        what: "GradientReducer::algorithm",
+        message: format!(
+            "{algorithm} exchanges weights, not gradients: step on this rank's own \
+             gradients and call kolo_burn::decentralized_average after the step"
+        ),
+    })
 }
 
 /// A bucket's flat result cut back into its slots' tensors.

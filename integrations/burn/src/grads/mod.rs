@@ -64,6 +64,8 @@ pub struct GradientReducer {
     scatter: bool,
     /// How the buckets are reduced.
     pub(crate) algorithm: kolo::Algorithm,
+    /// ByteGrad leaves traffic within a host uncompressed (Bagua's `hierarchical`).
+    hierarchical: bool,
 }
 
 #[derive(Debug, Default)]
@@ -88,6 +90,7 @@ impl GradientReducer {
             refused: None,
             scatter: false,
             algorithm: kolo::Algorithm::Allreduce,
+            hierarchical: true,
         }
     }
 
@@ -102,6 +105,27 @@ impl GradientReducer {
     pub fn algorithm(mut self, algorithm: kolo::Algorithm) -> Self {
         self.algorithm = algorithm;
         self
+    }
+
+    /// Whether ByteGrad compresses only what crosses hosts (`true`, the default, as
+    /// Bagua's `hierarchical=True`): on a job whose ranks share one host it then reduces
+    /// in full precision, as shared memory moves f32 faster than 8 bits can be made.
+    /// Across hosts every rank compresses (a reduction within each host first is not
+    /// built yet). `false` compresses on one host too (tests, emulated hosts).
+    pub fn hierarchical(mut self, on: bool) -> Self {
+        self.hierarchical = on;
+        self
+    }
+
+    /// The algorithm this job runs: ByteGrad on one host, hierarchical, is allreduce.
+    fn effective_algorithm(&self) -> kolo::Algorithm {
+        let one_host = self.kolo.cross_size() == 1;
+        match self.algorithm {
+            kolo::Algorithm::ByteGrad if self.hierarchical && one_host => {
+                kolo::Algorithm::Allreduce
+            }
+            a => a,
+        }
     }
 
     /// A reducer that leaves each rank its block of every gradient, flattened (the
@@ -334,10 +358,12 @@ impl GradientReducer {
         local: Option<Error>,
         present: &[bool],
     ) -> Result<Vec<Option<kolo::Tensor>>> {
-        if self.algorithm != kolo::Algorithm::Allreduce {
+        let algorithm = self.effective_algorithm();
+        crate::algorithm::reduces_gradients(algorithm)?;
+        if algorithm != kolo::Algorithm::Allreduce && self.kolo.size() > 1 {
             let results = crate::algorithm::Reduce {
                 kolo: &self.kolo,
-                algorithm: self.algorithm,
+                algorithm,
                 op: self.op,
                 passes: self.passes,
                 prefix: &self.prefix,

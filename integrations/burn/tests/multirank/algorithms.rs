@@ -18,7 +18,7 @@ fn local(k: &Kolo, model: &Small, device: &Device) -> GradientsParams {
     grads_for(model, r * 8..r * 8 + 8, device)
 }
 
-/// ByteGrad: every rank gets the same gradients, within the quantisation bound of
+/// ByteGrad (compressing on one host too): every rank gets the same gradients, within the quantisation bound of
 /// the exact average (each value: at most the largest rank's gradient range / 255)
 /// and not equal to it; Adasum: the tree of the ranks' flattened gradients. A
 /// reducer set to decentralized and an overlapped step with ByteGrad are refused.
@@ -32,9 +32,23 @@ pub(crate) fn reducer_algorithms(k: &Kolo) -> Result<()> {
         .prefix("exact")
         .reduce(&model, local(k, &model, &device))?;
     let exact = g_values(&model, &exact);
+    // Hierarchical (the default) on one host: full precision, exactly the average.
+    let one_host = GradientReducer::new(k)
+        .prefix("byte.h")
+        .algorithm(Algorithm::ByteGrad)
+        .reduce(&model, local(k, &model, &device))?;
+    if k.cross_size() == 1 {
+        assert_close(
+            "hierarchical ByteGrad on one host",
+            &g_values(&model, &one_host),
+            &exact,
+            0.0,
+        )?;
+    }
     let byte = GradientReducer::new(k)
         .prefix("byte")
         .algorithm(Algorithm::ByteGrad)
+        .hierarchical(false)
         .reduce(&model, local(k, &model, &device))?;
     let byte = g_values(&model, &byte);
     let all: Vec<Vec<f32>> = k.allgather_object("algo.mine", mine)?;

@@ -1077,6 +1077,7 @@ const EXAMPLES: &[(&str, &[&str], &[usize])] = &[
             "10",
             "--algorithm",
             "bytegrad",
+            "--compress-on-one-host",
             "--min-accuracy",
             "0.95",
         ],
