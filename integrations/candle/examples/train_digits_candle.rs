@@ -56,6 +56,17 @@ struct Args {
     /// Fail (exit 1) when the final test accuracy is below this fraction.
     #[arg(long)]
     min_accuracy: Option<f64>,
+    /// How the ranks synchronise: allreduce, bytegrad, decentralized, adasum.
+    #[arg(
+        long,
+        default_value = "allreduce",
+        value_parser = |s: &str| s.parse::<kolo::Algorithm>().map_err(|e| e.to_string())
+    )]
+    algorithm: kolo::Algorithm,
+    /// With --algorithm bytegrad: compress on one host too (by default only what
+    /// crosses hosts).
+    #[arg(long)]
+    compress_on_one_host: bool,
 }
 
 struct Mlp {
@@ -217,7 +228,9 @@ fn run() -> anyhow::Result<()> {
             SGD::new(varmap.all_vars(), args.lr)?,
             varmap.all_vars(),
         )?
-        .backward_passes_per_step(args.backward_passes_per_step)?;
+        .backward_passes_per_step(args.backward_passes_per_step)?
+        .algorithm(args.algorithm)?
+        .hierarchical(!args.compress_on_one_host);
         train(&args, &kolo, &model, &data, opt)?
     } else {
         let params = ParamsAdamW {
@@ -230,7 +243,9 @@ fn run() -> anyhow::Result<()> {
             AdamW::new(varmap.all_vars(), params)?,
             varmap.all_vars(),
         )?
-        .backward_passes_per_step(args.backward_passes_per_step)?;
+        .backward_passes_per_step(args.backward_passes_per_step)?
+        .algorithm(args.algorithm)?
+        .hierarchical(!args.compress_on_one_host);
         train(&args, &kolo, &model, &data, opt)?
     };
     if rank == 0 {

@@ -42,13 +42,16 @@
 //! result becomes a candle tensor without a copy. A small gradient is copied once
 //! more, into kolo's fusion buffer. Gradients on a GPU go through the host.
 
+mod algorithm;
 mod broadcast;
 mod convert;
 mod error;
 mod optim;
 mod vars;
 
+pub use algorithm::decentralized_average;
 pub use broadcast::broadcast_parameters;
 pub use error::{Error, Result};
+pub use kolo::Algorithm;
 pub use kolo::{average_metrics, DistributedSampler};
 pub use optim::DistributedOptimizer;

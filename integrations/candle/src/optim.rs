@@ -3,7 +3,7 @@
 use candle_core::backprop::GradStore;
 use candle_core::{Tensor, Var};
 use candle_nn::{Optimizer, VarMap};
-use kolo::{Kolo, ReduceOp};
+use kolo::{Algorithm, Kolo, ReduceOp};
 
 use crate::convert::{check_dtype, from_kolo, to_kolo};
 use crate::error::{Error, Result};
@@ -55,6 +55,12 @@ pub struct DistributedOptimizer<O> {
     /// Gradients summed over the passes of this step so far, by variable.
     accumulated: Vec<Option<Tensor>>,
     pass: usize,
+    /// How the ranks synchronise (issue 57).
+    algorithm: Algorithm,
+    /// ByteGrad compresses only across hosts.
+    hierarchical: bool,
+    /// Steps taken (the decentralized peer schedule).
+    steps: u64,
 }
 
 impl<O: Optimizer> DistributedOptimizer<O> {
@@ -83,6 +89,9 @@ impl<O: Optimizer> DistributedOptimizer<O> {
             op: ReduceOp::Average,
             passes: 1,
             pass: 0,
+            algorithm: Algorithm::Allreduce,
+            hierarchical: true,
+            steps: 0,
         };
         for (i, v) in built.vars.iter().enumerate() {
             check_dtype(WHAT, &built.label(i), v.dtype())?;
@@ -139,6 +148,41 @@ impl<O: Optimizer> DistributedOptimizer<O> {
         Ok(self)
     }
 
+    /// How the ranks synchronise (issue 57): [`Algorithm::Allreduce`] (the default),
+    /// [`Algorithm::ByteGrad`] (8-bit gradients; by default only across hosts, see
+    /// [`hierarchical`](Self::hierarchical)), [`Algorithm::Adasum`], or
+    /// [`Algorithm::Decentralized`]: each rank steps on its own gradients and then
+    /// averages its variables with one peer
+    /// ([`decentralized_average`](crate::decentralized_average)). ByteGrad and Adasum
+    /// reduce all gradients (f32) as one buffer. Collective: every rank calls it.
+    ///
+    /// # Errors
+    /// The ranks chose different algorithms (on every rank, naming each rank's).
+    pub fn algorithm(mut self, algorithm: Algorithm) -> Result<Self> {
+        algorithm.agree(&self.kolo, "kolo_candle.algorithm")?;
+        self.algorithm = algorithm;
+        Ok(self)
+    }
+
+    /// Whether ByteGrad compresses only what crosses hosts (`true`, the default, as
+    /// Bagua's `hierarchical=True`: one host reduces in full precision); `false`
+    /// compresses on one host too.
+    pub fn hierarchical(mut self, on: bool) -> Self {
+        self.hierarchical = on;
+        self
+    }
+
+    /// The algorithm the gradients go through in this job: hierarchical ByteGrad on
+    /// one host is allreduce.
+    fn effective_algorithm(&self) -> Algorithm {
+        match self.algorithm {
+            Algorithm::ByteGrad if self.hierarchical && self.kolo.cross_size() == 1 => {
+                Algorithm::Allreduce
+            }
+            a => a,
+        }
+    }
+
     /// The wrapped optimizer.
     pub fn inner(&self) -> &O {
         &self.inner
@@ -190,7 +234,22 @@ impl<O: Optimizer> DistributedOptimizer<O> {
         }
         self.pass = 0;
         let local = std::mem::replace(&mut self.accumulated, vec![None; self.vars.len()]);
+        if self.algorithm == Algorithm::Decentralized {
+            // This rank's own gradients (the mean over the passes), then its
+            // variables averaged with one peer.
+            let mut own = GradStore::default();
+            for (v, g) in self.vars.iter().zip(local) {
+                if let Some(g) = g {
+                    own.insert(v.as_tensor(), (g / self.passes as f64)?);
+                }
+            }
+            self.inner.step(&own)?;
+            crate::algorithm::decentralized_average(&self.kolo, &self.vars, self.steps)?;
+            self.steps += 1;
+            return Ok(());
+        }
         let reduced = self.reduce_local(local, self.passes)?;
+        self.steps += 1;
         Ok(self.inner.step(&reduced)?)
     }
 
@@ -205,26 +264,19 @@ impl<O: Optimizer> DistributedOptimizer<O> {
     /// which variables nobody has, and those get no gradient (candle's optimizers then
     /// skip them, as in one process).
     fn reduce_local(&self, local: Vec<Option<Tensor>>, passes: usize) -> Result<GradStore> {
-        let mut handles = Vec::with_capacity(self.vars.len());
         let mut present = Vec::with_capacity(self.vars.len());
         let mut failed: Option<Error> = None;
+        let mut grads = Vec::with_capacity(self.vars.len());
         for (i, (v, g)) in self.vars.iter().zip(local).enumerate() {
             present.push(g.is_some());
-            let t = self.gradient(i, v, g).unwrap_or_else(|e| {
+            grads.push(self.gradient(i, v, g).unwrap_or_else(|e| {
                 failed.get_or_insert(e);
                 // `new` refused a dtype kolo does not carry: F32 is never used.
                 let d = crate::convert::kolo_dtype(v.dtype()).unwrap_or(kolo::DType::F32);
                 kolo::Tensor::zeros(d, v.dims())
-            });
-            let mut b = self
-                .kolo
-                .allreduce(format!("kolo_candle.grad.{i}"), t)
-                .op(self.op);
-            if passes > 1 {
-                b = b.prescale(1.0 / passes as f64);
-            }
-            handles.push((v, b.submit()));
+            }));
         }
+        let handles = self.submit(grads, passes)?;
         let lacks = present.iter().any(|&p| !p);
         let flag = kolo::Tensor::from_vec(
             vec![
@@ -244,10 +296,7 @@ impl<O: Optimizer> DistributedOptimizer<O> {
         let mut out: Vec<Option<(&Var, Tensor)>> = Vec::with_capacity(handles.len());
         let mut collective: Option<Error> = None;
         for (v, h) in handles {
-            let reduced = h
-                .map_err(|e| Error::Kolo(e.into()))
-                .and_then(|h| h.wait().map_err(Error::from))
-                .and_then(|t| from_kolo(t, v.device()));
+            let reduced = h.wait().and_then(|t| from_kolo(t, v.device()));
             match reduced {
                 Ok(g) => out.push(Some((v, g))),
                 Err(e) => {
@@ -282,6 +331,58 @@ impl<O: Optimizer> DistributedOptimizer<O> {
             store.insert(v.as_tensor(), g);
         }
         Ok(store)
+    }
+
+    /// Each variable's reduction of `grads` (divided by `passes`): submitted to kolo
+    /// one by one, or done at once by the algorithm.
+    fn submit(&self, grads: Vec<kolo::Tensor>, passes: usize) -> Result<Vec<(&Var, Reducing)>> {
+        let algorithm = self.effective_algorithm();
+        Ok(
+            if algorithm != Algorithm::Allreduce && self.kolo.size() > 1 {
+                let done =
+                    crate::algorithm::reduce_flat(&self.kolo, algorithm, self.op, passes, grads)?;
+                match done {
+                    Ok(ts) => self
+                        .vars
+                        .iter()
+                        .zip(ts)
+                        .map(|(v, t)| (v, Reducing::Done(Ok(t))))
+                        .collect(),
+                    Err(e) => {
+                        let mut e = Some(e);
+                        self.vars
+                            .iter()
+                            .map(|v| {
+                                (
+                                    v,
+                                    Reducing::Done(Err(e.take().unwrap_or_else(|| {
+                                        kolo::Error::Internal(format!(
+                                            "{algorithm} failed (see the first variable)"
+                                        ))
+                                    }))),
+                                )
+                            })
+                            .collect()
+                    }
+                }
+            } else {
+                self.vars
+                    .iter()
+                    .zip(grads)
+                    .enumerate()
+                    .map(|(i, (v, t))| {
+                        let mut b = self
+                            .kolo
+                            .allreduce(format!("kolo_candle.grad.{i}"), t)
+                            .op(self.op);
+                        if passes > 1 {
+                            b = b.prescale(1.0 / passes as f64);
+                        }
+                        (v, Reducing::Pending(b.submit()))
+                    })
+                    .collect()
+            },
+        )
     }
 
     /// Drops the gradients no rank had (`present`: which this rank had): the ranks sum
@@ -368,5 +469,22 @@ impl<O: Optimizer> Optimizer for DistributedOptimizer<O> {
 
     fn set_learning_rate(&mut self, lr: f64) {
         self.inner.set_learning_rate(lr);
+    }
+}
+
+/// A variable's reduction: submitted to kolo, or done by an algorithm.
+enum Reducing {
+    Pending(std::result::Result<kolo::Handle<kolo::Tensor>, kolo::SubmitError>),
+    Done(kolo::Result<kolo::Tensor>),
+}
+
+impl Reducing {
+    fn wait(self) -> Result<kolo::Tensor> {
+        match self {
+            Reducing::Pending(h) => h
+                .map_err(|e| Error::Kolo(e.into()))
+                .and_then(|h| h.wait().map_err(Error::from)),
+            Reducing::Done(r) => r.map_err(Error::from),
+        }
     }
 }

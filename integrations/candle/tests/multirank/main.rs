@@ -5,6 +5,7 @@
 #[allow(dead_code)]
 mod harness;
 mod issue53;
+mod issue57;
 
 use std::collections::HashMap;
 use std::time::Duration;
@@ -344,6 +345,9 @@ fn unused_variable(kolo: &Kolo) -> Result<()> {
 
 const CASES: &[(&str, Case, &[usize])] = &[
     ("equivalence_sgd", equivalence_sgd, &[1, 2, 4]),
+    ("issue57_reduce", issue57::reduce, &[1, 2, 3, 4]),
+    ("issue57_decentralized", issue57::decentralized, &[1, 2, 4]),
+    ("issue57_disagreement", issue57::disagreement, &[2, 3]),
     ("equivalence_adamw", equivalence_adamw, &[2, 4]),
     (
         "equivalence_sgd_accumulated",
@@ -391,6 +395,44 @@ const EXAMPLES: &[(&str, &[&str], &[usize])] = &[
             "0.95",
         ],
         &[2],
+    ),
+    // Issue 57: each synchronisation algorithm reaches 95% at 4 ranks.
+    (
+        "digits_candle_bytegrad",
+        &[
+            "--epochs",
+            "10",
+            "--algorithm",
+            "bytegrad",
+            "--compress-on-one-host",
+            "--min-accuracy",
+            "0.95",
+        ],
+        &[4],
+    ),
+    (
+        "digits_candle_adasum",
+        &[
+            "--epochs",
+            "10",
+            "--algorithm",
+            "adasum",
+            "--min-accuracy",
+            "0.95",
+        ],
+        &[4],
+    ),
+    (
+        "digits_candle_decentralized",
+        &[
+            "--epochs",
+            "10",
+            "--algorithm",
+            "decentralized",
+            "--min-accuracy",
+            "0.95",
+        ],
+        &[4],
     ),
 ];
 

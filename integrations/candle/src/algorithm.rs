@@ -1,0 +1,107 @@
+//! Issue 57's algorithms on candle: ByteGrad and Adasum as the way
+//! [`DistributedOptimizer`](crate::DistributedOptimizer) reduces gradients, and
+//! decentralized weight averaging ([`decentralized_average`]). The algorithms are
+//! kolo's (`kolo::algorithms`), shared with kolo-burn.
+
+use candle_core::{DType, Tensor, Var};
+use kolo::{Algorithm, Kolo, ReduceOp};
+
+use crate::error::{Error, Result};
+
+const WHAT: &str = "kolo_candle::DistributedOptimizer::algorithm";
+
+/// Reduces every gradient of `grads` (kolo tensors, one per variable) with
+/// `algorithm` as one flat f32 buffer, divided by `passes`: each variable's result,
+/// or the exchange's error.
+///
+/// # Errors
+/// On every rank alike, before any exchange (the ranks' variables agree): a gradient
+/// that is not f32.
+pub(crate) fn reduce_flat(
+    kolo: &Kolo,
+    algorithm: Algorithm,
+    op: ReduceOp,
+    passes: usize,
+    grads: Vec<kolo::Tensor>,
+) -> Result<kolo::Result<Vec<kolo::Tensor>>> {
+    let shapes: Vec<Vec<usize>> = grads.iter().map(|t| t.shape().to_vec()).collect();
+    let mut flat = Vec::new();
+    for (i, t) in grads.into_iter().enumerate() {
+        if t.dtype() != kolo::DType::F32 {
+            return Err(Error::InvalidArgument {
+                what: WHAT,
+                message: format!(
+                    "{algorithm} reduces f32 gradients; variable {i}'s is {:?} (use the \
+                     default allreduce)",
+                    t.dtype()
+                ),
+            });
+        }
+        flat.extend(t.into_vec::<f32>()?);
+    }
+    let scale = 1.0 / passes.max(1) as f32;
+    if scale != 1.0 {
+        flat.iter_mut().for_each(|v| *v *= scale);
+    }
+    let len = flat.len();
+    let name = format!("kolo_candle.{algorithm}");
+    let t = kolo::Tensor::from_vec(flat, &[len])?;
+    let out = match algorithm {
+        Algorithm::Adasum => kolo.adasum_allreduce(&name, t),
+        _ => kolo.bytegrad_allreduce(&name, t, op),
+    };
+    let out = match out.and_then(|t| Ok(t.into_vec::<f32>()?)) {
+        Ok(v) => v,
+        Err(e) => return Ok(Err(e)),
+    };
+    let mut at = 0;
+    Ok(shapes
+        .iter()
+        .map(|s| {
+            let n: usize = s.iter().product();
+            let t = kolo::Tensor::from_vec(out[at..at + n].to_vec(), s);
+            at += n;
+            t
+        })
+        .collect())
+}
+
+/// Decentralized SGD's exchange (Bagua's, [`Algorithm::Decentralized`]): averages
+/// the values of `vars` with this step's peer — `(mine + peer's) / 2`, the peer at
+/// distance 2^(step mod ⌈log2 N⌉) — point to point, no collective. Every rank calls
+/// it with the same variables (in the same order) and step.
+/// [`DistributedOptimizer`](crate::DistributedOptimizer) set to
+/// [`Algorithm::Decentralized`] calls it after each step.
+///
+/// # Errors
+/// A variable that cannot be read or written as f32; a failed exchange (a peer with
+/// another number of values is named).
+pub fn decentralized_average(kolo: &Kolo, vars: &[Var], step: u64) -> Result<()> {
+    let mut flat = Vec::new();
+    for v in vars {
+        flat.extend(
+            v.as_tensor()
+                .flatten_all()?
+                .to_dtype(DType::F32)?
+                .to_vec1::<f32>()?,
+        );
+    }
+    let n = flat.len();
+    let mixed = kolo
+        .decentralized_average(
+            "kolo_candle.decentralized",
+            step,
+            kolo::Tensor::from_vec(flat, &[n])?,
+        )?
+        .into_vec::<f32>()?;
+    let mut at = 0;
+    for v in vars {
+        let t = v.as_tensor();
+        let len = t.elem_count();
+        let fresh =
+            Tensor::from_slice(&mixed[at..at + len], t.dims(), t.device())?.to_dtype(t.dtype())?;
+        at += len;
+        v.set(&fresh)?;
+    }
+    Ok(())
+}
