@@ -78,6 +78,7 @@ const CASES: &[(&str, Case, usize)] = &[
     ("issue57_adasum", algorithms::adasum, 1),
     ("issue57_decentralized", algorithms::decentralized, 1),
     ("issue57_bytegrad", algorithms::bytegrad, 1),
+    ("issue57_onebit_adam", algorithms::onebit_adam, 1),
     ("p2p_pair_alone", p2p::pair_alone, 3),
     (
         "p2p_pair_alone_past_heartbeats",

@@ -132,7 +132,8 @@ struct Args {
     precision: fully_sharded_digits::Precision,
     /// How the ranks synchronise: allreduce (gradients, full precision), bytegrad
     /// (gradients, 8-bit), decentralized (weights, with one peer after each step),
-    /// adasum (gradients, adaptive summation).
+    /// adasum (gradients, adaptive summation), onebit-adam (DeepSpeed's 1-bit Adam in
+    /// place of Adam).
     #[arg(
         long,
         default_value = "allreduce",
@@ -144,6 +145,10 @@ struct Args {
     /// Bagua's hierarchical mode, compresses only what crosses hosts).
     #[arg(long)]
     compress_on_one_host: bool,
+    /// With --algorithm onebit-adam: steps of plain Adam before the variance is frozen
+    /// and momenta are compressed to 1 bit.
+    #[arg(long, default_value_t = 20)]
+    onebit_warmup: u64,
 }
 
 #[derive(Module, Debug)]
@@ -335,6 +340,21 @@ fn run() -> anyhow::Result<()> {
     if rank == 0 && args.algorithm != kolo::Algorithm::Allreduce {
         println!("synchronising with {} (--algorithm)", args.algorithm);
     }
+    let mut onebit = (args.algorithm == kolo::Algorithm::OneBitAdam).then(|| {
+        kolo_burn::OneBitAdam::new(
+            &kolo,
+            kolo::algorithms::OneBitAdamConfig {
+                warmup: args.onebit_warmup,
+                ..Default::default()
+            },
+        )
+    });
+    if onebit.is_some() && args.checkpoint.is_some() {
+        anyhow::bail!(
+            "--algorithm onebit-adam does not checkpoint its state in this example yet \
+             (kolo_burn::OneBitAdam::state does): leave out --checkpoint"
+        );
+    }
     let reducer = GradientReducer::new(&kolo)
         .algorithm(args.algorithm)
         .hierarchical(!args.compress_on_one_host);
@@ -394,10 +414,14 @@ fn run() -> anyhow::Result<()> {
                     let stepped = optim.step(lr, model, grads);
                     kolo_burn::decentralized_average(&kolo, stepped, step)?
                 }
-                None => {
-                    let grads = reducer.reduce(&model, grads)?;
-                    optim.step(lr, model, grads)
-                }
+                None => match &mut onebit {
+                    // The optimizer and the synchronisation in one.
+                    Some(onebit) => onebit.step(lr, model, grads)?,
+                    None => {
+                        let grads = reducer.reduce(&model, grads)?;
+                        optim.step(lr, model, grads)
+                    }
+                },
             };
             samples += ids.len();
             bar.inc(1);

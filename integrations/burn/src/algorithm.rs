@@ -79,12 +79,18 @@ pub(crate) fn reduces_gradients(algorithm: Algorithm) -> Result<()> {
     if algorithm.reduces_gradients() {
         return Ok(());
     }
-    Err(Error::InvalidArgument {
-        what: "GradientReducer::algorithm",
-        message: format!(
+    let message = match algorithm {
+        Algorithm::OneBitAdam => "onebit-adam is an optimizer of its own: step with \
+                                  kolo_burn::OneBitAdam instead of a reducer and Adam"
+            .to_string(),
+        _ => format!(
             "{algorithm} exchanges weights, not gradients: step on this rank's own \
              gradients and call kolo_burn::decentralized_average after the step"
         ),
+    };
+    Err(Error::InvalidArgument {
+        what: "GradientReducer::algorithm",
+        message,
     })
 }
 

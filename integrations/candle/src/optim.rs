@@ -157,9 +157,19 @@ impl<O: Optimizer> DistributedOptimizer<O> {
     /// reduce all gradients (f32) as one buffer. Collective: every rank calls it.
     ///
     /// # Errors
-    /// The ranks chose different algorithms (on every rank, naming each rank's).
+    /// The ranks chose different algorithms (on every rank, naming each rank's);
+    /// [`Algorithm::OneBitAdam`], an optimizer of its own.
     pub fn algorithm(mut self, algorithm: Algorithm) -> Result<Self> {
         algorithm.agree(&self.kolo, "kolo_candle.algorithm")?;
+        if algorithm == Algorithm::OneBitAdam {
+            return Err(Error::InvalidArgument {
+                what: "DistributedOptimizer::algorithm",
+                message: "onebit-adam is an optimizer of its own, built for kolo-burn \
+                          (kolo_burn::OneBitAdam) and on flat vectors \
+                          (kolo::algorithms::OneBitAdam); not for candle yet"
+                    .into(),
+            });
+        }
         self.algorithm = algorithm;
         Ok(self)
     }

@@ -977,6 +977,7 @@ const CASES: &[(&str, Case, &[usize])] = &[
         &[1, 2, 3, 4],
     ),
     ("issue57_disagreement", algorithms::disagreement, &[2, 3]),
+    ("issue57_onebit_adam", algorithms::onebit_adam, &[1, 2, 4]),
     (
         "issue57_decentralized_weights",
         algorithms::decentralized_weights,
@@ -1090,6 +1091,18 @@ const EXAMPLES: &[(&str, &[&str], &[usize])] = &[
             "10",
             "--algorithm",
             "adasum",
+            "--min-accuracy",
+            "0.95",
+        ],
+        &[4],
+    ),
+    (
+        "digits_example_onebit_adam",
+        &[
+            "--epochs",
+            "10",
+            "--algorithm",
+            "onebit-adam",
             "--min-accuracy",
             "0.95",
         ],
