@@ -52,7 +52,7 @@ use bench::{show, PLAIN_MALLOC};
 #[allow(dead_code)]
 mod harness;
 
-const PATHS: [&str; 12] = [
+const PATHS: [&str; 13] = [
     "reducer",
     "overlapped",
     "optimizer",
@@ -64,6 +64,7 @@ const PATHS: [&str; 12] = [
     "bytegrad",
     "adasum",
     "decentralized",
+    "onebit-adam",
     "pipeline",
 ];
 
@@ -237,6 +238,31 @@ fn worker(
             });
             if let Some(e) = failed {
                 bail!("{path} failed: {e}");
+            }
+            t
+        }
+        "onebit-adam" => {
+            // 1-bit Adam, compressing from its second step (the untimed warm-up steps
+            // cover its full-precision one); the share is its whole step.
+            let mut optim = kolo_burn::OneBitAdam::new(
+                &kolo,
+                kolo::algorithms::OneBitAdamConfig {
+                    warmup: 1,
+                    ..Default::default()
+                },
+            );
+            let mut failed = None;
+            let t = mlp::time_steps(start, &device, warmup, steps, |m| {
+                let g = mlp::grads(&m, x.clone(), y.clone());
+                let at = Instant::now();
+                let m = optim.step(mlp::LR, m.clone(), g).unwrap_or_else(|e| {
+                    failed.get_or_insert(e.to_string());
+                    m
+                });
+                (m, at.elapsed())
+            });
+            if let Some(e) = failed {
+                bail!("onebit-adam failed: {e}");
             }
             t
         }
