@@ -117,6 +117,66 @@ impl Algorithm {
     }
 }
 
+impl Kolo {
+    /// Reduces several f32 tensors with a gradient `algorithm` (ByteGrad or Adasum) as
+    /// one flat buffer, each multiplied by `prescale` first (e.g. 1 / backward passes):
+    /// the results in the tensors' order and shapes. What both integrations' reducers
+    /// run per bucket. Blocking; every rank calls it with the same name and shapes.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] for an algorithm that does not reduce gradients or a
+    /// tensor that is not f32 (alike on every rank, before anything is sent); the
+    /// algorithm's errors.
+    pub fn algorithm_allreduce(
+        &self,
+        name: &str,
+        algorithm: Algorithm,
+        op: crate::vocab::ReduceOp,
+        prescale: f32,
+        tensors: Vec<crate::tensor::Tensor>,
+    ) -> Result<Vec<crate::tensor::Tensor>> {
+        let invalid = |message: String| Error::InvalidArgument {
+            op: "algorithm_allreduce",
+            name: name.to_string(),
+            message,
+        };
+        if !matches!(algorithm, Algorithm::ByteGrad | Algorithm::Adasum) {
+            return Err(invalid(format!("{algorithm} does not reduce gradients")));
+        }
+        let shapes: Vec<Vec<usize>> = tensors.iter().map(|t| t.shape().to_vec()).collect();
+        let mut flat = Vec::with_capacity(tensors.iter().map(crate::tensor::Tensor::len).sum());
+        for (i, t) in tensors.into_iter().enumerate() {
+            if t.dtype() != crate::tensor::DType::F32 {
+                return Err(invalid(format!(
+                    "{algorithm} reduces f32 tensors; member {i} is {:?}",
+                    t.dtype()
+                )));
+            }
+            flat.extend(t.into_vec::<f32>()?);
+        }
+        if prescale != 1.0 {
+            flat.iter_mut().for_each(|v| *v *= prescale);
+        }
+        let len = flat.len();
+        let t = crate::tensor::Tensor::from_vec(flat, &[len])?;
+        let out = match algorithm {
+            Algorithm::Adasum => self.adasum_allreduce(name, t)?,
+            _ => self.bytegrad_allreduce(name, t, op)?,
+        }
+        .into_vec::<f32>()?;
+        let mut at = 0;
+        shapes
+            .iter()
+            .map(|s| {
+                let n: usize = s.iter().product();
+                let t = crate::tensor::Tensor::from_vec(out[at..at + n].to_vec(), s);
+                at += n;
+                t
+            })
+            .collect()
+    }
+}
+
 impl fmt::Display for Algorithm {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(self.name())

@@ -44,31 +44,23 @@ impl Reduce<'_> {
                 ),
             });
         }
-        let scale = 1.0 / self.passes.max(1) as f32;
+        let prescale = 1.0 / self.passes.max(1) as f32;
         layout
             .buckets
             .iter()
             .enumerate()
             .map(|(b, bucket)| {
-                let mut flat = Vec::new();
-                for &i in bucket {
-                    let numel: usize = layout.slots[i].dims.iter().product();
-                    match tensors[i].take() {
-                        Some(t) => flat.extend(crate::convert::on_host(t)?.into_vec::<f32>()?),
-                        None => flat.resize(flat.len() + numel, 0.0),
-                    }
-                }
-                if scale != 1.0 {
-                    flat.iter_mut().for_each(|v| *v *= scale);
-                }
-                let len = flat.len();
+                let members = bucket
+                    .iter()
+                    .map(|&i| match tensors[i].take() {
+                        Some(t) => crate::convert::on_host(t),
+                        None => Ok(kolo::Tensor::zeros(kolo::DType::F32, &layout.slots[i].dims)),
+                    })
+                    .collect::<Result<Vec<_>>>()?;
                 let name = format!("{}.{algorithm}.{b}", self.prefix);
-                let t = kolo::Tensor::from_vec(flat, &[len])?;
-                let out = match algorithm {
-                    Algorithm::Adasum => self.kolo.adasum_allreduce(&name, t),
-                    _ => self.kolo.bytegrad_allreduce(&name, t, self.op),
-                };
-                Ok(out.and_then(|t| split(&t.into_vec::<f32>()?, layout, bucket)))
+                Ok(self
+                    .kolo
+                    .algorithm_allreduce(&name, algorithm, self.op, prescale, members))
             })
             .collect()
     }
@@ -92,21 +84,6 @@ pub(crate) fn reduces_gradients(algorithm: Algorithm) -> Result<()> {
         what: "GradientReducer::algorithm",
         message,
     })
-}
-
-/// A bucket's flat result cut back into its slots' tensors.
-fn split(flat: &[f32], layout: &Layout, bucket: &[usize]) -> kolo::Result<Vec<kolo::Tensor>> {
-    let mut at = 0;
-    bucket
-        .iter()
-        .map(|&i| {
-            let dims = &layout.slots[i].dims;
-            let n: usize = dims.iter().product();
-            let t = kolo::Tensor::from_vec(flat[at..at + n].to_vec(), dims);
-            at += n;
-            t
-        })
-        .collect()
 }
 
 /// Decentralized SGD's exchange (Bagua's, [`Algorithm::Decentralized`]): averages

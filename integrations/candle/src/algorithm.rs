@@ -24,46 +24,24 @@ pub(crate) fn reduce_flat(
     passes: usize,
     grads: Vec<kolo::Tensor>,
 ) -> Result<kolo::Result<Vec<kolo::Tensor>>> {
-    let shapes: Vec<Vec<usize>> = grads.iter().map(|t| t.shape().to_vec()).collect();
-    let mut flat = Vec::new();
-    for (i, t) in grads.into_iter().enumerate() {
-        if t.dtype() != kolo::DType::F32 {
-            return Err(Error::InvalidArgument {
-                what: WHAT,
-                message: format!(
-                    "{algorithm} reduces f32 gradients; variable {i}'s is {:?} (use the \
-                     default allreduce)",
-                    t.dtype()
-                ),
-            });
-        }
-        flat.extend(t.into_vec::<f32>()?);
-    }
-    let scale = 1.0 / passes.max(1) as f32;
-    if scale != 1.0 {
-        flat.iter_mut().for_each(|v| *v *= scale);
-    }
-    let len = flat.len();
-    let name = format!("kolo_candle.{algorithm}");
-    let t = kolo::Tensor::from_vec(flat, &[len])?;
-    let out = match algorithm {
-        Algorithm::Adasum => kolo.adasum_allreduce(&name, t),
-        _ => kolo.bytegrad_allreduce(&name, t, op),
-    };
-    let out = match out.and_then(|t| Ok(t.into_vec::<f32>()?)) {
-        Ok(v) => v,
-        Err(e) => return Ok(Err(e)),
-    };
-    let mut at = 0;
-    Ok(shapes
+    // Named in candle's terms here; kolo would refuse it too, by member index.
+    if let Some((i, t)) = grads
         .iter()
-        .map(|s| {
-            let n: usize = s.iter().product();
-            let t = kolo::Tensor::from_vec(out[at..at + n].to_vec(), s);
-            at += n;
-            t
-        })
-        .collect())
+        .enumerate()
+        .find(|(_, t)| t.dtype() != kolo::DType::F32)
+    {
+        return Err(Error::InvalidArgument {
+            what: WHAT,
+            message: format!(
+                "{algorithm} reduces f32 gradients; variable {i}'s is {:?} (use the \
+                 default allreduce)",
+                t.dtype()
+            ),
+        });
+    }
+    let prescale = 1.0 / passes.max(1) as f32;
+    let name = format!("kolo_candle.{algorithm}");
+    Ok(kolo.algorithm_allreduce(&name, algorithm, op, prescale, grads))
 }
 
 /// Decentralized SGD's exchange (Bagua's, [`Algorithm::Decentralized`]): averages
