@@ -93,9 +93,31 @@ pub(crate) fn to_kolo<const D: usize>(
 
 /// `t` in host memory, where kolo's grouped allgather and reducescatter run (they
 /// take no CUDA members yet): a CUDA tensor is copied there, a host one kept as it is.
+///
+/// A CUDA tensor lent out of a Burn gradient ([`to_kolo`]) is handed back to Burn
+/// first and read through Burn: dropping it as a kolo tensor would free memory that
+/// Burn's allocator owns (the driver refuses, or worse, frees a live pool page).
 pub(crate) fn on_host(t: kolo::Tensor) -> Result<kolo::Tensor> {
     #[cfg(feature = "cuda")]
-    let t = t.to_cpu().map_err(kolo::Error::from)?;
+    let t = if t.device().is_cuda() {
+        let dims = t.shape().to_vec();
+        let dtype = t.dtype();
+        match crate::cube::reclaim_flat(t) {
+            Ok(lent) => {
+                let (bytes, _, _) = lent.into_data().into_parts();
+                return from_bytes(
+                    "a lent CUDA gradient",
+                    bytes,
+                    dtype,
+                    &dims,
+                    &Copied::default(),
+                );
+            }
+            Err(t) => t.to_cpu().map_err(kolo::Error::from)?,
+        }
+    } else {
+        t
+    };
     Ok(t)
 }
 

@@ -126,24 +126,26 @@ pub(crate) fn lend<const D: usize>(
 pub(crate) fn reclaim<const D: usize>(
     t: kolo::Tensor,
 ) -> std::result::Result<Tensor<D>, kolo::Tensor> {
-    let shape = t.shape().to_vec();
-    let t_dims = &shape;
+    let dims = dims_array::<D>(t.shape());
+    reclaim_flat(t).map(|flat| flat.reshape(dims))
+}
+
+/// [`reclaim`] as the flat (1-D) Burn tensor the memory was lent from.
+// `Err` hands the value back unmoved, as above.
+#[allow(clippy::result_large_err)]
+pub(crate) fn reclaim_flat(t: kolo::Tensor) -> std::result::Result<Tensor<1>, kolo::Tensor> {
     #[cfg(feature = "cpu")]
     let t = match t.into_host_buffer::<CubeHost>() {
         Ok(buf) => {
             let CubeHost { cube, pin, .. } = buf;
             drop(pin);
-            let dims = dims_array::<D>(t_dims);
-            return Ok(Tensor::<1>::from_primitive::<Cube>(cube).reshape(dims));
+            return Ok(Tensor::<1>::from_primitive::<Cube>(cube));
         }
         Err(t) => t,
     };
     #[cfg(feature = "cuda")]
     let t = match cuda::reclaim(t) {
-        Ok(cube) => {
-            let dims = dims_array::<D>(t_dims);
-            return Ok(Tensor::<1>::from_primitive::<Cube>(cube).reshape(dims));
-        }
+        Ok(cube) => return Ok(Tensor::<1>::from_primitive::<Cube>(cube)),
         Err(t) => t,
     };
     Err(t)

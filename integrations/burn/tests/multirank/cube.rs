@@ -194,9 +194,11 @@ pub(crate) fn cpu_sharded(k: &Kolo) -> Result<()> {
 }
 
 /// The sharded optimizer on CUDA (the grouped collectives through the host): within
-/// 8 × 2⁻¹⁷ relative of Flex, as `gpu_cuda_f32`.
+/// 32 × 2⁻¹⁷ relative of Flex. Momentum carries each step's cross-backend rounding
+/// into every later step: on an H200 the two ended 1.28e-4 apart at np 1 (plain SGD,
+/// `gpu_cuda_f32`: 2.1e-5), where the reduce-scatter is the identity.
 pub(crate) fn gpu_cuda_sharded(k: &Kolo) -> Result<()> {
-    cube_sharded(k, Backend::Cuda, 8.0)
+    cube_sharded(k, Backend::Cuda, 32.0)
 }
 
 /// `kolorun -np 1 train_digits --device cuda` on a machine without the CUDA driver:
