@@ -9,9 +9,16 @@
 //!   ([`Kolo::decentralized_average`]): point to point, no collective.
 //! - [`Algorithm::Adasum`]: gradients combined by Horovod's adaptive summation
 //!   ([`Kolo::adasum_allreduce`]).
+//! - [`Algorithm::Decentralized8Bit`]: decentralized SGD in low precision on a ring:
+//!   8-bit differences against public copies of the neighbours' weights
+//!   ([`WeightAverager`]).
+//! - [`Algorithm::Async`]: asynchronous model averaging every period, applied when
+//!   it arrives, no barrier ([`WeightAverager`]).
 //! - [`Algorithm::OneBitAdam`]: DeepSpeed's 1-bit Adam ([`OneBitAdam`]): Adam whose
 //!   momentum is averaged through 1-bit compression with error feedback after a
 //!   warm-up, the variance frozen.
+//! - [`Algorithm::QAdam`]: Bagua's QAdam ([`OneBitAdam::qadam`]): the same, the
+//!   momentum averaged 8-bit (ByteGrad's exchange).
 //!
 //! The quantiser is [`quantize`]; the decentralized schedule is
 //! [`decentralized::peers`].
@@ -25,11 +32,13 @@ use crate::error::{Error, Result};
 use crate::runtime::Kolo;
 
 mod adasum;
+mod averaging;
 mod bytegrad;
 pub mod decentralized;
 mod onebit;
 pub mod quantize;
 
+pub use averaging::{ring_neighbours, AsyncPeriod, AveragerState, WeightAverager};
 pub use onebit::{OneBitAdam, OneBitAdamConfig, OneBitState};
 
 pub use adasum::tree as adasum_tree;
@@ -57,19 +66,30 @@ pub enum Algorithm {
     /// DeepSpeed's 1-bit Adam ([`OneBitAdam`]): an optimizer of its own, not a way to
     /// reduce gradients.
     OneBitAdam,
+    /// Decentralized SGD in low precision (Bagua's): each rank steps on its own
+    /// gradients, then mixes its weights with its two ring neighbours' through 8-bit
+    /// differences ([`WeightAverager`]).
+    Decentralized8Bit,
+    /// Bagua's QAdam ([`OneBitAdam::qadam`]): 1-bit Adam's schedule with the momentum
+    /// averaged 8-bit; an optimizer of its own.
+    QAdam,
+    /// Asynchronous model averaging (Bagua's): each rank steps on its own gradients;
+    /// every period its weights are averaged in the background and the average is
+    /// applied when it arrives ([`WeightAverager`]).
+    Async,
 }
 
 /// The names [`Algorithm`] parses and prints, in its order.
-pub const ALGORITHM_NAMES: [&str; 5] = [
+pub const ALGORITHM_NAMES: [&str; 8] = [
     "allreduce",
     "bytegrad",
     "decentralized",
     "adasum",
     "onebit-adam",
+    "decentralized-8bit",
+    "qadam",
+    "async",
 ];
-
-/// Algorithms of issue 57 not in this version, named in the parse error.
-const NOT_YET: [&str; 3] = ["decentralized-8bit", "qadam", "async"];
 
 impl Algorithm {
     /// The algorithm's name, as `--algorithm` takes it.
@@ -80,13 +100,34 @@ impl Algorithm {
             Algorithm::Decentralized => ALGORITHM_NAMES[2],
             Algorithm::Adasum => ALGORITHM_NAMES[3],
             Algorithm::OneBitAdam => ALGORITHM_NAMES[4],
+            Algorithm::Decentralized8Bit => ALGORITHM_NAMES[5],
+            Algorithm::QAdam => ALGORITHM_NAMES[6],
+            Algorithm::Async => ALGORITHM_NAMES[7],
         }
     }
 
     /// Whether a gradient reducer runs the algorithm (the others exchange weights, or
     /// are optimizers of their own).
     pub fn reduces_gradients(self) -> bool {
-        !matches!(self, Algorithm::Decentralized | Algorithm::OneBitAdam)
+        matches!(
+            self,
+            Algorithm::Allreduce | Algorithm::ByteGrad | Algorithm::Adasum
+        )
+    }
+
+    /// Whether the algorithm exchanges weights after local steps ([`WeightAverager`]):
+    /// decentralized, decentralized-8bit, async.
+    pub fn exchanges_weights(self) -> bool {
+        matches!(
+            self,
+            Algorithm::Decentralized | Algorithm::Decentralized8Bit | Algorithm::Async
+        )
+    }
+
+    /// Whether the algorithm is an optimizer of its own ([`OneBitAdam`]): onebit-adam,
+    /// qadam.
+    pub fn is_optimizer(self) -> bool {
+        matches!(self, Algorithm::OneBitAdam | Algorithm::QAdam)
     }
 
     /// Checks that every rank chose the same algorithm (collective: every rank calls
@@ -200,21 +241,17 @@ impl FromStr for Algorithm {
             Algorithm::Decentralized,
             Algorithm::Adasum,
             Algorithm::OneBitAdam,
+            Algorithm::Decentralized8Bit,
+            Algorithm::QAdam,
+            Algorithm::Async,
         ];
         if let Some(a) = all.into_iter().find(|a| a.name() == s) {
             return Ok(a);
         }
-        let message = if NOT_YET.contains(&s) {
-            format!(
-                "algorithm {s:?} is not in this version of kolo; available: {}",
-                ALGORITHM_NAMES.join(", ")
-            )
-        } else {
-            format!(
-                "unknown algorithm {s:?}; available: {}",
-                ALGORITHM_NAMES.join(", ")
-            )
-        };
+        let message = format!(
+            "unknown algorithm {s:?}; available: {}",
+            ALGORITHM_NAMES.join(", ")
+        );
         Err(UnknownAlgorithm { message })
     }
 }
@@ -228,12 +265,18 @@ mod tests {
         for n in ALGORITHM_NAMES {
             assert_eq!(n.parse::<Algorithm>().unwrap().name(), n);
         }
-        let e = "qadam".parse::<Algorithm>().unwrap_err().to_string();
+        let e = "ring".parse::<Algorithm>().unwrap_err().to_string();
         assert!(
-            e.contains("not in this version") && e.contains("bytegrad"),
+            e.starts_with("unknown algorithm \"ring\"") && e.contains("decentralized-8bit"),
             "{e}"
         );
-        let e = "ring".parse::<Algorithm>().unwrap_err().to_string();
-        assert!(e.starts_with("unknown algorithm \"ring\""), "{e}");
+        for a in ALGORITHM_NAMES.map(|n| n.parse::<Algorithm>().unwrap()) {
+            let kinds = [
+                a.reduces_gradients(),
+                a.exchanges_weights(),
+                a.is_optimizer(),
+            ];
+            assert_eq!(kinds.iter().filter(|k| **k).count(), 1, "{a}");
+        }
     }
 }

@@ -79,6 +79,13 @@ const CASES: &[(&str, Case, usize)] = &[
     ("issue57_decentralized", algorithms::decentralized, 1),
     ("issue57_bytegrad", algorithms::bytegrad, 1),
     ("issue57_onebit_adam", algorithms::onebit_adam, 1),
+    (
+        "issue57_decentralized_8bit",
+        algorithms::decentralized_8bit,
+        1,
+    ),
+    ("issue57_async_averaging", algorithms::async_averaging, 1),
+    ("issue57_qadam", algorithms::qadam, 1),
     ("p2p_pair_alone", p2p::pair_alone, 3),
     (
         "p2p_pair_alone_past_heartbeats",
