@@ -48,7 +48,7 @@ use clap::Parser;
 use indicatif::{ProgressBar, ProgressStyle};
 use kolo_burn::{
     average_metrics, broadcast_optimizer_state, broadcast_parameters, commit, DistributedSampler,
-    GradientReducer, Progress, ShardedOptimizer,
+    Progress, ShardedOptimizer,
 };
 
 #[derive(Parser, Debug)]
@@ -131,9 +131,11 @@ struct Args {
     #[arg(long, value_enum, default_value = "f32", requires = "fully_sharded")]
     precision: fully_sharded_digits::Precision,
     /// How the ranks synchronise: allreduce (gradients, full precision), bytegrad
-    /// (gradients, 8-bit), decentralized (weights, with one peer after each step),
-    /// adasum (gradients, adaptive summation), onebit-adam (DeepSpeed's 1-bit Adam in
-    /// place of Adam).
+    /// (gradients, 8-bit), adasum (gradients, adaptive summation), decentralized
+    /// (weights, with one peer after each step), decentralized-8bit (weights, 8-bit
+    /// differences with both ring neighbours), async (weights averaged in the
+    /// background every --async-period steps), onebit-adam (DeepSpeed's 1-bit Adam in
+    /// place of Adam), qadam (the same with 8-bit momenta).
     #[arg(
         long,
         default_value = "allreduce",
@@ -149,6 +151,9 @@ struct Args {
     /// and momenta are compressed to 1 bit.
     #[arg(long, default_value_t = 20)]
     onebit_warmup: u64,
+    /// With --algorithm async: steps between the background averaging rounds.
+    #[arg(long, default_value_t = 4)]
+    async_period: u64,
 }
 
 #[derive(Module, Debug)]
@@ -178,6 +183,8 @@ mod digits;
 mod fingerprint;
 #[path = "common/fully_sharded_digits.rs"]
 mod fully_sharded_digits;
+#[path = "common/sync_algorithm.rs"]
+mod sync_algorithm;
 use digits::{load_digits, Digits};
 use fingerprint::fingerprint;
 
@@ -340,24 +347,16 @@ fn run() -> anyhow::Result<()> {
     if rank == 0 && args.algorithm != kolo::Algorithm::Allreduce {
         println!("synchronising with {} (--algorithm)", args.algorithm);
     }
-    let mut onebit = (args.algorithm == kolo::Algorithm::OneBitAdam).then(|| {
-        kolo_burn::OneBitAdam::new(
-            &kolo,
-            kolo::algorithms::OneBitAdamConfig {
-                warmup: args.onebit_warmup,
-                ..Default::default()
-            },
-        )
-    });
-    if onebit.is_some() && args.checkpoint.is_some() {
-        anyhow::bail!(
-            "--algorithm onebit-adam does not checkpoint its state in this example yet \
-             (kolo_burn::OneBitAdam::state does): leave out --checkpoint"
-        );
+    let mut sync = sync_algorithm::Sync::new(
+        &kolo,
+        args.algorithm,
+        args.compress_on_one_host,
+        args.onebit_warmup,
+        args.async_period,
+    )?;
+    if let Some(dir) = &args.checkpoint {
+        (model, optim) = sync.restore(dir, &kolo, progress.step, model, optim)?;
     }
-    let reducer = GradientReducer::new(&kolo)
-        .algorithm(args.algorithm)
-        .hierarchical(!args.compress_on_one_host);
     let mut sharded = args
         .sharded_optimizer
         .then(|| ShardedOptimizer::new(&kolo, AdamConfig::new().init()));
@@ -409,19 +408,7 @@ fn run() -> anyhow::Result<()> {
             let grads = GradientsParams::from_grads(loss.backward(), &model);
             model = match &mut sharded {
                 Some(sharded) => sharded.step(lr, model, grads)?,
-                None if args.algorithm == kolo::Algorithm::Decentralized => {
-                    // This rank's own gradients, then its weights averaged with a peer.
-                    let stepped = optim.step(lr, model, grads);
-                    kolo_burn::decentralized_average(&kolo, stepped, step)?
-                }
-                None => match &mut onebit {
-                    // The optimizer and the synchronisation in one.
-                    Some(onebit) => onebit.step(lr, model, grads)?,
-                    None => {
-                        let grads = reducer.reduce(&model, grads)?;
-                        optim.step(lr, model, grads)
-                    }
-                },
+                None => sync.step(lr, model, grads, |m, g| optim.step(lr, m, g))?,
             };
             samples += ids.len();
             bar.inc(1);
@@ -429,6 +416,8 @@ fn run() -> anyhow::Result<()> {
             let stop = args.max_steps.is_some_and(|m| step >= m);
             if let Some(dir) = &args.checkpoint {
                 if stop || args.commit_every.is_some_and(|k| k > 0 && step % k == 0) {
+                    model = sync.finish(model)?;
+                    sync.save(dir, &kolo, step, &model, &optim)?;
                     let state = saved_state(&mut sharded, &model, &optim)?;
                     commit(&kolo, dir, &model, &state, &at(epoch, skip, i + 1, step))
                         .context("committing")?;
@@ -444,6 +433,7 @@ fn run() -> anyhow::Result<()> {
             }
         }
         bar.finish_and_clear();
+        model = sync.finish(model)?;
         if args.bench {
             continue;
         }
@@ -468,6 +458,7 @@ fn run() -> anyhow::Result<()> {
             );
         }
         if let Some(dir) = &args.checkpoint {
+            sync.save(dir, &kolo, step, &model, &optim)?;
             let state = saved_state(&mut sharded, &model, &optim)?;
             commit(&kolo, dir, &model, &state, &at(epoch + 1, 0, 0, step))
                 .context("saving the checkpoint")?;

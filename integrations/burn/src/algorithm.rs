@@ -72,12 +72,13 @@ pub(crate) fn reduces_gradients(algorithm: Algorithm) -> Result<()> {
         return Ok(());
     }
     let message = match algorithm {
-        Algorithm::OneBitAdam => "onebit-adam is an optimizer of its own: step with \
-                                  kolo_burn::OneBitAdam instead of a reducer and Adam"
-            .to_string(),
+        Algorithm::OneBitAdam | Algorithm::QAdam => format!(
+            "{algorithm} is an optimizer of its own: step with kolo_burn::OneBitAdam \
+             (OneBitAdam::qadam for qadam) instead of a reducer and Adam"
+        ),
         _ => format!(
             "{algorithm} exchanges weights, not gradients: step on this rank's own \
-             gradients and call kolo_burn::decentralized_average after the step"
+             gradients and call kolo_burn::WeightAverager::after_step after the step"
         ),
     };
     Err(Error::InvalidArgument {
@@ -118,6 +119,102 @@ pub fn decentralized_average<M: Module>(kolo: &Kolo, model: M, step: u64) -> Res
         values: &mixed,
         at: 0,
     }))
+}
+
+/// The weight-exchanging algorithms of issue 57 for a Burn model: decentralized SGD in
+/// full or low precision ([`Algorithm::Decentralized`], [`Algorithm::Decentralized8Bit`])
+/// and asynchronous model averaging ([`Algorithm::Async`]); kolo's
+/// [`kolo::algorithms::WeightAverager`] over the model's float parameters. Step with
+/// this rank's own gradients (no reducer), then call [`after_step`](Self::after_step);
+/// call [`finish`](Self::finish) before evaluating, saving or stopping. The state
+/// ([`state`](Self::state), per rank: each rank's copies differ) goes into a
+/// checkpoint after `finish`.
+///
+/// ```no_run
+/// # fn f<M: burn::module::Module>(kolo: &kolo::Kolo, model: M) -> kolo_burn::Result<M> {
+/// let mut avg = kolo_burn::WeightAverager::new(kolo, kolo_burn::Algorithm::Decentralized8Bit)?;
+/// let model = avg.after_step(model)?; // after each optimizer step on local gradients
+/// let model = avg.finish(model)?; // before evaluating or saving
+/// # Ok(model) }
+/// ```
+#[derive(Debug)]
+pub struct WeightAverager {
+    kolo: Kolo,
+    inner: kolo::algorithms::WeightAverager,
+}
+
+impl WeightAverager {
+    /// An averager for `algorithm`.
+    ///
+    /// # Errors
+    /// [`Error::Kolo`] for an algorithm that does not exchange weights.
+    pub fn new(kolo: &Kolo, algorithm: Algorithm) -> Result<Self> {
+        Ok(WeightAverager {
+            kolo: kolo.clone(),
+            inner: kolo::algorithms::WeightAverager::new(algorithm)?,
+        })
+    }
+
+    /// How often async averaging runs (default every 4 steps).
+    pub fn period(mut self, period: kolo::algorithms::AsyncPeriod) -> Self {
+        self.inner = self.inner.period(period);
+        self
+    }
+
+    /// The state to checkpoint (after [`finish`](Self::finish)).
+    pub fn state(&self) -> &kolo::algorithms::AveragerState {
+        self.inner.state()
+    }
+
+    /// Restores a checkpointed state (this rank's own).
+    pub fn set_state(&mut self, state: kolo::algorithms::AveragerState) {
+        self.inner.set_state(state);
+    }
+
+    /// The exchange after one optimizer step (collective in the algorithm's way:
+    /// every rank calls it after every step).
+    ///
+    /// # Errors
+    /// A parameter that cannot be read as f32 ([`Error::InvalidArgument`], on every
+    /// rank alike); a failed exchange, or a peer whose model differs ([`Error::Kolo`]).
+    pub fn after_step<M: Module>(&mut self, model: M) -> Result<M> {
+        self.exchange(model, false)
+    }
+
+    /// Completes the exchange for now (async: every round any rank started; a
+    /// collective).
+    ///
+    /// # Errors
+    /// As [`after_step`](Self::after_step).
+    pub fn finish<M: Module>(&mut self, model: M) -> Result<M> {
+        self.exchange(model, true)
+    }
+
+    fn exchange<M: Module>(&mut self, model: M, finish: bool) -> Result<M> {
+        let mut flat = Flatten(Vec::new(), None);
+        model.visit(&mut flat);
+        if let Some(message) = flat.1 {
+            return Err(Error::InvalidArgument {
+                what: "WeightAverager",
+                message,
+            });
+        }
+        let mut values = flat.0;
+        let before = values.clone();
+        let name = "kolo_burn.averaging";
+        if finish {
+            self.inner.finish(&self.kolo, name, &mut values)?;
+        } else {
+            self.inner.after_step(&self.kolo, name, &mut values)?;
+        }
+        if values == before {
+            return Ok(model);
+        }
+        Ok(model.map(&mut Unflatten {
+            values: &values,
+            at: 0,
+        }))
+    }
 }
 
 /// Every float parameter's values, as f32, in module order; the first that cannot

@@ -63,7 +63,7 @@ mod sync_bn;
 #[cfg(feature = "train")]
 pub mod train;
 
-pub use algorithm::decentralized_average;
+pub use algorithm::{decentralized_average, WeightAverager};
 pub use broadcast::{broadcast_optimizer_state, broadcast_parameters};
 pub use checkpoint::{checkpoint_path, commit, load_checkpoint, resume, save_checkpoint, Restored};
 pub use device::{cuda_device, Backend};

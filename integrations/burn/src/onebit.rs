@@ -42,6 +42,15 @@ impl OneBitAdam {
         }
     }
 
+    /// Bagua's QAdam ([`kolo::Algorithm::QAdam`]): the same schedule, the momenta
+    /// averaged 8-bit (ByteGrad's exchange, with error feedback).
+    pub fn qadam(kolo: &Kolo, config: OneBitAdamConfig) -> Self {
+        OneBitAdam {
+            kolo: kolo.clone(),
+            inner: kolo::algorithms::OneBitAdam::qadam(config),
+        }
+    }
+
     /// The state to checkpoint.
     pub fn state(&self) -> &OneBitState {
         self.inner.state()
@@ -73,9 +82,12 @@ impl OneBitAdam {
                 message,
             });
         }
-        let update = self
-            .inner
-            .step(&self.kolo, "kolo_burn.onebit", lr as f32, read.values)?;
+        let name = if self.inner.is_qadam() {
+            "kolo_burn.qadam"
+        } else {
+            "kolo_burn.onebit"
+        };
+        let update = self.inner.step(&self.kolo, name, lr as f32, read.values)?;
         Ok(model.map(&mut Subtract {
             update: &update,
             at: 0,

@@ -583,6 +583,16 @@ pub(crate) fn trials() -> Vec<Trial> {
         Trial::test("digits_resume_exact_fully_sharded/np2", || {
             Ok(resume_is_exact(2, &["--fully-sharded"])?)
         }),
+        // Issue 57: each algorithm's per-rank state (and, for the weight exchanges,
+        // each rank's own weights) survives the stop; np 3 for two ring neighbours,
+        // batches of 16 so that 30 steps of 60 remain after the stop.
+        Trial::test("issue57_digits_resume_exact_algorithms/np3", || {
+            for a in ["decentralized-8bit", "async", "qadam", "onebit-adam"] {
+                resume_is_exact(3, &["--algorithm", a, "--batch-size", "16"])
+                    .map_err(|e| format!("{a}: {e}"))?;
+            }
+            Ok(())
+        }),
         Trial::test("digits_resume_exact_pipeline/np2", || {
             Ok(resume_is_exact(2, &["--pipeline-stages", "2"])?)
         }),

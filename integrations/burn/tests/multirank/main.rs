@@ -1120,6 +1120,42 @@ const EXAMPLES: &[(&str, &[&str], &[usize])] = &[
         ],
         &[4],
     ),
+    (
+        "digits_example_decentralized_8bit",
+        &[
+            "--epochs",
+            "10",
+            "--algorithm",
+            "decentralized-8bit",
+            "--min-accuracy",
+            "0.95",
+        ],
+        &[4],
+    ),
+    (
+        "digits_example_async",
+        &[
+            "--epochs",
+            "10",
+            "--algorithm",
+            "async",
+            "--min-accuracy",
+            "0.95",
+        ],
+        &[4],
+    ),
+    (
+        "digits_example_qadam",
+        &[
+            "--epochs",
+            "10",
+            "--algorithm",
+            "qadam",
+            "--min-accuracy",
+            "0.95",
+        ],
+        &[4],
+    ),
     // Issue 56: the engine from the seed-style DeepSpeed config (Adam betas
     // [0.8, 0.999], WarmupLR, fp16 dynamic scaling, ZeRO-3 with both offloads,
     // activation checkpointing).
