@@ -56,7 +56,9 @@ struct Args {
     /// Fail (exit 1) when the final test accuracy is below this fraction.
     #[arg(long)]
     min_accuracy: Option<f64>,
-    /// How the ranks synchronise: allreduce, bytegrad, decentralized, adasum.
+    /// How the ranks synchronise: allreduce, bytegrad, adasum (gradients),
+    /// decentralized, decentralized-8bit, async (weights, after local steps),
+    /// onebit-adam, qadam (optimizers of their own, in place of AdamW/SGD).
     #[arg(
         long,
         default_value = "allreduce",
@@ -118,12 +120,40 @@ fn correct(model: &Mlp, d: &Digits, ids: &[usize]) -> candle_core::Result<usize>
     Ok(n)
 }
 
-fn train<O: Optimizer>(
+/// A training step and the exchange's completion, whatever synchronises the ranks.
+trait Stepper {
+    fn step(&mut self, loss: &Tensor) -> anyhow::Result<()>;
+    /// Before an evaluation: completes a weight exchange (async averaging).
+    fn finish(&mut self) -> anyhow::Result<()>;
+}
+
+impl<O: Optimizer> Stepper for DistributedOptimizer<O> {
+    fn step(&mut self, loss: &Tensor) -> anyhow::Result<()> {
+        Ok(self.backward_step(loss)?)
+    }
+    fn finish(&mut self) -> anyhow::Result<()> {
+        Ok(DistributedOptimizer::finish(self)?)
+    }
+}
+
+/// 1-bit Adam or QAdam at a fixed learning rate.
+struct OneBit(kolo_candle::OneBitAdam, f64);
+
+impl Stepper for OneBit {
+    fn step(&mut self, loss: &Tensor) -> anyhow::Result<()> {
+        Ok(self.0.backward_step(self.1, loss)?)
+    }
+    fn finish(&mut self) -> anyhow::Result<()> {
+        Ok(())
+    }
+}
+
+fn train(
     args: &Args,
     kolo: &kolo::Kolo,
     model: &Mlp,
     data: &Digits,
-    mut opt: DistributedOptimizer<O>,
+    mut opt: impl Stepper,
 ) -> anyhow::Result<f64> {
     let (rank, size) = (kolo.rank(), kolo.size());
     let sampler = DistributedSampler::new(data.train.len(), rank, size, args.seed);
@@ -145,8 +175,9 @@ fn train<O: Optimizer>(
             let (x, y) = batch(data, &ids)?;
             let loss = candle_nn::loss::cross_entropy(&model.forward(&x)?, &y)?;
             loss_sum += f64::from(loss.to_scalar::<f32>()?) * ids.len() as f64;
-            opt.backward_step(&loss)?;
+            opt.step(&loss)?;
         }
+        opt.finish()?;
         let right = correct(model, data, &test_shard)?;
         let avg = average_metrics(
             kolo,
@@ -222,7 +253,17 @@ fn run() -> anyhow::Result<()> {
         );
     }
     let started = Instant::now();
-    let accuracy = if args.sgd {
+    let onebit_config = kolo::algorithms::OneBitAdamConfig {
+        warmup: 20,
+        ..Default::default()
+    };
+    let accuracy = if args.algorithm == kolo::Algorithm::OneBitAdam {
+        let opt = kolo_candle::OneBitAdam::new(&kolo, varmap.all_vars(), onebit_config)?;
+        train(&args, &kolo, &model, &data, OneBit(opt, args.lr))?
+    } else if args.algorithm == kolo::Algorithm::QAdam {
+        let opt = kolo_candle::OneBitAdam::qadam(&kolo, varmap.all_vars(), onebit_config)?;
+        train(&args, &kolo, &model, &data, OneBit(opt, args.lr))?
+    } else if args.sgd {
         let opt = DistributedOptimizer::new(
             &kolo,
             SGD::new(varmap.all_vars(), args.lr)?,

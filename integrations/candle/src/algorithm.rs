@@ -4,6 +4,7 @@
 //! kolo's (`kolo::algorithms`), shared with kolo-burn.
 
 use candle_core::{DType, Tensor, Var};
+use kolo::algorithms::WeightAverager;
 use kolo::{Algorithm, Kolo, ReduceOp};
 
 use crate::error::{Error, Result};
@@ -55,6 +56,42 @@ pub(crate) fn reduce_flat(
 /// A variable that cannot be read or written as f32; a failed exchange (a peer with
 /// another number of values is named).
 pub fn decentralized_average(kolo: &Kolo, vars: &[Var], step: u64) -> Result<()> {
+    let flat = read_flat(vars)?;
+    let n = flat.len();
+    let mixed = kolo
+        .decentralized_average(
+            "kolo_candle.decentralized",
+            step,
+            kolo::Tensor::from_vec(flat, &[n])?,
+        )?
+        .into_vec::<f32>()?;
+    write_flat(vars, &mixed)
+}
+
+/// One exchange of `averager` over the values of `vars` (or, with `finish`, its
+/// completion).
+pub(crate) fn average_weights(
+    kolo: &Kolo,
+    averager: &mut WeightAverager,
+    vars: &[Var],
+    finish: bool,
+) -> Result<()> {
+    let mut flat = read_flat(vars)?;
+    let before = flat.clone();
+    let name = "kolo_candle.averaging";
+    if finish {
+        averager.finish(kolo, name, &mut flat)?;
+    } else {
+        averager.after_step(kolo, name, &mut flat)?;
+    }
+    if flat == before {
+        return Ok(());
+    }
+    write_flat(vars, &flat)
+}
+
+/// The values of `vars` as one f32 vector, in order.
+pub(crate) fn read_flat(vars: &[Var]) -> Result<Vec<f32>> {
     let mut flat = Vec::new();
     for v in vars {
         flat.extend(
@@ -64,20 +101,17 @@ pub fn decentralized_average(kolo: &Kolo, vars: &[Var], step: u64) -> Result<()>
                 .to_vec1::<f32>()?,
         );
     }
-    let n = flat.len();
-    let mixed = kolo
-        .decentralized_average(
-            "kolo_candle.decentralized",
-            step,
-            kolo::Tensor::from_vec(flat, &[n])?,
-        )?
-        .into_vec::<f32>()?;
+    Ok(flat)
+}
+
+/// Sets `vars` from `values` (read by [`read_flat`]), each in its own dtype.
+pub(crate) fn write_flat(vars: &[Var], values: &[f32]) -> Result<()> {
     let mut at = 0;
     for v in vars {
         let t = v.as_tensor();
         let len = t.elem_count();
         let fresh =
-            Tensor::from_slice(&mixed[at..at + len], t.dims(), t.device())?.to_dtype(t.dtype())?;
+            Tensor::from_slice(&values[at..at + len], t.dims(), t.device())?.to_dtype(t.dtype())?;
         at += len;
         v.set(&fresh)?;
     }

@@ -46,6 +46,7 @@ mod algorithm;
 mod broadcast;
 mod convert;
 mod error;
+mod onebit;
 mod optim;
 mod vars;
 
@@ -54,4 +55,5 @@ pub use broadcast::broadcast_parameters;
 pub use error::{Error, Result};
 pub use kolo::Algorithm;
 pub use kolo::{average_metrics, DistributedSampler};
+pub use onebit::OneBitAdam;
 pub use optim::DistributedOptimizer;

@@ -3,6 +3,7 @@
 use candle_core::backprop::GradStore;
 use candle_core::{Tensor, Var};
 use candle_nn::{Optimizer, VarMap};
+use kolo::algorithms::{AsyncPeriod, AveragerState, WeightAverager};
 use kolo::{Algorithm, Kolo, ReduceOp};
 
 use crate::convert::{check_dtype, from_kolo, to_kolo};
@@ -59,8 +60,10 @@ pub struct DistributedOptimizer<O> {
     algorithm: Algorithm,
     /// ByteGrad compresses only across hosts.
     hierarchical: bool,
-    /// Steps taken (the decentralized peer schedule).
-    steps: u64,
+    /// The weight exchange of decentralized, decentralized-8bit and async.
+    averager: Option<WeightAverager>,
+    /// Async averaging's period (kept for an averager made later).
+    period: AsyncPeriod,
 }
 
 impl<O: Optimizer> DistributedOptimizer<O> {
@@ -91,7 +94,8 @@ impl<O: Optimizer> DistributedOptimizer<O> {
             pass: 0,
             algorithm: Algorithm::Allreduce,
             hierarchical: true,
-            steps: 0,
+            averager: None,
+            period: AsyncPeriod::default(),
         };
         for (i, v) in built.vars.iter().enumerate() {
             check_dtype(WHAT, &built.label(i), v.dtype())?;
@@ -150,28 +154,70 @@ impl<O: Optimizer> DistributedOptimizer<O> {
 
     /// How the ranks synchronise (issue 57): [`Algorithm::Allreduce`] (the default),
     /// [`Algorithm::ByteGrad`] (8-bit gradients; by default only across hosts, see
-    /// [`hierarchical`](Self::hierarchical)), [`Algorithm::Adasum`], or
-    /// [`Algorithm::Decentralized`]: each rank steps on its own gradients and then
-    /// averages its variables with one peer
-    /// ([`decentralized_average`](crate::decentralized_average)). ByteGrad and Adasum
-    /// reduce all gradients (f32) as one buffer. Collective: every rank calls it.
+    /// [`hierarchical`](Self::hierarchical)), [`Algorithm::Adasum`], or one of the
+    /// weight exchanges — [`Algorithm::Decentralized`],
+    /// [`Algorithm::Decentralized8Bit`], [`Algorithm::Async`] — where each rank steps
+    /// on its own gradients and then exchanges its variables
+    /// ([`kolo::algorithms::WeightAverager`]; call [`finish`](Self::finish) before
+    /// evaluating or saving). ByteGrad and Adasum reduce all gradients (f32) as one
+    /// buffer. Collective: every rank calls it.
     ///
     /// # Errors
     /// The ranks chose different algorithms (on every rank, naming each rank's);
-    /// [`Algorithm::OneBitAdam`], an optimizer of its own.
+    /// [`Algorithm::OneBitAdam`] and [`Algorithm::QAdam`], optimizers of their own
+    /// ([`OneBitAdam`](crate::OneBitAdam)).
     pub fn algorithm(mut self, algorithm: Algorithm) -> Result<Self> {
         algorithm.agree(&self.kolo, "kolo_candle.algorithm")?;
-        if algorithm == Algorithm::OneBitAdam {
+        if algorithm.is_optimizer() {
             return Err(Error::InvalidArgument {
                 what: "DistributedOptimizer::algorithm",
-                message: "onebit-adam is an optimizer of its own, built for kolo-burn \
-                          (kolo_burn::OneBitAdam) and on flat vectors \
-                          (kolo::algorithms::OneBitAdam); not for candle yet"
-                    .into(),
+                message: format!(
+                    "{algorithm} is an optimizer of its own: use kolo_candle::OneBitAdam \
+                     (OneBitAdam::qadam for qadam) in place of this optimizer"
+                ),
             });
         }
+        self.averager = if algorithm.exchanges_weights() {
+            Some(WeightAverager::new(algorithm)?.period(self.period))
+        } else {
+            None
+        };
         self.algorithm = algorithm;
         Ok(self)
+    }
+
+    /// How often [`Algorithm::Async`] averages (default every 4 steps).
+    pub fn async_period(mut self, period: AsyncPeriod) -> Self {
+        self.period = period;
+        self.averager = self.averager.take().map(|a| a.period(period));
+        self
+    }
+
+    /// Completes the weight exchange for now (async averaging: every round any rank
+    /// started, applied; a collective). Call it before evaluating, saving or stopping;
+    /// nothing to do for the other algorithms.
+    ///
+    /// # Errors
+    /// A variable that cannot be read or written as f32; a failed exchange.
+    pub fn finish(&mut self) -> Result<()> {
+        match &mut self.averager {
+            Some(a) => crate::algorithm::average_weights(&self.kolo, a, &self.vars, true),
+            None => Ok(()),
+        }
+    }
+
+    /// The weight exchange's state, this rank's own, to checkpoint after
+    /// [`finish`](Self::finish) (none for the gradient algorithms).
+    pub fn averager_state(&self) -> Option<&AveragerState> {
+        self.averager.as_ref().map(WeightAverager::state)
+    }
+
+    /// Restores a checkpointed weight-exchange state (ignored by the gradient
+    /// algorithms).
+    pub fn set_averager_state(&mut self, state: AveragerState) {
+        if let Some(a) = &mut self.averager {
+            a.set_state(state);
+        }
     }
 
     /// Whether ByteGrad compresses only what crosses hosts (`true`, the default, as
@@ -244,9 +290,9 @@ impl<O: Optimizer> DistributedOptimizer<O> {
         }
         self.pass = 0;
         let local = std::mem::replace(&mut self.accumulated, vec![None; self.vars.len()]);
-        if self.algorithm == Algorithm::Decentralized {
+        if let Some(averager) = &mut self.averager {
             // This rank's own gradients (the mean over the passes), then its
-            // variables averaged with one peer.
+            // variables exchanged.
             let mut own = GradStore::default();
             for (v, g) in self.vars.iter().zip(local) {
                 if let Some(g) = g {
@@ -254,12 +300,9 @@ impl<O: Optimizer> DistributedOptimizer<O> {
                 }
             }
             self.inner.step(&own)?;
-            crate::algorithm::decentralized_average(&self.kolo, &self.vars, self.steps)?;
-            self.steps += 1;
-            return Ok(());
+            return crate::algorithm::average_weights(&self.kolo, averager, &self.vars, false);
         }
         let reduced = self.reduce_local(local, self.passes)?;
-        self.steps += 1;
         Ok(self.inner.step(&reduced)?)
     }
 

@@ -162,3 +162,143 @@ pub(crate) fn disagreement(kolo: &Kolo) -> Result<()> {
     );
     Ok(())
 }
+
+/// The other weight exchanges through the optimizer: decentralized-8bit and async
+/// (a round every step) bring models that start apart together while training, and
+/// after `finish` async's ranks hold the same mean as before their last round.
+pub(crate) fn weight_exchanges(kolo: &Kolo) -> Result<()> {
+    let (rank, size) = (kolo.rank(), kolo.size());
+    for algorithm in [Algorithm::Decentralized8Bit, Algorithm::Async] {
+        let varmap = VarMap::new();
+        let model = Small::new(16, &varmap)?;
+        for v in varmap.all_vars() {
+            v.set(&(v.as_tensor() + rank as f64 * 0.05)?)?;
+        }
+        let mut opt =
+            DistributedOptimizer::new(kolo, SGD::new(varmap.all_vars(), 0.05)?, varmap.all_vars())?
+                .algorithm(algorithm)?
+                .async_period(kolo::algorithms::AsyncPeriod::Steps(1));
+        let order = opt.vars().to_vec();
+        let tag = format!("c57.{algorithm}");
+        let spread = |kolo: &Kolo, tag: &str| -> Result<f32> {
+            let all: Vec<Vec<f32>> = kolo.allgather_object(tag, values(&order)?)?;
+            Ok(all.iter().map(|v| worst(v, &all[0])).fold(0.0, f32::max))
+        };
+        let before = spread(kolo, &format!("{tag}.before"))?;
+        for step in 0..8 {
+            let lo = (step * size + rank) * 8;
+            opt.backward_step(&model.loss(&samples(lo..lo + 8)?)?)?;
+        }
+        opt.finish()?;
+        let after = spread(kolo, &format!("{tag}.after"))?;
+        ensure!(
+            size == 1 || after < before / 4.0,
+            "{algorithm}: spread {before} → {after}: the ranks did not mix"
+        );
+        ensure!(
+            size == 1 || opt.averager_state().is_some_and(|s| s.step == 8),
+            "{algorithm}: state {:?}",
+            opt.averager_state()
+        );
+    }
+    Ok(())
+}
+
+/// kolo_candle::OneBitAdam with compression off is AdamW without weight decay on
+/// averaged gradients (to 1e-5 after 10 steps); 1-bit Adam and QAdam after a 3-step
+/// warm-up keep every rank's variables equal and lower the loss.
+pub(crate) fn onebit_adam(kolo: &Kolo) -> Result<()> {
+    use candle_nn::{AdamW, ParamsAdamW};
+    use kolo::algorithms::OneBitAdamConfig;
+    use kolo_candle::OneBitAdam;
+    let (rank, size) = (kolo.rank(), kolo.size());
+    let fresh = || -> Result<(VarMap, Small)> {
+        let varmap = VarMap::new();
+        let model = Small::new(16, &varmap)?;
+        broadcast_parameters(kolo, &varmap, 0)?;
+        Ok((varmap, model))
+    };
+    let batch = |step: usize| samples((step * size + rank) * 8..(step * size + rank) * 8 + 8);
+    let (va, ma) = fresh()?;
+    let params = ParamsAdamW {
+        lr: 0.01,
+        weight_decay: 0.0,
+        eps: 1e-8,
+        ..ParamsAdamW::default()
+    };
+    let mut adam =
+        DistributedOptimizer::new(kolo, AdamW::new(va.all_vars(), params)?, va.all_vars())?;
+    let (vb, mb) = fresh()?;
+    {
+        // The same start as AdamW's model, by name.
+        let da = va.data().lock().map_err(|_| anyhow::anyhow!("poisoned"))?;
+        let db = vb.data().lock().map_err(|_| anyhow::anyhow!("poisoned"))?;
+        for (name, v) in da.iter() {
+            db[name].set(v.as_tensor())?;
+        }
+    }
+    let config = OneBitAdamConfig {
+        epsilon: 1e-8,
+        compression: false,
+        ..Default::default()
+    };
+    let mut off = OneBitAdam::new(kolo, vb.all_vars(), config)?;
+    for step in 0..10 {
+        adam.backward_step(&ma.loss(&batch(step)?)?)?;
+        off.backward_step(0.01, &mb.loss(&batch(step)?)?)?;
+    }
+    let order = adam.vars().to_vec();
+    let names: Vec<Var> = {
+        let data = vb.data().lock().map_err(|_| anyhow::anyhow!("poisoned"))?;
+        let da = va.data().lock().map_err(|_| anyhow::anyhow!("poisoned"))?;
+        order
+            .iter()
+            .map(|v| {
+                let name = da
+                    .iter()
+                    .find(|(_, w)| w.as_tensor().id() == v.as_tensor().id())
+                    .map(|(n, _)| n.clone())
+                    .unwrap_or_default();
+                data[&name].clone()
+            })
+            .collect()
+    };
+    let w = worst(&values(&order)?, &values(&names)?);
+    ensure!(w < 1e-5, "compression off differs from AdamW by {w}");
+    for q in [false, true] {
+        let (vc, mc) = fresh()?;
+        let config = OneBitAdamConfig {
+            warmup: 3,
+            ..Default::default()
+        };
+        let mut opt = if q {
+            OneBitAdam::qadam(kolo, vc.all_vars(), config)?
+        } else {
+            OneBitAdam::new(kolo, vc.all_vars(), config)?
+        };
+        let first = mc.loss(&batch(0)?)?.to_scalar::<f32>()?;
+        for step in 0..30 {
+            opt.backward_step(0.01, &mc.loss(&batch(step % 4)?)?)?;
+        }
+        let last = mc.loss(&batch(0)?)?.to_scalar::<f32>()?;
+        // By name: all_vars' order differs between processes.
+        let mine = {
+            let data = vc.data().lock().map_err(|_| anyhow::anyhow!("poisoned"))?;
+            let mut named: Vec<(&String, &Var)> = data.iter().collect();
+            named.sort_by(|a, b| a.0.cmp(b.0));
+            values(
+                &named
+                    .into_iter()
+                    .map(|(_, v)| v.clone())
+                    .collect::<Vec<_>>(),
+            )?
+        };
+        let all: Vec<Vec<f32>> = kolo.allgather_object(format!("c57.ob.{q}"), mine)?;
+        ensure!(
+            all.windows(2).all(|w| w[0] == w[1]),
+            "qadam {q}: the ranks' variables differ"
+        );
+        ensure!(last < first, "qadam {q}: loss {first} → {last}");
+    }
+    Ok(())
+}
