@@ -52,7 +52,7 @@ use bench::{show, PLAIN_MALLOC};
 #[allow(dead_code)]
 mod harness;
 
-const PATHS: [&str; 13] = [
+const PATHS: [&str; 16] = [
     "reducer",
     "overlapped",
     "optimizer",
@@ -65,6 +65,9 @@ const PATHS: [&str; 13] = [
     "adasum",
     "decentralized",
     "onebit-adam",
+    "decentralized-8bit",
+    "qadam",
+    "async",
     "pipeline",
 ];
 
@@ -202,10 +205,9 @@ fn worker(
             );
             t
         }
-        "bytegrad" | "adasum" | "decentralized" => {
-            // Issue 57's algorithms: the reducer's (ByteGrad, Adasum) or, for
-            // decentralized, this rank's own gradients and then the weights averaged
-            // with one peer; the share is the exchange.
+        "bytegrad" | "adasum" => {
+            // Issue 57's gradient algorithms through the reducer; the share is the
+            // reduction.
             let algorithm: kolo::Algorithm = path.parse()?;
             // KOLO_BENCH_FLAT=1: ByteGrad compresses on one host too.
             let flat = std::env::var_os("KOLO_BENCH_FLAT").is_some_and(|v| v == "1");
@@ -214,20 +216,8 @@ fn worker(
                 .hierarchical(!flat);
             let mut optim = SgdConfig::new().init();
             let mut failed = None;
-            let mut count = 0u64;
             let t = mlp::time_steps(start, &device, warmup, steps, |m| {
                 let g = mlp::grads(&m, x.clone(), y.clone());
-                count += 1;
-                if algorithm == kolo::Algorithm::Decentralized {
-                    let m = optim.step(mlp::LR, m, g);
-                    let at = Instant::now();
-                    let m = kolo_burn::decentralized_average(&kolo, m.clone(), count)
-                        .unwrap_or_else(|e| {
-                            failed.get_or_insert(e.to_string());
-                            m
-                        });
-                    return (m, at.elapsed());
-                }
                 let at = Instant::now();
                 let g = reducer.reduce(&m, g).unwrap_or_else(|e| {
                     failed.get_or_insert(e.to_string());
@@ -241,16 +231,47 @@ fn worker(
             }
             t
         }
-        "onebit-adam" => {
-            // 1-bit Adam, compressing from its second step (the untimed warm-up steps
-            // cover its full-precision one); the share is its whole step.
-            let mut optim = kolo_burn::OneBitAdam::new(
-                &kolo,
-                kolo::algorithms::OneBitAdamConfig {
-                    warmup: 1,
-                    ..Default::default()
-                },
-            );
+        "decentralized" | "decentralized-8bit" | "async" => {
+            // The weight exchanges: this rank's own gradients, then the exchange
+            // (async: a round every 4 steps, in the background); the share is the
+            // exchange. The last timed step also finishes (async: waits for the round
+            // in flight), so that no exchange is left outside the clock.
+            let mut avg = kolo_burn::WeightAverager::new(&kolo, path.parse()?)?;
+            let mut optim = SgdConfig::new().init();
+            let mut failed = None;
+            let mut count = 0;
+            let t = mlp::time_steps(start, &device, warmup, steps, |m| {
+                let g = mlp::grads(&m, x.clone(), y.clone());
+                let m = optim.step(mlp::LR, m, g);
+                let at = Instant::now();
+                count += 1;
+                let last = count == warmup + steps;
+                let exchanged = avg
+                    .after_step(m.clone())
+                    .and_then(|m| if last { avg.finish(m) } else { Ok(m) });
+                let m = exchanged.unwrap_or_else(|e| {
+                    failed.get_or_insert(e.to_string());
+                    m
+                });
+                (m, at.elapsed())
+            });
+            if let Some(e) = failed {
+                bail!("{path} failed: {e}");
+            }
+            t
+        }
+        "onebit-adam" | "qadam" => {
+            // 1-bit Adam or QAdam, compressing from its second step (the untimed
+            // warm-up steps cover its full-precision one); the share is its whole step.
+            let config = kolo::algorithms::OneBitAdamConfig {
+                warmup: 1,
+                ..Default::default()
+            };
+            let mut optim = if path == "qadam" {
+                kolo_burn::OneBitAdam::qadam(&kolo, config)
+            } else {
+                kolo_burn::OneBitAdam::new(&kolo, config)
+            };
             let mut failed = None;
             let t = mlp::time_steps(start, &device, warmup, steps, |m| {
                 let g = mlp::grads(&m, x.clone(), y.clone());
@@ -262,7 +283,7 @@ fn worker(
                 (m, at.elapsed())
             });
             if let Some(e) = failed {
-                bail!("onebit-adam failed: {e}");
+                bail!("{path} failed: {e}");
             }
             t
         }
