@@ -138,6 +138,26 @@ pub(crate) fn bytegrad(k: &Kolo) -> Result<()> {
     Ok(())
 }
 
+/// Rank `rank`'s centre `c_r` of the quadratic `|x − c_r|² / 2` and the optimum of
+/// the ranks' mean loss (the mean of the centres).
+fn quadratic(rank: usize, size: usize, n: usize) -> (Vec<f32>, Vec<f32>) {
+    let c = vector(rank, n).iter().map(|v| v * 100.0).collect();
+    let target = (0..n)
+        .map(|i| (0..size).map(|r| vector(r, n)[i] * 100.0).sum::<f32>() / size as f32)
+        .collect();
+    (c, target)
+}
+
+/// The RMS distance between `x` and `target`.
+fn rms_to(x: &[f32], target: &[f32]) -> f32 {
+    (x.iter()
+        .zip(target)
+        .map(|(a, b)| (a - b) * (a - b))
+        .sum::<f32>()
+        / x.len().max(1) as f32)
+        .sqrt()
+}
+
 /// 1-bit Adam on a quadratic per rank (`|x − c_r|² / 2`, lr 0.005, a 20-step
 /// warm-up): the ranks stay identical, the RMS distance to the optimum (the mean of
 /// the `c_r`) falls at least 4× in 600 steps (sign compression converges to a
@@ -148,18 +168,8 @@ pub(crate) fn onebit_adam(k: &Kolo) -> Result<()> {
     use kolo::algorithms::{OneBitAdam, OneBitAdamConfig};
     let (rank, size) = (k.rank(), k.size());
     let n = 700;
-    let c: Vec<f32> = vector(rank, n).iter().map(|v| v * 100.0).collect();
-    let target: Vec<f32> = (0..n)
-        .map(|i| (0..size).map(|r| vector(r, n)[i] * 100.0).sum::<f32>() / size as f32)
-        .collect();
-    let rms = |x: &[f32]| {
-        (x.iter()
-            .zip(&target)
-            .map(|(a, b)| (a - b) * (a - b))
-            .sum::<f32>()
-            / n as f32)
-            .sqrt()
-    };
+    let (c, target) = quadratic(rank, size, n);
+    let rms = |x: &[f32]| rms_to(x, &target);
     let config = OneBitAdamConfig {
         warmup: 20,
         ..Default::default()
@@ -320,18 +330,8 @@ pub(crate) fn qadam(k: &Kolo) -> Result<()> {
     use kolo::algorithms::{OneBitAdam, OneBitAdamConfig};
     let (rank, size) = (k.rank(), k.size());
     let n = 700;
-    let c: Vec<f32> = vector(rank, n).iter().map(|v| v * 100.0).collect();
-    let target: Vec<f32> = (0..n)
-        .map(|i| (0..size).map(|r| vector(r, n)[i] * 100.0).sum::<f32>() / size as f32)
-        .collect();
-    let rms = |x: &[f32]| {
-        (x.iter()
-            .zip(&target)
-            .map(|(a, b)| (a - b) * (a - b))
-            .sum::<f32>()
-            / n as f32)
-            .sqrt()
-    };
+    let (c, target) = quadratic(rank, size, n);
+    let rms = |x: &[f32]| rms_to(x, &target);
     let mut q = OneBitAdam::qadam(OneBitAdamConfig {
         warmup: 20,
         ..Default::default()

@@ -246,9 +246,9 @@ fn worker(
                 let at = Instant::now();
                 count += 1;
                 let last = count == warmup + steps;
-                let exchanged = avg
-                    .after_step(m.clone())
-                    .and_then(|m| if last { avg.finish(m) } else { Ok(m) });
+                let exchanged =
+                    avg.after_step(m.clone())
+                        .and_then(|m| if last { avg.finish(m) } else { Ok(m) });
                 let m = exchanged.unwrap_or_else(|e| {
                     failed.get_or_insert(e.to_string());
                     m

@@ -98,21 +98,13 @@ pub(crate) fn reduces_gradients(algorithm: Algorithm) -> Result<()> {
 /// [`Error::Kolo`] when the exchange fails (a peer whose model has another number of
 /// parameters is named).
 pub fn decentralized_average<M: Module>(kolo: &Kolo, model: M, step: u64) -> Result<M> {
-    let mut flat = Flatten(Vec::new(), None);
-    model.visit(&mut flat);
-    if let Some(message) = flat.1 {
-        // Every rank's model is alike: every rank fails here, before any exchange.
-        return Err(Error::InvalidArgument {
-            what: "decentralized_average",
-            message,
-        });
-    }
-    let n = flat.0.len();
+    let flat = flatten(&model, "decentralized_average")?;
+    let n = flat.len();
     let mixed = kolo
         .decentralized_average(
             "kolo_burn.decentralized",
             step,
-            kolo::Tensor::from_vec(flat.0, &[n])?,
+            kolo::Tensor::from_vec(flat, &[n])?,
         )?
         .into_vec::<f32>()?;
     Ok(model.map(&mut Unflatten {
@@ -191,15 +183,7 @@ impl WeightAverager {
     }
 
     fn exchange<M: Module>(&mut self, model: M, finish: bool) -> Result<M> {
-        let mut flat = Flatten(Vec::new(), None);
-        model.visit(&mut flat);
-        if let Some(message) = flat.1 {
-            return Err(Error::InvalidArgument {
-                what: "WeightAverager",
-                message,
-            });
-        }
-        let mut values = flat.0;
+        let mut values = flatten(&model, "WeightAverager")?;
         let before = values.clone();
         let name = "kolo_burn.averaging";
         if finish {
@@ -214,6 +198,20 @@ impl WeightAverager {
             values: &values,
             at: 0,
         }))
+    }
+}
+
+/// Every float parameter's values of `model`, as f32, in module order.
+///
+/// # Errors
+/// [`Error::InvalidArgument`] (for `what`) naming the first parameter that cannot be
+/// read: every rank's model is alike, so every rank fails here, before any exchange.
+fn flatten<M: Module>(model: &M, what: &'static str) -> Result<Vec<f32>> {
+    let mut flat = Flatten(Vec::new(), None);
+    model.visit(&mut flat);
+    match flat.1 {
+        Some(message) => Err(Error::InvalidArgument { what, message }),
+        None => Ok(flat.0),
     }
 }
 

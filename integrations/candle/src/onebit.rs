@@ -8,7 +8,7 @@ use kolo::algorithms::{OneBitAdamConfig, OneBitState};
 use kolo::Kolo;
 
 use crate::error::Result;
-use crate::vars::{agree, describe, in_creation_order, with_names};
+use crate::vars::agreed;
 
 const WHAT: &str = "kolo_candle::OneBitAdam";
 
@@ -51,13 +51,7 @@ impl OneBitAdam {
     }
 
     fn build(kolo: &Kolo, vars: Vec<Var>, inner: kolo::algorithms::OneBitAdam) -> Result<Self> {
-        let (vars, names) = with_names(in_creation_order(WHAT, vars)?);
-        let described = vars
-            .iter()
-            .zip(&names)
-            .map(|(v, n)| describe(n, v.as_tensor()))
-            .collect();
-        agree(kolo, WHAT, "kolo_candle.onebit.vars", described)?;
+        let (vars, _) = agreed(kolo, WHAT, "kolo_candle.onebit.vars", vars)?;
         Ok(OneBitAdam {
             kolo: kolo.clone(),
             vars,

@@ -8,7 +8,7 @@ use kolo::{Algorithm, Kolo, ReduceOp};
 
 use crate::convert::{check_dtype, from_kolo, to_kolo};
 use crate::error::{Error, Result};
-use crate::vars::{agree, describe, in_creation_order, named_vars, with_names};
+use crate::vars::{agreed, named_vars};
 
 const WHAT: &str = "kolo_candle::DistributedOptimizer";
 
@@ -76,13 +76,7 @@ impl<O: Optimizer> DistributedOptimizer<O> {
     /// [`Error::Mismatch`] on every rank, naming the first difference and the ranks); a
     /// dtype kolo does not carry; a rank left.
     pub fn new(kolo: &Kolo, inner: O, vars: Vec<Var>) -> Result<Self> {
-        let (vars, names) = with_names(in_creation_order(WHAT, vars)?);
-        let described = vars
-            .iter()
-            .zip(&names)
-            .map(|(v, n)| describe(n, v.as_tensor()))
-            .collect();
-        agree(kolo, WHAT, "kolo_candle.optimizer.vars", described)?;
+        let (vars, names) = agreed(kolo, WHAT, "kolo_candle.optimizer.vars", vars)?;
         let built = DistributedOptimizer {
             kolo: kolo.clone(),
             inner,

@@ -168,6 +168,27 @@ pub(crate) fn first_difference(all: &[Vec<Described>]) -> Option<String> {
     Some(format!("variable {var}: {}", parts.join("; ")))
 }
 
+/// `vars` in creation order with their names, after every rank agreed on them under
+/// `tag` (what both the optimizer wrapper and 1-bit Adam check first).
+///
+/// # Errors
+/// As [`in_creation_order`] and [`agree`].
+pub(crate) fn agreed(
+    kolo: &Kolo,
+    what: &'static str,
+    tag: &str,
+    vars: Vec<Var>,
+) -> Result<(Vec<Var>, Vec<String>)> {
+    let (vars, names) = with_names(in_creation_order(what, vars)?);
+    let described = vars
+        .iter()
+        .zip(&names)
+        .map(|(v, n)| describe(n, v.as_tensor()))
+        .collect();
+    agree(kolo, what, tag, described)?;
+    Ok((vars, names))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -205,8 +205,9 @@ pub(crate) fn weight_exchanges(kolo: &Kolo) -> Result<()> {
 }
 
 /// kolo_candle::OneBitAdam with compression off is AdamW without weight decay on
-/// averaged gradients (to 1e-5 after 10 steps); 1-bit Adam and QAdam after a 3-step
-/// warm-up keep every rank's variables equal and lower the loss.
+/// averaged gradients (to 1e-5 after 10 steps); 1-bit Adam and QAdam after a 10-step
+/// warm-up (a quarter of the 40 steps, as the paper's warm-ups) keep every rank's
+/// variables equal and lower the loss on the rank's batches.
 pub(crate) fn onebit_adam(kolo: &Kolo) -> Result<()> {
     use candle_nn::{AdamW, ParamsAdamW};
     use kolo::algorithms::OneBitAdamConfig;
@@ -268,7 +269,7 @@ pub(crate) fn onebit_adam(kolo: &Kolo) -> Result<()> {
     for q in [false, true] {
         let (vc, mc) = fresh()?;
         let config = OneBitAdamConfig {
-            warmup: 3,
+            warmup: 10,
             ..Default::default()
         };
         let mut opt = if q {
@@ -276,11 +277,19 @@ pub(crate) fn onebit_adam(kolo: &Kolo) -> Result<()> {
         } else {
             OneBitAdam::new(kolo, vc.all_vars(), config)?
         };
-        let first = mc.loss(&batch(0)?)?.to_scalar::<f32>()?;
-        for step in 0..30 {
-            opt.backward_step(0.01, &mc.loss(&batch(step % 4)?)?)?;
+        // The loss over the four batches this rank trains on.
+        let loss = || -> Result<f32> {
+            let mut sum = 0.0;
+            for b in 0..4 {
+                sum += mc.loss(&batch(b)?)?.to_scalar::<f32>()?;
+            }
+            Ok(sum / 4.0)
+        };
+        let first = loss()?;
+        for step in 0..40 {
+            opt.backward_step(0.005, &mc.loss(&batch(step % 4)?)?)?;
         }
-        let last = mc.loss(&batch(0)?)?.to_scalar::<f32>()?;
+        let last = loss()?;
         // By name: all_vars' order differs between processes.
         let mine = {
             let data = vc.data().lock().map_err(|_| anyhow::anyhow!("poisoned"))?;
