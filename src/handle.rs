@@ -372,6 +372,25 @@ impl<T> Future for Handle<T> {
     }
 }
 
+/// The pending set of a handle no queue tracks.
+#[derive(Debug)]
+struct Untracked;
+
+impl PendingNames for Untracked {
+    fn release_names(&self, _: &mut dyn Iterator<Item = &Names>) {}
+}
+
+/// A handle and its completer outside the engine's queue: for an op that a helper
+/// thread runs over the engine's own collectives (`ops::off_engine`). Its name is not
+/// claimed: the collectives it runs claim their own.
+pub(crate) fn untracked<T>(
+    op: &'static str,
+    rank: usize,
+    convert: fn(Output) -> Result<T>,
+) -> (Handle<T>, Completer) {
+    pair(Names::new(), Arc::new(Untracked), (op, rank), convert)
+}
+
 /// Makes a connected handle and completer. `on_drop` (op, rank) names the error the handle gets if
 /// the engine drops the completer without completing it.
 pub(crate) fn pair<T>(

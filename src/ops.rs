@@ -154,6 +154,7 @@ pub(crate) use process_set_option;
 pub(crate) use reduce_options;
 
 mod grouped;
+mod off_engine;
 pub use grouped::{GroupedAllgatherBuilder, GroupedReducescatterBuilder};
 
 /// A builder's request, ready to go to `kolo` unless a process set refused it (the
@@ -199,6 +200,7 @@ pub struct AllreduceBuilder<'k> {
     name: String,
     tensor: Tensor,
     reduce: ReduceOptions,
+    compression: crate::optimizer::Compression,
 }
 
 impl<'k> AllreduceBuilder<'k> {
@@ -209,6 +211,7 @@ impl<'k> AllreduceBuilder<'k> {
             name,
             tensor,
             reduce: ReduceOptions::default(),
+            compression: crate::optimizer::Compression::None,
         }
     }
 
@@ -216,13 +219,39 @@ impl<'k> AllreduceBuilder<'k> {
 
     process_set_option!();
 
+    /// How the tensor travels (default: as it is). `Fp16` / `Bf16` cast f32 and f64
+    /// for the wire and back; `ByteGrad` reduces f32 with Bagua's 8-bit exchange
+    /// ([`Kolo::bytegrad_allreduce`]; Average or Sum). A compressed allreduce — and one
+    /// with [`ReduceOp::Adasum`] — runs on a helper thread over the engine's own
+    /// collectives, never fused with others; its handle behaves as any other.
+    pub fn compression(mut self, compression: crate::optimizer::Compression) -> Self {
+        self.compression = compression;
+        self
+    }
+
     /// Submits the allreduce; the result has the input's shape and dtype.
     ///
     /// # Errors
     /// Submit-time errors only (empty or duplicate name, engine not running), with the
     /// tensor handed back.
     pub fn submit(self) -> Result<Handle<Tensor>, SubmitError> {
+        if self.off_engine() {
+            return off_engine::submit(
+                self.kolo,
+                self.refused,
+                self.name,
+                self.tensor,
+                (self.reduce.op, self.reduce.prescale, self.reduce.postscale),
+                self.compression,
+            );
+        }
         self.prepare().submit()
+    }
+
+    /// Whether the op runs on a helper thread (`off_engine`).
+    fn off_engine(&self) -> bool {
+        self.reduce.op == ReduceOp::Adasum
+            || self.compression != crate::optimizer::Compression::None
     }
 
     fn prepare(self) -> Prepared<'k, Tensor> {
@@ -242,6 +271,9 @@ impl<'k> AllreduceBuilder<'k> {
     /// Submit-time errors, and cross-rank errors (mismatched dtype, shape, op or scale
     /// factors; a rank that left) reported on every rank.
     pub fn wait(self) -> Result<Tensor> {
+        if self.off_engine() {
+            return self.submit()?.wait();
+        }
         self.prepare().wait()
     }
 }

@@ -42,6 +42,10 @@ pub enum Compression {
     Fp16,
     /// Cast f32/f64 gradients to bfloat16 for the collective, restored after.
     Bf16,
+    /// f32 gradients reduced with Bagua's ByteGrad: 8 bits and a minimum and step per
+    /// 1 KiB chunk on the wire in both phases ([`Kolo::bytegrad_allreduce`]), each
+    /// gradient on its own (never fused or grouped), Average or Sum.
+    ByteGrad,
 }
 
 impl Compression {
@@ -171,10 +175,22 @@ impl<O: GradientStep> DistributedOptimizerBuilder<O> {
         if let Some(m) = &self.refused {
             return Err(invalid("process_set", m.clone()));
         }
-        if !matches!(self.op, ReduceOp::Average | ReduceOp::Sum) {
+        if !matches!(
+            self.op,
+            ReduceOp::Average | ReduceOp::Sum | ReduceOp::Adasum
+        ) {
             return Err(invalid(
                 "op",
-                format!("{:?} is not supported; use Average or Sum", self.op),
+                format!("{:?} is not supported; use Average, Sum or Adasum", self.op),
+            ));
+        }
+        if self.op == ReduceOp::Adasum && self.compression != Compression::None {
+            return Err(invalid(
+                "compression",
+                format!(
+                    "{:?} with ReduceOp::Adasum is not supported: Adasum reduces f32 as it is",
+                    self.compression
+                ),
             ));
         }
         if self.passes == 0 {
@@ -417,12 +433,17 @@ impl<O: GradientStep> DistributedOptimizer<O> {
     /// Sends a finished window's gradient, or holds it until its group is complete.
     fn dispatch(&mut self, name: String, grad: Tensor) -> Result<()> {
         let group = self.params.get(&name).and_then(|p| p.group);
+        // ByteGrad and Adasum reduce each gradient on its own.
+        let alone = self.compression == Compression::ByteGrad || self.op == ReduceOp::Adasum;
+        let group = group.filter(|_| !alone);
         let Some(g) = group else {
             let dtype = grad.dtype();
             let wire = compress(grad, self.compression)?;
-            let h = self
-                .scaled(self.kolo.allreduce(format!("grad.{name}"), wire))
-                .submit()?;
+            let mut b = self.scaled(self.kolo.allreduce(format!("grad.{name}"), wire));
+            if self.compression == Compression::ByteGrad {
+                b = b.compression(Compression::ByteGrad);
+            }
+            let h = b.submit()?;
             self.handles.push(Pending::One(name, dtype, h));
             return Ok(());
         };
@@ -544,7 +565,8 @@ impl<O: GradientStep> DistributedOptimizer<O> {
 }
 
 mod arith;
-use arith::{accumulable, add_into, compress, decompress, zeros_on};
+use arith::{accumulable, add_into, zeros_on};
+pub(crate) use arith::{compress, decompress};
 
 /// Broadcasts named parameters from `root` in sorted name order so that every rank
 /// starts from the same values (Horovod's `broadcast_parameters`).

@@ -19,6 +19,14 @@ pub(crate) fn bad_root(op: &'static str, name: &str, root: usize, size: usize) -
 /// Submit-time checks: immediate errors on this rank only (README, "When something
 /// goes wrong"); the checks across ranks are in `engine::negotiate`.
 pub(crate) fn validate(s: &Submission, size: usize, rank: usize) -> Result<()> {
+    if s.op == crate::vocab::ReduceOp::Adasum {
+        return Err(invalid(
+            s,
+            "ReduceOp::Adasum runs as `Kolo::allreduce(name, t).op(ReduceOp::Adasum)` of one \
+             f32 host tensor; a grouped allreduce or a reducescatter cannot take it"
+                .into(),
+        ));
+    }
     if s.kind.is_p2p() {
         check_peer(s, size, rank).map_err(|m| invalid(s, m))?;
     }

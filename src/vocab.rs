@@ -27,6 +27,13 @@ pub enum ReduceOp {
     Max,
     /// The elementwise product.
     Product,
+    /// Horovod's adaptive summation ([`Kolo::adasum_allreduce`](crate::Kolo::adasum_allreduce)):
+    /// orthogonal parts add, common parts average. An allreduce of one f32 host
+    /// tensor only (`Kolo::allreduce(..).op(ReduceOp::Adasum)`), run as point to
+    /// point exchanges over the engine rather than fused: grouped allreduces,
+    /// reducescatter and the integrations' gradient reducers refuse it (their
+    /// reducers take `Algorithm::Adasum`).
+    Adasum,
 }
 
 /// The result of an alltoall: the received rows and how many came from each rank.

@@ -291,6 +291,18 @@ fn compressed_average(
     server: &mut Vec<f32>,
 ) -> Result<Vec<f32>> {
     let (n, size, rank) = (local.len(), kolo.size(), kolo.rank());
+    if n < size {
+        // Fewer values than ranks: empty partitions (see `bytegrad_allreduce`); full
+        // precision, nothing to save.
+        return Ok(kolo
+            .allreduce(
+                format!("{name}.onebit.small"),
+                Tensor::from_vec(local, &[n])?,
+            )
+            .op(ReduceOp::Average)
+            .wait()?
+            .into_vec::<f32>()?);
+    }
     let mine = part(n, size, rank);
     worker.resize(n, 0.0);
     server.resize(mine.len(), 0.0);

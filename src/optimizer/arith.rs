@@ -51,7 +51,7 @@ pub(super) fn add_into(sum: &mut Tensor, g: &Tensor) -> std::result::Result<(), 
     Ok(())
 }
 
-pub(super) fn compress(t: Tensor, c: Compression) -> Result<Tensor> {
+pub(crate) fn compress(t: Tensor, c: Compression) -> Result<Tensor> {
     let wire = c.wire_dtype(t.dtype());
     if wire == t.dtype() {
         return Ok(t);
@@ -73,7 +73,7 @@ pub(super) fn compress(t: Tensor, c: Compression) -> Result<Tensor> {
     }
 }
 
-pub(super) fn decompress(t: Tensor, dtype: DType) -> Result<Tensor> {
+pub(crate) fn decompress(t: Tensor, dtype: DType) -> Result<Tensor> {
     if t.dtype() == dtype {
         return Ok(t);
     }

@@ -355,3 +355,72 @@ pub(crate) fn qadam(k: &Kolo) -> Result<()> {
     );
     Ok(())
 }
+
+/// `ReduceOp::Adasum` and `Compression::ByteGrad` on a plain allreduce (run off the
+/// engine, behind an ordinary handle): Adasum equals the tree and scales with its
+/// prescale (it is homogeneous); ByteGrad gives exactly `bytegrad_allreduce`'s result;
+/// a grouped allreduce refuses Adasum on every rank with what to use.
+pub(crate) fn reduce_op_and_compression(k: &Kolo) -> Result<()> {
+    use kolo::Compression;
+    let (rank, size) = (k.rank(), k.size());
+    let n = 1001;
+    let input = || Tensor::from_vec(vector(rank, n), &[n]);
+    let h = k
+        .allreduce("op.adasum", input()?)
+        .op(ReduceOp::Adasum)
+        .submit()?;
+    let got = h.wait()?.into_vec::<f32>()?;
+    let want = adasum_tree((0..size).map(|r| vector(r, n)).collect());
+    let w = worst(&got, &want);
+    ensure!(
+        w < 1e-6,
+        "np {size}: ReduceOp::Adasum differs from the tree by {w}"
+    );
+    let twice = k
+        .allreduce("op.adasum.2", input()?)
+        .op(ReduceOp::Adasum)
+        .prescale(2.0)
+        .wait()?
+        .into_vec::<f32>()?;
+    let doubled: Vec<f32> = want.iter().map(|v| v * 2.0).collect();
+    let w = worst(&twice, &doubled);
+    ensure!(
+        w < 2e-6,
+        "np {size}: prescale 2 gives {w} from twice the tree"
+    );
+    let byte = k
+        .allreduce("op.bytegrad", input()?)
+        .compression(Compression::ByteGrad)
+        .wait()?
+        .into_vec::<f32>()?;
+    let direct = k
+        .bytegrad_allreduce("op.bytegrad.direct", input()?, ReduceOp::Average)?
+        .into_vec::<f32>()?;
+    ensure!(
+        byte == direct,
+        "ByteGrad compression differs from bytegrad_allreduce"
+    );
+    // Fewer values than ranks (partitions would be empty): the exact average.
+    let one = k
+        .allreduce(
+            "op.bytegrad.one",
+            Tensor::from_vec(vec![rank as f32], &[1])?,
+        )
+        .compression(Compression::ByteGrad)
+        .wait()?
+        .into_vec::<f32>()?;
+    let mean = (size - 1) as f32 / 2.0;
+    ensure!(one == [mean], "one value: {one:?}, want [{mean}]");
+    let err = k
+        .grouped_allreduce(vec![("op.group".to_string(), input()?)])
+        .op(ReduceOp::Adasum)
+        .wait()
+        .err()
+        .map(|e| e.to_string())
+        .unwrap_or_default();
+    ensure!(
+        err.contains("ReduceOp::Adasum runs as"),
+        "grouped Adasum: {err:?}"
+    );
+    Ok(())
+}

@@ -86,6 +86,11 @@ const CASES: &[(&str, Case, usize)] = &[
     ),
     ("issue57_async_averaging", algorithms::async_averaging, 1),
     ("issue57_qadam", algorithms::qadam, 1),
+    (
+        "issue57_reduce_op_and_compression",
+        algorithms::reduce_op_and_compression,
+        1,
+    ),
     ("p2p_pair_alone", p2p::pair_alone, 3),
     (
         "p2p_pair_alone_past_heartbeats",

@@ -68,7 +68,13 @@ pub(crate) fn semantics(k: &Kolo) -> Result<()> {
     close("b", &g["b"], &[4.0 * (size - 1.0) / size], 1e-6)?;
 
     // Groups and compression give the same averages (fp16 to its precision).
-    for compression in [Compression::None, Compression::Fp16, Compression::Bf16] {
+    // ByteGrad reduces each member on its own (groups do not apply to it).
+    for compression in [
+        Compression::None,
+        Compression::Fp16,
+        Compression::Bf16,
+        Compression::ByteGrad,
+    ] {
         let mut opt = build(1, compression, vec![vec!["w".into(), "b".into()]])?;
         opt.submit_gradient("b", t(vec![rank * 10.0])?)?;
         opt.submit_gradient("w", t(vec![rank, 1.0, -rank])?)?;

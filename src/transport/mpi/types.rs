@@ -120,6 +120,8 @@ pub(super) fn predefined_op(op: ReduceOp) -> ffi::MPI_Op {
             ReduceOp::Min => ffi::RSMPI_MIN,
             ReduceOp::Max => ffi::RSMPI_MAX,
             ReduceOp::Product => ffi::RSMPI_PROD,
+            // Never here: refused at submission (`validate`), run off the engine.
+            ReduceOp::Adasum => ffi::RSMPI_SUM,
         }
     }
 }
@@ -210,6 +212,8 @@ impl HalfOps {
             ReduceOp::Min => 1,
             ReduceOp::Max => 2,
             ReduceOp::Product => 3,
+            // Never here: refused at submission (`validate`).
+            ReduceOp::Adasum => 0,
         };
         Some(self.ops[base + i])
     }

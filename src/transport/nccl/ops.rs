@@ -23,6 +23,8 @@ fn red_op(op: ReduceOp) -> sys::ncclRedOp_t {
         ReduceOp::Min => O::ncclMin,
         ReduceOp::Max => O::ncclMax,
         ReduceOp::Product => O::ncclProd,
+        // Never here: refused at submission (`validate`), run off the engine.
+        ReduceOp::Adasum => O::ncclSum,
     }
 }
 
