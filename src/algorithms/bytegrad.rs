@@ -54,9 +54,8 @@ impl Kolo {
             return Ok(tensor);
         }
         if tensor.len() < size {
-            // Fewer values than ranks: some partitions would be empty, and an alltoall
-            // in which a rank receives nothing hangs the engine (found here; see the
-            // note of issue 57). Nothing to save on so few bytes: full precision.
+            // Fewer values than ranks: some partitions would be empty and 8-bit
+            // chunks save nothing on so few bytes: full precision.
             return self.allreduce(name, tensor).op(op).wait();
         }
         let shape = tensor.shape().to_vec();

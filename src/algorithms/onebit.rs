@@ -292,8 +292,8 @@ fn compressed_average(
 ) -> Result<Vec<f32>> {
     let (n, size, rank) = (local.len(), kolo.size(), kolo.rank());
     if n < size {
-        // Fewer values than ranks: empty partitions (see `bytegrad_allreduce`); full
-        // precision, nothing to save.
+        // Fewer values than ranks: empty partitions, nothing to save: full
+        // precision.
         return Ok(kolo
             .allreduce(
                 format!("{name}.onebit.small"),

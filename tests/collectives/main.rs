@@ -86,6 +86,7 @@ const CASES: &[(&str, Case, usize)] = &[
     ),
     ("issue57_async_averaging", algorithms::async_averaging, 1),
     ("issue57_qadam", algorithms::qadam, 1),
+    ("empty_buffers", others::empty_buffers, 2),
     (
         "issue57_reduce_op_and_compression",
         algorithms::reduce_op_and_compression,

@@ -369,3 +369,58 @@ pub(crate) fn large_reducescatter(k: &Kolo) -> Result<()> {
     }
     Ok(())
 }
+
+/// Ranks with nothing to receive or send: an alltoall whose rows all go to rank 0
+/// (every other rank receives none), a reducescatter of fewer rows than ranks (the
+/// last ranks get empty blocks), an allgather where rank 1 adds no rows. An empty
+/// buffer's dangling address (0x1) is Open MPI's `MPI_IN_PLACE`: before kolo gave
+/// empty buffers a real address, the alltoall failed with MPI_ERR_ARG on the ranks
+/// receiving nothing while rank 0 waited in it for ever.
+pub(crate) fn empty_buffers(k: &Kolo) -> Result<()> {
+    let (rank, size) = (k.rank(), k.size());
+    let mut splits = vec![0usize; size];
+    splits[0] = 3;
+    let got = k
+        .alltoall(
+            "empty.alltoall",
+            Tensor::from_vec(vec![rank as u8; 3], &[3])?,
+        )
+        .splits(splits)
+        .wait()?;
+    let want_rows = if rank == 0 { 3 * size } else { 0 };
+    ensure!(
+        got.tensor.shape() == [want_rows],
+        "rank {rank}: alltoall shape {:?}",
+        got.tensor.shape()
+    );
+    if rank == 0 {
+        let want: Vec<u8> = (0..size).flat_map(|r| [r as u8; 3]).collect();
+        ensure!(
+            got.tensor.as_slice::<u8>()? == want,
+            "rank 0 received {:?}",
+            got.tensor
+        );
+    }
+    let rows = size - 1;
+    let rs = k
+        .reducescatter(
+            "empty.rs",
+            Tensor::from_vec(vec![1.0f32; rows * 2], &[rows, 2])?,
+        )
+        .op(ReduceOp::Sum)
+        .wait()?;
+    let mine = usize::from(rank < rows);
+    ensure!(
+        rs.shape() == [mine, 2] && rs.as_slice::<f32>()?.iter().all(|v| *v == size as f32),
+        "rank {rank}: reducescatter gave {rs:?}"
+    );
+    let n = if rank == 1 { 0 } else { 2 };
+    let ag = k
+        .allgather("empty.ag", Tensor::from_vec(vec![rank as i32; n], &[n])?)
+        .wait()?;
+    ensure!(
+        ag.len() == 2 * (size - 1),
+        "rank {rank}: allgather gave {ag:?}"
+    );
+    Ok(())
+}

@@ -7,7 +7,9 @@ use std::mem::MaybeUninit;
 use mpi::ffi;
 
 use super::kolo_mpi_in_place;
-use super::types::{check, count, counts, datatype, per_rank, sized, MAX_ELEMS_PER_CALL};
+use super::types::{
+    addr, addr_mut, check, count, counts, datatype, per_rank, sized, MAX_ELEMS_PER_CALL,
+};
 use crate::error::Result;
 use crate::tensor::DType;
 
@@ -83,10 +85,10 @@ pub(super) fn allgatherv_fresh_on(
     // count arrays outlive the call.
     check(CALL, unsafe {
         ffi::MPI_Allgatherv(
-            send.as_ptr().cast(),
+            addr(send),
             c[g.rank],
             datatype(dtype),
-            recv.as_mut_ptr().cast(),
+            addr_mut(recv),
             c.as_ptr(),
             displs.as_ptr(),
             datatype(dtype),
@@ -126,8 +128,8 @@ pub(super) fn reduce_scatter_fresh_on(
     // count array outlives the call.
     check(CALL, unsafe {
         ffi::MPI_Reduce_scatter(
-            send.as_ptr().cast(),
-            recv.as_mut_ptr().cast(),
+            addr(send),
+            addr_mut(recv),
             c.as_ptr(),
             datatype(dtype),
             op,

@@ -559,11 +559,11 @@ impl Transport for MpiTransport {
         // count arrays outlive the call.
         check(CALL, unsafe {
             ffi::MPI_Alltoallv(
-                send.as_ptr().cast(),
+                types::addr(send),
                 sc.as_ptr(),
                 sd.as_ptr(),
                 datatype(dtype),
-                recv.as_mut_ptr().cast(),
+                types::addr_mut(recv),
                 rc.as_ptr(),
                 rd.as_ptr(),
                 datatype(dtype),

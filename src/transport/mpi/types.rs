@@ -238,3 +238,30 @@ mod tests {
         assert!(e.contains("MPI_Alltoallv: 1 counts for 2 ranks"), "{e}");
     }
 }
+
+/// A never-written stand-in address for empty buffers (see [`addr`]).
+static EMPTY: u64 = 0;
+
+/// The address MPI is given for a send buffer. An empty slice's pointer is dangling —
+/// `0x1` for bytes, which is Open MPI's `MPI_IN_PLACE` — so a rank with nothing to
+/// send or receive (an alltoall that sends it no rows, a reducescatter block of none)
+/// made MPI read it as "in place" and fail with `MPI_ERR_ARG` on that rank alone,
+/// while the others waited in the collective. Empty buffers get a real address
+/// instead; with a count of zero MPI never touches it.
+pub(super) fn addr<T>(buf: &[T]) -> *const std::ffi::c_void {
+    if buf.is_empty() {
+        std::ptr::addr_of!(EMPTY).cast()
+    } else {
+        buf.as_ptr().cast()
+    }
+}
+
+/// [`addr`] for a receive buffer.
+pub(super) fn addr_mut<T>(buf: &mut [T]) -> *mut std::ffi::c_void {
+    if buf.is_empty() {
+        // Never written: MPI is told it receives zero elements there.
+        std::ptr::addr_of!(EMPTY).cast_mut().cast()
+    } else {
+        buf.as_mut_ptr().cast()
+    }
+}
