@@ -219,26 +219,6 @@ impl HalfOps {
     }
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::error::err_text;
-
-    #[test]
-    fn buffers_must_match_their_counts() {
-        assert!(sized("MPI_Allgatherv", "receive", 12, 3, DType::F32).is_ok());
-        let e = err_text(sized("MPI_Allgatherv", "receive", 8, 3, DType::F32));
-        assert!(
-            e.contains("MPI_Allgatherv: the receive buffer holds 8 bytes, but the counts need 3 F32 elements (12 bytes)"),
-            "{e}"
-        );
-        assert!(sized("x", "send", 0, usize::MAX, DType::F64).is_err());
-        assert!(per_rank("MPI_Alltoallv", &[1, 2], 2).is_ok());
-        let e = err_text(per_rank("MPI_Alltoallv", &[1], 2));
-        assert!(e.contains("MPI_Alltoallv: 1 counts for 2 ranks"), "{e}");
-    }
-}
-
 /// A never-written stand-in address for empty buffers (see [`addr`]).
 static EMPTY: u64 = 0;
 
@@ -263,5 +243,25 @@ pub(super) fn addr_mut<T>(buf: &mut [T]) -> *mut std::ffi::c_void {
         std::ptr::addr_of!(EMPTY).cast_mut().cast()
     } else {
         buf.as_mut_ptr().cast()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::error::err_text;
+
+    #[test]
+    fn buffers_must_match_their_counts() {
+        assert!(sized("MPI_Allgatherv", "receive", 12, 3, DType::F32).is_ok());
+        let e = err_text(sized("MPI_Allgatherv", "receive", 8, 3, DType::F32));
+        assert!(
+            e.contains("MPI_Allgatherv: the receive buffer holds 8 bytes, but the counts need 3 F32 elements (12 bytes)"),
+            "{e}"
+        );
+        assert!(sized("x", "send", 0, usize::MAX, DType::F64).is_err());
+        assert!(per_rank("MPI_Alltoallv", &[1, 2], 2).is_ok());
+        let e = err_text(per_rank("MPI_Alltoallv", &[1], 2));
+        assert!(e.contains("MPI_Alltoallv: 1 counts for 2 ranks"), "{e}");
     }
 }
