@@ -422,5 +422,32 @@ pub(crate) fn empty_buffers(k: &Kolo) -> Result<()> {
         ag.len() == 2 * (size - 1),
         "rank {rank}: allgather gave {ag:?}"
     );
+    // Empty tensors everywhere: allreduce, grouped allreduce, broadcast, allgather,
+    // and a send/recv pair.
+    let empty = || Tensor::from_vec(Vec::<f32>::new(), &[0]);
+    let ar = k.allreduce("empty.ar", empty()?).wait()?;
+    ensure!(ar.shape() == [0], "rank {rank}: allreduce gave {ar:?}");
+    let g = k
+        .grouped_allreduce(vec![
+            ("empty.g0".to_string(), empty()?),
+            ("empty.g1".to_string(), Tensor::from_vec(vec![1.0f32], &[1])?),
+        ])
+        .op(ReduceOp::Sum)
+        .wait()?;
+    ensure!(
+        g[0].shape() == [0] && g[1].as_slice::<f32>()? == [size as f32],
+        "rank {rank}: grouped allreduce gave {g:?}"
+    );
+    let b = k.broadcast("empty.bc", empty()?, 0).wait()?;
+    ensure!(b.shape() == [0], "rank {rank}: broadcast gave {b:?}");
+    let a = k.allgather("empty.ag0", empty()?).wait()?;
+    ensure!(a.shape() == [0], "rank {rank}: allgather of nothing gave {a:?}");
+    if rank < 2 {
+        let other = 1 - rank;
+        let sent = k.send("empty.p2p", empty()?, other).submit()?;
+        let got = k.recv("empty.p2p", other).wait()?;
+        sent.wait()?;
+        ensure!(got.shape() == [0], "rank {rank}: recv gave {got:?}");
+    }
     Ok(())
 }
