@@ -430,7 +430,10 @@ pub(crate) fn empty_buffers(k: &Kolo) -> Result<()> {
     let g = k
         .grouped_allreduce(vec![
             ("empty.g0".to_string(), empty()?),
-            ("empty.g1".to_string(), Tensor::from_vec(vec![1.0f32], &[1])?),
+            (
+                "empty.g1".to_string(),
+                Tensor::from_vec(vec![1.0f32], &[1])?,
+            ),
         ])
         .op(ReduceOp::Sum)
         .wait()?;
@@ -441,7 +444,10 @@ pub(crate) fn empty_buffers(k: &Kolo) -> Result<()> {
     let b = k.broadcast("empty.bc", empty()?, 0).wait()?;
     ensure!(b.shape() == [0], "rank {rank}: broadcast gave {b:?}");
     let a = k.allgather("empty.ag0", empty()?).wait()?;
-    ensure!(a.shape() == [0], "rank {rank}: allgather of nothing gave {a:?}");
+    ensure!(
+        a.shape() == [0],
+        "rank {rank}: allgather of nothing gave {a:?}"
+    );
     if rank < 2 {
         let other = 1 - rank;
         let sent = k.send("empty.p2p", empty()?, other).submit()?;
