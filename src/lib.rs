@@ -39,6 +39,7 @@
 //! Run it with `mpirun -np 4 target/release/my-program`.
 
 pub mod algorithms;
+mod compression;
 mod config;
 pub mod deepspeed;
 mod dtype;
@@ -66,6 +67,7 @@ mod validate;
 mod vocab;
 
 pub use algorithms::Algorithm;
+pub use compression::Compression;
 pub use config::{Config, DEFAULT_FUSION_THRESHOLD};
 pub use engine::autotune::{AutotuneChange, AutotuneState};
 pub use error::{ConversionError, Error, Result, RESTARTABLE_EXIT_CODE};
@@ -76,8 +78,8 @@ pub use ops::{
     GroupedAllreduceBuilder, GroupedReducescatterBuilder, ReducescatterBuilder,
 };
 pub use optimizer::{
-    broadcast_parameters, Compression, DistributedOptimizer, DistributedOptimizerBuilder,
-    GradientStep, Gradients,
+    broadcast_parameters, DistributedOptimizer, DistributedOptimizerBuilder, GradientStep,
+    Gradients,
 };
 pub use p2p::{RecvBuilder, SendBuilder};
 pub use process_set::ProcessSet;

@@ -200,7 +200,7 @@ pub struct AllreduceBuilder<'k> {
     name: String,
     tensor: Tensor,
     reduce: ReduceOptions,
-    compression: crate::optimizer::Compression,
+    compression: crate::compression::Compression,
 }
 
 impl<'k> AllreduceBuilder<'k> {
@@ -211,7 +211,7 @@ impl<'k> AllreduceBuilder<'k> {
             name,
             tensor,
             reduce: ReduceOptions::default(),
-            compression: crate::optimizer::Compression::None,
+            compression: crate::compression::Compression::None,
         }
     }
 
@@ -224,7 +224,7 @@ impl<'k> AllreduceBuilder<'k> {
     /// ([`Kolo::bytegrad_allreduce`]; Average or Sum). A compressed allreduce — and one
     /// with [`ReduceOp::Adasum`] — runs on a helper thread over the engine's own
     /// collectives, never fused with others; its handle behaves as any other.
-    pub fn compression(mut self, compression: crate::optimizer::Compression) -> Self {
+    pub fn compression(mut self, compression: crate::compression::Compression) -> Self {
         self.compression = compression;
         self
     }
@@ -235,13 +235,13 @@ impl<'k> AllreduceBuilder<'k> {
     /// Submit-time errors only (empty or duplicate name, engine not running), with the
     /// tensor handed back.
     pub fn submit(self) -> Result<Handle<Tensor>, SubmitError> {
-        if self.off_engine() {
+        if self.runs_off_engine() {
             return off_engine::submit(
                 self.kolo,
                 self.refused,
                 self.name,
                 self.tensor,
-                (self.reduce.op, self.reduce.prescale, self.reduce.postscale),
+                self.reduce,
                 self.compression,
             );
         }
@@ -249,9 +249,9 @@ impl<'k> AllreduceBuilder<'k> {
     }
 
     /// Whether the op runs on a helper thread (`off_engine`).
-    fn off_engine(&self) -> bool {
+    fn runs_off_engine(&self) -> bool {
         self.reduce.op == ReduceOp::Adasum
-            || self.compression != crate::optimizer::Compression::None
+            || self.compression != crate::compression::Compression::None
     }
 
     fn prepare(self) -> Prepared<'k, Tensor> {
@@ -271,7 +271,7 @@ impl<'k> AllreduceBuilder<'k> {
     /// Submit-time errors, and cross-rank errors (mismatched dtype, shape, op or scale
     /// factors; a rank that left) reported on every rank.
     pub fn wait(self) -> Result<Tensor> {
-        if self.off_engine() {
+        if self.runs_off_engine() {
             return self.submit()?.wait();
         }
         self.prepare().wait()

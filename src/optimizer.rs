@@ -8,6 +8,7 @@
 
 use std::collections::{BTreeMap, HashMap};
 
+use crate::compression::{compress, decompress, Compression};
 use crate::error::{Error, Result};
 use crate::handle::Handle;
 use crate::runtime::Kolo;
@@ -29,33 +30,6 @@ pub trait GradientStep {
         &mut self,
         gradients: &Gradients,
     ) -> std::result::Result<(), Box<dyn std::error::Error + Send + Sync>>;
-}
-
-/// How gradients travel between ranks.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-#[non_exhaustive]
-pub enum Compression {
-    /// As they are.
-    #[default]
-    None,
-    /// Cast f32/f64 gradients to IEEE half precision for the collective, restored after.
-    Fp16,
-    /// Cast f32/f64 gradients to bfloat16 for the collective, restored after.
-    Bf16,
-    /// f32 gradients reduced with Bagua's ByteGrad: 8 bits and a minimum and step per
-    /// 1 KiB chunk on the wire in both phases ([`Kolo::bytegrad_allreduce`]), each
-    /// gradient on its own (never fused or grouped), Average or Sum.
-    ByteGrad,
-}
-
-impl Compression {
-    fn wire_dtype(self, dtype: DType) -> DType {
-        match (self, dtype) {
-            (Compression::Fp16, DType::F32 | DType::F64) => DType::F16,
-            (Compression::Bf16, DType::F32 | DType::F64) => DType::BF16,
-            _ => dtype,
-        }
-    }
 }
 
 #[derive(Debug, Clone)]
@@ -566,7 +540,6 @@ impl<O: GradientStep> DistributedOptimizer<O> {
 
 mod arith;
 use arith::{accumulable, add_into, zeros_on};
-pub(crate) use arith::{compress, decompress};
 
 /// Broadcasts named parameters from `root` in sorted name order so that every rank
 /// starts from the same values (Horovod's `broadcast_parameters`).

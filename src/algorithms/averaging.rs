@@ -159,12 +159,13 @@ impl WeightAverager {
     /// weights (changed in place). Decentralized: point to point with this step's
     /// peers, blocking. Async: applies a round that arrived, and starts one when the
     /// period is up, never waiting. Every rank calls it after every step with the same
-    /// name and length.
+    /// name and length. Returns whether the weights changed (async: only at the
+    /// steps that apply a round), so that an integration writes them back only then.
     ///
     /// # Errors
     /// [`Error::InvalidArgument`] when the weights' length differs from a neighbour's
     /// or from the state's (the model changed); a failed transfer.
-    pub fn after_step(&mut self, kolo: &Kolo, name: &str, weights: &mut [f32]) -> Result<()> {
+    pub fn after_step(&mut self, kolo: &Kolo, name: &str, weights: &mut [f32]) -> Result<bool> {
         match self.algorithm {
             Algorithm::Decentralized => {
                 let n = weights.len();
@@ -174,7 +175,7 @@ impl WeightAverager {
                     .into_vec::<f32>()?;
                 weights.copy_from_slice(&mixed);
                 self.state.step += 1;
-                Ok(())
+                Ok(kolo.size() > 1)
             }
             Algorithm::Decentralized8Bit => self.gossip(kolo, name, weights),
             _ => self.asynchronous(kolo, name, weights),
@@ -184,15 +185,16 @@ impl WeightAverager {
     /// Ends the exchange for now (before a checkpoint, an evaluation that must see
     /// averaged weights, or the end of training): async averaging completes every
     /// round any rank started (collective: every rank calls it) and applies them.
-    /// Nothing to do for the decentralized algorithms.
+    /// Nothing to do for the decentralized algorithms. Returns whether the weights
+    /// changed.
     ///
     /// # Errors
     /// As [`after_step`](Self::after_step).
-    pub fn finish(&mut self, kolo: &Kolo, name: &str, weights: &mut [f32]) -> Result<()> {
+    pub fn finish(&mut self, kolo: &Kolo, name: &str, weights: &mut [f32]) -> Result<bool> {
         if self.algorithm == Algorithm::Async {
-            self.drain(kolo, name, weights)?;
+            return self.drain(kolo, name, weights);
         }
-        Ok(())
+        Ok(false)
     }
 
     fn invalid(name: &str, message: String) -> Error {
@@ -204,12 +206,12 @@ impl WeightAverager {
     }
 
     /// One CHOCO-gossip step on the ring with 8-bit differences (see the module).
-    fn gossip(&mut self, kolo: &Kolo, name: &str, weights: &mut [f32]) -> Result<()> {
+    fn gossip(&mut self, kolo: &Kolo, name: &str, weights: &mut [f32]) -> Result<bool> {
         let (rank, size, n) = (kolo.rank(), kolo.size(), weights.len());
         let peers = ring_neighbours(rank, size);
         self.state.step += 1;
         if peers.is_empty() {
-            return Ok(());
+            return Ok(false);
         }
         let s = &mut self.state;
         if s.own.is_empty() && s.neighbours.is_empty() {
@@ -260,7 +262,7 @@ impl WeightAverager {
             let pull: f32 = s.neighbours.iter().map(|c| c[i] - own).sum();
             *w += share * pull;
         }
-        Ok(())
+        Ok(true)
     }
 
     /// Async averaging after a step: applies a round that arrived, then starts one
@@ -269,10 +271,11 @@ impl WeightAverager {
     /// flight: the staleness is bounded by one period), so every rank starts the same
     /// rounds; with a period in time each rank starts rounds by its own clock, and
     /// [`finish`](Self::finish) evens out the counts.
-    fn asynchronous(&mut self, kolo: &Kolo, name: &str, weights: &mut [f32]) -> Result<()> {
+    fn asynchronous(&mut self, kolo: &Kolo, name: &str, weights: &mut [f32]) -> Result<bool> {
         self.state.step += 1;
+        let mut changed = false;
         if self.round.as_ref().is_some_and(|r| r.handle.poll()) {
-            self.apply(name, weights)?;
+            changed = self.apply(name, weights)?;
         }
         let due = match self.period {
             AsyncPeriod::Steps(k) => self.state.step.is_multiple_of(k.max(1)),
@@ -281,17 +284,18 @@ impl WeightAverager {
             }
         };
         if !due || kolo.size() == 1 {
-            return Ok(());
+            return Ok(changed);
         }
-        self.apply(name, weights)?;
-        self.start_round(kolo, name, weights)
+        changed |= self.apply(name, weights)?;
+        self.start_round(kolo, name, weights)?;
+        Ok(changed)
     }
 
     /// Waits for the round in flight, if any, and adds `average − snapshot` to the
-    /// weights.
-    fn apply(&mut self, name: &str, weights: &mut [f32]) -> Result<()> {
+    /// weights; whether there was one.
+    fn apply(&mut self, name: &str, weights: &mut [f32]) -> Result<bool> {
         let Some(round) = self.round.take() else {
-            return Ok(());
+            return Ok(false);
         };
         let avg = round.handle.wait()?.into_vec::<f32>()?;
         if avg.len() != weights.len() {
@@ -308,7 +312,7 @@ impl WeightAverager {
         for ((w, a), s) in weights.iter_mut().zip(&avg).zip(&round.snapshot) {
             *w += a - s;
         }
-        Ok(())
+        Ok(true)
     }
 
     /// Submits the next round: an allreduce (Average) of the weights as they are.
@@ -331,10 +335,11 @@ impl WeightAverager {
     }
 
     /// Async: the ranks agree on the most rounds any started, the ranks behind start
-    /// theirs (pairing with the others' last ones), and every round is applied.
-    fn drain(&mut self, kolo: &Kolo, name: &str, weights: &mut [f32]) -> Result<()> {
+    /// theirs (pairing with the others' last ones), and every round is applied;
+    /// whether any was.
+    fn drain(&mut self, kolo: &Kolo, name: &str, weights: &mut [f32]) -> Result<bool> {
         if kolo.size() == 1 {
-            return Ok(());
+            return Ok(false);
         }
         let rounds = i64::try_from(self.state.rounds).unwrap_or(i64::MAX);
         let most = kolo
@@ -348,12 +353,12 @@ impl WeightAverager {
             .first()
             .copied()
             .unwrap_or(rounds);
-        self.apply(name, weights)?;
+        let mut changed = self.apply(name, weights)?;
         while (self.state.rounds as i64) < most {
             self.start_round(kolo, name, weights)?;
-            self.apply(name, weights)?;
+            changed |= self.apply(name, weights)?;
         }
-        Ok(())
+        Ok(changed)
     }
 }
 

@@ -326,26 +326,34 @@ fn compressed_average(
         )
         .splits(splits)
         .wait()?;
-    let invalid = |message: String| Error::InvalidArgument {
-        op: "OneBitAdam::step",
-        name: name.to_string(),
-        message,
-    };
     let mut avg = vec![0.0f32; mine.len()];
     let bytes = got.tensor.as_slice::<u8>()?;
     let mut at = 0;
     for (src, &count) in got.received_splits.iter().enumerate() {
         decode_signs(&bytes[at..at + count], &mut avg, true)
-            .map_err(|e| invalid(format!("rank {src}'s part: {e}")))?;
+            .map_err(|e| invalid(name, format!("rank {src}'s part: {e}")))?;
         at += count;
     }
     let inv = 1.0 / size as f32;
     for (a, e) in avg.iter_mut().zip(server.iter()) {
         *a = *a * inv + e;
     }
-    // Stage 2: each rank's compressed average to every rank.
+    gather_averages(kolo, name, &avg, server, n)
+}
+
+/// Stage 2 of [`compressed_average`]: this rank's partition average `avg`,
+/// compressed (what compression drops into `server`), to every rank; the `n` values
+/// of every rank's average.
+fn gather_averages(
+    kolo: &Kolo,
+    name: &str,
+    avg: &[f32],
+    server: &mut [f32],
+    n: usize,
+) -> Result<Vec<f32>> {
+    let size = kolo.size();
     let mut enc = Vec::with_capacity(signs_len(avg.len()));
-    encode_signs(&avg, &mut enc, server);
+    encode_signs(avg, &mut enc, server);
     let len = enc.len();
     let all = kolo
         .allgather(
@@ -359,14 +367,26 @@ fn compressed_average(
     for p in 0..size {
         let r = part(n, size, p);
         let end = at + signs_len(r.len());
-        let slice = bytes
-            .get(at..end)
-            .ok_or_else(|| invalid(format!("rank {p}'s average is missing from the gather")))?;
+        let slice = bytes.get(at..end).ok_or_else(|| {
+            invalid(
+                name,
+                format!("rank {p}'s average is missing from the gather"),
+            )
+        })?;
         decode_signs(slice, &mut out[r], false)
-            .map_err(|e| invalid(format!("rank {p}'s average: {e}")))?;
+            .map_err(|e| invalid(name, format!("rank {p}'s average: {e}")))?;
         at = end;
     }
     Ok(out)
+}
+
+/// An exchange that does not decode, named after the op.
+fn invalid(name: &str, message: String) -> Error {
+    Error::InvalidArgument {
+        op: "OneBitAdam::step",
+        name: name.to_string(),
+        message,
+    }
 }
 
 #[cfg(test)]

@@ -5,16 +5,14 @@
 //! sees the op itself, only the collectives it is made of (each under the op's name
 //! and a suffix), so the ranks still pair them by name.
 
+use super::ReduceOptions;
+use crate::compression::{compress, decompress, Compression};
 use crate::error::{Error, Result};
 use crate::handle::{self, Handle, Output};
-use crate::optimizer::Compression;
 use crate::runtime::Kolo;
 use crate::submit_error::SubmitError;
 use crate::tensor::{DType, Tensor};
 use crate::vocab::ReduceOp;
-
-/// The reduction's op and its scale factors.
-pub(super) type Scaling = (ReduceOp, f64, f64);
 
 /// Starts the allreduce on a helper thread.
 ///
@@ -26,7 +24,7 @@ pub(super) fn submit(
     refused: Option<String>,
     name: String,
     tensor: Tensor,
-    scaling: Scaling,
+    reduce: ReduceOptions,
     compression: Compression,
 ) -> Result<Handle<Tensor>, SubmitError> {
     let refuse = |message: String, tensor: Tensor| {
@@ -43,7 +41,7 @@ pub(super) fn submit(
     if name.is_empty() {
         return refuse("tensor names must not be empty".into(), tensor);
     }
-    if scaling.0 == ReduceOp::Adasum && compression != Compression::None {
+    if reduce.op == ReduceOp::Adasum && compression != Compression::None {
         return refuse(
             format!("ReduceOp::Adasum with {compression:?} compression is not supported"),
             tensor,
@@ -54,7 +52,7 @@ pub(super) fn submit(
     std::thread::Builder::new()
         .name("kolo-allreduce".into())
         .spawn(move || {
-            let result = run(&kolo, &name, tensor, scaling, compression);
+            let result = run(&kolo, &name, tensor, reduce, compression);
             done.complete(result.map(Output::Tensor));
         })
         .map_err(|e| {
@@ -71,9 +69,14 @@ fn run(
     kolo: &Kolo,
     name: &str,
     tensor: Tensor,
-    (op, pre, post): Scaling,
+    reduce: ReduceOptions,
     compression: Compression,
 ) -> Result<Tensor> {
+    let ReduceOptions {
+        op,
+        prescale: pre,
+        postscale: post,
+    } = reduce;
     match (op, compression) {
         (ReduceOp::Adasum, _) => {
             let t = scaled(name, tensor, pre)?;
@@ -85,14 +88,14 @@ fn run(
         }
         (_, c) => {
             let dtype = tensor.dtype();
-            let wire = crate::optimizer::compress(tensor, c)?;
+            let wire = compress(tensor, c)?;
             let out = kolo
                 .allreduce(name, wire)
                 .op(op)
                 .prescale(pre)
                 .postscale(post)
                 .wait()?;
-            crate::optimizer::decompress(out, dtype)
+            decompress(out, dtype)
         }
     }
 }

@@ -1,5 +1,6 @@
 //! The gradient arithmetic of the distributed optimizer: local accumulation over
-//! backward passes, zeros for a missing gradient, and wire compression.
+//! backward passes and zeros for a missing gradient (the wire casts are
+//! `crate::compression`'s).
 
 use super::*;
 
@@ -49,54 +50,4 @@ pub(super) fn add_into(sum: &mut Tensor, g: &Tensor) -> std::result::Result<(), 
         }
     }
     Ok(())
-}
-
-pub(crate) fn compress(t: Tensor, c: Compression) -> Result<Tensor> {
-    let wire = c.wire_dtype(t.dtype());
-    if wire == t.dtype() {
-        return Ok(t);
-    }
-    let shape = t.shape().to_vec();
-    let wide: Vec<f64> = match t.dtype() {
-        DType::F32 => t.as_slice::<f32>()?.iter().map(|&x| f64::from(x)).collect(),
-        _ => t.into_vec::<f64>()?,
-    };
-    match wire {
-        DType::F16 => Tensor::from_vec(
-            wide.iter().map(|&x| half::f16::from_f64(x)).collect(),
-            &shape,
-        ),
-        _ => Tensor::from_vec(
-            wide.iter().map(|&x| half::bf16::from_f64(x)).collect(),
-            &shape,
-        ),
-    }
-}
-
-pub(crate) fn decompress(t: Tensor, dtype: DType) -> Result<Tensor> {
-    if t.dtype() == dtype {
-        return Ok(t);
-    }
-    let shape = t.shape().to_vec();
-    let wide: Vec<f64> = match t.dtype() {
-        DType::F16 => t
-            .as_slice::<half::f16>()?
-            .iter()
-            .map(|x| x.to_f64())
-            .collect(),
-        DType::BF16 => t
-            .as_slice::<half::bf16>()?
-            .iter()
-            .map(|x| x.to_f64())
-            .collect(),
-        other => {
-            return Err(Error::Internal(format!(
-                "cannot restore {dtype} from {other}"
-            )))
-        }
-    };
-    match dtype {
-        DType::F32 => Tensor::from_vec(wide.iter().map(|&x| x as f32).collect(), &shape),
-        _ => Tensor::from_vec(wide, &shape),
-    }
 }

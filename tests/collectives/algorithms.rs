@@ -158,6 +158,33 @@ fn rms_to(x: &[f32], target: &[f32]) -> f32 {
         .sqrt()
 }
 
+/// `steps` steps of `opt` (lr 0.005) from `x` on this rank's quadratic of centre `c`.
+fn descend(
+    k: &Kolo,
+    opt: &mut kolo::algorithms::OneBitAdam,
+    x: &mut [f32],
+    c: &[f32],
+    steps: usize,
+    tag: &str,
+) -> Result<()> {
+    for _ in 0..steps {
+        let g: Vec<f32> = x.iter().zip(c).map(|(x, c)| x - c).collect();
+        let u = opt.step(k, tag, 0.005, g)?;
+        x.iter_mut().zip(&u).for_each(|(x, u)| *x -= u);
+    }
+    Ok(())
+}
+
+/// Fails unless every rank holds exactly `x`.
+fn same_on_every_rank(k: &Kolo, tag: &str, x: &[f32]) -> Result<()> {
+    let all: Vec<Vec<f32>> = k.allgather_object(tag, x.to_vec())?;
+    ensure!(
+        all.windows(2).all(|w| w[0] == w[1]),
+        "the ranks' weights differ"
+    );
+    Ok(())
+}
+
 /// 1-bit Adam on a quadratic per rank (`|x − c_r|² / 2`, lr 0.005, a 20-step
 /// warm-up): the ranks stay identical, the RMS distance to the optimum (the mean of
 /// the `c_r`) falls at least 4× in 600 steps (sign compression converges to a
@@ -174,13 +201,8 @@ pub(crate) fn onebit_adam(k: &Kolo) -> Result<()> {
         warmup: 20,
         ..Default::default()
     };
-    let run = |opt: &mut OneBitAdam, x: &mut Vec<f32>, steps: usize, tag: &str| -> Result<()> {
-        for _ in 0..steps {
-            let g: Vec<f32> = x.iter().zip(&c).map(|(x, c)| x - c).collect();
-            let u = opt.step(k, tag, 0.005, g)?;
-            x.iter_mut().zip(&u).for_each(|(x, u)| *x -= u);
-        }
-        Ok(())
+    let run = |opt: &mut OneBitAdam, x: &mut Vec<f32>, steps: usize, tag: &str| {
+        descend(k, opt, x, &c, steps, tag)
     };
     let mut a = OneBitAdam::new(config);
     let mut xa = vec![0.0f32; n];
@@ -193,11 +215,7 @@ pub(crate) fn onebit_adam(k: &Kolo) -> Result<()> {
     b.set_state(serde_json::from_str(&saved)?);
     run(&mut b, &mut xb, 300, "ob.b")?;
     ensure!(xa == xb, "the restored run differs by {}", worst(&xa, &xb));
-    let all: Vec<Vec<f32>> = k.allgather_object("ob.x", xa.clone())?;
-    ensure!(
-        all.windows(2).all(|w| w[0] == w[1]),
-        "the ranks' weights differ"
-    );
+    same_on_every_rank(k, "ob.x", &xa)?;
     let end = rms(&xa);
     ensure!(
         end * 4.0 < start,
@@ -338,16 +356,8 @@ pub(crate) fn qadam(k: &Kolo) -> Result<()> {
     });
     let mut x = vec![0.0f32; n];
     let start = rms(&x);
-    for _ in 0..600 {
-        let g: Vec<f32> = x.iter().zip(&c).map(|(x, c)| x - c).collect();
-        let u = q.step(k, "qadam", 0.005, g)?;
-        x.iter_mut().zip(&u).for_each(|(x, u)| *x -= u);
-    }
-    let all: Vec<Vec<f32>> = k.allgather_object("qadam.x", x.clone())?;
-    ensure!(
-        all.windows(2).all(|w| w[0] == w[1]),
-        "the ranks' weights differ"
-    );
+    descend(k, &mut q, &mut x, &c, 600, "qadam")?;
+    same_on_every_rank(k, "qadam.x", &x)?;
     let end = rms(&x);
     ensure!(
         end * 10.0 < start,

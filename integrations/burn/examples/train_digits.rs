@@ -347,7 +347,7 @@ fn run() -> anyhow::Result<()> {
     if rank == 0 && args.algorithm != kolo::Algorithm::Allreduce {
         println!("synchronising with {} (--algorithm)", args.algorithm);
     }
-    let mut sync = sync_algorithm::Sync::new(
+    let mut sync = sync_algorithm::Synchroniser::new(
         &kolo,
         args.algorithm,
         args.compress_on_one_host,

@@ -184,14 +184,13 @@ impl WeightAverager {
 
     fn exchange<M: Module>(&mut self, model: M, finish: bool) -> Result<M> {
         let mut values = flatten(&model, "WeightAverager")?;
-        let before = values.clone();
         let name = "kolo_burn.averaging";
-        if finish {
-            self.inner.finish(&self.kolo, name, &mut values)?;
+        let changed = if finish {
+            self.inner.finish(&self.kolo, name, &mut values)?
         } else {
-            self.inner.after_step(&self.kolo, name, &mut values)?;
-        }
-        if values == before {
+            self.inner.after_step(&self.kolo, name, &mut values)?
+        };
+        if !changed {
             return Ok(model);
         }
         Ok(model.map(&mut Unflatten {

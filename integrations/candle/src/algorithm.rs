@@ -77,14 +77,13 @@ pub(crate) fn average_weights(
     finish: bool,
 ) -> Result<()> {
     let mut flat = read_flat(vars)?;
-    let before = flat.clone();
     let name = "kolo_candle.averaging";
-    if finish {
-        averager.finish(kolo, name, &mut flat)?;
+    let changed = if finish {
+        averager.finish(kolo, name, &mut flat)?
     } else {
-        averager.after_step(kolo, name, &mut flat)?;
-    }
-    if flat == before {
+        averager.after_step(kolo, name, &mut flat)?
+    };
+    if !changed {
         return Ok(());
     }
     write_flat(vars, &flat)

@@ -25,7 +25,7 @@ use kolo::{Algorithm, Kolo};
 use kolo_burn::{GradientReducer, OneBitAdam, WeightAverager};
 
 /// The synchronisation of one training run.
-pub(crate) enum Sync {
+pub(crate) enum Synchroniser {
     /// Gradients reduced, then the plain optimizer steps.
     Reducer(GradientReducer),
     /// The plain optimizer steps on this rank's gradients, then weights are exchanged.
@@ -34,7 +34,7 @@ pub(crate) enum Sync {
     Optimizer(OneBitAdam),
 }
 
-impl Sync {
+impl Synchroniser {
     /// The synchronisation for `algorithm` (`warmup`: 1-bit Adam's and QAdam's plain
     /// steps; `period`: async averaging's steps between rounds).
     pub(crate) fn new(
@@ -49,12 +49,12 @@ impl Sync {
             ..Default::default()
         };
         Ok(match algorithm {
-            Algorithm::OneBitAdam => Sync::Optimizer(OneBitAdam::new(kolo, config)),
-            Algorithm::QAdam => Sync::Optimizer(OneBitAdam::qadam(kolo, config)),
-            a if a.exchanges_weights() => Sync::Averager(
+            Algorithm::OneBitAdam => Synchroniser::Optimizer(OneBitAdam::new(kolo, config)),
+            Algorithm::QAdam => Synchroniser::Optimizer(OneBitAdam::qadam(kolo, config)),
+            a if a.exchanges_weights() => Synchroniser::Averager(
                 WeightAverager::new(kolo, a)?.period(AsyncPeriod::Steps(period.max(1))),
             ),
-            a => Sync::Reducer(
+            a => Synchroniser::Reducer(
                 GradientReducer::new(kolo)
                     .algorithm(a)
                     .hierarchical(!compress_on_one_host),
@@ -72,12 +72,12 @@ impl Sync {
         local: impl FnOnce(M, GradientsParams) -> M,
     ) -> kolo_burn::Result<M> {
         match self {
-            Sync::Reducer(r) => {
+            Synchroniser::Reducer(r) => {
                 let grads = r.reduce(&model, grads)?;
                 Ok(local(model, grads))
             }
-            Sync::Averager(a) => a.after_step(local(model, grads)),
-            Sync::Optimizer(o) => o.step(lr, model, grads),
+            Synchroniser::Averager(a) => a.after_step(local(model, grads)),
+            Synchroniser::Optimizer(o) => o.step(lr, model, grads),
         }
     }
 
@@ -85,7 +85,7 @@ impl Sync {
     /// averaging's rounds in flight; a collective).
     pub(crate) fn finish<M: Module>(&mut self, model: M) -> kolo_burn::Result<M> {
         match self {
-            Sync::Averager(a) => a.finish(model),
+            Synchroniser::Averager(a) => a.finish(model),
             _ => Ok(model),
         }
     }
@@ -93,17 +93,17 @@ impl Sync {
     /// This rank's state as JSON (none for a reducer).
     fn state(&self) -> anyhow::Result<Option<String>> {
         Ok(match self {
-            Sync::Reducer(_) => None,
-            Sync::Averager(a) => Some(serde_json::to_string(a.state())?),
-            Sync::Optimizer(o) => Some(serde_json::to_string(o.state())?),
+            Synchroniser::Reducer(_) => None,
+            Synchroniser::Averager(a) => Some(serde_json::to_string(a.state())?),
+            Synchroniser::Optimizer(o) => Some(serde_json::to_string(o.state())?),
         })
     }
 
     fn set_state(&mut self, json: &str) -> anyhow::Result<()> {
         match self {
-            Sync::Reducer(_) => {}
-            Sync::Averager(a) => a.set_state(serde_json::from_str::<AveragerState>(json)?),
-            Sync::Optimizer(o) => o.set_state(serde_json::from_str::<OneBitState>(json)?),
+            Synchroniser::Reducer(_) => {}
+            Synchroniser::Averager(a) => a.set_state(serde_json::from_str::<AveragerState>(json)?),
+            Synchroniser::Optimizer(o) => o.set_state(serde_json::from_str::<OneBitState>(json)?),
         }
         Ok(())
     }
@@ -129,7 +129,7 @@ impl Sync {
         let tmp = path.with_extension("tmp");
         std::fs::write(&tmp, json).with_context(|| format!("writing {}", tmp.display()))?;
         std::fs::rename(&tmp, &path).with_context(|| format!("renaming to {}", path.display()))?;
-        if matches!(self, Sync::Averager(_)) {
+        if matches!(self, Synchroniser::Averager(_)) {
             let files = [
                 ("model", model.clone().into_record().into_bytes()?.to_vec()),
                 ("optim", optim.into_bytes()?.to_vec()),
@@ -176,7 +176,7 @@ impl Sync {
         model: M,
         optim: ModuleOptimizer,
     ) -> anyhow::Result<(M, ModuleOptimizer)> {
-        if matches!(self, Sync::Reducer(_)) || step == 0 {
+        if matches!(self, Synchroniser::Reducer(_)) || step == 0 {
             return Ok((model, optim));
         }
         let path = file(dir, kolo.rank(), kolo.size(), step);
@@ -192,7 +192,7 @@ impl Sync {
             if kolo.rank() == 0 {
                 println!("restored the algorithm's state of step {step} on every rank");
             }
-            if matches!(self, Sync::Averager(_)) {
+            if matches!(self, Synchroniser::Averager(_)) {
                 let read = |ext: &str| {
                     let path = path.with_extension(ext);
                     std::fs::read(&path)

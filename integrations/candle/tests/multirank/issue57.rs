@@ -116,31 +116,7 @@ pub(crate) fn decentralized(kolo: &Kolo) -> Result<()> {
         "np {size} rank {rank}: {w} from the mean after {rounds} exchanges"
     );
     // Through the optimizer: models that start apart train and come together.
-    let varmap = VarMap::new();
-    let model = Small::new(16, &varmap)?;
-    for v in varmap.all_vars() {
-        // Apart by construction, whatever candle's initialisation does.
-        v.set(&(v.as_tensor() + rank as f64 * 0.05)?)?;
-    }
-    let mut opt =
-        DistributedOptimizer::new(kolo, SGD::new(varmap.all_vars(), 0.05)?, varmap.all_vars())?
-            .algorithm(Algorithm::Decentralized)?;
-    let order = opt.vars().to_vec();
-    let spread = |kolo: &Kolo, tag: &str| -> Result<f32> {
-        let all: Vec<Vec<f32>> = kolo.allgather_object(tag, values(&order)?)?;
-        Ok(all.iter().map(|v| worst(v, &all[0])).fold(0.0, f32::max))
-    };
-    let before = spread(kolo, "c57.before")?;
-    for step in 0..8 {
-        let lo = (step * size + rank) * 8;
-        opt.backward_step(&model.loss(&samples(lo..lo + 8)?)?)?;
-    }
-    let after = spread(kolo, "c57.after")?;
-    ensure!(
-        size == 1 || after < before / 4.0,
-        "spread {before} → {after}: the ranks did not mix"
-    );
-    Ok(())
+    mixes_ranks(kolo, Algorithm::Decentralized)
 }
 
 /// Ranks that choose different algorithms fail on every rank, naming each choice.
@@ -164,43 +140,52 @@ pub(crate) fn disagreement(kolo: &Kolo) -> Result<()> {
 }
 
 /// The other weight exchanges through the optimizer: decentralized-8bit and async
-/// (a round every step) bring models that start apart together while training, and
-/// after `finish` async's ranks hold the same mean as before their last round.
+/// (a round every step) bring models that start apart together while training.
 pub(crate) fn weight_exchanges(kolo: &Kolo) -> Result<()> {
-    let (rank, size) = (kolo.rank(), kolo.size());
     for algorithm in [Algorithm::Decentralized8Bit, Algorithm::Async] {
-        let varmap = VarMap::new();
-        let model = Small::new(16, &varmap)?;
-        for v in varmap.all_vars() {
-            v.set(&(v.as_tensor() + rank as f64 * 0.05)?)?;
-        }
-        let mut opt =
-            DistributedOptimizer::new(kolo, SGD::new(varmap.all_vars(), 0.05)?, varmap.all_vars())?
-                .algorithm(algorithm)?
-                .async_period(kolo::algorithms::AsyncPeriod::Steps(1));
-        let order = opt.vars().to_vec();
-        let tag = format!("c57.{algorithm}");
-        let spread = |kolo: &Kolo, tag: &str| -> Result<f32> {
-            let all: Vec<Vec<f32>> = kolo.allgather_object(tag, values(&order)?)?;
-            Ok(all.iter().map(|v| worst(v, &all[0])).fold(0.0, f32::max))
-        };
-        let before = spread(kolo, &format!("{tag}.before"))?;
-        for step in 0..8 {
-            let lo = (step * size + rank) * 8;
-            opt.backward_step(&model.loss(&samples(lo..lo + 8)?)?)?;
-        }
-        opt.finish()?;
-        let after = spread(kolo, &format!("{tag}.after"))?;
-        ensure!(
-            size == 1 || after < before / 4.0,
-            "{algorithm}: spread {before} → {after}: the ranks did not mix"
-        );
-        ensure!(
-            size == 1 || opt.averager_state().is_some_and(|s| s.step == 8),
-            "{algorithm}: state {:?}",
-            opt.averager_state()
-        );
+        mixes_ranks(kolo, algorithm)?;
     }
+    Ok(())
+}
+
+/// A `DistributedOptimizer` with the weight exchange `algorithm` (async: a round
+/// every step) over models that start apart: after 8 steps and `finish` the ranks'
+/// spread is under a quarter of what it was, and the exchange's state counts the 8
+/// steps.
+fn mixes_ranks(kolo: &Kolo, algorithm: Algorithm) -> Result<()> {
+    let (rank, size) = (kolo.rank(), kolo.size());
+    let varmap = VarMap::new();
+    let model = Small::new(16, &varmap)?;
+    for v in varmap.all_vars() {
+        // Apart by construction, whatever candle's initialisation does.
+        v.set(&(v.as_tensor() + rank as f64 * 0.05)?)?;
+    }
+    let mut opt =
+        DistributedOptimizer::new(kolo, SGD::new(varmap.all_vars(), 0.05)?, varmap.all_vars())?
+            .algorithm(algorithm)?
+            .async_period(kolo::algorithms::AsyncPeriod::Steps(1));
+    let order = opt.vars().to_vec();
+    let tag = format!("c57.{algorithm}");
+    let spread = |kolo: &Kolo, tag: &str| -> Result<f32> {
+        let all: Vec<Vec<f32>> = kolo.allgather_object(tag, values(&order)?)?;
+        Ok(all.iter().map(|v| worst(v, &all[0])).fold(0.0, f32::max))
+    };
+    let before = spread(kolo, &format!("{tag}.before"))?;
+    for step in 0..8 {
+        let lo = (step * size + rank) * 8;
+        opt.backward_step(&model.loss(&samples(lo..lo + 8)?)?)?;
+    }
+    opt.finish()?;
+    let after = spread(kolo, &format!("{tag}.after"))?;
+    ensure!(
+        size == 1 || after < before / 4.0,
+        "{algorithm}: spread {before} → {after}: the ranks did not mix"
+    );
+    ensure!(
+        size == 1 || opt.averager_state().is_some_and(|s| s.step == 8),
+        "{algorithm}: state {:?}",
+        opt.averager_state()
+    );
     Ok(())
 }
 
