@@ -60,6 +60,8 @@ mod process_set;
 mod progress;
 mod runtime;
 mod sampler;
+#[cfg(feature = "sim")]
+pub mod sim;
 mod submit_error;
 mod tensor;
 mod transport;

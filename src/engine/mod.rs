@@ -19,6 +19,8 @@ mod p2p;
 pub(crate) mod queue;
 pub(crate) mod request;
 mod respond;
+#[cfg(feature = "sim")]
+pub(crate) mod sim;
 pub(crate) mod stall;
 pub(crate) mod timeline;
 mod tuning;

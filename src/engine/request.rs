@@ -153,9 +153,9 @@ impl RequestMeta {
     }
 }
 
-#[cfg(test)]
+#[cfg(any(test, feature = "sim"))]
 impl RequestMeta {
-    /// A one-tensor request for the engine's unit tests (CPU, no scaling, root 0).
+    /// A one-tensor request for the engine's unit tests and the simulator (CPU, no scaling, root 0).
     pub(crate) fn for_test(
         key: &str,
         kind: OpKind,

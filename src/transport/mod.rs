@@ -85,6 +85,8 @@ pub(crate) mod mpi;
 #[cfg(feature = "nccl")]
 pub(crate) mod nccl;
 pub(crate) mod ring;
+#[cfg(feature = "sim")]
+pub(crate) mod sim;
 
 /// Where this process sits in the job.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -1,0 +1,353 @@
+//! The α–β network model: what a message between two ranks costs, what each allreduce
+//! algorithm costs on a topology, and the lower bound no algorithm can beat.
+//!
+//! Ranks are placed on hosts in order (ranks `h·L … h·L+L−1` on host `h`, as `mpirun`
+//! places them by slot). A message of `s` bytes between two ranks costs `α + s/β` of
+//! the link between them: the host's (intra) or the network's (inter). Ranks of one
+//! host that send across hosts at the same time share the host's network interfaces
+//! (`nics_per_host` of them), and an oversubscribed fabric divides what crosses it.
+//! Reduction arithmetic and memory traffic inside a rank are not charged here (the
+//! fusion copies are, by the simulator, at `copy_bandwidth`).
+
+/// One kind of link: a message of `s` bytes takes `latency + s / bandwidth` seconds.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Link {
+    /// α: seconds from the send to the first byte's arrival.
+    pub latency: f64,
+    /// β: bytes per second one flow gets.
+    pub bandwidth: f64,
+}
+
+impl Link {
+    /// Seconds for one message of `bytes` on this link.
+    pub fn time(&self, bytes: f64) -> f64 {
+        self.latency + bytes / self.bandwidth
+    }
+}
+
+/// A job's network: hosts of equal size, one link kind inside a host and one between
+/// hosts.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Network {
+    /// Ranks on each host (the last host may hold fewer when the job does not fill it).
+    pub ranks_per_host: usize,
+    /// Between two ranks of one host.
+    pub intra: Link,
+    /// Between two ranks of different hosts, for one flow through one interface.
+    pub inter: Link,
+    /// Network interfaces per host: up to this many of a host's ranks send across
+    /// hosts at full `inter.bandwidth` at once; more share them.
+    pub nics_per_host: usize,
+    /// ≥ 1: the fabric's oversubscription (inter-host bandwidth divided by it).
+    pub oversubscription: f64,
+    /// Bytes per second a rank copies into or out of the fusion buffer.
+    pub copy_bandwidth: f64,
+    /// Simulated seconds per second of this machine's CPU time spent in kolo's
+    /// negotiation code (1: the simulated ranks' CPUs are as fast as this one).
+    pub cpu_scale: f64,
+}
+
+/// The allreduce algorithms the model knows.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Algorithm {
+    /// One ring over every rank in host order: 2(N−1) steps of S/N bytes, each step
+    /// as slow as the ring's slowest hop (kolo's ring across hosts).
+    Ring,
+    /// kolo's hierarchical allreduce: a ring reduce-scatter inside each host, a ring
+    /// allreduce of each local rank's S/L chunk across hosts (the L chunks at once),
+    /// a ring allgather inside each host.
+    Hierarchical,
+    /// Recursive doubling: ⌈log₂N⌉ exchanges of the whole buffer (a rank count that
+    /// is not a power of two folds the extra ranks in and out: two more messages).
+    RecursiveDoubling,
+    /// Recursive halving then doubling (Rabenseifner): a reduce-scatter whose message
+    /// halves each step, then the mirror allgather; near neighbours (same host)
+    /// first, so the large messages take the fast links.
+    HalvingDoubling,
+    /// Halving for the first `m` steps, recursive doubling on the remaining 1/2^m of
+    /// the buffer for the other steps, then doubling back: between the two above,
+    /// `m` chosen per size (the steps' count when m reaches ⌈log₂N⌉ is
+    /// [`Algorithm::HalvingDoubling`]'s).
+    Hybrid,
+    /// What kolo does today over MPI: its ring (hierarchical across hosts) from
+    /// 1 MiB per host chunk up, below that MPI_Allreduce, modelled as Open MPI's
+    /// classic fixed rule (recursive doubling up to 10 kB, the ring above).
+    KoloToday,
+    /// The cheapest of [`Ring`](Algorithm::Ring),
+    /// [`Hierarchical`](Algorithm::Hierarchical),
+    /// [`RecursiveDoubling`](Algorithm::RecursiveDoubling),
+    /// [`HalvingDoubling`](Algorithm::HalvingDoubling) and
+    /// [`Hybrid`](Algorithm::Hybrid) for each size: the choice by size and topology.
+    Auto,
+}
+
+impl Algorithm {
+    /// Every algorithm, in the order tables list them.
+    pub const ALL: [Algorithm; 7] = [
+        Algorithm::KoloToday,
+        Algorithm::Ring,
+        Algorithm::Hierarchical,
+        Algorithm::RecursiveDoubling,
+        Algorithm::HalvingDoubling,
+        Algorithm::Hybrid,
+        Algorithm::Auto,
+    ];
+
+    /// The name the command line and the CSV use.
+    pub fn name(self) -> &'static str {
+        match self {
+            Algorithm::Ring => "ring",
+            Algorithm::Hierarchical => "hierarchical",
+            Algorithm::RecursiveDoubling => "recursive-doubling",
+            Algorithm::HalvingDoubling => "halving-doubling",
+            Algorithm::Hybrid => "hybrid",
+            Algorithm::KoloToday => "kolo-today",
+            Algorithm::Auto => "auto",
+        }
+    }
+
+    /// The algorithm called `name` ([`Algorithm::name`]).
+    pub fn parse(name: &str) -> Option<Algorithm> {
+        Algorithm::ALL.into_iter().find(|a| a.name() == name)
+    }
+}
+
+/// Open MPI's classic rule: recursive doubling up to this many bytes.
+const OMPI_RECURSIVE_DOUBLING_MAX: f64 = 10_000.0;
+/// kolo's ring across hosts from this many bytes per host chunk (`RING_MIN_BYTES_HOSTS`).
+const KOLO_RING_MIN_CHUNK: f64 = (1 << 20) as f64;
+
+impl Network {
+    /// The host of rank `r`.
+    fn host(&self, r: usize) -> usize {
+        r / self.ranks_per_host.max(1)
+    }
+
+    /// Hosts of a job of `n` ranks.
+    pub fn hosts(&self, n: usize) -> usize {
+        n.div_ceil(self.ranks_per_host.max(1))
+    }
+
+    /// The link one of `flows` simultaneous flows per host gets across hosts.
+    fn inter_for(&self, flows: usize) -> Link {
+        let share = (self.nics_per_host.max(1) as f64 / flows.max(1) as f64).min(1.0);
+        Link {
+            latency: self.inter.latency,
+            bandwidth: self.inter.bandwidth * share / self.oversubscription.max(1.0),
+        }
+    }
+
+    /// The link between ranks `a` and `b` while `flows` ranks per host cross hosts.
+    fn link(&self, a: usize, b: usize, flows: usize) -> Link {
+        if self.host(a) == self.host(b) {
+            self.intra
+        } else {
+            self.inter_for(flows)
+        }
+    }
+
+    /// Seconds for the exchange steps of recursive doubling over `n` ranks where
+    /// step `k` (distance 2^k) carries `bytes(k)`: every rank exchanges with the rank
+    /// at that distance, all at once. A rank count that is not a power of two adds a
+    /// fold in and a fold out of `fold_bytes` each.
+    fn butterfly(&self, n: usize, fold_bytes: f64, bytes: impl Fn(u32) -> f64) -> f64 {
+        if n <= 1 {
+            return 0.0;
+        }
+        let p = 1usize << (usize::BITS - 1 - n.leading_zeros());
+        let l = self.ranks_per_host.max(1);
+        let mut t = 0.0;
+        if p < n {
+            // Ranks p.. fold into ranks 0..: across hosts unless the job is one host.
+            let link = self.link(0, p, l.min(n - p));
+            t += 2.0 * link.time(fold_bytes);
+        }
+        for k in 0..p.trailing_zeros() {
+            let d = 1usize << k;
+            // Every rank talks to rank ± d: inside the host while d < L (hosts of a
+            // power-of-two size), otherwise all L ranks of a host cross at once.
+            let link = self.link(0, d, l);
+            t += link.time(bytes(k));
+        }
+        t
+    }
+
+    /// One ring over `n` ranks (host order) moving `chunk` bytes per step, 2(n−1)
+    /// steps, each as slow as its slowest hop. `flows` ranks per host cross at once.
+    fn ring(&self, n: usize, chunk: f64, flows: usize) -> f64 {
+        if n <= 1 {
+            return 0.0;
+        }
+        let hop = if self.hosts(n) > 1 {
+            self.inter_for(flows)
+        } else {
+            self.intra
+        };
+        2.0 * (n - 1) as f64 * hop.time(chunk)
+    }
+
+    /// Seconds for an allreduce of `bytes` over `n` ranks with `algorithm`.
+    pub fn allreduce(&self, algorithm: Algorithm, n: usize, bytes: f64) -> f64 {
+        if n <= 1 || bytes <= 0.0 {
+            return 0.0;
+        }
+        let l = self.ranks_per_host.max(1).min(n);
+        let h = self.hosts(n);
+        match algorithm {
+            Algorithm::Ring => self.ring(n, bytes / n as f64, 1),
+            Algorithm::Hierarchical => {
+                if h == 1 || l == 1 || n % l != 0 {
+                    return self.ring(n, bytes / n as f64, 1);
+                }
+                let local = (l - 1) as f64 * self.intra.time(bytes / l as f64);
+                let cross = self.ring_across(h, bytes / l as f64, l);
+                local + cross + local
+            }
+            Algorithm::RecursiveDoubling => self.butterfly(n, bytes, |_| bytes),
+            Algorithm::HalvingDoubling => self.hybrid(n, bytes, u32::MAX),
+            Algorithm::Hybrid => {
+                let steps = usize::BITS - 1 - n.leading_zeros();
+                (0..=steps)
+                    .map(|m| self.hybrid(n, bytes, m))
+                    .fold(f64::INFINITY, f64::min)
+            }
+            Algorithm::KoloToday => {
+                let chunk = bytes / l as f64;
+                if h > 1 && chunk >= KOLO_RING_MIN_CHUNK {
+                    self.allreduce(Algorithm::Hierarchical, n, bytes)
+                } else if bytes <= OMPI_RECURSIVE_DOUBLING_MAX {
+                    self.allreduce(Algorithm::RecursiveDoubling, n, bytes)
+                } else {
+                    self.allreduce(Algorithm::Ring, n, bytes)
+                }
+            }
+            Algorithm::Auto => self.choose(n, bytes).1,
+        }
+    }
+
+    /// The algorithm [`Algorithm::Auto`] picks for `bytes` over `n` ranks, and its time.
+    pub fn choose(&self, n: usize, bytes: f64) -> (Algorithm, f64) {
+        [
+            Algorithm::Ring,
+            Algorithm::Hierarchical,
+            Algorithm::RecursiveDoubling,
+            Algorithm::HalvingDoubling,
+            Algorithm::Hybrid,
+        ]
+        .into_iter()
+        .map(|a| (a, self.allreduce(a, n, bytes)))
+        .fold((Algorithm::Ring, f64::INFINITY), |best, c| {
+            if c.1 < best.1 {
+                c
+            } else {
+                best
+            }
+        })
+    }
+
+    /// A ring allreduce of `bytes` over `h` hosts, `flows` of them per host at once.
+    fn ring_across(&self, h: usize, bytes: f64, flows: usize) -> f64 {
+        if h <= 1 {
+            return 0.0;
+        }
+        2.0 * (h - 1) as f64 * self.inter_for(flows).time(bytes / h as f64)
+    }
+
+    /// Halving for the first `m` steps (nearest ranks first), doubling on what is
+    /// left for the other steps, doubling back: `m` ≥ the step count is
+    /// Rabenseifner's algorithm, `m` = 0 recursive doubling.
+    fn hybrid(&self, n: usize, bytes: f64, m: u32) -> f64 {
+        let p = 1usize << (usize::BITS - 1 - n.leading_zeros());
+        let l = self.ranks_per_host.max(1);
+        let mut t = 0.0;
+        if p < n {
+            t += 2.0 * self.link(0, p, l.min(n - p)).time(bytes);
+        }
+        let left = bytes / 2f64.powi(m.min(p.trailing_zeros()) as i32);
+        for k in 0..p.trailing_zeros() {
+            let link = self.link(0, 1 << k, l);
+            t += if k < m {
+                // A reduce-scatter step sends half of what the rank holds, and the
+                // allgather's mirror step as much back.
+                2.0 * link.time(bytes / 2f64.powi(k as i32 + 1))
+            } else {
+                link.time(left)
+            };
+        }
+        t
+    }
+
+    /// The α–β lower bound for an allreduce of `bytes` over `n` ranks: information
+    /// from every rank must reach every rank (at least ⌈log₂L⌉ intra-host latencies
+    /// and ⌈log₂H⌉ inter-host ones), and every host must send and receive at least
+    /// 2(H−1)/H of the buffer across hosts through its interfaces, every rank
+    /// 2(L−1)/L … of it inside the host (whichever bandwidth term is larger counts;
+    /// the latency and bandwidth terms add, as the model's standard bound does).
+    pub fn lower_bound(&self, n: usize, bytes: f64) -> f64 {
+        if n <= 1 || bytes <= 0.0 {
+            return 0.0;
+        }
+        let l = self.ranks_per_host.max(1).min(n);
+        let h = self.hosts(n);
+        let log2 = |x: usize| f64::from(usize::BITS - (x.max(1) - 1).leading_zeros());
+        let latency = if h == 1 {
+            log2(n) * self.intra.latency
+        } else {
+            log2(l) * self.intra.latency + log2(h) * self.inter.latency
+        };
+        let host_out = self.inter_for(l).bandwidth * l as f64;
+        let inter_bw = if h > 1 {
+            2.0 * (h - 1) as f64 / h as f64 * bytes / host_out
+        } else {
+            0.0
+        };
+        let intra_bw = if l > 1 && h == 1 {
+            2.0 * (n - 1) as f64 / n as f64 * bytes / self.intra.bandwidth
+        } else {
+            0.0
+        };
+        latency + inter_bw.max(intra_bw)
+    }
+
+    /// Seconds for the cycle agreement over `n` ranks with `bytes` per message: the
+    /// recursive doubling kolo's transport runs (`MpiTransport::agree_bits`).
+    pub fn agreement(&self, n: usize, bytes: f64) -> f64 {
+        self.butterfly(n, bytes, |_| bytes)
+    }
+
+    /// Seconds for the full exchange over `n` ranks where rank r contributes
+    /// `lens[r]` bytes: an allgather of the lengths (Bruck: ⌈log₂N⌉ steps) then an
+    /// allgatherv of the bytes, modelled as Open MPI's classic rule for it (Bruck
+    /// below 50 kB in all, else the ring for an odd N and neighbour exchange for an
+    /// even one).
+    pub fn exchange(&self, lens: &[usize]) -> f64 {
+        let n = lens.len();
+        if n <= 1 {
+            return 0.0;
+        }
+        let lengths = self.butterfly(n, 8.0, |k| 8.0 * 2f64.powi(k as i32));
+        let total: usize = lens.iter().sum();
+        let largest = lens.iter().copied().max().unwrap_or(0) as f64;
+        let gather = if total < 50_000 {
+            // Bruck: step k forwards 2^k contributions.
+            self.butterfly(n, largest, |k| largest * 2f64.powi(k as i32))
+        } else {
+            // Ring (odd N) or neighbour exchange (even N): every contribution moves
+            // one hop per step, so a step lasts as long as the largest takes.
+            let hop = if self.hosts(n) > 1 {
+                self.inter_for(1)
+            } else {
+                self.intra
+            };
+            if n % 2 == 1 {
+                (n - 1) as f64 * hop.time(largest)
+            } else {
+                (n / 2) as f64 * hop.time(2.0 * largest)
+            }
+        };
+        lengths + gather
+    }
+}
+
+#[cfg(test)]
+mod tests;
