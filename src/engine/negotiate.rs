@@ -5,6 +5,7 @@
 //! every rank reaches the same responses in the same order without a coordinator.
 //! It is a plain state machine: no threads, no MPI, unit-tested below.
 
+use std::borrow::Borrow;
 use std::collections::BTreeMap;
 
 use rustc_hash::FxHashMap;
@@ -73,7 +74,8 @@ pub(crate) enum Outcome {
 }
 
 struct Entry {
-    metas: Vec<Option<RequestMeta>>,
+    /// Each rank's request: ranks that sent the same message share one.
+    metas: Vec<Option<Arc<RequestMeta>>>,
     since: Instant,
 }
 
@@ -153,43 +155,66 @@ impl Negotiator {
         self.joined.iter().any(|&j| j)
     }
 
-    /// Takes one cycle's messages (index = rank) and returns what to run.
-    pub(crate) fn handle(&mut self, msgs: &[CycleMsg], now: Instant) -> Outcome {
-        if let Some(rank) = msgs.iter().position(|m| m.shutdown) {
+    /// Records `msg`, the message every rank of `ranks` sent.
+    fn take(&mut self, msg: &CycleMsg, ranks: std::ops::Range<usize>, now: Instant) {
+        for req in &msg.requests {
+            if req.kind == OpKind::Join {
+                for rank in ranks.clone() {
+                    self.joined[rank] = true;
+                    self.last_joined = rank;
+                }
+                continue;
+            }
+            let seq = *self.by_key.entry(req.key.clone()).or_insert_with(|| {
+                let s = self.next_seq;
+                self.next_seq += 1;
+                s
+            });
+            let size = self.size;
+            let entry = self.table.entry(seq).or_insert_with(|| Entry {
+                metas: vec![None; size],
+                since: now,
+            });
+            let shared = Arc::new(req.clone());
+            for rank in ranks.clone() {
+                if entry.metas[rank].is_some() {
+                    // Submit-time checks on each rank make this impossible.
+                    tracing::error!(key = %req.key, rank, "duplicate request reached negotiation");
+                    continue;
+                }
+                entry.metas[rank] = Some(shared.clone());
+            }
+        }
+    }
+
+    /// Takes one cycle's messages (index = rank) and returns what to run. Entries
+    /// that are the same object (an `Arc` handed to several ranks) are taken as one.
+    pub(crate) fn handle<M: Borrow<CycleMsg>>(&mut self, msgs: &[M], now: Instant) -> Outcome {
+        if let Some(rank) = msgs.iter().position(|m| m.borrow().shutdown) {
             self.table.clear();
             self.by_key.clear();
             return Outcome::RankLeft(rank);
         }
-        if let Some(rank) = msgs.iter().position(|m| m.stall_abort) {
+        if let Some(rank) = msgs.iter().position(|m| m.borrow().stall_abort) {
             let report = self.stall_report(rank);
             self.table.clear();
             self.by_key.clear();
             return Outcome::Stalled(report);
         }
         let mut responses = Vec::new();
-        for (rank, msg) in msgs.iter().enumerate() {
-            for req in &msg.requests {
-                if req.kind == OpKind::Join {
-                    self.joined[rank] = true;
-                    self.last_joined = rank;
-                    continue;
-                }
-                let seq = *self.by_key.entry(req.key.clone()).or_insert_with(|| {
-                    let s = self.next_seq;
-                    self.next_seq += 1;
-                    s
-                });
-                let entry = self.table.entry(seq).or_insert_with(|| Entry {
-                    metas: vec![None; self.size],
-                    since: now,
-                });
-                if entry.metas[rank].is_some() {
-                    // Submit-time checks on each rank make this impossible.
-                    tracing::error!(key = %req.key, rank, "duplicate request reached negotiation");
-                    continue;
-                }
-                entry.metas[rank] = Some(req.clone());
-            }
+        // Ranks that sent the same message (the exchange hands one decoded message to
+        // every rank that sent those bytes: in a data-parallel job, usually all) are
+        // taken together, their requests shared: at thousands of ranks each request
+        // costs a pointer per rank here instead of a copy, a lookup and a check.
+        let mut rank = 0;
+        while rank < msgs.len() {
+            let msg: &CycleMsg = msgs[rank].borrow();
+            let run = msgs[rank..]
+                .iter()
+                .take_while(|m| std::ptr::eq((*m).borrow(), msg))
+                .count();
+            self.take(msg, rank..rank + run, now);
+            rank += run;
         }
         let joined = self.joined.clone();
         let ready: Vec<u64> = self
@@ -213,7 +238,7 @@ impl Negotiator {
                 Ok(()) => Response::Run(Ready {
                     key,
                     kind,
-                    metas: entry.metas.into_iter().map(|m| m.map(Arc::new)).collect(),
+                    metas: entry.metas.into_iter().collect(),
                 }),
                 Err(error) => Response::Fail { key, error },
             });
@@ -354,7 +379,7 @@ impl Negotiator {
 /// Lists who sent what when the ranks disagree on `what(meta)`, e.g.
 /// `rank 0 sent [17, 17], ranks 1, 2 sent [18, 18]`; `None` when all agree.
 fn differ<T: PartialEq>(
-    metas: &[Option<RequestMeta>],
+    metas: &[Option<Arc<RequestMeta>>],
     what: impl Fn(&RequestMeta) -> T,
     show: impl Fn(&T) -> String,
 ) -> Option<String> {
@@ -362,7 +387,7 @@ fn differ<T: PartialEq>(
         metas
             .iter()
             .enumerate()
-            .filter_map(|(rank, m)| Some((rank, what(m.as_ref()?)))),
+            .filter_map(|(rank, m)| Some((rank, what(m.as_deref()?)))),
         show,
     )
 }
@@ -400,13 +425,22 @@ fn debug<T: Debug>(v: &T) -> String {
 
 /// The checks across ranks made before an op runs (dtype, op, shape, reduce op,
 /// scale factors, root, device), in the order a user would want them reported.
-fn check(key: &str, metas: &[Option<RequestMeta>], joined: &[usize]) -> Result<(), Error> {
+fn check(key: &str, metas: &[Option<Arc<RequestMeta>>], joined: &[usize]) -> Result<(), Error> {
     let first = metas
         .iter()
         .flatten()
         .next()
         .ok_or_else(|| Error::Internal(format!("{key:?}: no requests")))?;
     let kind = first.kind;
+    // Every rank sent the same request (shared, or equal): nothing can differ, and the
+    // checks below (each of which builds a value per rank) need not run.
+    let same = metas
+        .iter()
+        .flatten()
+        .all(|m| Arc::ptr_eq(m, first) || **m == **first);
+    if same && kind == OpKind::DeviceTurn {
+        return Ok(());
+    }
     let fail = |what: &str, message: String| Error::Mismatch {
         op: kind.name(),
         name: key.to_string(),
@@ -420,7 +454,7 @@ fn check(key: &str, metas: &[Option<RequestMeta>], joined: &[usize]) -> Result<(
             None => Ok(()),
         };
     }
-    if let Some(m) = differ(metas, |m| m.kind, |k| k.name().to_string()) {
+    if let Some(m) = differ(metas, |m| m.kind, |k| k.name().to_string()).filter(|_| !same) {
         return Err(fail("op", m));
     }
     if !joined.is_empty() && !kind.runs_with_joined_ranks() {
@@ -429,6 +463,9 @@ fn check(key: &str, metas: &[Option<RequestMeta>], joined: &[usize]) -> Result<(
             name: key.to_string(),
             ranks: joined.to_vec(),
         });
+    }
+    if same {
+        return Ok(());
     }
     if let Some(m) = differ(metas, |m| m.device, |d| d.name().to_string()) {
         return Err(fail("device", m));
@@ -452,7 +489,7 @@ fn check(key: &str, metas: &[Option<RequestMeta>], joined: &[usize]) -> Result<(
 /// (what, message): the full shape, or for allgather and alltoall every dim but the
 /// first. A group's message names the member.
 fn tensors_differ(
-    metas: &[Option<RequestMeta>],
+    metas: &[Option<Arc<RequestMeta>>],
     tensors: usize,
     kind: OpKind,
 ) -> Option<(&'static str, String)> {
@@ -496,7 +533,10 @@ fn tensors_differ(
 
 /// The op's settings that differ between ranks, as (what, message): reduce op and
 /// scale factors of reductions, a process set's ranks, a broadcast's root.
-fn settings_differ(metas: &[Option<RequestMeta>], kind: OpKind) -> Option<(&'static str, String)> {
+fn settings_differ(
+    metas: &[Option<Arc<RequestMeta>>],
+    kind: OpKind,
+) -> Option<(&'static str, String)> {
     if matches!(
         kind,
         OpKind::Allreduce

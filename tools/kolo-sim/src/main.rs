@@ -88,10 +88,19 @@ fn main() -> Result<()> {
     }
     let algorithm = Algorithm::parse(&cli.algorithm).with_context(|| {
         let names: Vec<&str> = Algorithm::ALL.iter().map(|a| a.name()).collect();
-        format!("--algorithm {:?}: expected one of {}", cli.algorithm, names.join(", "))
+        format!(
+            "--algorithm {:?}: expected one of {}",
+            cli.algorithm,
+            names.join(", ")
+        )
     })?;
-    let workload = workloads::named(&cli.workload, cli.step_ms.map(|ms| ms * 1e-3))
-        .with_context(|| format!("--workload {:?}: expected resnet50 or bert-large", cli.workload))?;
+    let workload =
+        workloads::named(&cli.workload, cli.step_ms.map(|ms| ms * 1e-3)).with_context(|| {
+            format!(
+                "--workload {:?}: expected resnet50 or bert-large",
+                cli.workload
+            )
+        })?;
     let net = network(&cli.preset, cli.ranks_per_host, cli.gbit)?;
     let mut options = Options::new(cli.ranks, net.clone(), algorithm);
     if let Some(k) = cli.participants {

@@ -34,7 +34,9 @@ fn lines(
     let root = SVGBackend::new(path, (820, 480)).into_drawing_area();
     root.fill(&WHITE).map_err(err)?;
     let xs = series.iter().flat_map(|s| s.1.iter().map(|p| p.0));
-    let (lo, hi) = xs.fold((f64::INFINITY, 0.0f64), |(lo, hi), x| (lo.min(x), hi.max(x)));
+    let (lo, hi) = xs.fold((f64::INFINITY, 0.0f64), |(lo, hi), x| {
+        (lo.min(x), hi.max(x))
+    });
     let mut chart = ChartBuilder::on(&root)
         .caption(title, ("sans-serif", 20))
         .margin(12)
@@ -54,7 +56,9 @@ fn lines(
             .draw_series(LineSeries::new(pts.iter().copied(), colour.stroke_width(2)))
             .map_err(err)?
             .label(label.as_str())
-            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 18, y)], colour.stroke_width(2)));
+            .legend(move |(x, y)| {
+                PathElement::new(vec![(x, y), (x + 18, y)], colour.stroke_width(2))
+            });
         chart
             .draw_series(pts.iter().map(|&p| Circle::new(p, 3, colour.filled())))
             .map_err(err)?;
@@ -74,7 +78,12 @@ fn lines(
 pub(crate) fn efficiency(path: &Path, points: &[Point]) -> Result<()> {
     let mut series = Vec::new();
     for workload in ["resnet50", "bert-large"] {
-        for a in [Algorithm::KoloToday, Algorithm::Ring, Algorithm::Hierarchical, Algorithm::Auto] {
+        for a in [
+            Algorithm::KoloToday,
+            Algorithm::Ring,
+            Algorithm::Hierarchical,
+            Algorithm::Auto,
+        ] {
             let pts: Vec<(f64, f64)> = points
                 .iter()
                 .filter(|p| p.workload == workload && p.algorithm == a)

@@ -12,7 +12,10 @@ fn resnet50_forward() -> Vec<(String, usize)> {
     push("bn1.weight".into(), 64);
     push("bn1.bias".into(), 64);
     let mut inp = 64;
-    for (stage, (blocks, width)) in [(3, 64), (4, 128), (6, 256), (3, 512)].into_iter().enumerate() {
+    for (stage, (blocks, width)) in [(3, 64), (4, 128), (6, 256), (3, 512)]
+        .into_iter()
+        .enumerate()
+    {
         for b in 0..blocks {
             let p = format!("layer{}.{b}", stage + 1);
             for (name, n) in [
@@ -118,7 +121,14 @@ mod tests {
 
     #[test]
     fn the_published_models_have_their_parameter_counts() {
-        let count = |w: &str| named(w, None).unwrap().tensors.iter().map(|t| t.1).sum::<usize>();
+        let count = |w: &str| {
+            named(w, None)
+                .unwrap()
+                .tensors
+                .iter()
+                .map(|t| t.1)
+                .sum::<usize>()
+        };
         let resnet = named("resnet50", None).unwrap();
         assert_eq!(resnet.tensors.len(), 161);
         assert_eq!(count("resnet50"), 25_557_032);
