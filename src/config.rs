@@ -66,6 +66,7 @@ pub struct Config {
     /// Large sums across hosts through one ring per group (None: kolo measures the
     /// link at start and decides).
     pub(crate) grouped_ring: Option<bool>,
+    pub(crate) allreduce_algorithm: crate::vocab::AllreduceAlgorithm,
     pub(crate) autotune: bool,
     pub(crate) autotune_log: Option<PathBuf>,
     pub(crate) autotune_warmup_samples: usize,
@@ -107,6 +108,7 @@ impl Default for Config {
             hierarchical_allgather: false,
             hierarchical_allgather_explicit: false,
             grouped_ring: None,
+            allreduce_algorithm: crate::vocab::AllreduceAlgorithm::Auto,
             stall_check_disable: false,
             malloc_tuning: true,
             huge_pages: true,
@@ -253,6 +255,15 @@ impl Config {
     /// (`KOLO_GROUPED_RING`)
     pub fn grouped_ring(mut self, on: bool) -> Self {
         self.grouped_ring = Some(on);
+        self
+    }
+
+    /// How host sums that are not hierarchical travel (see
+    /// [`AllreduceAlgorithm`](crate::AllreduceAlgorithm); `Auto` by default, which
+    /// chooses by size and job). Rank 0's choice holds.
+    /// (`KOLO_ALLREDUCE_ALGORITHM`: `auto`, `ring`, `halving-doubling` or `mpi`)
+    pub fn allreduce_algorithm(mut self, algorithm: crate::AllreduceAlgorithm) -> Self {
+        self.allreduce_algorithm = algorithm;
         self
     }
 

@@ -94,7 +94,7 @@ pub use runtime::{
 pub use sampler::DistributedSampler;
 pub use submit_error::SubmitError;
 pub use tensor::{DType, Device, Element, HostBuffer, Tensor};
-pub use vocab::{AlltoallOutput, ReduceOp};
+pub use vocab::{AllreduceAlgorithm, AlltoallOutput, ReduceOp};
 
 /// The CUDA bindings kolo was built with (feature `nccl`), for `Tensor::from_cuda`.
 #[cfg(feature = "nccl")]

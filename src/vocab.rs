@@ -36,6 +36,39 @@ pub enum ReduceOp {
     Adasum,
 }
 
+/// How a host sum (`Sum` or `Average` of tensors in host memory) travels between the
+/// ranks when it is not hierarchical (`Config::allreduce_algorithm`,
+/// `KOLO_ALLREDUCE_ALGORITHM`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
+#[non_exhaustive]
+pub enum AllreduceAlgorithm {
+    /// By size and job: kolo's ring for large sums (on one host from 32 MiB; across
+    /// hosts from 1 MiB, and from 8 ranks only while a ring step moves at least
+    /// 256 KiB), recursive halving and doubling across hosts from 8 ranks for the
+    /// sums between 10 kB and that (where the ring's 2(N−1) message start-ups
+    /// dominate), MPI's own allreduce for the rest.
+    #[default]
+    Auto,
+    /// kolo's ring for every sum.
+    Ring,
+    /// Recursive halving then doubling (Rabenseifner) for every sum.
+    HalvingDoubling,
+    /// MPI's `MPI_Allreduce` for every sum.
+    Mpi,
+}
+
+impl AllreduceAlgorithm {
+    /// The name `KOLO_ALLREDUCE_ALGORITHM` takes.
+    pub fn name(self) -> &'static str {
+        match self {
+            AllreduceAlgorithm::Auto => "auto",
+            AllreduceAlgorithm::Ring => "ring",
+            AllreduceAlgorithm::HalvingDoubling => "halving-doubling",
+            AllreduceAlgorithm::Mpi => "mpi",
+        }
+    }
+}
+
 /// The result of an alltoall: the received rows and how many came from each rank.
 #[derive(Debug, Clone, PartialEq)]
 pub struct AlltoallOutput {

@@ -107,6 +107,14 @@ impl Config {
         if let Some((var, v)) = env.get("GROUPED_RING") {
             self.grouped_ring = Some(parse_bool(&var, &v)?);
         }
+        if let Some((var, v)) = env.get("ALLREDUCE_ALGORITHM") {
+            use crate::vocab::AllreduceAlgorithm as A;
+            let want = v.trim().to_ascii_lowercase();
+            self.allreduce_algorithm = [A::Auto, A::Ring, A::HalvingDoubling, A::Mpi]
+                .into_iter()
+                .find(|a| a.name() == want)
+                .ok_or_else(|| bad(&var, &v, "expected auto, ring, halving-doubling or mpi"))?;
+        }
         Ok(())
     }
 

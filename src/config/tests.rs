@@ -198,6 +198,7 @@ fn huge_durations_are_errors_not_panics() {
 }
 
 const VARIABLES: &[&str] = &[
+    "KOLO_ALLREDUCE_ALGORITHM",
     "KOLO_AUTOTUNE",
     "KOLO_AUTOTUNE_BAYES_OPT_MAX_SAMPLES",
     "KOLO_AUTOTUNE_GAUSSIAN_PROCESS_NOISE",

@@ -25,6 +25,8 @@ pub(super) struct Agreed {
     pub(super) hierarchical_allgather: bool,
     /// Large sums across hosts in groups (None: measured at start).
     pub(super) grouped_ring: Option<bool>,
+    /// How host sums that are not hierarchical travel.
+    pub(super) allreduce_algorithm: crate::vocab::AllreduceAlgorithm,
 }
 
 /// Whether allreduce and allgather run hierarchically, and whether they could (what
@@ -49,6 +51,7 @@ pub(super) fn agree(t: &mut dyn Transport, config: &Config) -> Result<(Agreed, H
         hierarchical_allreduce_auto: !config.hierarchical_allreduce_explicit,
         hierarchical_allgather: config.hierarchical_allgather,
         grouped_ring: config.grouped_ring,
+        allreduce_algorithm: config.allreduce_algorithm,
     };
     let topology = t.topology();
     let bytes = postcard::to_stdvec(&(mine, topology.local_size as u64))
@@ -106,6 +109,7 @@ pub(super) fn agree(t: &mut dyn Transport, config: &Config) -> Result<(Agreed, H
     t.set_hierarchical_allgather(choice.allgather_on);
     // Every rank, with rank 0's choice: the link probe behind `None` is collective.
     t.choose_grouped_ring(first.grouped_ring)?;
+    t.set_allreduce_algorithm(first.allreduce_algorithm);
     Ok((first, choice))
 }
 

@@ -163,6 +163,10 @@ pub(crate) trait Transport: Send {
     /// with the same value. A transport without hosts ignores it.
     fn set_hierarchical_min_bytes(&mut self, _bytes: usize) {}
 
+    /// How host sums that are not hierarchical travel from now on. Every rank calls
+    /// it with the same value. A transport with one way ignores it.
+    fn set_allreduce_algorithm(&mut self, _algorithm: crate::vocab::AllreduceAlgorithm) {}
+
     /// The rank this transport is waiting for a message from, kept up to date while it
     /// waits point to point (the cycle agreement), for the collective-timeout
     /// watchdog's message. A transport that never knows returns an [`Awaited`] that

@@ -18,6 +18,7 @@ mod others;
 mod p2p;
 mod process_sets;
 mod soak;
+mod sums;
 mod timeline;
 mod util;
 
@@ -58,6 +59,7 @@ const CASES: &[(&str, Case, usize)] = &[
     ("cache_shape_change", fusion::shape_change, 1),
     ("soak_20000_ops", soak::soak, 2),
     ("large_sums_ring", fusion::large_sums, 1),
+    ("sums_every_way", sums::every_way, 1),
     ("large_async", fusion::large_async, 1),
     ("process_sets", process_sets::collectives, 1),
     ("process_set_errors", process_sets::errors, 1),
@@ -244,6 +246,29 @@ type Variant = (
 );
 
 const VARIANTS: &[Variant] = &[
+    // Each way a flat host sum can travel, forced (issue 58: recursive halving and
+    // doubling for many ranks), np 2-4 (3: a rank count that folds in).
+    (
+        "sums_halving_doubling",
+        "sums_every_way",
+        &[2, 3, 4],
+        &[("KOLO_ALLREDUCE_ALGORITHM", "halving-doubling")],
+        None,
+    ),
+    (
+        "sums_ring",
+        "sums_every_way",
+        &[2, 3, 4],
+        &[("KOLO_ALLREDUCE_ALGORITHM", "ring")],
+        None,
+    ),
+    (
+        "sums_mpi",
+        "sums_every_way",
+        &[2, 3],
+        &[("KOLO_ALLREDUCE_ALGORITHM", "mpi")],
+        None,
+    ),
     (
         "fusion_off",
         "fusion_mixed_async",
@@ -515,6 +540,7 @@ const MULTINODE_CASES: &[&str] = &[
     "objects",
     "fusion_mixed_async",
     "large_sums_ring",
+    "sums_every_way",
     "distributed_optimizer",
     "process_sets",
     "process_set_errors",

@@ -34,6 +34,7 @@ impl Rank {
             hierarchical_allreduce_auto: false,
             hierarchical_allgather: false,
             grouped_ring: None,
+            allreduce_algorithm: crate::vocab::AllreduceAlgorithm::Auto,
         };
         let control = Control::new(&Config::default(), topology, agreed);
         let inbox = Inbox::new(Arc::new(Queue::default()), topology.rank);

@@ -111,6 +111,7 @@ fn switching_the_cache_sends_slot_announced_requests_in_full_again() {
         hierarchical_allreduce_auto: false,
         hierarchical_allgather: false,
         grouped_ring: None,
+        allreduce_algorithm: crate::vocab::AllreduceAlgorithm::Auto,
     };
     let mut control = Control::new(&Config::default(), topology, agreed);
     let mut inbox = Inbox::new(Arc::new(Queue::default()), 0);

@@ -10,6 +10,7 @@ use mpi::raw::AsRaw;
 use super::group::{allgatherv_on, allreduce_in_place, reduce_scatter_on, Group};
 use super::rings::{ring_allreduce, ring_allreduce_with, RING_MIN_BYTES_HOSTS, RING_SEGMENT_BYTES};
 use super::types::{per_rank, sized};
+use super::FlatSum;
 use super::MpiTransport;
 use crate::error::Result;
 use crate::tensor::DType;
@@ -54,8 +55,11 @@ impl MpiTransport {
                 buf,
                 dtype,
                 Some(RING_SEGMENT_BYTES),
-                &mut |mine| {
-                    ring_allreduce(
+                &mut |mine| match cross_sum(self.algorithm, cross.size, mine.len()) {
+                    FlatSum::HalvingDoubling => {
+                        super::halving::halving_doubling(cross, &mut scratch, mine, dtype)
+                    }
+                    _ => ring_allreduce(
                         cross,
                         &cross_order,
                         cross.rank,
@@ -63,7 +67,7 @@ impl MpiTransport {
                         mine,
                         dtype,
                         None,
-                    )
+                    ),
                 },
             );
             self.shard_scratch = scratch;
@@ -72,8 +76,19 @@ impl MpiTransport {
         let shards: Vec<usize> = (0..l).map(|i| n / l + usize::from(i < n % l)).collect();
         scratch.clear();
         scratch.resize(shards[me] * width, 0);
+        let halve = sum
+            && cross_sum(self.algorithm, cross.size, shards[me] * width)
+                == FlatSum::HalvingDoubling;
+        let mut halving_scratch = Vec::new();
         let result = reduce_scatter_on(local, buf, &mut scratch, &shards, dtype, mpi_op)
-            .and_then(|()| allreduce_in_place(cross, &mut scratch, dtype, mpi_op))
+            .and_then(|()| {
+                if halve {
+                    let (c, s) = (cross, &mut scratch);
+                    super::halving::halving_doubling(c, &mut halving_scratch, s, dtype)
+                } else {
+                    allreduce_in_place(cross, &mut scratch, dtype, mpi_op)
+                }
+            })
             .and_then(|()| allgatherv_on(local, &scratch, buf, &shards, dtype));
         self.shard_scratch = scratch;
         result
@@ -312,4 +327,10 @@ mod tests {
         );
         assert_eq!(Hosts::of(&[7]).ring(0), (vec![0], 0));
     }
+}
+
+/// How the hierarchical allreduce sums a shard of `bytes` across `hosts` hosts: the
+/// flat rule with every hop crossing hosts.
+fn cross_sum(algorithm: crate::vocab::AllreduceAlgorithm, hosts: usize, bytes: usize) -> FlatSum {
+    super::flat_sum(algorithm, hosts, bytes, true, RING_MIN_BYTES_HOSTS)
 }

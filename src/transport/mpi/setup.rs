@@ -82,6 +82,8 @@ impl MpiTransport {
             hierarchical_min_bytes: 0,
             hierarchical_allgather: false,
             grouped_ring: false,
+            algorithm: crate::vocab::AllreduceAlgorithm::Auto,
+            multi_host,
             hosts,
             ring_scratch: Vec::new(),
             shard_scratch: Vec::new(),
