@@ -162,7 +162,7 @@ pub fn simulate(workload: &Workload, options: &Options) -> Result<Vec<StepReport
     let mut orders = Vec::with_capacity(k);
     let mut threads = Vec::with_capacity(k);
     for me in 0..k {
-        let (tx, rx) = mpsc::channel::<(f64, Arc<Vec<(Arc<str>, usize)>>)>();
+        let (tx, rx) = mpsc::channel::<Order>();
         orders.push(tx);
         let (fabric, results_tx) = (fabric.clone(), results_tx.clone());
         let (threshold, capacity) = (options.fusion_threshold, options.cache_capacity);
@@ -199,11 +199,14 @@ pub fn simulate(workload: &Workload, options: &Options) -> Result<Vec<StepReport
     steps
 }
 
+/// A cycle's start (virtual seconds) and the gradients submitted by then.
+type Order = (f64, Arc<Vec<(Arc<str>, usize)>>);
+
 /// The coordinator's side of a simulated job.
 struct Job<'a> {
     workload: &'a Workload,
     options: &'a Options,
-    orders: Vec<mpsc::Sender<(f64, Arc<Vec<(Arc<str>, usize)>>)>>,
+    orders: Vec<mpsc::Sender<Order>>,
     results: mpsc::Receiver<(usize, Result<SimCycle>)>,
     /// Virtual time the next step starts.
     clock: f64,

@@ -69,10 +69,17 @@ pub enum Algorithm {
     /// `m` chosen per size (the steps' count when m reaches ⌈log₂N⌉ is
     /// [`Algorithm::HalvingDoubling`]'s).
     Hybrid,
-    /// What kolo does today over MPI: its ring (hierarchical across hosts) from
-    /// 1 MiB per host chunk up, below that MPI_Allreduce, modelled as Open MPI's
-    /// classic fixed rule (recursive doubling up to 10 kB, the ring above).
-    KoloToday,
+    /// What kolo chooses over MPI (`AllreduceAlgorithm::Auto`): hierarchical from
+    /// 2 MiB where hosts hold several ranks, its cross-host sum by the flat rule; flat:
+    /// kolo's ring from 1 MiB across hosts (32 MiB on one host) while a ring step moves
+    /// at least 256 KiB or the job has under 8 ranks, halving-doubling across hosts
+    /// from 8 ranks and 10 kB (halving down to 64 KiB pieces, doubling those),
+    /// otherwise MPI_Allreduce, modelled as Open MPI's classic
+    /// fixed rule (recursive doubling up to 10 kB, the ring above).
+    Kolo,
+    /// kolo before the halving-doubling sum: the same without it (the ring at any
+    /// size from 1 MiB across hosts, MPI_Allreduce below).
+    KoloBefore,
     /// The cheapest of [`Ring`](Algorithm::Ring),
     /// [`Hierarchical`](Algorithm::Hierarchical),
     /// [`RecursiveDoubling`](Algorithm::RecursiveDoubling),
@@ -83,8 +90,9 @@ pub enum Algorithm {
 
 impl Algorithm {
     /// Every algorithm, in the order tables list them.
-    pub const ALL: [Algorithm; 7] = [
-        Algorithm::KoloToday,
+    pub const ALL: [Algorithm; 8] = [
+        Algorithm::Kolo,
+        Algorithm::KoloBefore,
         Algorithm::Ring,
         Algorithm::Hierarchical,
         Algorithm::RecursiveDoubling,
@@ -101,7 +109,8 @@ impl Algorithm {
             Algorithm::RecursiveDoubling => "recursive-doubling",
             Algorithm::HalvingDoubling => "halving-doubling",
             Algorithm::Hybrid => "hybrid",
-            Algorithm::KoloToday => "kolo-today",
+            Algorithm::Kolo => "kolo",
+            Algorithm::KoloBefore => "kolo-before",
             Algorithm::Auto => "auto",
         }
     }
@@ -114,8 +123,18 @@ impl Algorithm {
 
 /// Open MPI's classic rule: recursive doubling up to this many bytes.
 const OMPI_RECURSIVE_DOUBLING_MAX: f64 = 10_000.0;
-/// kolo's ring across hosts from this many bytes per host chunk (`RING_MIN_BYTES_HOSTS`).
-const KOLO_RING_MIN_CHUNK: f64 = (1 << 20) as f64;
+/// kolo's ring from this many bytes across hosts (`RING_MIN_BYTES_HOSTS`) and on one
+/// host (`RING_MIN_BYTES_ONE_HOST`).
+const KOLO_RING_MIN_HOSTS: f64 = (1 << 20) as f64;
+const KOLO_RING_MIN_ONE_HOST: f64 = (32 << 20) as f64;
+/// kolo's hierarchical allreduce from this size (`HIERARCHICAL_AUTO_MIN_BYTES`).
+const KOLO_HIERARCHICAL_MIN: f64 = (2 << 20) as f64;
+/// kolo's flat rule at scale (`transport/mpi`: `HALVING_MIN_RANKS`,
+/// `RING_MIN_STEP_BYTES_AT_SCALE`, `HALVING_MIN_BYTES`).
+const KOLO_HALVING_MIN_RANKS: usize = 8;
+const KOLO_RING_MIN_STEP: f64 = (256 << 10) as f64;
+const KOLO_HALVING_MIN_BYTES: f64 = 10_000.0;
+const KOLO_PIECE_BYTES: f64 = (64 << 10) as f64;
 
 impl Network {
     /// The host of rank `r`.
@@ -196,7 +215,7 @@ impl Network {
         match algorithm {
             Algorithm::Ring => self.ring(n, bytes / n as f64, 1),
             Algorithm::Hierarchical => {
-                if h == 1 || l == 1 || n % l != 0 {
+                if h == 1 || l == 1 || !n.is_multiple_of(l) {
                     return self.ring(n, bytes / n as f64, 1);
                 }
                 let local = (l - 1) as f64 * self.intra.time(bytes / l as f64);
@@ -211,18 +230,70 @@ impl Network {
                     .map(|m| self.hybrid(n, bytes, m))
                     .fold(f64::INFINITY, f64::min)
             }
-            Algorithm::KoloToday => {
-                let chunk = bytes / l as f64;
-                if h > 1 && chunk >= KOLO_RING_MIN_CHUNK {
-                    self.allreduce(Algorithm::Hierarchical, n, bytes)
-                } else if bytes <= OMPI_RECURSIVE_DOUBLING_MAX {
-                    self.allreduce(Algorithm::RecursiveDoubling, n, bytes)
-                } else {
-                    self.allreduce(Algorithm::Ring, n, bytes)
+            Algorithm::Kolo | Algorithm::KoloBefore => {
+                let halving = algorithm == Algorithm::Kolo;
+                if h > 1 && l > 1 && n.is_multiple_of(l) && bytes >= KOLO_HIERARCHICAL_MIN {
+                    // Inside each host a ring (or MPI's reduce-scatter and allgather,
+                    // charged alike), across hosts the flat rule over the hosts.
+                    let local = (l - 1) as f64 * self.intra.time(bytes / l as f64);
+                    let shard = bytes / l as f64;
+                    let cross = match self.kolo_flat(h, shard, true, halving) {
+                        Algorithm::Ring => self.ring_across(h, shard, l),
+                        a => self.across(a, h, shard, l),
+                    };
+                    return local + cross + local;
                 }
+                let a = self.kolo_flat(n, bytes, h > 1, halving);
+                self.kolo_sum(a, n, bytes)
             }
             Algorithm::Auto => self.choose(n, bytes).1,
         }
+    }
+
+    /// kolo's flat rule: which algorithm a flat sum of `bytes` over `n` ranks takes.
+    fn kolo_flat(&self, n: usize, bytes: f64, multi_host: bool, halving: bool) -> Algorithm {
+        let ring_min = if multi_host {
+            KOLO_RING_MIN_HOSTS
+        } else {
+            KOLO_RING_MIN_ONE_HOST
+        };
+        let scale = halving && multi_host && n >= KOLO_HALVING_MIN_RANKS;
+        if bytes >= ring_min && (!scale || bytes / n as f64 >= KOLO_RING_MIN_STEP) {
+            Algorithm::Ring
+        } else if scale && bytes >= KOLO_HALVING_MIN_BYTES {
+            Algorithm::HalvingDoubling
+        } else if bytes <= OMPI_RECURSIVE_DOUBLING_MAX {
+            Algorithm::RecursiveDoubling
+        } else {
+            Algorithm::Ring
+        }
+    }
+
+    /// `algorithm` over `h` hosts, one rank per host and `flows` such sums per host
+    /// at once (the hierarchical allreduce's cross-host step).
+    fn across(&self, algorithm: Algorithm, h: usize, bytes: f64, flows: usize) -> f64 {
+        let one_per_host = Network {
+            ranks_per_host: 1,
+            inter: self.inter_for(flows),
+            nics_per_host: 1,
+            oversubscription: 1.0,
+            ..self.clone()
+        };
+        one_per_host.kolo_sum(algorithm, h, bytes)
+    }
+
+    /// `algorithm` as kolo runs it: its halving-doubling stops halving at a 64 KiB
+    /// piece (`transport/mpi/halving.rs`, `PIECE_BYTES`) and doubles the rest.
+    fn kolo_sum(&self, algorithm: Algorithm, n: usize, bytes: f64) -> f64 {
+        if algorithm != Algorithm::HalvingDoubling {
+            return self.allreduce(algorithm, n, bytes);
+        }
+        let steps = usize::BITS - 1 - n.max(1).leading_zeros();
+        let mut m = 0;
+        while m < steps && bytes / 2f64.powi(m as i32 + 1) >= KOLO_PIECE_BYTES {
+            m += 1;
+        }
+        self.hybrid(n, bytes, m)
     }
 
     /// The algorithm [`Algorithm::Auto`] picks for `bytes` over `n` ranks, and its time.

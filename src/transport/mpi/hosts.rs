@@ -280,6 +280,12 @@ impl Hosts {
     }
 }
 
+/// How the hierarchical allreduce sums a shard of `bytes` across `hosts` hosts: the
+/// flat rule with every hop crossing hosts.
+fn cross_sum(algorithm: crate::vocab::AllreduceAlgorithm, hosts: usize, bytes: usize) -> FlatSum {
+    super::flat_sum(algorithm, hosts, bytes, true, RING_MIN_BYTES_HOSTS)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -327,10 +333,4 @@ mod tests {
         );
         assert_eq!(Hosts::of(&[7]).ring(0), (vec![0], 0));
     }
-}
-
-/// How the hierarchical allreduce sums a shard of `bytes` across `hosts` hosts: the
-/// flat rule with every hop crossing hosts.
-fn cross_sum(algorithm: crate::vocab::AllreduceAlgorithm, hosts: usize, bytes: usize) -> FlatSum {
-    super::flat_sum(algorithm, hosts, bytes, true, RING_MIN_BYTES_HOSTS)
 }

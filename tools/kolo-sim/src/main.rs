@@ -28,9 +28,9 @@ struct Cli {
     /// `resnet50` or `bert-large`.
     #[arg(long, default_value = "resnet50")]
     workload: String,
-    /// Allreduce algorithm: auto, kolo-today, ring, hierarchical,
+    /// Allreduce algorithm: auto, kolo, kolo-before, ring, hierarchical,
     /// recursive-doubling, halving-doubling, hybrid.
-    #[arg(long, default_value = "auto")]
+    #[arg(long, default_value = "kolo")]
     algorithm: String,
     /// Report the first step (every request new, the full exchange) instead of the
     /// steady state.

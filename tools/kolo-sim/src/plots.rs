@@ -79,7 +79,8 @@ pub(crate) fn efficiency(path: &Path, points: &[Point]) -> Result<()> {
     let mut series = Vec::new();
     for workload in ["resnet50", "bert-large"] {
         for a in [
-            Algorithm::KoloToday,
+            Algorithm::Kolo,
+            Algorithm::KoloBefore,
             Algorithm::Ring,
             Algorithm::Hierarchical,
             Algorithm::Auto,

@@ -11,8 +11,9 @@ use crate::{plots, presets, workloads};
 /// Job sizes simulated.
 const RANKS: [usize; 10] = [8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096];
 /// Algorithms simulated through whole steps.
-const STEP_ALGORITHMS: [Algorithm; 4] = [
-    Algorithm::KoloToday,
+const STEP_ALGORITHMS: [Algorithm; 5] = [
+    Algorithm::Kolo,
+    Algorithm::KoloBefore,
     Algorithm::Ring,
     Algorithm::Hierarchical,
     Algorithm::Auto,
