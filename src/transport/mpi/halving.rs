@@ -4,8 +4,8 @@
 //! sums the pieces in the steps left (a small sum is pure recursive doubling:
 //! ⌈log₂N⌉ messages).
 //!
-//! Simulated at 512 to 4096 ranks (`kolo-sim`, DGX A100 preset), the ring's start-ups
-//! made a 64 KiB–4 MiB sum take 5–40 ms instead of 0.05–0.2 ms; its bandwidth term is
+//! Simulated at 512 to 4096 ranks (`kolo-sim`, DGX A100 preset), a flat ring's
+//! start-ups made a 64 KiB–4 MiB sum take 5–41 ms instead of 0.05–0.2 ms; its bandwidth term is
 //! the same as this algorithm's (2(N−1)/N of the buffer each way), so where the job is
 //! large and the chunk a ring step would move is small, this is the sum to use
 //! (`MpiTransport::flat_choice`).

@@ -661,7 +661,7 @@ enum FlatSum {
 /// Where `AllreduceAlgorithm::Auto` stops using the ring for many ranks: below this
 /// many bytes per ring step (the buffer over the ranks), its 2(N−1) start-ups cost
 /// more than the halving's 2·log₂N (`kolo-sim`: at 512 ranks on the DGX A100 preset a
-/// 4 MiB sum, 8 KiB a step, took 5.1 ms around the ring and 0.16 ms halving).
+/// 4 MiB sum, 8 KiB a step, took 5.5 ms around a flat ring and 0.14 ms halving).
 const RING_MIN_STEP_BYTES_AT_SCALE: usize = 256 << 10;
 /// The ranks from which `Auto` chooses between the ring and the halving by step size
 /// (below, the measured thresholds of the ring stand: at 4 ranks the ring sends 6

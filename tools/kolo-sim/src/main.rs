@@ -25,7 +25,9 @@ struct Cli {
     /// InfiniBand) or `here` (this machine's emulated hosts).
     #[arg(long, default_value = "cluster")]
     preset: String,
-    /// `resnet50` or `bert-large`.
+    /// `resnet50`, `bert-large`, or `tensor-64mib` (one 64 MiB tensor; with
+    /// `--step-ms 0` every workload is one burst submitted at once, as the benchmark
+    /// submits it).
     #[arg(long, default_value = "resnet50")]
     workload: String,
     /// Allreduce algorithm: auto, kolo, kolo-before, ring, hierarchical,
@@ -97,7 +99,7 @@ fn main() -> Result<()> {
     let workload =
         workloads::named(&cli.workload, cli.step_ms.map(|ms| ms * 1e-3)).with_context(|| {
             format!(
-                "--workload {:?}: expected resnet50 or bert-large",
+                "--workload {:?}: expected resnet50, bert-large or tensor-64mib",
                 cli.workload
             )
         })?;

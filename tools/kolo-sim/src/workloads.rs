@@ -93,7 +93,7 @@ fn bert_large_forward() -> Vec<(String, usize)> {
     out
 }
 
-/// The workload called `name` with `step` seconds of compute per step (a third
+/// The workload called `name` (`resnet50`, `bert-large`, `tensor-64mib`) with `step` seconds of compute per step (a third
 /// forward and optimizer, two thirds backward), or the published default.
 ///
 /// Defaults, from NVIDIA's DeepLearningExamples performance tables for A100 80 GB
@@ -104,6 +104,8 @@ pub(crate) fn named(name: &str, step: Option<f64>) -> Option<Workload> {
     let (tensors, default_step) = match name {
         "resnet50" => (resnet50_forward(), 256.0 / 2600.0),
         "bert-large" => (bert_large_forward(), 64.0 / 850.0),
+        // The benchmark's one large tensor, submitted at once.
+        "tensor-64mib" => (vec![("tensor".to_string(), 16 << 20)], 0.0),
         _ => return None,
     };
     let step = step.unwrap_or(default_step);
