@@ -156,7 +156,11 @@ pub fn simulate(workload: &Workload, options: &Options) -> Result<Vec<StepReport
             reason: "ranks, steps and the workload's tensors must not be 0".into(),
         });
     }
-    let fabric = Fabric::new(options.ranks, options.participants, options.network.clone());
+    let fabric = Fabric::new(
+        options.ranks,
+        options.participants,
+        Box::new(options.network.clone()),
+    );
     let k = fabric.participants().len();
     let (results_tx, results) = mpsc::channel::<(usize, Result<SimCycle>)>();
     let mut orders = Vec::with_capacity(k);
@@ -252,11 +256,32 @@ impl Job<'_> {
         Ok((first, end))
     }
 
+    /// Charges `cycle`'s plan to `report` (copies, data movement, the ratio to the
+    /// bound) and returns how many gradients it reduced.
+    fn execute(&self, cycle: &SimCycle, report: &mut StepReport) -> usize {
+        let (net, o) = (&self.options.network, self.options);
+        let mut done = cycle.reduced_in_agreement;
+        for step in &cycle.steps {
+            let bytes: usize = step.iter().sum();
+            if step.len() > 1 {
+                report.copies += 2.0 * bytes as f64 / net.copy_bandwidth;
+            }
+            let moved = net.allreduce(o.algorithm, o.ranks, bytes as f64);
+            let bound = net.lower_bound(o.ranks, bytes as f64);
+            if bound > 0.0 {
+                report.worst_vs_bound = report.worst_vs_bound.max(moved / bound);
+            }
+            report.data += moved;
+            report.collectives.push(bytes);
+            done += step.len();
+        }
+        done
+    }
+
     /// One training step from `self.clock`.
     fn step(&mut self) -> Result<StepReport> {
         let w = self.workload;
         let o = self.options;
-        let net = &o.network;
         let total: usize = w.tensors.iter().map(|t| t.1).sum::<usize>().max(1);
         let begin = self.clock;
         let backward_end = begin + w.forward + w.backward;
@@ -277,6 +302,8 @@ impl Job<'_> {
         let (mut submitted, mut done) = (0usize, 0usize);
         let mut free = begin;
         let mut last_start = f64::NEG_INFINITY;
+        // Copies and data movement charged so far this step.
+        let mut busy = 0.0;
         while done < w.tensors.len() {
             if report.cycles > 16 * w.tensors.len() + 1024 {
                 return Err(Error::Internal(format!(
@@ -308,27 +335,10 @@ impl Job<'_> {
             if end > backward_end {
                 report.negotiation_exposed += end - start.max(backward_end);
             }
-            let mut at = end;
-            for step in &cycle.steps {
-                let bytes: usize = step.iter().sum();
-                if step.len() > 1 {
-                    let copy = 2.0 * bytes as f64 / net.copy_bandwidth;
-                    report.copies += copy;
-                    at += copy;
-                }
-                let moved = net.allreduce(o.algorithm, o.ranks, bytes as f64);
-                let bound = net.lower_bound(o.ranks, bytes as f64);
-                if bound > 0.0 {
-                    report.worst_vs_bound = report.worst_vs_bound.max(moved / bound);
-                }
-                report.data += moved;
-                report.collectives.push(bytes);
-                at += moved;
-                done += step.len();
-            }
-            done += cycle.reduced_in_agreement;
+            done += self.execute(&cycle, &mut report);
             last_start = start;
-            free = at;
+            free = end + report.copies + report.data - busy;
+            busy = report.copies + report.data;
         }
         let end = free.max(backward_end);
         report.time = end - begin;

@@ -420,5 +420,23 @@ impl Network {
     }
 }
 
+impl crate::transport::sim::ControlCosts for Network {
+    fn agreement(&self, n: usize, bytes: f64) -> f64 {
+        Network::agreement(self, n, bytes)
+    }
+
+    fn exchange(&self, lens: &[usize]) -> f64 {
+        Network::exchange(self, lens)
+    }
+
+    fn ranks_per_host(&self) -> usize {
+        self.ranks_per_host
+    }
+
+    fn cpu_scale(&self) -> f64 {
+        self.cpu_scale
+    }
+}
+
 #[cfg(test)]
 mod tests;

@@ -18,7 +18,6 @@ use std::sync::{Arc, Condvar, Mutex, PoisonError};
 
 use super::{Idle, Topology, Transport};
 use crate::error::{Error, Result};
-use crate::sim::Network;
 use crate::tensor::DType;
 use crate::vocab::ReduceOp;
 
@@ -58,6 +57,19 @@ impl Clock {
     }
 }
 
+/// What the simulated job's control-plane messages cost, and where its ranks sit
+/// (`kolo::sim`'s network model implements it).
+pub(crate) trait ControlCosts: Send + Sync {
+    /// Virtual seconds of the bit agreement over `n` ranks, `bytes` per message.
+    fn agreement(&self, n: usize, bytes: f64) -> f64;
+    /// Virtual seconds of the full exchange where rank r contributes `lens[r]` bytes.
+    fn exchange(&self, lens: &[usize]) -> f64;
+    /// Ranks per host.
+    fn ranks_per_host(&self) -> usize;
+    /// Virtual seconds per second of this machine's CPU time.
+    fn cpu_scale(&self) -> f64;
+}
+
 /// What one participant brings to a collective.
 enum Contribution {
     Bits { words: Vec<u64>, sum: Vec<f32> },
@@ -94,7 +106,7 @@ pub(crate) struct Fabric {
     ranks: Vec<usize>,
     /// The participant each virtual rank copies.
     stands_for: Vec<usize>,
-    network: Network,
+    network: Box<dyn ControlCosts>,
     round: Mutex<Round>,
     turned: Condvar,
 }
@@ -111,7 +123,11 @@ impl std::fmt::Debug for Fabric {
 impl Fabric {
     /// A job of `n` virtual ranks run by `participants` threads (at least 1, at most
     /// `n`), spread evenly over the ranks (the first and the last rank among them).
-    pub(crate) fn new(n: usize, participants: usize, network: Network) -> Arc<Fabric> {
+    pub(crate) fn new(
+        n: usize,
+        participants: usize,
+        network: Box<dyn ControlCosts>,
+    ) -> Arc<Fabric> {
         let k = participants.clamp(1, n.max(1));
         let ranks: Vec<usize> = if k == 1 {
             vec![0]
@@ -254,7 +270,7 @@ impl SimTransport {
     pub(crate) fn new(fabric: Arc<Fabric>, me: usize) -> SimTransport {
         let n = fabric.n;
         let rank = fabric.ranks[me];
-        let l = fabric.network.ranks_per_host.clamp(1, n.max(1));
+        let l = fabric.network.ranks_per_host().clamp(1, n.max(1));
         let host = rank / l;
         let topology = Topology {
             rank,
@@ -264,7 +280,7 @@ impl SimTransport {
             cross_rank: host,
             cross_size: n.div_ceil(l),
         };
-        let scale = fabric.network.cpu_scale;
+        let scale = fabric.network.cpu_scale();
         SimTransport {
             fabric,
             me,

@@ -44,8 +44,6 @@ pub(super) fn halving_doubling(
     if n <= 1 {
         return Ok(());
     }
-    let es = dtype.size_of();
-    let len = buf.len() / es;
     let p = 1usize << (usize::BITS - 1 - n.leading_zeros());
     let rem = n - p;
     if scratch.len() < buf.len() {
@@ -67,61 +65,16 @@ pub(super) fn halving_doubling(
         Some(me - rem)
     };
     if let Some(v) = virtual_rank {
-        let real = |v: usize| if v < rem { 2 * v + 1 } else { v + rem };
-        // Element offset where block `b` of `p` starts (`p`: the end).
-        let at = |b: usize| if b == p { len } else { chunk(len, p, b).0 };
-        let steps = p.trailing_zeros();
-        let halvings = halvings(buf.len(), steps);
-        let mut held = (0usize, p);
-        let mut gave = Vec::with_capacity(halvings as usize);
-        for k in 0..halvings {
-            let (lo, hi) = held;
-            let mid = (lo + hi) / 2;
-            let (keep, give) = if v & (1 << k) == 0 {
-                ((lo, mid), (mid, hi))
-            } else {
-                ((mid, hi), (lo, mid))
-            };
-            let (ka, kb) = (at(keep.0) * es, at(keep.1) * es);
-            let (ga, gb) = (at(give.0) * es, at(give.1) * es);
-            exchange(
-                g,
-                real(v ^ (1 << k)),
-                &buf[ga..gb],
-                &mut scratch[..kb - ka],
-                dtype,
-            )?;
-            add_into(&mut buf[ka..kb], &scratch[..kb - ka], dtype);
-            gave.push((keep, give));
-            held = keep;
-        }
-        // Recursive doubling on the piece: the partners of the remaining steps hold
-        // the same blocks; each adds the other's (x + y == y + x: both get the same
-        // bits).
-        let (ha, hb) = (at(held.0) * es, at(held.1) * es);
-        for k in halvings..steps {
-            exchange(
-                g,
-                real(v ^ (1 << k)),
-                &buf[ha..hb],
-                &mut scratch[..hb - ha],
-                dtype,
-            )?;
-            add_into(&mut buf[ha..hb], &scratch[..hb - ha], dtype);
-        }
-        // Doubling back: send what this rank holds summed, receive the half it gave.
-        for (k, (keep, give)) in gave.into_iter().enumerate().rev() {
-            let (ka, kb) = (at(keep.0) * es, at(keep.1) * es);
-            let (ga, gb) = (at(give.0) * es, at(give.1) * es);
-            let (send, recv) = if ka < ga {
-                let (a, b) = buf.split_at_mut(ga);
-                (&a[ka..kb], &mut b[..gb - ga])
-            } else {
-                let (a, b) = buf.split_at_mut(ka);
-                (&b[..kb - ka], &mut a[ga..gb])
-            };
-            exchange(g, real(v ^ (1 << k)), send, recv, dtype)?;
-        }
+        let b = Butterfly {
+            g,
+            dtype,
+            es: dtype.size_of(),
+            len: buf.len() / dtype.size_of(),
+            p,
+            rem,
+            v,
+        };
+        b.run(buf, scratch)?;
     }
     if folded {
         if me % 2 == 1 {
@@ -131,6 +84,91 @@ pub(super) fn halving_doubling(
         }
     }
     Ok(())
+}
+
+/// The 2^k ranks that halve and double, from one of them (`v`, its place among
+/// them).
+struct Butterfly {
+    g: Group,
+    dtype: DType,
+    /// Bytes per element, and elements in the buffer.
+    es: usize,
+    len: usize,
+    /// How many take part, how many were folded into others.
+    p: usize,
+    rem: usize,
+    v: usize,
+}
+
+impl Butterfly {
+    /// The real rank of the participant `k` steps away.
+    fn peer(&self, k: u32) -> usize {
+        let w = self.v ^ (1 << k);
+        if w < self.rem {
+            2 * w + 1
+        } else {
+            w + self.rem
+        }
+    }
+
+    /// Byte range of blocks `[a, b)` of the `p` blocks.
+    fn bytes(&self, (a, b): (usize, usize)) -> (usize, usize) {
+        let at = |c: usize| {
+            if c == self.p {
+                self.len
+            } else {
+                chunk(self.len, self.p, c).0
+            }
+        };
+        (at(a) * self.es, at(b) * self.es)
+    }
+
+    /// Halving, doubling on the piece, doubling back.
+    fn run(&self, buf: &mut [u8], scratch: &mut [u8]) -> Result<()> {
+        let steps = self.p.trailing_zeros();
+        let halvings = halvings(buf.len(), steps);
+        let mut held = (0usize, self.p);
+        let mut gave = Vec::with_capacity(halvings as usize);
+        for k in 0..halvings {
+            let (lo, hi) = held;
+            let mid = (lo + hi) / 2;
+            let (keep, give) = if self.v & (1 << k) == 0 {
+                ((lo, mid), (mid, hi))
+            } else {
+                ((mid, hi), (lo, mid))
+            };
+            let (ka, kb) = self.bytes(keep);
+            let (ga, gb) = self.bytes(give);
+            let into = &mut scratch[..kb - ka];
+            exchange(self.g, self.peer(k), &buf[ga..gb], into, self.dtype)?;
+            add_into(&mut buf[ka..kb], into, self.dtype);
+            gave.push((keep, give));
+            held = keep;
+        }
+        // Recursive doubling on the piece: the partners of the remaining steps hold
+        // the same blocks; each adds the other's (x + y == y + x: both get the same
+        // bits).
+        let (ha, hb) = self.bytes(held);
+        for k in halvings..steps {
+            let into = &mut scratch[..hb - ha];
+            exchange(self.g, self.peer(k), &buf[ha..hb], into, self.dtype)?;
+            add_into(&mut buf[ha..hb], into, self.dtype);
+        }
+        // Doubling back: send what this rank holds summed, receive the half it gave.
+        for (k, (keep, give)) in gave.into_iter().enumerate().rev() {
+            let (ka, kb) = self.bytes(keep);
+            let (ga, gb) = self.bytes(give);
+            let (send, recv) = if ka < ga {
+                let (a, b) = buf.split_at_mut(ga);
+                (&a[ka..kb], &mut b[..gb - ga])
+            } else {
+                let (a, b) = buf.split_at_mut(ka);
+                (&b[..kb - ka], &mut a[ga..gb])
+            };
+            exchange(self.g, self.peer(k as u32), send, recv, self.dtype)?;
+        }
+        Ok(())
+    }
 }
 
 /// Halving a piece smaller than this costs a message start-up more than sending it

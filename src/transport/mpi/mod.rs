@@ -21,6 +21,7 @@
 //! ops, checked counts).
 
 mod agree;
+mod choice;
 use agree::{and_into, pack_sparse, sparse_capacity, unpack_sparse, Words};
 mod group;
 mod halving;
@@ -41,6 +42,7 @@ use mpi::raw::AsRaw;
 use mpi::topology::{Color, Communicator, SimpleCommunicator};
 use mpi::Threading;
 
+use choice::{flat_sum, FlatSum};
 use group::{
     allgatherv_fresh_on, allgatherv_on, allreduce_in_place, reduce_scatter_fresh_on, Group,
 };
@@ -647,81 +649,5 @@ impl Transport for MpiTransport {
         }
         let op = self.reduce_op(op, dtype);
         reduce_scatter_fresh_on(self.world(), send, recv, counts_, dtype, op)
-    }
-}
-
-/// How a flat host sum travels.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum FlatSum {
-    Ring,
-    HalvingDoubling,
-    Mpi,
-}
-
-/// Where `AllreduceAlgorithm::Auto` stops using the ring for many ranks: below this
-/// many bytes per ring step (the buffer over the ranks), its 2(N−1) start-ups cost
-/// more than the halving's 2·log₂N (`kolo-sim`: at 512 ranks on the DGX A100 preset a
-/// 4 MiB sum, 8 KiB a step, took 5.5 ms around a flat ring and 0.14 ms halving).
-const RING_MIN_STEP_BYTES_AT_SCALE: usize = 256 << 10;
-/// The ranks from which `Auto` chooses between the ring and the halving by step size
-/// (below, the measured thresholds of the ring stand: at 4 ranks the ring sends 6
-/// messages where the halving sends 4).
-const HALVING_MIN_RANKS: usize = 8;
-/// Sums below this size stay with MPI's allreduce (Open MPI's recursive doubling).
-const HALVING_MIN_BYTES: usize = 10_000;
-
-/// How a flat sum of `bytes` over `n` ranks travels under `algorithm`; the same on
-/// every rank (nothing rank-specific goes in).
-fn flat_sum(
-    algorithm: crate::vocab::AllreduceAlgorithm,
-    n: usize,
-    bytes: usize,
-    multi_host: bool,
-    ring_min_bytes: usize,
-) -> FlatSum {
-    use crate::vocab::AllreduceAlgorithm as A;
-    match algorithm {
-        A::Ring => FlatSum::Ring,
-        A::HalvingDoubling => FlatSum::HalvingDoubling,
-        A::Mpi => FlatSum::Mpi,
-        _ => {
-            let scale = multi_host && n >= HALVING_MIN_RANKS;
-            if bytes >= ring_min_bytes && (!scale || bytes / n >= RING_MIN_STEP_BYTES_AT_SCALE) {
-                FlatSum::Ring
-            } else if scale && bytes >= HALVING_MIN_BYTES {
-                FlatSum::HalvingDoubling
-            } else {
-                FlatSum::Mpi
-            }
-        }
-    }
-}
-
-#[cfg(test)]
-mod flat_sum_tests {
-    use super::{flat_sum, FlatSum, RING_MIN_BYTES_HOSTS, RING_MIN_BYTES_ONE_HOST};
-    use crate::vocab::AllreduceAlgorithm as A;
-
-    #[test]
-    fn auto_keeps_small_jobs_as_measured_and_halves_mid_sizes_at_scale() {
-        let hosts = |n, b| flat_sum(A::Auto, n, b, true, RING_MIN_BYTES_HOSTS);
-        // Up to 4 ranks: the ring from 1 MiB across hosts, MPI below, as before.
-        assert_eq!(hosts(4, 1 << 20), FlatSum::Ring);
-        assert_eq!(hosts(4, 512 << 10), FlatSum::Mpi);
-        // Many ranks: the ring only while a step moves 256 KiB.
-        assert_eq!(hosts(4096, 1 << 30), FlatSum::Ring);
-        assert_eq!(hosts(4096, 64 << 20), FlatSum::HalvingDoubling);
-        assert_eq!(hosts(512, 100_000), FlatSum::HalvingDoubling);
-        assert_eq!(hosts(512, 4_000), FlatSum::Mpi);
-        // One host: unchanged.
-        let one = |n, b| flat_sum(A::Auto, n, b, false, RING_MIN_BYTES_ONE_HOST);
-        assert_eq!(one(16, 1 << 20), FlatSum::Mpi);
-        assert_eq!(one(16, 64 << 20), FlatSum::Ring);
-        // Forced.
-        assert_eq!(
-            flat_sum(A::HalvingDoubling, 3, 4, false, 0),
-            FlatSum::HalvingDoubling
-        );
-        assert_eq!(flat_sum(A::Mpi, 3, 1 << 30, true, 0), FlatSum::Mpi);
     }
 }

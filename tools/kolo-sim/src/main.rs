@@ -9,6 +9,7 @@ use clap::Parser;
 use kolo::sim::{simulate, Algorithm, Network, Options, StepReport};
 
 mod plots;
+mod point;
 mod presets;
 mod sweep;
 mod workloads;

@@ -6,7 +6,7 @@ use anyhow::{anyhow, Result};
 use kolo::sim::{Algorithm, Network};
 use plotters::prelude::*;
 
-use crate::sweep::Point;
+use crate::point::Point;
 
 const COLOURS: [RGBColor; 7] = [
     RGBColor(0x1f, 0x77, 0xb4),

@@ -4,8 +4,9 @@ use std::fmt::Write as _;
 use std::path::Path;
 
 use anyhow::{Context, Result};
-use kolo::sim::{simulate, Algorithm, Options, StepReport};
+use kolo::sim::{simulate, Algorithm, Options};
 
+use crate::point::Point;
 use crate::{plots, presets, workloads};
 
 /// Job sizes simulated.
@@ -18,15 +19,6 @@ const STEP_ALGORITHMS: [Algorithm; 5] = [
     Algorithm::Hierarchical,
     Algorithm::Auto,
 ];
-
-/// One simulated job's first and steady steps.
-pub(crate) struct Point {
-    pub(crate) workload: &'static str,
-    pub(crate) algorithm: Algorithm,
-    pub(crate) ranks: usize,
-    pub(crate) first: StepReport,
-    pub(crate) steady: StepReport,
-}
 
 /// Runs the study on the cluster preset and writes `scaling.csv`, `allreduce.csv`
 /// and the plots into `dir`.
