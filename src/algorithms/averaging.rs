@@ -265,16 +265,22 @@ impl WeightAverager {
         Ok(true)
     }
 
-    /// Async averaging after a step: applies a round that arrived, then starts one
-    /// when the period is up. With a period in steps the k-th round always starts at
-    /// step k × period (waiting there for the round before it, if it is still in
-    /// flight: the staleness is bounded by one period), so every rank starts the same
-    /// rounds; with a period in time each rank starts rounds by its own clock, and
-    /// [`finish`](Self::finish) evens out the counts.
+    /// Async averaging after a step: applies a round, then starts one when the
+    /// period is up. With a period in steps the k-th round starts at step k × period
+    /// and is applied at step (k + 1) × period (waiting there if it is still in
+    /// flight: staleness of one period), never earlier even when it arrived earlier:
+    /// the weights then do not depend on how fast the network was, so every rank
+    /// starts the same rounds and a run resumed from a checkpoint ends where an
+    /// uninterrupted one does (applying a round as soon as it arrived made that a
+    /// matter of timing: `issue57_digits_resume_exact_algorithms` failed one CI run in
+    /// a few). With a period in time each rank applies a round as soon as it arrived
+    /// and starts rounds by its own clock, and [`finish`](Self::finish) evens out the
+    /// counts.
     fn asynchronous(&mut self, kolo: &Kolo, name: &str, weights: &mut [f32]) -> Result<bool> {
         self.state.step += 1;
         let mut changed = false;
-        if self.round.as_ref().is_some_and(|r| r.handle.poll()) {
+        let by_time = matches!(self.period, AsyncPeriod::Millis(_));
+        if by_time && self.round.as_ref().is_some_and(|r| r.handle.poll()) {
             changed = self.apply(name, weights)?;
         }
         let due = match self.period {

@@ -743,6 +743,27 @@ fn multinode_faults() -> Vec<Trial> {
             Ok(())
         }));
     }
+    // Recursive halving and doubling across hosts (issue 58), forced: flat over the 4
+    // ranks (its first step inside a host, its second across), and as the
+    // hierarchical allreduce's cross-host sum.
+    for (name, hierarchical) in [
+        ("sums_halving_doubling_flat", "0"),
+        ("sums_halving_doubling_hierarchical", "1"),
+    ] {
+        trials.push(multinode_trial(name, move || {
+            let env = [
+                ("KOLO_ALLREDUCE_ALGORITHM", "halving-doubling"),
+                ("KOLO_HIERARCHICAL_ALLREDUCE", hierarchical),
+            ];
+            let run = harness::mpirun_hosts_args(
+                "sums_every_way",
+                &["-np", "4"],
+                Duration::from_secs(180),
+                &env,
+            )?;
+            Ok(run.succeeded(name)?)
+        }));
+    }
     // Left unset, the allreduce is hierarchical from 2 MiB across hosts of 2 ranks
     // each (said once, with the size), and the same sums stay exact.
     trials.push(multinode_trial("hierarchical_allreduce_default", || {
