@@ -442,18 +442,23 @@ fn run() -> anyhow::Result<()> {
             &kolo,
             "epoch",
             &[
-                loss_sum / shard.len() as f64,
+                loss_sum / shard.len().max(1) as f64,
                 correct as f64 / n.max(1) as f64,
             ],
             n as f64,
         )?;
         last_acc = avg[1];
         if rank == 0 {
+            // A run resumed from a commit at an epoch's end takes no step in it.
+            let loss = if shard.is_empty() {
+                "-".to_string()
+            } else {
+                format!("{:.4}", avg[0])
+            };
             println!(
-                "epoch {:3}/{}: loss {:.4}  test accuracy {:.2}%",
+                "epoch {:3}/{}: loss {loss}  test accuracy {:.2}%",
                 epoch + 1,
                 args.epochs,
-                avg[0],
                 100.0 * avg[1]
             );
         }
