@@ -29,6 +29,26 @@ pub(super) struct Agreed {
     pub(super) allreduce_algorithm: crate::vocab::AllreduceAlgorithm,
 }
 
+#[cfg(any(test, feature = "sim"))]
+impl Agreed {
+    /// Fusion at `fusion_threshold` bytes (kolo's largest fused tensor), the cache
+    /// with `cache_capacity` slots, nothing else switched on: what the simulator and
+    /// the engine's unit tests run with.
+    pub(super) fn plain(fusion_threshold: usize, cache_capacity: usize) -> Agreed {
+        Agreed {
+            fusion_threshold,
+            fusion_max_tensor: crate::config::MAX_FUSED_TENSOR_BYTES,
+            cache_capacity,
+            autotune: false,
+            hierarchical_allreduce: false,
+            hierarchical_allreduce_auto: false,
+            hierarchical_allgather: false,
+            grouped_ring: None,
+            allreduce_algorithm: crate::vocab::AllreduceAlgorithm::Auto,
+        }
+    }
+}
+
 /// Whether allreduce and allgather run hierarchically, and whether they could (what
 /// the autotuner may switch); the same on every rank.
 #[derive(Debug, Clone, Copy)]

@@ -56,17 +56,7 @@ impl SimRank {
     ) -> Self {
         let t = SimTransport::new(fabric, me);
         let topology = t.topology();
-        let agreed = Agreed {
-            fusion_threshold: threshold,
-            fusion_max_tensor: MAX_FUSED_TENSOR_BYTES,
-            cache_capacity,
-            autotune: false,
-            hierarchical_allreduce: false,
-            hierarchical_allreduce_auto: false,
-            hierarchical_allgather: false,
-            grouped_ring: None,
-            allreduce_algorithm: crate::vocab::AllreduceAlgorithm::Auto,
-        };
+        let agreed = Agreed::plain(threshold, cache_capacity);
         let control = Control::new(&Config::default(), topology, agreed);
         let inbox = Inbox::new(Arc::new(Queue::default()), topology.rank);
         SimRank {

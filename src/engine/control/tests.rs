@@ -25,17 +25,7 @@ struct Rank {
 impl Rank {
     fn new(t: Loopback, cache_capacity: usize) -> Self {
         let topology = t.topology();
-        let agreed = Agreed {
-            fusion_threshold: 1 << 20,
-            fusion_max_tensor: crate::config::MAX_FUSED_TENSOR_BYTES,
-            cache_capacity,
-            autotune: false,
-            hierarchical_allreduce: false,
-            hierarchical_allreduce_auto: false,
-            hierarchical_allgather: false,
-            grouped_ring: None,
-            allreduce_algorithm: crate::vocab::AllreduceAlgorithm::Auto,
-        };
+        let agreed = Agreed::plain(1 << 20, cache_capacity);
         let control = Control::new(&Config::default(), topology, agreed);
         let inbox = Inbox::new(Arc::new(Queue::default()), topology.rank);
         Rank { control, inbox, t }

@@ -103,15 +103,8 @@ fn switching_the_cache_sends_slot_announced_requests_in_full_again() {
         cross_size: 1,
     };
     let agreed = Agreed {
-        fusion_threshold: 1 << 20,
-        fusion_max_tensor: crate::config::MAX_FUSED_TENSOR_BYTES,
-        cache_capacity: 8,
         autotune: true,
-        hierarchical_allreduce: false,
-        hierarchical_allreduce_auto: false,
-        hierarchical_allgather: false,
-        grouped_ring: None,
-        allreduce_algorithm: crate::vocab::AllreduceAlgorithm::Auto,
+        ..Agreed::plain(1 << 20, 8)
     };
     let mut control = Control::new(&Config::default(), topology, agreed);
     let mut inbox = Inbox::new(Arc::new(Queue::default()), 0);
