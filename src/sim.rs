@@ -8,7 +8,10 @@
 //! threads really spend, and each fused collective the plan makes costs its copies
 //! and the chosen allreduce [`Algorithm`] on the model. Every rank submits the
 //! [`Workload`]'s gradients in backward order, each when the backward pass has
-//! reached it, and the engine's cycles are paced by its cycle time as in a real job.
+//! reached it, and the engine's cycles are paced as the engine paces them: an async
+//! submit to an idle engine starts a cycle one cycle time later (its grace), pending
+//! work is negotiated every cycle time, and from the end of backward the caller, waiting
+//! on its handles, drives cycles at once.
 //!
 //! ```no_run
 //! use kolo::sim::{simulate, Algorithm, Link, Network, Options, Workload};
@@ -312,11 +315,15 @@ impl Job<'_> {
                     report.cycles
                 )));
             }
+            // From the end of backward the step's caller waits on its handles, which
+            // runs cycles at once (the engine's leader/follower driving).
             let start = if done == submitted {
-                // Idle: the next submit wakes the engine.
-                free.max(ready[submitted])
+                // Idle: an async submit wakes the engine thread, which leaves the op
+                // to its caller for up to one cycle time.
+                let next = ready[submitted];
+                free.max((next + o.cycle_time).min(backward_end.max(next)))
             } else {
-                free.max(last_start + o.cycle_time)
+                free.max((last_start + o.cycle_time).min(backward_end))
             };
             let mut submit = Vec::new();
             while submitted < w.tensors.len() && ready[submitted] <= start {

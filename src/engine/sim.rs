@@ -71,10 +71,16 @@ impl SimRank {
     /// elements: averaged allreduces, as a data-parallel step submits), negotiates,
     /// and plans what runs.
     pub(crate) fn cycle(&mut self, start: f64, submit: &[(Arc<str>, usize)]) -> Result<SimCycle> {
+        // The requests are made on the framework's threads, before the cycle; taking
+        // them in is the engine's work and counts.
+        let requests = submit
+            .iter()
+            .map(|(name, elements)| self.request(name, *elements))
+            .collect::<Result<Vec<_>>>()?;
         self.t.clock.set(start);
         let (network, waited, exchanges) = (self.t.network, self.t.waited, self.t.exchanges);
-        for (name, elements) in submit {
-            self.submit(name, *elements)?;
+        for request in requests {
+            self.inbox.accept(Command::Submit(Box::new(request)));
         }
         let negotiated = self.control.negotiate(
             &mut self.t,
@@ -137,11 +143,11 @@ impl SimRank {
         Ok(out)
     }
 
-    /// Queues an averaged f32 allreduce of `elements` under `name`. The tensor
+    /// An averaged f32 allreduce of `elements` under `name`, as a submit makes it. The tensor
     /// itself holds at most 129 values: negotiation reads values only of ops small
     /// enough to reduce within the agreement (at most 128), and a longer tensor
     /// is never one of those.
-    fn submit(&mut self, name: &str, elements: usize) -> Result<()> {
+    fn request(&self, name: &str, elements: usize) -> Result<Request> {
         let meta = RequestMeta::for_test(
             name,
             OpKind::Allreduce,
@@ -157,12 +163,11 @@ impl SimRank {
             handle::to_tensor,
         );
         let held = elements.min(129);
-        self.inbox.accept(Command::Submit(Box::new(Request {
+        Ok(Request {
             meta,
             tensors: smallvec::smallvec![Tensor::from_vec(vec![0f32; held], &[held])?],
             done,
             submitted: Instant::now(),
-        })));
-        Ok(())
+        })
     }
 }
