@@ -260,14 +260,17 @@ impl Job<'_> {
     }
 
     /// Charges `cycle`'s plan to `report` (copies, data movement, the ratio to the
-    /// bound) and returns how many gradients it reduced.
-    fn execute(&self, cycle: &SimCycle, report: &mut StepReport) -> usize {
+    /// bound); returns how many gradients it reduced and the seconds it took.
+    fn execute(&self, cycle: &SimCycle, report: &mut StepReport) -> (usize, f64) {
         let (net, o) = (&self.options.network, self.options);
         let mut done = cycle.reduced_in_agreement;
+        let mut took = 0.0;
         for step in &cycle.steps {
             let bytes: usize = step.iter().sum();
             if step.len() > 1 {
-                report.copies += 2.0 * bytes as f64 / net.copy_bandwidth;
+                let copy = 2.0 * bytes as f64 / net.copy_bandwidth;
+                report.copies += copy;
+                took += copy;
             }
             let moved = net.allreduce(o.algorithm, o.ranks, bytes as f64);
             let bound = net.lower_bound(o.ranks, bytes as f64);
@@ -276,9 +279,10 @@ impl Job<'_> {
             }
             report.data += moved;
             report.collectives.push(bytes);
+            took += moved;
             done += step.len();
         }
-        done
+        (done, took)
     }
 
     /// One training step from `self.clock`.
@@ -305,8 +309,6 @@ impl Job<'_> {
         let (mut submitted, mut done) = (0usize, 0usize);
         let mut free = begin;
         let mut last_start = f64::NEG_INFINITY;
-        // Copies and data movement charged so far this step.
-        let mut busy = 0.0;
         while done < w.tensors.len() {
             if report.cycles > 16 * w.tensors.len() + 1024 {
                 return Err(Error::Internal(format!(
@@ -342,10 +344,10 @@ impl Job<'_> {
             if end > backward_end {
                 report.negotiation_exposed += end - start.max(backward_end);
             }
-            done += self.execute(&cycle, &mut report);
+            let (reduced, took) = self.execute(&cycle, &mut report);
+            done += reduced;
             last_start = start;
-            free = end + report.copies + report.data - busy;
-            busy = report.copies + report.data;
+            free = end + took;
         }
         let end = free.max(backward_end);
         report.time = end - begin;

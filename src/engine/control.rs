@@ -84,7 +84,7 @@ pub(super) enum Negotiation {
 /// Most ops reduced speculatively in one cycle's agreement.
 const SPEC_SLOTS: usize = 4;
 /// f32 values the agreement carries for them (512 bytes per message).
-const SPEC_VALUES: usize = 128;
+pub(super) const SPEC_VALUES: usize = 128;
 /// Speculation is tried only when at most this many cached ops are ready.
 const SPEC_SCAN: usize = 16;
 

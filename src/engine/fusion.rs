@@ -57,7 +57,7 @@ fn fuse_key(r: &Response, max_tensor: usize) -> Option<(FuseKey, usize)> {
     let m = ready.first();
     let t = m.tensors.first()?;
     let bytes = match ready.kind {
-        OpKind::Allreduce => t.shape.iter().product::<usize>() * t.dtype.size_of(),
+        OpKind::Allreduce => t.bytes(),
         // Allgathers fuse by their gathered size, on the CPU (MPI) path only, and only
         // when every rank takes part (with a joined rank they fail anyway).
         OpKind::Allgather if m.device == Device::Cpu => {
@@ -79,7 +79,7 @@ fn in_place_key(r: &Response, max_tensor: usize) -> Option<(FuseKey, usize)> {
     let Response::Run(ready) = r else { return None };
     let m = ready.first();
     let t = m.tensors.first()?;
-    let bytes = t.shape.iter().product::<usize>() * t.dtype.size_of();
+    let bytes = t.bytes();
     let eligible = ready.kind == OpKind::Allreduce
         && m.device == Device::Cpu
         && matches!(m.op, ReduceOp::Sum | ReduceOp::Average)

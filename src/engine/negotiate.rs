@@ -454,8 +454,10 @@ fn check(key: &str, metas: &[Option<Arc<RequestMeta>>], joined: &[usize]) -> Res
             None => Ok(()),
         };
     }
-    if let Some(m) = differ(metas, |m| m.kind, |k| k.name().to_string()).filter(|_| !same) {
-        return Err(fail("op", m));
+    if !same {
+        if let Some(m) = differ(metas, |m| m.kind, |k| k.name().to_string()) {
+            return Err(fail("op", m));
+        }
     }
     if !joined.is_empty() && !kind.runs_with_joined_ranks() {
         return Err(Error::Joined {

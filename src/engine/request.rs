@@ -127,6 +127,13 @@ pub(crate) struct TensorMeta {
     pub(crate) shape: Shape,
 }
 
+impl TensorMeta {
+    /// Bytes of the tensor.
+    pub(crate) fn bytes(&self) -> usize {
+        self.shape.iter().product::<usize>() * self.dtype.size_of()
+    }
+}
+
 /// A request as the other ranks see it: everything but the data.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub(crate) struct RequestMeta {
@@ -143,6 +150,11 @@ pub(crate) struct RequestMeta {
 }
 
 impl RequestMeta {
+    /// Bytes of all its tensors.
+    pub(crate) fn bytes(&self) -> usize {
+        self.tensors.iter().map(TensorMeta::bytes).sum()
+    }
+
     /// The ranks a request needs, when not every rank: a device turn's process set
     /// (job ranks, sorted). Sends and receives are never negotiated (`engine/p2p.rs`).
     pub(crate) fn participants(&self) -> Option<&[usize]> {
@@ -266,6 +278,33 @@ pub(crate) struct Request {
     pub(crate) done: Completer,
     /// When it was submitted (for the stall inspector).
     pub(crate) submitted: std::time::Instant,
+}
+
+#[cfg(any(test, feature = "sim"))]
+impl Request {
+    /// A request for `meta` with one `tensor`, submitted now on rank `rank`, and the
+    /// handle its result completes (its names released on `names`): for the engine's
+    /// unit tests and the simulator.
+    pub(crate) fn with_handle(
+        meta: RequestMeta,
+        tensor: Tensor,
+        names: std::sync::Arc<dyn crate::handle::PendingNames>,
+        rank: usize,
+    ) -> (crate::handle::Handle<Tensor>, Request) {
+        let (handle, done) = crate::handle::pair(
+            smallvec::smallvec![meta.key.clone()],
+            names,
+            (meta.kind.name(), rank),
+            crate::handle::to_tensor,
+        );
+        let request = Request {
+            meta,
+            tensors: smallvec::smallvec![tensor],
+            done,
+            submitted: std::time::Instant::now(),
+        };
+        (handle, request)
+    }
 }
 
 impl Request {

@@ -6,7 +6,7 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use super::control::{Control, Negotiation};
+use super::control::{Control, Negotiation, SPEC_VALUES};
 use super::fusion::{self, Step};
 use super::negotiate::Response;
 use super::queue::Queue;
@@ -14,7 +14,6 @@ use super::request::{Command, OpKind, Request, RequestMeta};
 use super::{Agreed, Inbox};
 use crate::config::{Config, MAX_FUSED_TENSOR_BYTES};
 use crate::error::{Error, Result};
-use crate::handle::{self, PendingNames};
 use crate::tensor::{DType, Tensor};
 use crate::transport::sim::{Fabric, SimTransport};
 use crate::transport::Transport;
@@ -32,8 +31,6 @@ pub(crate) struct SimCycle {
     pub(crate) end: f64,
     /// Virtual seconds the control-plane messages took (the model's charge).
     pub(crate) network: f64,
-    /// Virtual seconds waiting in control-plane collectives (messages included).
-    pub(crate) waited: f64,
     /// Whether some rank announced a request in full (the full exchange ran).
     pub(crate) full_exchange: bool,
 }
@@ -78,7 +75,7 @@ impl SimRank {
             .map(|(name, elements)| self.request(name, *elements))
             .collect::<Result<Vec<_>>>()?;
         self.t.clock.set(start);
-        let (network, waited, exchanges) = (self.t.network, self.t.waited, self.t.exchanges);
+        let (network, exchanges) = (self.t.network, self.t.exchanges);
         for request in requests {
             self.inbox.accept(Command::Submit(Box::new(request)));
         }
@@ -101,13 +98,7 @@ impl SimRank {
         for r in &responses {
             match r {
                 Response::Run(ready) => {
-                    let m = ready.first();
-                    sizes.push(
-                        m.tensors
-                            .iter()
-                            .map(|t| t.shape.iter().product::<usize>() * t.dtype.size_of())
-                            .sum::<usize>(),
-                    );
+                    sizes.push(ready.first().bytes());
                     self.inbox.pending.remove(&*ready.key);
                 }
                 Response::Reduced { ready, .. } => {
@@ -139,14 +130,13 @@ impl SimRank {
         }
         out.end = self.t.clock.read();
         out.network = self.t.network - network;
-        out.waited = self.t.waited - waited;
         Ok(out)
     }
 
-    /// An averaged f32 allreduce of `elements` under `name`, as a submit makes it. The tensor
-    /// itself holds at most 129 values: negotiation reads values only of ops small
-    /// enough to reduce within the agreement (at most 128), and a longer tensor
-    /// is never one of those.
+    /// An averaged f32 allreduce of `elements` under `name`, as a submit makes it. The
+    /// tensor itself holds at most one value more than negotiation ever reads: it reads
+    /// values only of ops small enough to reduce within the agreement
+    /// (`SPEC_VALUES`), and a longer tensor is never one of those.
     fn request(&self, name: &str, elements: usize) -> Result<Request> {
         let meta = RequestMeta::for_test(
             name,
@@ -155,19 +145,10 @@ impl SimRank {
             &[elements],
             ReduceOp::Average,
         );
-        let names: Arc<dyn PendingNames> = self.inbox.queue.clone();
-        let (_handle, done) = handle::pair(
-            smallvec::smallvec![meta.key.clone()],
-            names,
-            ("allreduce", self.inbox.rank),
-            handle::to_tensor,
-        );
-        let held = elements.min(129);
-        Ok(Request {
-            meta,
-            tensors: smallvec::smallvec![Tensor::from_vec(vec![0f32; held], &[held])?],
-            done,
-            submitted: Instant::now(),
-        })
+        let held = elements.min(SPEC_VALUES + 1);
+        let tensor = Tensor::from_vec(vec![0f32; held], &[held])?;
+        let (_handle, request) =
+            Request::with_handle(meta, tensor, self.inbox.queue.clone(), self.inbox.rank);
+        Ok(request)
     }
 }

@@ -14,12 +14,7 @@ pub(super) fn tuned_bytes(r: &Response) -> u64 {
     let (Response::Run(ready) | Response::Reduced { ready, .. }) = r else {
         return 0;
     };
-    let bytes = |m: &RequestMeta| -> u64 {
-        m.tensors
-            .iter()
-            .map(|t| (t.shape.iter().product::<usize>() * t.dtype.size_of()) as u64)
-            .sum()
-    };
+    let bytes = |m: &RequestMeta| m.bytes() as u64;
     match ready.kind {
         request::OpKind::Allreduce | request::OpKind::GroupedAllreduce => bytes(ready.first()),
         request::OpKind::Allgather | request::OpKind::GroupedAllgather => {

@@ -165,11 +165,11 @@ impl Network {
         }
     }
 
-    /// Seconds for the exchange steps of recursive doubling over `n` ranks where
-    /// step `k` (distance 2^k) carries `bytes(k)`: every rank exchanges with the rank
-    /// at that distance, all at once. A rank count that is not a power of two adds a
-    /// fold in and a fold out of `fold_bytes` each.
-    fn butterfly(&self, n: usize, fold_bytes: f64, bytes: impl Fn(u32) -> f64) -> f64 {
+    /// Seconds for the exchange steps of a butterfly over `n` ranks where step `k`
+    /// (distance 2^k: every rank exchanges with the rank at that distance, all at
+    /// once) costs `step(k, link)` on the link it takes. A rank count that is not a
+    /// power of two adds a fold in and a fold out of `fold_bytes` each.
+    fn butterfly(&self, n: usize, fold_bytes: f64, step: impl Fn(u32, Link) -> f64) -> f64 {
         if n <= 1 {
             return 0.0;
         }
@@ -185,8 +185,7 @@ impl Network {
             let d = 1usize << k;
             // Every rank talks to rank ± d: inside the host while d < L (hosts of a
             // power-of-two size), otherwise all L ranks of a host cross at once.
-            let link = self.link(0, d, l);
-            t += link.time(bytes(k));
+            t += step(k, self.link(0, d, l));
         }
         t
     }
@@ -222,7 +221,7 @@ impl Network {
                 let cross = self.ring_across(h, bytes / l as f64, l);
                 local + cross + local
             }
-            Algorithm::RecursiveDoubling => self.butterfly(n, bytes, |_| bytes),
+            Algorithm::RecursiveDoubling => self.butterfly(n, bytes, |_, link| link.time(bytes)),
             Algorithm::HalvingDoubling => self.hybrid(n, bytes, u32::MAX),
             Algorithm::Hybrid => {
                 let steps = usize::BITS - 1 - n.leading_zeros();
@@ -328,24 +327,17 @@ impl Network {
     /// left for the other steps, doubling back: `m` ≥ the step count is
     /// Rabenseifner's algorithm, `m` = 0 recursive doubling.
     fn hybrid(&self, n: usize, bytes: f64, m: u32) -> f64 {
-        let p = 1usize << (usize::BITS - 1 - n.leading_zeros());
-        let l = self.ranks_per_host.max(1);
-        let mut t = 0.0;
-        if p < n {
-            t += 2.0 * self.link(0, p, l.min(n - p)).time(bytes);
-        }
-        let left = bytes / 2f64.powi(m.min(p.trailing_zeros()) as i32);
-        for k in 0..p.trailing_zeros() {
-            let link = self.link(0, 1 << k, l);
-            t += if k < m {
+        let steps = usize::BITS - 1 - n.max(1).leading_zeros();
+        let left = bytes / 2f64.powi(m.min(steps) as i32);
+        self.butterfly(n, bytes, |k, link| {
+            if k < m {
                 // A reduce-scatter step sends half of what the rank holds, and the
                 // allgather's mirror step as much back.
                 2.0 * link.time(bytes / 2f64.powi(k as i32 + 1))
             } else {
                 link.time(left)
-            };
-        }
-        t
+            }
+        })
     }
 
     /// The α–β lower bound for an allreduce of `bytes` over `n` ranks: information
@@ -383,7 +375,7 @@ impl Network {
     /// Seconds for the cycle agreement over `n` ranks with `bytes` per message: the
     /// recursive doubling kolo's transport runs (`MpiTransport::agree_bits`).
     pub fn agreement(&self, n: usize, bytes: f64) -> f64 {
-        self.butterfly(n, bytes, |_| bytes)
+        self.butterfly(n, bytes, |_, link| link.time(bytes))
     }
 
     /// Seconds for the full exchange over `n` ranks where rank r contributes
@@ -396,12 +388,13 @@ impl Network {
         if n <= 1 {
             return 0.0;
         }
-        let lengths = self.butterfly(n, 8.0, |k| 8.0 * 2f64.powi(k as i32));
+        let doubling = |each: f64| move |k: u32, link: Link| link.time(each * 2f64.powi(k as i32));
+        let lengths = self.butterfly(n, 8.0, doubling(8.0));
         let total: usize = lens.iter().sum();
         let largest = lens.iter().copied().max().unwrap_or(0) as f64;
         let gather = if total < 50_000 {
             // Bruck: step k forwards 2^k contributions.
-            self.butterfly(n, largest, |k| largest * 2f64.powi(k as i32))
+            self.butterfly(n, largest, doubling(largest))
         } else {
             // Ring (odd N) or neighbour exchange (even N): every contribution moves
             // one hop per step, so a step lasts as long as the largest takes.

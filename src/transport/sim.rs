@@ -259,8 +259,6 @@ pub(crate) struct SimTransport {
     /// Virtual seconds the control-plane collectives' messages took (the network
     /// model's charge, not the waiting for later ranks).
     pub(crate) network: f64,
-    /// Virtual seconds spent waiting in control-plane collectives, messages included.
-    pub(crate) waited: f64,
     /// Full exchanges run so far.
     pub(crate) exchanges: usize,
 }
@@ -291,7 +289,6 @@ impl SimTransport {
                 scale,
             },
             network: 0.0,
-            waited: 0.0,
             exchanges: 0,
         }
     }
@@ -301,7 +298,6 @@ impl SimTransport {
         let arrived = self.clock.read();
         let done = self.fabric.meet(self.me, arrived, c)?;
         self.network += done.network;
-        self.waited += done.at - arrived;
         Ok(done)
     }
 

@@ -8,7 +8,7 @@ use crate::engine::queue::Queue;
 use crate::engine::request::{Command, OpKind, Request, RequestMeta};
 use crate::engine::{Agreed, Inbox};
 use crate::error::Error;
-use crate::handle::{self, Handle, PendingNames};
+use crate::handle::Handle;
 use crate::tensor::{DType, Tensor};
 use crate::transport::loopback::on_loopback_ranks;
 use crate::transport::loopback::Loopback;
@@ -40,20 +40,11 @@ impl Rank {
     /// Submits an f32 allreduce of `values` with `shape` under `key`.
     fn submit_values(&mut self, key: &str, shape: &[usize], values: Vec<f32>) -> Handle<Tensor> {
         let meta = RequestMeta::for_test(key, OpKind::Allreduce, DType::F32, shape, ReduceOp::Sum);
-        let names: Arc<dyn PendingNames> = self.inbox.queue.clone();
-        let (h, done) = handle::pair(
-            smallvec::smallvec![meta.key.clone()],
-            names,
-            ("allreduce", self.inbox.rank),
-            handle::to_tensor,
-        );
         let n = values.len();
-        self.inbox.accept(Command::Submit(Box::new(Request {
-            meta,
-            tensors: smallvec::smallvec![Tensor::from_vec(values, &[n]).unwrap()],
-            done,
-            submitted: Instant::now(),
-        })));
+        let tensor = Tensor::from_vec(values, &[n]).unwrap();
+        let (h, request) =
+            Request::with_handle(meta, tensor, self.inbox.queue.clone(), self.inbox.rank);
+        self.inbox.accept(Command::Submit(Box::new(request)));
         h
     }
 

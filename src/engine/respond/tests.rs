@@ -31,20 +31,8 @@ fn ready(meta: &RequestMeta, size: usize, joined: &[usize]) -> Response {
 
 /// Puts this rank's request for `meta` with `values` among the pending ones.
 fn submit(pending: &mut Pending, meta: &RequestMeta, values: &[f32]) -> Handle<Tensor> {
-    let queue: Arc<dyn PendingNames> = Arc::new(Queue::default());
-    let (h, done) = handle::pair(
-        smallvec::smallvec![meta.key.clone()],
-        queue,
-        (meta.kind.name(), 0),
-        handle::to_tensor,
-    );
     let tensor = Tensor::from_vec(values.to_vec(), &[values.len()]).unwrap();
-    let req = Request {
-        meta: meta.clone(),
-        tensors: smallvec::smallvec![tensor],
-        done,
-        submitted: Instant::now(),
-    };
+    let (h, req) = Request::with_handle(meta.clone(), tensor, Arc::new(Queue::default()), 0);
     pending.insert(meta.key.clone(), Box::new(req));
     h
 }
