@@ -129,12 +129,6 @@ const KOLO_RING_MIN_HOSTS: f64 = (1 << 20) as f64;
 const KOLO_RING_MIN_ONE_HOST: f64 = (32 << 20) as f64;
 /// kolo's hierarchical allreduce from this size (`HIERARCHICAL_AUTO_MIN_BYTES`).
 const KOLO_HIERARCHICAL_MIN: f64 = (2 << 20) as f64;
-/// kolo's flat rule at scale (`transport/mpi`: `HALVING_MIN_RANKS`,
-/// `RING_MIN_STEP_BYTES_AT_SCALE`, `HALVING_MIN_BYTES`).
-const KOLO_HALVING_MIN_RANKS: usize = 8;
-const KOLO_RING_MIN_STEP: f64 = (256 << 10) as f64;
-const KOLO_HALVING_MIN_BYTES: f64 = 10_000.0;
-const KOLO_PIECE_BYTES: f64 = (64 << 10) as f64;
 
 impl Network {
     /// The host of rank `r`.
@@ -251,20 +245,26 @@ impl Network {
 
     /// kolo's flat rule: which algorithm a flat sum of `bytes` over `n` ranks takes.
     fn kolo_flat(&self, n: usize, bytes: f64, multi_host: bool, halving: bool) -> Algorithm {
+        use crate::transport::choice::{flat_sum, FlatSum};
         let ring_min = if multi_host {
             KOLO_RING_MIN_HOSTS
         } else {
             KOLO_RING_MIN_ONE_HOST
         };
-        let scale = halving && multi_host && n >= KOLO_HALVING_MIN_RANKS;
-        if bytes >= ring_min && (!scale || bytes / n as f64 >= KOLO_RING_MIN_STEP) {
-            Algorithm::Ring
-        } else if scale && bytes >= KOLO_HALVING_MIN_BYTES {
-            Algorithm::HalvingDoubling
-        } else if bytes <= OMPI_RECURSIVE_DOUBLING_MAX {
-            Algorithm::RecursiveDoubling
+        // Before the halving, the rule was the ring from its minimum, MPI below.
+        let way = if halving {
+            let auto = crate::vocab::AllreduceAlgorithm::Auto;
+            flat_sum(auto, n, bytes as usize, multi_host, ring_min as usize)
+        } else if bytes >= ring_min {
+            FlatSum::Ring
         } else {
-            Algorithm::Ring
+            FlatSum::Mpi
+        };
+        match way {
+            FlatSum::Ring => Algorithm::Ring,
+            FlatSum::HalvingDoubling => Algorithm::HalvingDoubling,
+            FlatSum::Mpi if bytes <= OMPI_RECURSIVE_DOUBLING_MAX => Algorithm::RecursiveDoubling,
+            FlatSum::Mpi => Algorithm::Ring,
         }
     }
 
@@ -281,17 +281,14 @@ impl Network {
         one_per_host.kolo_sum(algorithm, h, bytes)
     }
 
-    /// `algorithm` as kolo runs it: its halving-doubling stops halving at a 64 KiB
-    /// piece (`transport/mpi/halving.rs`, `PIECE_BYTES`) and doubles the rest.
+    /// `algorithm` as kolo runs it: its halving-doubling stops halving where
+    /// `transport::choice::halvings` says and doubles the rest.
     fn kolo_sum(&self, algorithm: Algorithm, n: usize, bytes: f64) -> f64 {
         if algorithm != Algorithm::HalvingDoubling {
             return self.allreduce(algorithm, n, bytes);
         }
         let steps = usize::BITS - 1 - n.max(1).leading_zeros();
-        let mut m = 0;
-        while m < steps && bytes / 2f64.powi(m as i32 + 1) >= KOLO_PIECE_BYTES {
-            m += 1;
-        }
+        let m = crate::transport::choice::halvings(bytes as usize, steps);
         self.hybrid(n, bytes, m)
     }
 

@@ -1,6 +1,6 @@
 //! The sum for many ranks: recursive halving then doubling (Rabenseifner's
 //! algorithm), 2·⌈log₂N⌉ messages per rank where the ring sends 2(N−1); the halving
-//! stops once the piece a rank holds is small ([`PIECE_BYTES`]), and recursive doubling
+//! stops once the piece a rank holds is small (`transport::choice::halvings`), and recursive doubling
 //! sums the pieces in the steps left (a small sum is pure recursive doubling:
 //! ⌈log₂N⌉ messages).
 //!
@@ -26,6 +26,7 @@ use super::group::Group;
 use super::types::{addr, addr_mut, check, count, datatype};
 use crate::error::Result;
 use crate::tensor::DType;
+use crate::transport::choice::halvings;
 use crate::transport::ring::{add_into, chunk};
 
 /// The tag of this algorithm's messages (the ring uses 7, the cycle agreement 11).
@@ -169,22 +170,6 @@ impl Butterfly {
         }
         Ok(())
     }
-}
-
-/// Halving a piece smaller than this costs a message start-up more than sending it
-/// whole saves (the start-up over the bandwidth is ~100 kB on 200 Gbit/s InfiniBand
-/// at 5 µs, ~5 kB on this machine's emulated 1 Gbit/s links); the
-/// halving stops there and recursive doubling sums what is left.
-const PIECE_BYTES: usize = 64 << 10;
-
-/// How many of the `steps` halve a buffer of `bytes` (the same on every rank): while
-/// the piece each rank holds stays at least [`PIECE_BYTES`].
-fn halvings(bytes: usize, steps: u32) -> u32 {
-    let mut m = 0;
-    while m < steps && bytes >> (m + 1) >= PIECE_BYTES {
-        m += 1;
-    }
-    m
 }
 
 /// Sends `send` to `peer` and receives `recv` from it at once (either may be empty).

@@ -7,13 +7,13 @@ use std::ffi::c_int;
 
 use mpi::raw::AsRaw;
 
-use super::choice::FlatSum;
 use super::group::{allgatherv_on, allreduce_in_place, reduce_scatter_on, Group};
 use super::rings::{ring_allreduce, ring_allreduce_with, RING_MIN_BYTES_HOSTS, RING_SEGMENT_BYTES};
 use super::types::{per_rank, sized};
 use super::MpiTransport;
 use crate::error::Result;
 use crate::tensor::DType;
+use crate::transport::choice::FlatSum;
 use crate::vocab::ReduceOp;
 
 impl MpiTransport {
@@ -283,7 +283,7 @@ impl Hosts {
 /// How the hierarchical allreduce sums a shard of `bytes` across `hosts` hosts: the
 /// flat rule with every hop crossing hosts.
 fn cross_sum(algorithm: crate::vocab::AllreduceAlgorithm, hosts: usize, bytes: usize) -> FlatSum {
-    super::choice::flat_sum(algorithm, hosts, bytes, true, RING_MIN_BYTES_HOSTS)
+    crate::transport::choice::flat_sum(algorithm, hosts, bytes, true, RING_MIN_BYTES_HOSTS)
 }
 
 #[cfg(test)]

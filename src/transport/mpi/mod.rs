@@ -21,7 +21,6 @@
 //! ops, checked counts).
 
 mod agree;
-mod choice;
 use agree::{and_into, pack_sparse, sparse_capacity, unpack_sparse, Words};
 mod group;
 mod halving;
@@ -42,7 +41,7 @@ use mpi::raw::AsRaw;
 use mpi::topology::{Color, Communicator, SimpleCommunicator};
 use mpi::Threading;
 
-use choice::{flat_sum, FlatSum};
+use crate::transport::choice::{flat_sum, FlatSum};
 use group::{
     allgatherv_fresh_on, allgatherv_on, allreduce_in_place, reduce_scatter_fresh_on, Group,
 };
