@@ -66,6 +66,7 @@ pub struct Config {
     /// Large sums across hosts through one ring per group (None: kolo measures the
     /// link at start and decides).
     pub(crate) grouped_ring: Option<bool>,
+    pub(crate) hierarchical_piece_bytes: Option<usize>,
     pub(crate) allreduce_algorithm: crate::vocab::AllreduceAlgorithm,
     pub(crate) autotune: bool,
     pub(crate) autotune_log: Option<PathBuf>,
@@ -108,6 +109,7 @@ impl Default for Config {
             hierarchical_allgather: false,
             hierarchical_allgather_explicit: false,
             grouped_ring: None,
+            hierarchical_piece_bytes: None,
             allreduce_algorithm: crate::vocab::AllreduceAlgorithm::Auto,
             stall_check_disable: false,
             malloc_tuning: true,
@@ -255,6 +257,20 @@ impl Config {
     /// (`KOLO_GROUPED_RING`)
     pub fn grouped_ring(mut self, on: bool) -> Self {
         self.grouped_ring = Some(on);
+        self
+    }
+
+    /// The hierarchical allreduce of a large sum in pieces of this many bytes, run
+    /// as a pipeline: while one piece is summed across hosts, the next is reduced
+    /// inside the host and the one before spread there, so that the host's links and
+    /// the network work at once (as NCCL's channels overlap NVLink and the network).
+    /// 0 runs the three phases one after another over the whole buffer. Left unset,
+    /// kolo pipelines sums across 8 or more hosts in pieces of 2 MiB, at most 64
+    /// (`kolo-sim`'s DGX A100 preset at 4096 ranks: a 64 MiB sum 1.85× the α–β
+    /// bound one phase after another, 1.13× in pieces; see the README's "kolo at
+    /// thousands of ranks"); rank 0's choice holds. (`KOLO_HIERARCHICAL_PIECE_BYTES`)
+    pub fn hierarchical_piece_bytes(mut self, bytes: usize) -> Self {
+        self.hierarchical_piece_bytes = Some(bytes);
         self
     }
 

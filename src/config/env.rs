@@ -5,7 +5,7 @@
 use super::*;
 
 /// Every setting kolo reads, as `KOLO_<key>` or `HOROVOD_<key>`.
-pub(crate) const KEYS: [&str; 24] = [
+pub(crate) const KEYS: [&str; 25] = [
     "FUSION_THRESHOLD",
     "FUSION_MAX_TENSOR_BYTES",
     "CYCLE_TIME",
@@ -22,6 +22,7 @@ pub(crate) const KEYS: [&str; 24] = [
     "HIERARCHICAL_ALLREDUCE",
     "HIERARCHICAL_ALLGATHER",
     "GROUPED_RING",
+    "HIERARCHICAL_PIECE_BYTES",
     "AUTOTUNE",
     "AUTOTUNE_LOG",
     "AUTOTUNE_WARMUP_SAMPLES",
@@ -103,6 +104,9 @@ impl Config {
         if let Some((var, v)) = env.get("HIERARCHICAL_ALLGATHER") {
             self.hierarchical_allgather = parse_bool(&var, &v)?;
             self.hierarchical_allgather_explicit = true;
+        }
+        if let Some((var, v)) = env.get("HIERARCHICAL_PIECE_BYTES") {
+            self.hierarchical_piece_bytes = Some(parse_bytes(&var, &v)?);
         }
         if let Some((var, v)) = env.get("GROUPED_RING") {
             self.grouped_ring = Some(parse_bool(&var, &v)?);

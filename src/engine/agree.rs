@@ -27,6 +27,8 @@ pub(super) struct Agreed {
     pub(super) grouped_ring: Option<bool>,
     /// How host sums that are not hierarchical travel.
     pub(super) allreduce_algorithm: crate::vocab::AllreduceAlgorithm,
+    /// The hierarchical allreduce's pipeline pieces (None: by size and hosts).
+    pub(super) hierarchical_piece_bytes: Option<usize>,
 }
 
 #[cfg(any(test, feature = "sim"))]
@@ -45,6 +47,7 @@ impl Agreed {
             hierarchical_allgather: false,
             grouped_ring: None,
             allreduce_algorithm: crate::vocab::AllreduceAlgorithm::Auto,
+            hierarchical_piece_bytes: None,
         }
     }
 }
@@ -72,6 +75,7 @@ pub(super) fn agree(t: &mut dyn Transport, config: &Config) -> Result<(Agreed, H
         hierarchical_allgather: config.hierarchical_allgather,
         grouped_ring: config.grouped_ring,
         allreduce_algorithm: config.allreduce_algorithm,
+        hierarchical_piece_bytes: config.hierarchical_piece_bytes,
     };
     let topology = t.topology();
     let bytes = postcard::to_stdvec(&(mine, topology.local_size as u64))
@@ -130,6 +134,7 @@ pub(super) fn agree(t: &mut dyn Transport, config: &Config) -> Result<(Agreed, H
     // Every rank, with rank 0's choice: the link probe behind `None` is collective.
     t.choose_grouped_ring(first.grouped_ring)?;
     t.set_allreduce_algorithm(first.allreduce_algorithm);
+    t.set_hierarchical_piece_bytes(first.hierarchical_piece_bytes);
     Ok((first, choice))
 }
 

@@ -57,6 +57,10 @@ pub enum Algorithm {
     /// allreduce of each local rank's S/L chunk across hosts (the L chunks at once),
     /// a ring allgather inside each host.
     Hierarchical,
+    /// kolo's hierarchical allreduce in pieces, pipelined (`transport/schedule.rs`):
+    /// up to `schedule::WINDOW` pieces at once, the host's links and the network
+    /// shared by the pieces on them; the best piece count of 2, 4, … 64.
+    HierarchicalPipelined,
     /// Recursive doubling: ⌈log₂N⌉ exchanges of the whole buffer (a rank count that
     /// is not a power of two folds the extra ranks in and out: two more messages).
     RecursiveDoubling,
@@ -70,7 +74,8 @@ pub enum Algorithm {
     /// [`Algorithm::HalvingDoubling`]'s).
     Hybrid,
     /// What kolo chooses over MPI (`AllreduceAlgorithm::Auto`): hierarchical from
-    /// 2 MiB where hosts hold several ranks, its cross-host sum by the flat rule; flat:
+    /// 2 MiB where hosts hold several ranks, its cross-host sum by the flat rule,
+    /// pipelined in pieces of 2 MiB across 8 hosts or more; flat:
     /// kolo's ring from 1 MiB across hosts (32 MiB on one host) while a ring step moves
     /// at least 256 KiB or the job has under 8 ranks, halving-doubling across hosts
     /// from 8 ranks and 10 kB (halving down to 64 KiB pieces, doubling those),
@@ -82,6 +87,7 @@ pub enum Algorithm {
     KoloBefore,
     /// The cheapest of [`Ring`](Algorithm::Ring),
     /// [`Hierarchical`](Algorithm::Hierarchical),
+    /// [`HierarchicalPipelined`](Algorithm::HierarchicalPipelined),
     /// [`RecursiveDoubling`](Algorithm::RecursiveDoubling),
     /// [`HalvingDoubling`](Algorithm::HalvingDoubling) and
     /// [`Hybrid`](Algorithm::Hybrid) for each size: the choice by size and topology.
@@ -90,11 +96,12 @@ pub enum Algorithm {
 
 impl Algorithm {
     /// Every algorithm, in the order tables list them.
-    pub const ALL: [Algorithm; 8] = [
+    pub const ALL: [Algorithm; 9] = [
         Algorithm::Kolo,
         Algorithm::KoloBefore,
         Algorithm::Ring,
         Algorithm::Hierarchical,
+        Algorithm::HierarchicalPipelined,
         Algorithm::RecursiveDoubling,
         Algorithm::HalvingDoubling,
         Algorithm::Hybrid,
@@ -106,6 +113,7 @@ impl Algorithm {
         match self {
             Algorithm::Ring => "ring",
             Algorithm::Hierarchical => "hierarchical",
+            Algorithm::HierarchicalPipelined => "hierarchical-pipelined",
             Algorithm::RecursiveDoubling => "recursive-doubling",
             Algorithm::HalvingDoubling => "halving-doubling",
             Algorithm::Hybrid => "hybrid",
@@ -215,6 +223,14 @@ impl Network {
                 let cross = self.ring_across(h, bytes / l as f64, l);
                 local + cross + local
             }
+            Algorithm::HierarchicalPipelined => {
+                if h == 1 || l == 1 || !n.is_multiple_of(l) {
+                    return self.ring(n, bytes / n as f64, 1);
+                }
+                (1..=6)
+                    .map(|k| self.pipelined(h, bytes, 1 << k))
+                    .fold(f64::INFINITY, f64::min)
+            }
             Algorithm::RecursiveDoubling => self.butterfly(n, bytes, |_, link| link.time(bytes)),
             Algorithm::HalvingDoubling => self.hybrid(n, bytes, u32::MAX),
             Algorithm::Hybrid => {
@@ -228,6 +244,11 @@ impl Network {
                 if h > 1 && l > 1 && n.is_multiple_of(l) && bytes >= KOLO_HIERARCHICAL_MIN {
                     // Inside each host a ring (or MPI's reduce-scatter and allgather,
                     // charged alike), across hosts the flat rule over the hosts.
+                    let pieces =
+                        crate::transport::choice::hierarchical_pieces(None, bytes as usize, h);
+                    if halving && pieces > 1 {
+                        return self.pipelined(h, bytes, pieces);
+                    }
                     let local = (l - 1) as f64 * self.intra.time(bytes / l as f64);
                     let shard = bytes / l as f64;
                     let cross = match self.kolo_flat(h, shard, true, halving) {
@@ -288,7 +309,11 @@ impl Network {
             return self.allreduce(algorithm, n, bytes);
         }
         let steps = usize::BITS - 1 - n.max(1).leading_zeros();
-        let m = crate::transport::choice::halvings(bytes as usize, steps);
+        // The steps the model keeps inside a host (distance below the host's size).
+        let near = (0..steps)
+            .take_while(|&k| self.host(0) == self.host(1 << k))
+            .count() as u32;
+        let m = crate::transport::choice::halvings(bytes as usize, steps, near);
         self.hybrid(n, bytes, m)
     }
 
@@ -297,6 +322,7 @@ impl Network {
         [
             Algorithm::Ring,
             Algorithm::Hierarchical,
+            Algorithm::HierarchicalPipelined,
             Algorithm::RecursiveDoubling,
             Algorithm::HalvingDoubling,
             Algorithm::Hybrid,
@@ -310,6 +336,105 @@ impl Network {
                 best
             }
         })
+    }
+
+    /// kolo's pipelined hierarchical allreduce of `bytes` over `h` hosts of
+    /// `ranks_per_host` in `pieces` pieces: each piece a ring reduce-scatter in the
+    /// host, its 1/L chunk summed across hosts by kolo's flat rule, a ring allgather
+    /// in the host; a piece starts once the one before has left the host's
+    /// reduce-scatter and at most [`WINDOW`](crate::transport::schedule::WINDOW)
+    /// run at once. Each phase first pays its start-ups (its rounds' latencies,
+    /// which overlap other pieces' transfers), then moves its bytes, sharing the
+    /// host's links (reduce-scatters and allgathers) or the network with the other
+    /// pieces moving bytes there at the time (a fluid model: equal shares).
+    fn pipelined(&self, h: usize, bytes: f64, pieces: usize) -> f64 {
+        let l = self.ranks_per_host.max(1);
+        let piece = bytes / pieces as f64;
+        let shard = piece / l as f64;
+        let local = (
+            (l - 1) as f64 * self.intra.latency,
+            (l - 1) as f64 * shard / self.intra.bandwidth,
+        );
+        let phases = [local, self.cross_parts(h, shard, l), local];
+        let window = crate::transport::schedule::WINDOW;
+        // Per piece: the phase it is in (3: done), and what is left of its start-ups
+        // and of its transfer (seconds at the full rate).
+        let mut phase = vec![0usize; pieces];
+        let mut left: Vec<(f64, f64)> = vec![phases[0]; pieces];
+        let mut started = 0;
+        let mut t = 0.0;
+        loop {
+            while started < pieces
+                && (started == 0 || phase[started - 1] >= 1)
+                && (started < window || phase[started - window] == 3)
+            {
+                started += 1;
+            }
+            let active: Vec<usize> = (0..started).filter(|&i| phase[i] < 3).collect();
+            if active.is_empty() {
+                return t;
+            }
+            // Pieces moving bytes on the host's links (phases 0, 2) and the network.
+            let sharing = |i: usize| {
+                let on_host = phase[i] != 1;
+                active
+                    .iter()
+                    .filter(|&&j| left[j].0 <= 0.0 && (phase[j] != 1) == on_host)
+                    .count()
+                    .max(1) as f64
+            };
+            let step = active
+                .iter()
+                .map(|&i| {
+                    if left[i].0 > 0.0 {
+                        left[i].0
+                    } else {
+                        left[i].1 * sharing(i)
+                    }
+                })
+                .fold(f64::INFINITY, f64::min);
+            let shares: Vec<f64> = active.iter().map(|&i| sharing(i)).collect();
+            t += step;
+            for (&i, share) in active.iter().zip(shares) {
+                if left[i].0 > 0.0 {
+                    left[i].0 -= step;
+                } else {
+                    left[i].1 -= step / share;
+                }
+                while phase[i] < 3 && left[i].0 <= 1e-15 && left[i].1 <= 1e-15 {
+                    phase[i] += 1;
+                    left[i] = phases.get(phase[i]).copied().unwrap_or((0.0, 0.0));
+                }
+            }
+        }
+    }
+
+    /// The start-ups and the transfer time (seconds) of the pipeline's cross-host sum
+    /// of `bytes` over `h` hosts, `flows` such sums per host at once (by kolo's flat
+    /// rule: the ring, or halving-doubling, halving at every step).
+    fn cross_parts(&self, h: usize, bytes: f64, flows: usize) -> (f64, f64) {
+        if h <= 1 {
+            return (0.0, 0.0);
+        }
+        let link = self.inter_for(flows);
+        let steps = usize::BITS - 1 - h.leading_zeros();
+        let fold = if h.is_power_of_two() { 0.0 } else { 2.0 };
+        let (rounds, moved) = match self.kolo_flat(h, bytes, true, true) {
+            Algorithm::Ring => (
+                2.0 * (h - 1) as f64,
+                2.0 * (h - 1) as f64 / h as f64 * bytes,
+            ),
+            _ => {
+                // The pipeline's halving halves at every step (`transport/schedule.rs`).
+                let m = steps;
+                let kept = bytes / 2f64.powi(m as i32);
+                (
+                    f64::from(steps + m) + fold,
+                    2.0 * (bytes - kept) + f64::from(steps - m) * kept + fold * bytes,
+                )
+            }
+        };
+        (rounds * link.latency, moved / link.bandwidth)
     }
 
     /// A ring allreduce of `bytes` over `h` hosts, `flows` of them per host at once.

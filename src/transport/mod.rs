@@ -86,6 +86,7 @@ pub(crate) mod mpi;
 #[cfg(feature = "nccl")]
 pub(crate) mod nccl;
 pub(crate) mod ring;
+pub(crate) mod schedule;
 #[cfg(feature = "sim")]
 pub(crate) mod sim;
 
@@ -167,6 +168,11 @@ pub(crate) trait Transport: Send {
     /// How host sums that are not hierarchical travel from now on. Every rank calls
     /// it with the same value. A transport with one way ignores it.
     fn set_allreduce_algorithm(&mut self, _algorithm: crate::vocab::AllreduceAlgorithm) {}
+
+    /// The hierarchical allreduce's pipeline pieces from now on (None: by size and
+    /// hosts, 0: none). Every rank calls it with the same value. A transport without
+    /// the hierarchical allreduce ignores it.
+    fn set_hierarchical_piece_bytes(&mut self, _bytes: Option<usize>) {}
 
     /// The rank this transport is waiting for a message from, kept up to date while it
     /// waits point to point (the cycle agreement), for the collective-timeout

@@ -764,6 +764,29 @@ fn multinode_faults() -> Vec<Trial> {
             Ok(run.succeeded(name)?)
         }));
     }
+    // The hierarchical allreduce in pieces, pipelined (`transport/schedule.rs`):
+    // 4 KiB pieces, so that every sum of the case from 1024 elements goes in several
+    // (up to 64) pieces at once; its cross-host sum as a ring, and by halving and
+    // doubling. Exact integer sums, f64 averages the same bits on every rank.
+    for (name, algorithm) in [
+        ("sums_pipelined_hierarchical", "auto"),
+        ("sums_pipelined_hierarchical_halving", "halving-doubling"),
+    ] {
+        trials.push(multinode_trial(name, move || {
+            let env = [
+                ("KOLO_ALLREDUCE_ALGORITHM", algorithm),
+                ("KOLO_HIERARCHICAL_ALLREDUCE", "1"),
+                ("KOLO_HIERARCHICAL_PIECE_BYTES", "4096"),
+            ];
+            let run = harness::mpirun_hosts_args(
+                "sums_every_way",
+                &["-np", "4"],
+                Duration::from_secs(180),
+                &env,
+            )?;
+            Ok(run.succeeded(name)?)
+        }));
+    }
     // Left unset, the allreduce is hierarchical from 2 MiB across hosts of 2 ranks
     // each (said once, with the size), and the same sums stay exact.
     trials.push(multinode_trial("hierarchical_allreduce_default", || {

@@ -15,7 +15,8 @@
 //! it, which adds it and takes part in the halving for both; the even rank receives
 //! the result at the end. The halving pairs the nearest ranks first (distance 1, 2,
 //! 4, …): ranks of one host are numbered together, so the steps that move the most
-//! bytes stay inside the host. Each block's sum is computed by one rank and then
+//! bytes stay inside the host; those steps halve smaller pieces than the steps across
+//! hosts do (`near`, from `Hosts::near_steps`). Each block's sum is computed by one rank and then
 //! copied to all, so every rank ends with the same bits.
 
 use std::ffi::c_int;
@@ -33,10 +34,12 @@ use crate::transport::ring::{add_into, chunk};
 const TAG: c_int = 13;
 const CALL: &str = "MPI_Sendrecv (halving-doubling allreduce)";
 
-/// In-place sum of `buf` over `g` by recursive halving and doubling; `scratch` is
+/// In-place sum of `buf` over `g` by recursive halving and doubling, of whose steps
+/// the first `near` pair ranks of one host (the same on every rank); `scratch` is
 /// kept between calls.
 pub(super) fn halving_doubling(
     g: Group,
+    near: u32,
     scratch: &mut Vec<u8>,
     buf: &mut [u8],
     dtype: DType,
@@ -74,6 +77,7 @@ pub(super) fn halving_doubling(
             p,
             rem,
             v,
+            near,
         };
         b.run(buf, scratch)?;
     }
@@ -99,6 +103,8 @@ struct Butterfly {
     p: usize,
     rem: usize,
     v: usize,
+    /// The leading steps whose partners share a host.
+    near: u32,
 }
 
 impl Butterfly {
@@ -127,7 +133,7 @@ impl Butterfly {
     /// Halving, doubling on the piece, doubling back.
     fn run(&self, buf: &mut [u8], scratch: &mut [u8]) -> Result<()> {
         let steps = self.p.trailing_zeros();
-        let halvings = halvings(buf.len(), steps);
+        let halvings = halvings(buf.len(), steps, self.near);
         let mut held = (0usize, self.p);
         let mut gave = Vec::with_capacity(halvings as usize);
         for k in 0..halvings {

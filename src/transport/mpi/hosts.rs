@@ -1,7 +1,7 @@
 //! A job that spans hosts: the ranks of each host (`Hosts`, which orders the ring and
 //! lays out the hierarchical allgather), the hierarchical allreduce (reduce-scatter in
-//! the host, allreduce across hosts, allgather in the host) and its communicator
-//! levels.
+//! the host, allreduce across hosts, allgather in the host; large sums across many
+//! hosts in pieces through `pipeline.rs`) and its communicator levels.
 
 use std::ffi::c_int;
 
@@ -13,7 +13,8 @@ use super::types::{per_rank, sized};
 use super::MpiTransport;
 use crate::error::Result;
 use crate::tensor::DType;
-use crate::transport::choice::FlatSum;
+use crate::transport::choice::{hierarchical_pieces, FlatSum};
+use crate::transport::schedule::{self, Shape};
 use crate::vocab::ReduceOp;
 
 impl MpiTransport {
@@ -35,6 +36,11 @@ impl MpiTransport {
         let mpi_op = self.reduce_op(op, dtype);
         let (local, cross) = self.levels();
         let sum = matches!(op, ReduceOp::Sum | ReduceOp::Average);
+        // Large sums across many hosts: in pieces, pipelined (`transport/schedule.rs`).
+        let pieces = hierarchical_pieces(self.piece_bytes, buf.len(), cross.size);
+        if sum && cross.size > 1 && pieces > 1 {
+            return self.pipelined_allreduce(buf, dtype, pieces);
+        }
         let mut scratch = std::mem::take(&mut self.shard_scratch);
         // Large sums: a ring inside the host whose reduce-scatter leaves each local
         // rank one chunk summed over the host, in place; that chunk is summed across
@@ -57,7 +63,7 @@ impl MpiTransport {
                 Some(RING_SEGMENT_BYTES),
                 &mut |mine| match cross_sum(self.algorithm, cross.size, mine.len()) {
                     FlatSum::HalvingDoubling => {
-                        super::halving::halving_doubling(cross, &mut scratch, mine, dtype)
+                        super::halving::halving_doubling(cross, 0, &mut scratch, mine, dtype)
                     }
                     _ => ring_allreduce(
                         cross,
@@ -84,12 +90,28 @@ impl MpiTransport {
             .and_then(|()| {
                 if halve {
                     let (c, s) = (cross, &mut scratch);
-                    super::halving::halving_doubling(c, &mut halving_scratch, s, dtype)
+                    super::halving::halving_doubling(c, 0, &mut halving_scratch, s, dtype)
                 } else {
                     allreduce_in_place(cross, &mut scratch, dtype, mpi_op)
                 }
             })
             .and_then(|()| allgatherv_on(local, &scratch, buf, &shards, dtype));
+        self.shard_scratch = scratch;
+        result
+    }
+
+    /// The hierarchical allreduce of a sum in `pieces` pieces, pipelined.
+    fn pipelined_allreduce(&mut self, buf: &mut [u8], dtype: DType, pieces: usize) -> Result<()> {
+        let (local, cross) = self.levels();
+        let (width, l) = (dtype.size_of(), local.size);
+        let shape = Shape {
+            local: (l, local.rank),
+            cross: (cross.size, cross.rank),
+            cross_way: cross_sum(self.algorithm, cross.size, buf.len() / pieces / l),
+        };
+        let lanes = schedule::plan(shape, buf.len() / width, width, pieces);
+        let mut scratch = std::mem::take(&mut self.shard_scratch);
+        let result = super::pipeline::run((local, cross), &lanes, buf, &mut scratch, dtype);
         self.shard_scratch = scratch;
         result
     }
@@ -154,6 +176,28 @@ impl Hosts {
             .enumerate()
             .find_map(|(h, m)| m.iter().position(|&r| r == rank).map(|i| (h, i)))
             .unwrap_or((0, 0))
+    }
+
+    /// How many leading steps of the halving-doubling butterfly over ranks `0..n`
+    /// (numbered as here) pair ranks of one host on every rank: the butterfly's
+    /// participant `v` is rank `2v + 1` for the `rem` folded pairs, `v + rem` after
+    /// them, and step `k` pairs `v` with `v ^ 2^k`. The same on every rank.
+    pub(super) fn near_steps(&self, n: usize) -> u32 {
+        if n < 2 {
+            return 0;
+        }
+        let mut host = vec![usize::MAX; n];
+        for (h, m) in self.members.iter().enumerate() {
+            for &r in m.iter().filter(|&&r| r < n) {
+                host[r] = h;
+            }
+        }
+        let p = 1usize << (usize::BITS - 1 - n.leading_zeros());
+        let rem = n - p;
+        let real = |v: usize| if v < rem { 2 * v + 1 } else { v + rem };
+        (0..p.trailing_zeros())
+            .take_while(|&k| (0..p).all(|v| host[real(v)] == host[real(v ^ (1 << k))]))
+            .count() as u32
     }
 
     /// The hosts in the cross-host communicator of local rank `i`, in its rank order
@@ -317,6 +361,33 @@ mod tests {
             }
             assert_eq!(next, total);
         }
+    }
+
+    #[test]
+    fn near_steps_count_the_butterfly_steps_inside_hosts() {
+        let blocks = |hosts: usize, l: usize| {
+            let names: Vec<c_int> = (0..hosts * l).map(|r| (r / l) as c_int).collect();
+            Hosts::of(&names)
+        };
+        // 8 hosts of 8, filled in order: the first three steps stay inside.
+        assert_eq!(blocks(8, 8).near_steps(64), 3);
+        assert_eq!(blocks(2, 2).near_steps(4), 1);
+        // One host: every step.
+        assert_eq!(blocks(1, 4).near_steps(4), 2);
+        // Round-robin placement: the first step already crosses.
+        assert_eq!(Hosts::of(&[0, 1, 0, 1]).near_steps(4), 0);
+        // Hosts of 3 (not a power of two): 2 steps of distance 1 and 2 cannot both
+        // stay inside; distance 1 does not either for every pair.
+        assert_eq!(blocks(4, 3).near_steps(12), 0);
+        // 6 ranks on hosts of 2: ranks 0..4 fold in pairs (1 and 3 take part), the
+        // butterfly's 1, 3, 4, 5 pair 1–3 (hosts 0, 1) first: nothing inside.
+        assert_eq!(blocks(3, 2).near_steps(6), 0);
+        // 12 ranks on hosts of 4: ranks 0..8 fold in pairs (1, 3, 5, 7 take part,
+        // then 8..12), distance 1 pairs 1–3, 5–7, 8–9, 10–11 inside their hosts,
+        // distance 2 pairs 1–5 across.
+        assert_eq!(blocks(3, 4).near_steps(12), 1);
+        // 10 ranks on hosts of 5: participants 1, 3, 4..9; 4–5 cross at distance 1.
+        assert_eq!(blocks(2, 5).near_steps(10), 0);
     }
 
     #[test]

@@ -26,6 +26,7 @@ mod group;
 mod halving;
 mod hosts;
 mod p2p;
+mod pipeline;
 mod rings;
 mod setup;
 mod types;
@@ -92,8 +93,14 @@ pub(crate) struct MpiTransport {
     algorithm: crate::vocab::AllreduceAlgorithm,
     /// The job spans hosts.
     multi_host: bool,
+    /// The hierarchical allreduce's pipeline pieces (None: by size and hosts; set
+    /// once at start, the same on every rank).
+    piece_bytes: Option<usize>,
     /// The ranks of every host.
     hosts: Hosts,
+    /// The leading steps of the flat halving-doubling butterfly that stay inside
+    /// hosts (`Hosts::near_steps`, the same on every rank).
+    near_steps: u32,
     /// The ring allreduce's reused segment buffers.
     ring_scratch: Vec<u8>,
     /// The hierarchical allreduce's reused shard.
@@ -437,9 +444,13 @@ impl Transport for MpiTransport {
                 dtype,
                 self.ring_segment,
             ),
-            FlatSum::HalvingDoubling => {
-                halving::halving_doubling(world, &mut self.ring_scratch, buf, dtype)
-            }
+            FlatSum::HalvingDoubling => halving::halving_doubling(
+                world,
+                self.near_steps,
+                &mut self.ring_scratch,
+                buf,
+                dtype,
+            ),
             FlatSum::Mpi => allreduce_in_place(world, buf, dtype, self.reduce_op(op, dtype)),
         }
     }
@@ -477,6 +488,10 @@ impl Transport for MpiTransport {
 
     fn set_allreduce_algorithm(&mut self, algorithm: crate::vocab::AllreduceAlgorithm) {
         self.algorithm = algorithm;
+    }
+
+    fn set_hierarchical_piece_bytes(&mut self, bytes: Option<usize>) {
+        self.piece_bytes = bytes;
     }
 
     fn choose_grouped_ring(&mut self, choice: Option<bool>) -> Result<()> {

@@ -84,6 +84,8 @@ impl MpiTransport {
             grouped_ring: false,
             algorithm: crate::vocab::AllreduceAlgorithm::Auto,
             multi_host,
+            near_steps: hosts.near_steps(size),
+            piece_bytes: None,
             hosts,
             ring_scratch: Vec::new(),
             shard_scratch: Vec::new(),
