@@ -265,7 +265,8 @@ impl Config {
     /// inside the host and the one before spread there, so that the host's links and
     /// the network work at once (as NCCL's channels overlap NVLink and the network).
     /// 0 runs the three phases one after another over the whole buffer. Left unset,
-    /// kolo pipelines sums across 8 or more hosts in pieces of 2 MiB, at most 64
+    /// kolo pipelines sums of 4 MiB or more across 8 or more hosts, and of 64 MiB
+    /// or more across fewer, in pieces of 2 MiB, at most 64
     /// (`kolo-sim`'s DGX A100 preset at 4096 ranks: a 64 MiB sum 1.85× the α–β
     /// bound one phase after another, 1.13× in pieces; see the README's "kolo at
     /// thousands of ranks"); rank 0's choice holds. (`KOLO_HIERARCHICAL_PIECE_BYTES`)

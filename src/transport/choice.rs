@@ -57,11 +57,16 @@ pub(crate) fn halvings(bytes: usize, steps: u32, near: u32) -> u32 {
     m
 }
 
-/// `Auto` pipelines the hierarchical allreduce from this many hosts: with fewer the
-/// cross-host sum is short beside the host's phases only where the network is
-/// slow, and there the pieces' extra start-ups buy nothing (measured on 2 emulated
-/// hosts, see the README's "kolo at thousands of ranks").
+/// `Auto` pipelines the hierarchical allreduce from this many hosts (where
+/// `kolo-sim` says it gains from 4 MiB), ...
 const PIPELINE_MIN_HOSTS: usize = 8;
+/// ... and with fewer hosts, sums of at least this many bytes. Measured on 2
+/// emulated hosts × 2 ranks (`kolo_vs_mpi --hosts 2 --np 4`, 2 launches each way,
+/// kolo's time with 2 MiB pieces and without): one 64 MiB sum 616–622 vs 726–736 ms
+/// at 1 Gbit/s, 105–119 vs 130–166 ms at 10 Gbit/s; the ResNet-50 set (tensors of
+/// 2–9 MB) 1067–1097 vs 1021–1038 ms and 197–226 vs 203–204 ms, no gain, so the
+/// smaller sums stay in one piece there.
+const PIPELINE_MIN_BYTES_FEW_HOSTS: usize = 64 << 20;
 /// ... in pieces of this many bytes (up to [`MAX_PIECES`] of them, larger
 /// beyond): `kolo-sim`, DGX A100 preset, 4096 ranks, ratio to the α–β bound of a
 /// 16 / 32 / 64 MiB sum: pieces of 1 MiB 1.50 / 1.49 / 1.48, of 2 MiB 1.36 / 1.24 /
@@ -82,7 +87,9 @@ pub(crate) fn hierarchical_pieces(setting: Option<usize>, bytes: usize, hosts: u
     let piece = match setting {
         Some(0) => return 1,
         Some(b) => b,
-        None if hosts >= PIPELINE_MIN_HOSTS => PIPELINE_PIECE_BYTES,
+        None if hosts >= PIPELINE_MIN_HOSTS || bytes >= PIPELINE_MIN_BYTES_FEW_HOSTS => {
+            PIPELINE_PIECE_BYTES
+        }
         None => return 1,
     };
     (bytes / piece).clamp(1, MAX_PIECES)
@@ -169,7 +176,8 @@ mod tests {
         assert_eq!(hierarchical_pieces(None, 64 << 20, 512), 32);
         assert_eq!(hierarchical_pieces(None, 3 << 20, 512), 1);
         assert_eq!(hierarchical_pieces(None, 1 << 30, 512), 64);
-        assert_eq!(hierarchical_pieces(None, 64 << 20, 2), 1);
+        assert_eq!(hierarchical_pieces(None, 63 << 20, 2), 1);
+        assert_eq!(hierarchical_pieces(None, 64 << 20, 2), 32);
         assert_eq!(hierarchical_pieces(Some(0), 64 << 20, 512), 1);
         assert_eq!(hierarchical_pieces(Some(4 << 20), 64 << 20, 2), 16);
         assert_eq!(hierarchical_pieces(Some(1), 5, 2), 5);

@@ -32,7 +32,7 @@ struct Cli {
     #[arg(long, default_value = "resnet50")]
     workload: String,
     /// Allreduce algorithm: auto, kolo, kolo-before, ring, hierarchical,
-    /// recursive-doubling, halving-doubling, hybrid.
+    /// hierarchical-pipelined, recursive-doubling, halving-doubling, hybrid.
     #[arg(long, default_value = "kolo")]
     algorithm: String,
     /// Report the first step (every request new, the full exchange) instead of the
