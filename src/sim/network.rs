@@ -216,7 +216,7 @@ impl Network {
         match algorithm {
             Algorithm::Ring => self.ring(n, bytes / n as f64, 1),
             Algorithm::Hierarchical => {
-                if h == 1 || l == 1 || !n.is_multiple_of(l) {
+                if !self.two_levels(n) {
                     return self.ring(n, bytes / n as f64, 1);
                 }
                 let local = (l - 1) as f64 * self.intra.time(bytes / l as f64);
@@ -224,7 +224,7 @@ impl Network {
                 local + cross + local
             }
             Algorithm::HierarchicalPipelined => {
-                if h == 1 || l == 1 || !n.is_multiple_of(l) {
+                if !self.two_levels(n) {
                     return self.ring(n, bytes / n as f64, 1);
                 }
                 (1..=6)
@@ -241,7 +241,7 @@ impl Network {
             }
             Algorithm::Kolo | Algorithm::KoloBefore => {
                 let halving = algorithm == Algorithm::Kolo;
-                if h > 1 && l > 1 && n.is_multiple_of(l) && bytes >= KOLO_HIERARCHICAL_MIN {
+                if self.two_levels(n) && bytes >= KOLO_HIERARCHICAL_MIN {
                     // Inside each host a ring (or MPI's reduce-scatter and allgather,
                     // charged alike), across hosts the flat rule over the hosts.
                     let pieces =
@@ -262,6 +262,13 @@ impl Network {
             }
             Algorithm::Auto => self.choose(n, bytes).1,
         }
+    }
+
+    /// Whether `n` ranks make the hierarchical allreduce's two levels: several hosts
+    /// of several ranks each, every host full.
+    fn two_levels(&self, n: usize) -> bool {
+        let l = self.ranks_per_host.max(1).min(n);
+        self.hosts(n) > 1 && l > 1 && n.is_multiple_of(l)
     }
 
     /// kolo's flat rule: which algorithm a flat sum of `bytes` over `n` ranks takes.
@@ -356,7 +363,6 @@ impl Network {
             (l - 1) as f64 * shard / self.intra.bandwidth,
         );
         let phases = [local, self.cross_parts(h, shard, l), local];
-        let window = crate::transport::schedule::WINDOW;
         // Per piece: the phase it is in (3: done), and what is left of its start-ups
         // and of its transfer (seconds at the full rate).
         let mut phase = vec![0usize; pieces];
@@ -365,8 +371,7 @@ impl Network {
         let mut t = 0.0;
         loop {
             while started < pieces
-                && (started == 0 || phase[started - 1] >= 1)
-                && (started < window || phase[started - window] == 3)
+                && crate::transport::schedule::admits(started, |j| phase[j] >= 1, |j| phase[j] == 3)
             {
                 started += 1;
             }
@@ -417,20 +422,21 @@ impl Network {
             return (0.0, 0.0);
         }
         let link = self.inter_for(flows);
-        let steps = usize::BITS - 1 - h.leading_zeros();
-        let fold = if h.is_power_of_two() { 0.0 } else { 2.0 };
         let (rounds, moved) = match self.kolo_flat(h, bytes, true, true) {
             Algorithm::Ring => (
                 2.0 * (h - 1) as f64,
                 2.0 * (h - 1) as f64 / h as f64 * bytes,
             ),
             _ => {
-                // The pipeline's halving halves at every step (`transport/schedule.rs`).
-                let m = steps;
-                let kept = bytes / 2f64.powi(m as i32);
+                // The pipeline's halving halves at every step (`transport/schedule.rs`)
+                // and doubles back; a host count that is not a power of two folds the
+                // whole shard in and out.
+                let steps = usize::BITS - 1 - h.leading_zeros();
+                let fold = if h.is_power_of_two() { 0.0 } else { 2.0 };
+                let kept = bytes / 2f64.powi(steps as i32);
                 (
-                    f64::from(steps + m) + fold,
-                    2.0 * (bytes - kept) + f64::from(steps - m) * kept + fold * bytes,
+                    f64::from(2 * steps) + fold,
+                    2.0 * (bytes - kept) + fold * bytes,
                 )
             }
         };

@@ -45,11 +45,13 @@ const NEAR_PIECE_BYTES: usize = 2 << 10;
 pub(crate) fn halvings(bytes: usize, steps: u32, near: u32) -> u32 {
     let near = near.min(steps);
     let mut m = 0;
-    while m < near && near < steps && bytes >> (m + 1) >= NEAR_PIECE_BYTES {
-        m += 1;
-    }
-    if m < near && near < steps {
-        return m;
+    if near < steps {
+        while m < near && bytes >> (m + 1) >= NEAR_PIECE_BYTES {
+            m += 1;
+        }
+        if m < near {
+            return m;
+        }
     }
     while m < steps && bytes >> (m + 1) >= PIECE_BYTES {
         m += 1;

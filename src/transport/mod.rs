@@ -78,6 +78,7 @@ pub(crate) enum P2pEvent {
     },
 }
 
+pub(crate) mod butterfly;
 pub(crate) mod choice;
 pub(crate) mod device;
 #[cfg(test)]

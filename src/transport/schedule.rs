@@ -14,6 +14,7 @@
 //! one rank and copied to the others, as in the other sums, so every rank ends with
 //! the same bits.
 
+use crate::transport::butterfly::Fold;
 use crate::transport::choice::{FlatSum, MAX_PIECES};
 use crate::transport::ring::{chunk, send_chunk};
 
@@ -113,9 +114,48 @@ pub(crate) fn plan(shape: Shape, len: usize, es: usize, pieces: usize) -> Vec<La
 /// reduce-scatter inside the host, and the lane that last used its scratch slot
 /// (`i − WINDOW`) has finished.
 pub(crate) fn may_start(lanes: &[Lane], done: &[usize], i: usize) -> bool {
-    let led = i == 0 || done[i - 1] >= lanes[i - 1].lead;
-    let slot_free = i < WINDOW || done[i - WINDOW] >= lanes[i - WINDOW].rounds.len();
-    led && slot_free
+    admits(
+        i,
+        |j| done[j] >= lanes[j].lead,
+        |j| done[j] >= lanes[j].rounds.len(),
+    )
+}
+
+/// The start rule of [`may_start`] over any account of the lanes (the simulator's
+/// model of the pipeline uses it too): lane `i` starts once lane `i − 1` has
+/// `reduced` (left its reduce-scatter inside the host) and lane `i − WINDOW` has
+/// `ended`.
+pub(crate) fn admits(
+    i: usize,
+    reduced: impl Fn(usize) -> bool,
+    ended: impl Fn(usize) -> bool,
+) -> bool {
+    (i == 0 || reduced(i - 1)) && (i < WINDOW || ended(i - WINDOW))
+}
+
+/// Ring position `pos` of `n` over elements `[off, off + len)`: its neighbours and
+/// where each chunk lies.
+struct RingSpans {
+    n: usize,
+    pos: usize,
+    off: usize,
+    len: usize,
+}
+
+impl RingSpans {
+    /// Element range of chunk `c`.
+    fn at(&self, c: usize) -> (usize, usize) {
+        let (a, b) = chunk(self.len, self.n, c);
+        (self.off + a, self.off + b)
+    }
+
+    fn right(&self) -> usize {
+        (self.pos + 1) % self.n
+    }
+
+    fn left(&self) -> usize {
+        (self.pos + self.n - 1) % self.n
+    }
 }
 
 /// Builds one lane's rounds.
@@ -205,17 +245,13 @@ impl LaneBuilder {
         off: usize,
         len: usize,
     ) -> (usize, usize) {
-        let at = |c: usize| {
-            let (a, b) = chunk(len, n, c);
-            (off + a, off + b)
-        };
-        let (right, left) = ((pos + 1) % n, (pos + n - 1) % n);
+        let ring = RingSpans { n, pos, off, len };
         for s in 0..n.saturating_sub(1) {
-            let out = at(send_chunk(pos, s, n));
-            let inc = at(send_chunk(pos, s + 1, n));
-            self.round(level, tag, (right, out), (left, inc), true);
+            let out = ring.at(send_chunk(pos, s, n));
+            let inc = ring.at(send_chunk(pos, s + 1, n));
+            self.round(level, tag, (ring.right(), out), (ring.left(), inc), true);
         }
-        at(send_chunk(pos, n.saturating_sub(1), n))
+        ring.at(send_chunk(pos, n.saturating_sub(1), n))
     }
 
     /// The allgather half of that ring: each summed chunk travels once around.
@@ -228,15 +264,11 @@ impl LaneBuilder {
         off: usize,
         len: usize,
     ) {
-        let at = |c: usize| {
-            let (a, b) = chunk(len, n, c);
-            (off + a, off + b)
-        };
-        let (right, left) = ((pos + 1) % n, (pos + n - 1) % n);
+        let ring = RingSpans { n, pos, off, len };
         for s in 0..n.saturating_sub(1) {
-            let out = at(send_chunk(pos, s + n - 1, n));
-            let inc = at(send_chunk(pos, s, n));
-            self.round(level, tag, (right, out), (left, inc), false);
+            let out = ring.at(send_chunk(pos, s + n - 1, n));
+            let inc = ring.at(send_chunk(pos, s, n));
+            self.round(level, tag, (ring.right(), out), (ring.left(), inc), false);
         }
     }
 
@@ -253,9 +285,8 @@ impl LaneBuilder {
         }
         let lv = Level::Cross;
         let whole = (off, off + len);
-        let p = 1usize << (usize::BITS - 1 - n.leading_zeros());
-        let rem = n - p;
-        let folded = me < 2 * rem;
+        let fold = Fold::new(n);
+        let folded = fold.folded(me);
         if folded {
             if me.is_multiple_of(2) {
                 self.one_way(lv, tag, me + 1, whole, false, false);
@@ -263,29 +294,17 @@ impl LaneBuilder {
                 self.one_way(lv, tag, me - 1, whole, true, true);
             }
         }
-        let v = if folded {
-            (me % 2 == 1).then_some(me / 2)
-        } else {
-            Some(me - rem)
-        };
-        if let Some(v) = v {
-            let peer = |k: u32| {
-                let w = v ^ (1 << k);
-                if w < rem {
-                    2 * w + 1
-                } else {
-                    w + rem
-                }
-            };
+        if let Some(v) = fold.participant(me) {
+            let peer = |k: u32| fold.peer(v, k);
             let span = |(a, b): (usize, usize)| {
-                let at = |c: usize| if c == p { len } else { chunk(len, p, c).0 };
-                (off + at(a), off + at(b))
+                (
+                    off + fold.block_start(len, a),
+                    off + fold.block_start(len, b),
+                )
             };
-            let steps = p.trailing_zeros();
-            let m = steps;
-            let mut held = (0usize, p);
+            let mut held = (0usize, fold.p);
             let mut gave = Vec::new();
-            for k in 0..m {
+            for k in 0..fold.steps() {
                 let (lo, hi) = held;
                 let mid = (lo + hi) / 2;
                 let (keep, give) = if v & (1 << k) == 0 {
@@ -296,9 +315,6 @@ impl LaneBuilder {
                 self.round(lv, tag, (peer(k), span(give)), (peer(k), span(keep)), true);
                 gave.push((keep, give));
                 held = keep;
-            }
-            for k in m..steps {
-                self.round(lv, tag, (peer(k), span(held)), (peer(k), span(held)), true);
             }
             for (k, (keep, give)) in gave.into_iter().enumerate().rev() {
                 self.round(

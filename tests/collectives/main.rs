@@ -745,44 +745,51 @@ fn multinode_faults() -> Vec<Trial> {
     }
     // Recursive halving and doubling across hosts (issue 58), forced: flat over the 4
     // ranks (its first step inside a host, its second across), and as the
-    // hierarchical allreduce's cross-host sum.
-    for (name, hierarchical) in [
-        ("sums_halving_doubling_flat", "0"),
-        ("sums_halving_doubling_hierarchical", "1"),
-    ] {
-        trials.push(multinode_trial(name, move || {
-            let env = [
+    // hierarchical allreduce's cross-host sum. Then the hierarchical allreduce in
+    // pieces, pipelined (`transport/schedule.rs`): 4 KiB pieces, so that every sum
+    // of the case from 1024 elements goes in several (up to 64) pieces at once; its
+    // cross-host sum as a ring, and by halving and doubling. Exact integer sums,
+    // f64 averages the same bits on every rank.
+    type Env = &'static [(&'static str, &'static str)];
+    let sums: [(&str, Env); 4] = [
+        (
+            "sums_halving_doubling_flat",
+            &[
                 ("KOLO_ALLREDUCE_ALGORITHM", "halving-doubling"),
-                ("KOLO_HIERARCHICAL_ALLREDUCE", hierarchical),
-            ];
-            let run = harness::mpirun_hosts_args(
-                "sums_every_way",
-                &["-np", "4"],
-                Duration::from_secs(180),
-                &env,
-            )?;
-            Ok(run.succeeded(name)?)
-        }));
-    }
-    // The hierarchical allreduce in pieces, pipelined (`transport/schedule.rs`):
-    // 4 KiB pieces, so that every sum of the case from 1024 elements goes in several
-    // (up to 64) pieces at once; its cross-host sum as a ring, and by halving and
-    // doubling. Exact integer sums, f64 averages the same bits on every rank.
-    for (name, algorithm) in [
-        ("sums_pipelined_hierarchical", "auto"),
-        ("sums_pipelined_hierarchical_halving", "halving-doubling"),
-    ] {
-        trials.push(multinode_trial(name, move || {
-            let env = [
-                ("KOLO_ALLREDUCE_ALGORITHM", algorithm),
+                ("KOLO_HIERARCHICAL_ALLREDUCE", "0"),
+            ],
+        ),
+        (
+            "sums_halving_doubling_hierarchical",
+            &[
+                ("KOLO_ALLREDUCE_ALGORITHM", "halving-doubling"),
+                ("KOLO_HIERARCHICAL_ALLREDUCE", "1"),
+            ],
+        ),
+        (
+            "sums_pipelined_hierarchical",
+            &[
+                ("KOLO_ALLREDUCE_ALGORITHM", "auto"),
                 ("KOLO_HIERARCHICAL_ALLREDUCE", "1"),
                 ("KOLO_HIERARCHICAL_PIECE_BYTES", "4096"),
-            ];
+            ],
+        ),
+        (
+            "sums_pipelined_hierarchical_halving",
+            &[
+                ("KOLO_ALLREDUCE_ALGORITHM", "halving-doubling"),
+                ("KOLO_HIERARCHICAL_ALLREDUCE", "1"),
+                ("KOLO_HIERARCHICAL_PIECE_BYTES", "4096"),
+            ],
+        ),
+    ];
+    for (name, env) in sums {
+        trials.push(multinode_trial(name, move || {
             let run = harness::mpirun_hosts_args(
                 "sums_every_way",
                 &["-np", "4"],
                 Duration::from_secs(180),
-                &env,
+                env,
             )?;
             Ok(run.succeeded(name)?)
         }));

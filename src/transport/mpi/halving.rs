@@ -27,8 +27,9 @@ use super::group::Group;
 use super::types::{addr, addr_mut, check, count, datatype};
 use crate::error::Result;
 use crate::tensor::DType;
+use crate::transport::butterfly::Fold;
 use crate::transport::choice::halvings;
-use crate::transport::ring::{add_into, chunk};
+use crate::transport::ring::add_into;
 
 /// The tag of this algorithm's messages (the ring uses 7, the cycle agreement 11).
 const TAG: c_int = 13;
@@ -48,12 +49,11 @@ pub(super) fn halving_doubling(
     if n <= 1 {
         return Ok(());
     }
-    let p = 1usize << (usize::BITS - 1 - n.leading_zeros());
-    let rem = n - p;
+    let fold = Fold::new(n);
     if scratch.len() < buf.len() {
         scratch.resize(buf.len(), 0);
     }
-    let folded = me < 2 * rem;
+    let folded = fold.folded(me);
     if folded {
         if me % 2 == 0 {
             exchange(g, me + 1, buf, &mut [], dtype)?;
@@ -63,19 +63,13 @@ pub(super) fn halving_doubling(
         }
     }
     // This rank's place among the 2^k that halve, if it takes part.
-    let virtual_rank = if folded {
-        (me % 2 == 1).then_some(me / 2)
-    } else {
-        Some(me - rem)
-    };
-    if let Some(v) = virtual_rank {
+    if let Some(v) = fold.participant(me) {
         let b = Butterfly {
             g,
             dtype,
             es: dtype.size_of(),
             len: buf.len() / dtype.size_of(),
-            p,
-            rem,
+            fold,
             v,
             near,
         };
@@ -99,9 +93,8 @@ struct Butterfly {
     /// Bytes per element, and elements in the buffer.
     es: usize,
     len: usize,
-    /// How many take part, how many were folded into others.
-    p: usize,
-    rem: usize,
+    fold: Fold,
+    /// This rank's place among the participants.
     v: usize,
     /// The leading steps whose partners share a host.
     near: u32,
@@ -110,31 +103,20 @@ struct Butterfly {
 impl Butterfly {
     /// The real rank of the participant `k` steps away.
     fn peer(&self, k: u32) -> usize {
-        let w = self.v ^ (1 << k);
-        if w < self.rem {
-            2 * w + 1
-        } else {
-            w + self.rem
-        }
+        self.fold.peer(self.v, k)
     }
 
     /// Byte range of blocks `[a, b)` of the `p` blocks.
     fn bytes(&self, (a, b): (usize, usize)) -> (usize, usize) {
-        let at = |c: usize| {
-            if c == self.p {
-                self.len
-            } else {
-                chunk(self.len, self.p, c).0
-            }
-        };
-        (at(a) * self.es, at(b) * self.es)
+        let at = |c: usize| self.fold.block_start(self.len, c) * self.es;
+        (at(a), at(b))
     }
 
     /// Halving, doubling on the piece, doubling back.
     fn run(&self, buf: &mut [u8], scratch: &mut [u8]) -> Result<()> {
-        let steps = self.p.trailing_zeros();
+        let steps = self.fold.steps();
         let halvings = halvings(buf.len(), steps, self.near);
-        let mut held = (0usize, self.p);
+        let mut held = (0usize, self.fold.p);
         let mut gave = Vec::with_capacity(halvings as usize);
         for k in 0..halvings {
             let (lo, hi) = held;

@@ -179,9 +179,8 @@ impl Hosts {
     }
 
     /// How many leading steps of the halving-doubling butterfly over ranks `0..n`
-    /// (numbered as here) pair ranks of one host on every rank: the butterfly's
-    /// participant `v` is rank `2v + 1` for the `rem` folded pairs, `v + rem` after
-    /// them, and step `k` pairs `v` with `v ^ 2^k`. The same on every rank.
+    /// (numbered as here, `transport::butterfly::Fold`) pair ranks of one host on
+    /// every rank. The same on every rank.
     pub(super) fn near_steps(&self, n: usize) -> u32 {
         if n < 2 {
             return 0;
@@ -192,11 +191,9 @@ impl Hosts {
                 host[r] = h;
             }
         }
-        let p = 1usize << (usize::BITS - 1 - n.leading_zeros());
-        let rem = n - p;
-        let real = |v: usize| if v < rem { 2 * v + 1 } else { v + rem };
-        (0..p.trailing_zeros())
-            .take_while(|&k| (0..p).all(|v| host[real(v)] == host[real(v ^ (1 << k))]))
+        let fold = crate::transport::butterfly::Fold::new(n);
+        (0..fold.steps())
+            .take_while(|&k| (0..fold.p).all(|v| host[fold.rank(v)] == host[fold.peer(v, k)]))
             .count() as u32
     }
 
