@@ -53,17 +53,24 @@ pub(crate) fn run_worker(case: &str, cases: &[(&str, Case)]) -> ! {
     };
     let rank = kolo.rank();
     let result = f(&kolo);
+    // Say why before shutting down: the shutdown tells the other ranks, one of them
+    // may exit with an error at once, and mpirun then kills this rank mid-sentence.
+    if let Err(e) = &result {
+        eprintln!("rank {rank}: case {case} failed: {e:#}");
+    }
     // Shut down before exiting so that mpirun sees a clean finish on this rank and
     // the other ranks get an error naming it rather than a hang.
     let shutdown = kolo.shutdown();
     let result = match (result, shutdown) {
-        (Ok(()), Err(e)) => Err(anyhow::anyhow!("shutdown failed: {e}")),
+        (Ok(()), Err(e)) => {
+            eprintln!("rank {rank}: case {case} failed: shutdown failed: {e}");
+            Err(anyhow::anyhow!("shutdown failed: {e}"))
+        }
         (result, _) => result,
     };
     match result {
         Ok(()) => std::process::exit(0),
         Err(e) => {
-            eprintln!("rank {rank}: case {case} failed: {e:#}");
             // As a program should: a job failure (a rank left) exits with kolo's
             // restartable status, anything else with 1.
             let code = e

@@ -276,11 +276,12 @@ fn round_trip(k: &Kolo, rank: usize, key: &str, i: u32, reply_after: Duration) -
 /// the last rank is stopped. Through the cycles the pair would wait for the stopped
 /// rank's part of the next cycle agreement. After the first 300 ms the engine thread
 /// sits in a heartbeat's agreement that cannot end, moving sends and receives while
-/// it waits: all 100 within 10× the time the same 100 take with every rank running,
-/// and at least 150 ms (0.13–0.17 ms each here; 3.5 ms each when that wait napped 1 ms
-/// at a time, deaf to submits; held until the stopped rank continues when it waited
-/// for it). A ratio, as the machine's load sets both times (a fixed 150 ms failed once
-/// at 211 ms on a loaded machine).
+/// it waits: all 100 (the best of three batches) within 10× the time the same 100
+/// take with every rank running, and at least 150 ms (0.13–0.17 ms each here; 3.5 ms
+/// each when that wait napped 1 ms at a time, deaf to submits; held until the stopped
+/// rank continues when it waited for it). A ratio, as the machine's load sets both
+/// times (a fixed 150 ms failed once at 211 ms on a loaded machine; CI failed the case
+/// once at np 4, rank 0's reason lost, most likely this limit: hence the best of three).
 pub(crate) fn pair_alone(k: &Kolo) -> Result<()> {
     let rank = k.rank();
     let start = Instant::now();
@@ -294,11 +295,18 @@ pub(crate) fn pair_alone(k: &Kolo) -> Result<()> {
     while_last_rank_stopped(k, "p2p.alone", limit, |rank| {
         // Let the last rank stop first, and a heartbeat come due.
         std::thread::sleep(Duration::from_millis(300));
-        let start = Instant::now();
-        for i in 0..100u32 {
-            round_trip(k, rank, &format!("pingpong.{i}"), i, Duration::ZERO)?;
+        // The best of three batches: a load spike on a shared machine can slow one
+        // batch past the limit; the faults this catches slow every batch.
+        let mut best = Duration::MAX;
+        for batch in 0..3u32 {
+            let start = Instant::now();
+            for i in 0..100u32 {
+                let key = format!("pingpong.{batch}.{i}");
+                round_trip(k, rank, &key, i, Duration::ZERO)?;
+            }
+            best = best.min(start.elapsed());
         }
-        Ok(start.elapsed())
+        Ok(best)
     })
 }
 
